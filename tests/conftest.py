@@ -1,0 +1,48 @@
+"""Tiny random-init models for fast unit tests: no download, a few ms per forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftlab.backend import HFBackend
+from draftlab.models import LoadedModel
+
+
+def tiny_llama(vocab: int = 64, layers: int = 4, seed: int = 0, hidden: int = 32) -> LoadedModel:
+    """A random LlamaForCausalLM small enough to run thousands of steps in a test."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config).eval()
+    # Larger logits make the random model's choices less uniform, closer to a trained LM.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.requires_grad_(False)
+    return LoadedModel(f"tiny-{seed}", model, None, torch.device("cpu"), torch.float32)
+
+
+def noisy_copy(model: LoadedModel, scale: float, seed: int = 1) -> LoadedModel:
+    """A copy of `model` with Gaussian noise on every weight: a draft that agrees often but not always."""
+    import copy
+
+    generator = torch.Generator().manual_seed(seed)
+    clone = copy.deepcopy(model.model)
+    with torch.no_grad():
+        for param in clone.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * scale * param.std())
+    return LoadedModel(f"{model.name}-noisy", clone, None, model.device, model.dtype)
+
+
+@pytest.fixture(scope="session")
+def tiny_target() -> LoadedModel:
+    return tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def tiny_backend(tiny_target) -> HFBackend:
+    return HFBackend(tiny_target.model)

@@ -1,0 +1,126 @@
+"""Greedy speculative output must equal autoregressive output token for token (fp32)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from draftlab.backend import HFBackend
+from draftlab.drafters import ModelDrafter, NGramDrafter, NoDrafter, build_layer_draft
+from draftlab.engine import GenerationConfig, SpeculativeEngine
+from draftlab.policy import DynamicK, FixedK
+from tests.conftest import noisy_copy
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 9, 10, 9, 10, 11], [42]]
+K_VALUES = [1, 2, 3, 5, 8]
+
+
+def run(target, drafter, policy, prompt, max_new_tokens=40, **config):
+    engine = SpeculativeEngine(HFBackend(target.model), drafter, policy, context_length=512)
+    return engine.generate(prompt, GenerationConfig(max_new_tokens=max_new_tokens, **config))
+
+
+def drafters(target):
+    return {
+        "ngram": lambda: NGramDrafter(max_n=3),
+        "layers:0-1": lambda: ModelDrafter(HFBackend(build_layer_draft(target, [0, 1]).model)),
+        "layers:0,3": lambda: ModelDrafter(HFBackend(build_layer_draft(target, [0, 3]).model)),
+        "model:noisy": lambda: ModelDrafter(HFBackend(noisy_copy(target, 0.3).model)),
+        "model:self": lambda: ModelDrafter(HFBackend(target.model)),
+    }
+
+
+@pytest.fixture(scope="module")
+def baselines(tiny_target):
+    return [run(tiny_target, NoDrafter(), FixedK(1), p).token_ids for p in PROMPTS]
+
+
+@pytest.mark.parametrize("k", K_VALUES)
+@pytest.mark.parametrize("name", ["ngram", "layers:0-1", "layers:0,3", "model:noisy", "model:self"])
+def test_greedy_equals_autoregressive(tiny_target, baselines, name, k):
+    make = drafters(tiny_target)[name]
+    for prompt, expected in zip(PROMPTS, baselines):
+        result = run(tiny_target, make(), FixedK(k), prompt)
+        assert result.token_ids == expected, f"{name} k={k} prompt={prompt}"
+        assert result.stats.new_tokens == 40
+
+
+def test_drafts_are_really_accepted_and_rejected(tiny_target):
+    """The equality tests above must exercise both paths: full acceptance and rejection."""
+    self_draft = run(tiny_target, drafters(tiny_target)["model:self"](), FixedK(4), PROMPTS[0])
+    assert self_draft.stats.acceptance_rate == 1.0
+    assert self_draft.stats.steps == 8  # 40 tokens, 5 per step
+    noisy = run(tiny_target, drafters(tiny_target)["model:noisy"](), FixedK(4), PROMPTS[0])
+    assert 0.0 < noisy.stats.acceptance_rate < 1.0
+
+
+def test_dynamic_k_is_lossless(tiny_target, baselines):
+    drafter = ModelDrafter(HFBackend(noisy_copy(tiny_target, 0.3).model))
+    result = run(tiny_target, drafter, DynamicK(2), PROMPTS[0])
+    assert result.token_ids == baselines[0]
+
+
+def test_target_cache_matches_fresh_prefill_after_every_step(tiny_target):
+    """The cache holds every committed token but the last, and gives the logits a fresh prefill gives."""
+    backend = HFBackend(tiny_target.model)
+    drafter = ModelDrafter(HFBackend(noisy_copy(tiny_target, 0.3).model))
+    engine = SpeculativeEngine(backend, drafter, FixedK(3), context_length=512)
+    prompt = PROMPTS[0]
+    sequence = list(prompt)
+    checked = []
+
+    def check(kept):
+        sequence.extend(kept)
+        assert backend.cache_len == len(sequence) - 1
+        cache = copy.deepcopy(backend._cache)
+        with torch.inference_mode():
+            cached = tiny_target.model(
+                input_ids=torch.tensor([[sequence[-1]]]), past_key_values=cache, use_cache=True,
+                position_ids=torch.tensor([[len(sequence) - 1]]),
+            ).logits[0, -1]
+            fresh = tiny_target.model(input_ids=torch.tensor([sequence])).logits[0, -1]
+        torch.testing.assert_close(cached, fresh, rtol=1e-4, atol=1e-4)
+        checked.append(len(kept))
+
+    # 41 tokens with up to 4 per step: the last step is never truncated by the budget.
+    engine.generate(prompt, GenerationConfig(max_new_tokens=400), on_tokens=check)
+    assert len(checked) > 10 and max(checked) > 1
+
+
+def test_stop_conditions(tiny_target, baselines):
+    expected = baselines[0]
+    eos = expected[10]
+    first = expected.index(eos)
+    result = run(tiny_target, NGramDrafter(), FixedK(4), PROMPTS[0], eos_token_ids=(eos,))
+    assert result.token_ids == expected[: first + 1]
+    assert result.stats.stop_reason == "eos"
+    short = run(tiny_target, ModelDrafter(HFBackend(tiny_target.model)), FixedK(8), PROMPTS[0], max_new_tokens=7)
+    assert short.token_ids == expected[:7] and short.stats.stop_reason == "max_new_tokens"
+
+
+def test_stop_strings_cut_at_the_completing_token(tiny_target, baselines):
+    expected = baselines[0]
+    decode = lambda ids: " ".join(f"t{i}" for i in ids)  # noqa: E731 - a stand-in tokenizer
+    stop = f"t{expected[5]} t{expected[6]}"
+    engine = SpeculativeEngine(HFBackend(tiny_target.model), ModelDrafter(HFBackend(tiny_target.model)),
+                               FixedK(5), context_length=512, decode=decode)
+    result = engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=40, stop_strings=(stop,)))
+    text = decode(expected)
+    cut = len(decode(expected[:7]))
+    assert stop in text[:cut]
+    assert result.stats.stop_reason == "stop_string"
+    assert result.token_ids == expected[: len(result.token_ids)]
+    assert stop in result.text and stop not in decode(result.token_ids[:-1])
+
+
+def test_seeded_sampling_is_reproducible(tiny_target):
+    drafter = lambda: ModelDrafter(HFBackend(noisy_copy(tiny_target, 0.3).model))  # noqa: E731
+    from draftlab.sampling import SamplingConfig
+
+    a = run(tiny_target, drafter(), FixedK(3), PROMPTS[0], sampling=SamplingConfig(1.0), seed=7)
+    b = run(tiny_target, drafter(), FixedK(3), PROMPTS[0], sampling=SamplingConfig(1.0), seed=7)
+    c = run(tiny_target, drafter(), FixedK(3), PROMPTS[0], sampling=SamplingConfig(1.0), seed=8)
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
