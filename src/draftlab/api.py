@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from draftlab.backend import HFBackend
+from draftlab.fast_llama import make_backend
 from draftlab.drafters import (
     Drafter,
     ModelDrafter,
@@ -90,7 +90,7 @@ def parse_layers(text: str, num_layers: int | None = None) -> list[int]:
     return layers
 
 
-def build_drafter(plan: DraftPlan, target: LoadedModel) -> tuple[Drafter, LoadedModel | None]:
+def build_drafter(plan: DraftPlan, target: LoadedModel, backend: str = "auto") -> tuple[Drafter, LoadedModel | None]:
     """A drafter for `plan`; also the draft model when there is one (HF assisted generation needs it)."""
     if plan.kind == "none":
         return NoDrafter(), None
@@ -101,7 +101,7 @@ def build_drafter(plan: DraftPlan, target: LoadedModel) -> tuple[Drafter, Loaded
     else:
         draft = load_model(ModelSpec(plan.model, device=str(target.device), dtype=_dtype_name(target)))
         check_compatible(target, draft)
-    return ModelDrafter(HFBackend(draft.model, draft.device), name=draft.name), draft
+    return ModelDrafter(make_backend(draft.model, draft.device, backend), name=draft.name), draft
 
 
 def _dtype_name(model: LoadedModel) -> str:
@@ -138,13 +138,17 @@ def eos_ids(model: LoadedModel) -> tuple[int, ...]:
 class SpeculativeDecoder:
     """A target, a drafter and a K policy, ready to `generate` text."""
 
-    def __init__(self, target: LoadedModel, drafter: Drafter, policy: DraftLengthPolicy, draft_model: LoadedModel | None = None):
+    def __init__(
+        self, target: LoadedModel, drafter: Drafter, policy: DraftLengthPolicy,
+        draft_model: LoadedModel | None = None, backend: str = "auto",
+    ) -> None:
         self.target = target
         self.drafter = drafter
         self.policy = policy
         self.draft_model = draft_model
+        self.backend = backend
         self.engine = SpeculativeEngine(
-            HFBackend(target.model, target.device),
+            make_backend(target.model, target.device, backend),
             drafter,
             policy,
             context_length=target.context_length,
@@ -154,14 +158,18 @@ class SpeculativeDecoder:
     @classmethod
     def from_names(
         cls, target: str | LoadedModel = "smollm2-135m", drafter: str = "ngram", k: int = 4,
-        *, dynamic_k: bool = False, device: str = "cpu", dtype: str = "auto",
+        *, dynamic_k: bool = False, device: str = "cpu", dtype: str = "auto", backend: str = "auto",
     ) -> "SpeculativeDecoder":
-        """Load the target (unless given) and build the drafter from its spec string."""
+        """Load the target (unless given) and build the drafter from its spec string.
+
+        backend: "auto" (draftlab's lean Llama forward where it applies, else
+        transformers), "fast" (require the lean forward) or "hf" (transformers).
+        """
         policy = make_policy(k, dynamic_k)
         loaded = target if isinstance(target, LoadedModel) else load_model(target, device=device, dtype=dtype)
         plan = parse_drafter_spec(drafter, loaded.model.config.num_hidden_layers)
-        draft, draft_model = build_drafter(plan, loaded)
-        return cls(loaded, draft, policy, draft_model)
+        draft, draft_model = build_drafter(plan, loaded, backend)
+        return cls(loaded, draft, policy, draft_model, backend)
 
     def generate(
         self,
@@ -185,3 +193,7 @@ class SpeculativeDecoder:
             eos_token_ids=eos_ids(self.target),
         )
         return self.engine.generate(prompt_ids, config, on_tokens)
+
+    def autoregressive(self) -> "SpeculativeDecoder":
+        """A decoder for the same target and backend with no drafter: the baseline."""
+        return SpeculativeDecoder(self.target, NoDrafter(), FixedK(1), backend=self.backend)

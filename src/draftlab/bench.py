@@ -15,9 +15,7 @@ from tqdm import tqdm
 
 from draftlab.api import SpeculativeDecoder, encode_prompt
 from draftlab.datasets import Prompt
-from draftlab.drafters import NoDrafter
 from draftlab.metrics import GenerationStats
-from draftlab.policy import FixedK
 
 
 @dataclass(frozen=True)
@@ -96,7 +94,7 @@ def _aggregate(outcomes: list[PromptOutcome]) -> dict:
 
 def run_bench(decoder: SpeculativeDecoder, prompts: list[Prompt], settings: BenchSettings, progress: bool = True) -> BenchReport:
     """Baseline and speculative decoding of every prompt, interleaved."""
-    baseline = SpeculativeDecoder(decoder.target, NoDrafter(), FixedK(1))
+    baseline = decoder.autoregressive()
     encoded = [encode_prompt(decoder.target.tokenizer, p.text, p.chat) for p in prompts]
     for ids in encoded[: settings.warmup]:
         for runner in (baseline, decoder):

@@ -20,6 +20,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dynamic-k", action="store_true", help="grow K after full acceptance, shrink after a rejection")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     parser.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), fp32, bf16, fp16")
+    parser.add_argument("--backend", default="auto", help="auto | fast (draftlab's Llama forward) | hf (transformers)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
@@ -54,7 +55,8 @@ def _decoder(args):
     from draftlab.api import SpeculativeDecoder
 
     return SpeculativeDecoder.from_names(
-        args.target, drafter=args.drafter, k=args.k, dynamic_k=args.dynamic_k, device=args.device, dtype=args.dtype
+        args.target, drafter=args.drafter, k=args.k, dynamic_k=args.dynamic_k, device=args.device, dtype=args.dtype,
+        backend=args.backend,
     )
 
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from draftlab.backend import HFBackend
+from draftlab.backend import Backend
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel
 from draftlab.sampling import SamplingConfig, choose
@@ -105,7 +105,7 @@ class ModelDrafter:
     can disagree with the new one; that part is rolled back and re-fed.
     """
 
-    def __init__(self, backend: HFBackend, name: str = "model") -> None:
+    def __init__(self, backend: Backend, name: str = "model") -> None:
         self.backend = backend
         self.name = name
         self._fed: list[int] = []

@@ -1,0 +1,121 @@
+"""Our engine against Hugging Face `generate`, on the same pair, K and prompts, in one run.
+
+Measures, per drafter, on real prompts and the real target:
+  ar      our autoregressive loop (the engine with no drafter)
+  hf      HF generate, greedy
+  hf_asg  HF generate(assistant_model=draft) with a constant K and no confidence cut-off
+          (for ngram: generate(prompt_lookup_num_tokens=K))
+  sps     our speculative engine
+and prints tokens/s, the ratios sps/hf_asg and ar/hf, and how close sps comes
+to the throughput TAR / (t_target + t_draft) predicts from its own timings.
+Methods run back to back on each prompt, so that machine drift hits all alike.
+The last line of stdout is one JSON document.
+
+    python benchmarks/engine_vs_hf.py --drafters layers:0-3 model:smollm2-135m ngram --k 4 --limit 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+
+import torch
+from transformers import GenerationConfig as HFGenerationConfig
+
+from draftlab.api import SpeculativeDecoder, encode_prompt, eos_ids
+from draftlab.datasets import load_prompts
+from draftlab.models import load_model
+
+
+def hf_generate(model, ids, max_new_tokens, eos, **assist) -> tuple[int, float]:
+    """New tokens and wall seconds of one greedy HF generate call."""
+    input_ids = torch.tensor([ids])
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+            do_sample=False, eos_token_id=list(eos), pad_token_id=eos[0], **assist,
+        )
+    return out.shape[1] - len(ids), time.perf_counter() - start
+
+
+def constant_k_assistant(draft_model, k: int):
+    """HF reads K from the assistant's own generation config: give our draft one with a fixed K."""
+    draft_model.generation_config = HFGenerationConfig(
+        num_assistant_tokens=k, num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0,
+    )
+    return draft_model
+
+
+def bench_drafter(target, spec: str, k: int, encoded, max_new_tokens: int) -> dict:
+    sps = SpeculativeDecoder.from_names(target, drafter=spec, k=k)
+    ar = sps.autoregressive()
+    eos = eos_ids(target)
+    if sps.draft_model is not None:
+        assist = {"assistant_model": constant_k_assistant(sps.draft_model.model, k)}
+    else:
+        assist = {"prompt_lookup_num_tokens": k, "max_matching_ngram_size": 3}
+    totals = {m: [0, 0.0] for m in ("ar", "hf", "hf_asg", "sps")}
+    busy = tar_steps = 0.0
+    identical = 0
+    for i, ids in enumerate(encoded):
+        warm = i == 0  # the first prompt also warms every path up, untimed
+        for _ in range(2 if warm else 1):
+            r_ar = ar.generate(ids, max_new_tokens=max_new_tokens)
+            hf = hf_generate(target.model, ids, max_new_tokens, eos)
+            asg = hf_generate(target.model, ids, max_new_tokens, eos, **assist)
+            r_sps = sps.generate(ids, max_new_tokens=max_new_tokens)
+        identical += r_ar.token_ids == r_sps.token_ids
+        for name, (tokens, wall) in {
+            "ar": (r_ar.stats.new_tokens, r_ar.stats.wall_s), "hf": hf, "hf_asg": asg,
+            "sps": (r_sps.stats.new_tokens, r_sps.stats.wall_s),
+        }.items():
+            totals[name][0] += tokens
+            totals[name][1] += wall
+        s = r_sps.stats
+        busy += s.prefill_s + s.draft_s + s.target_s
+        tar_steps += s.steps
+    tps = {m: t / w for m, (t, w) in totals.items()}
+    return {
+        "drafter": spec, "k": k, "prompts": len(encoded), "identical": identical, "tokens_per_s": tps,
+        "sps_over_hf_asg": tps["sps"] / tps["hf_asg"], "ar_over_hf": tps["ar"] / tps["hf"],
+        "sps_over_ar": tps["sps"] / tps["ar"], "sps_tokens_per_step": totals["sps"][0] / tar_steps,
+        "sps_over_model_prediction": (totals["sps"][0] / totals["sps"][1]) / (totals["sps"][0] / busy),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--drafters", nargs="+", default=["layers:0-3", "model:smollm2-135m", "ngram"])
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--dataset", default="mixed")
+    parser.add_argument("--limit", type=int, default=6)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    args = parser.parse_args()
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    target = load_model(args.target)
+    prompts = load_prompts(args.dataset, args.limit)
+    encoded = [encode_prompt(target.tokenizer, p.text, p.chat) for p in prompts]
+    results = [bench_drafter(target, spec, args.k, encoded, args.max_new_tokens) for spec in args.drafters]
+    print(f"target={args.target} k={args.k} dataset={args.dataset} prompts={len(prompts)} "
+          f"max_new_tokens={args.max_new_tokens} torch={torch.__version__} threads={torch.get_num_threads()}")
+    print(f"{'drafter':<22}{'AR':>7}{'HF':>7}{'HF-AsG':>8}{'SpS':>7}{'TAR':>6}  {'SpS/AsG':>8}{'AR/HF':>7}{'SpS/AR':>8}{'SpS/model':>10}{'identical':>10}")
+    for r in results:
+        t = r["tokens_per_s"]
+        print(f"{r['drafter']:<22}{t['ar']:>7.1f}{t['hf']:>7.1f}{t['hf_asg']:>8.1f}{t['sps']:>7.1f}"
+              f"{r['sps_tokens_per_step']:>6.2f}  {r['sps_over_hf_asg']:>7.2f}x{r['ar_over_hf']:>6.2f}x"
+              f"{r['sps_over_ar']:>7.2f}x{r['sps_over_model_prediction']:>9.2f}x{r['identical']:>7}/{r['prompts']}")
+    print("tokens/s; SpS/model = measured SpS throughput over TAR / (t_target + t_draft) from the same runs")
+    print("reproduce: python " + " ".join(sys.argv))
+    print(json.dumps({"machine": platform.machine(), "torch": torch.__version__, "args": vars(args), "results": results}))
+
+
+if __name__ == "__main__":
+    main()
