@@ -23,41 +23,18 @@ import sys
 import time
 
 import torch
-from transformers import GenerationConfig as HFGenerationConfig
 
-from draftlab.api import SpeculativeDecoder, encode_prompt, eos_ids
+from draftlab.api import SpeculativeDecoder, encode_prompt, eos_ids, parse_drafter_spec
+from draftlab.hf_reference import assisted_kwargs, hf_generate
 from draftlab.datasets import load_prompts
 from draftlab.models import load_model
-
-
-def hf_generate(model, ids, max_new_tokens, eos, **assist) -> tuple[int, float]:
-    """New tokens and wall seconds of one greedy HF generate call."""
-    input_ids = torch.tensor([ids])
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-            do_sample=False, eos_token_id=list(eos), pad_token_id=eos[0], **assist,
-        )
-    return out.shape[1] - len(ids), time.perf_counter() - start
-
-
-def constant_k_assistant(draft_model, k: int):
-    """HF reads K from the assistant's own generation config: give our draft one with a fixed K."""
-    draft_model.generation_config = HFGenerationConfig(
-        num_assistant_tokens=k, num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0,
-    )
-    return draft_model
 
 
 def bench_drafter(target, spec: str, k: int, encoded, max_new_tokens: int) -> dict:
     sps = SpeculativeDecoder.from_names(target, drafter=spec, k=k)
     ar = sps.autoregressive()
     eos = eos_ids(target)
-    if sps.draft_model is not None:
-        assist = {"assistant_model": constant_k_assistant(sps.draft_model.model, k)}
-    else:
-        assist = {"prompt_lookup_num_tokens": k, "max_matching_ngram_size": 3}
+    assist = assisted_kwargs(parse_drafter_spec(spec), sps.draft_model, k)
     totals = {m: [0, 0.0] for m in ("ar", "hf", "hf_asg", "sps")}
     busy = tar_steps = 0.0
     identical = 0
@@ -65,13 +42,14 @@ def bench_drafter(target, spec: str, k: int, encoded, max_new_tokens: int) -> di
         warm = i == 0  # the first prompt also warms every path up, untimed
         for _ in range(2 if warm else 1):
             r_ar = ar.generate(ids, max_new_tokens=max_new_tokens)
-            hf = hf_generate(target.model, ids, max_new_tokens, eos)
-            asg = hf_generate(target.model, ids, max_new_tokens, eos, **assist)
+            hf_ids, hf_wall = hf_generate(target, ids, max_new_tokens, eos)
+            asg_ids, asg_wall = hf_generate(target, ids, max_new_tokens, eos, **assist)
             r_sps = sps.generate(ids, max_new_tokens=max_new_tokens)
         identical += r_ar.token_ids == r_sps.token_ids
         for name, (tokens, wall) in {
-            "ar": (r_ar.stats.new_tokens, r_ar.stats.wall_s), "hf": hf, "hf_asg": asg,
+            "ar": (r_ar.stats.new_tokens, r_ar.stats.wall_s),
             "sps": (r_sps.stats.new_tokens, r_sps.stats.wall_s),
+            "hf": (len(hf_ids), hf_wall), "hf_asg": (len(asg_ids), asg_wall),
         }.items():
             totals[name][0] += tokens
             totals[name][1] += wall

@@ -1,0 +1,216 @@
+"""The results store: one SQLite database per study, one row per prompt per cell.
+
+Schema (version 1), readable with `sqlite3` or `pandas.read_sql`:
+
+    meta(key TEXT PRIMARY KEY, value TEXT)
+        app = 'draftlab-study', schema_version = '1', config = the sweep's JSON
+    runs(run_id INTEGER PRIMARY KEY, started_at TEXT, environment TEXT)
+        environment: JSON with versions, device, threads, dtype, platform
+    records(
+        cell TEXT, prompt_id TEXT,             -- primary key: a finished (cell, prompt)
+        target, drafter, k, method, dataset, temperature, max_new_tokens,
+        category, run_id, new_tokens, steps, drafted, accepted,
+        accepted_per_step TEXT,                -- JSON list, one entry per step
+        drafted_per_step TEXT,                 -- JSON list
+        prefill_s, draft_s, target_s, overhead_s, wall_s,
+        output_sha TEXT,                       -- SHA256 of the generated token ids
+        identical INTEGER,                     -- 1/0 vs the 'ar' record of the same prompt; NULL if unknown
+        created_at TEXT)
+
+`method` is 'ar' (our autoregressive loop), 'sps' (our speculative engine) or
+'asg' (Hugging Face assisted generation). Each record is committed on its own,
+so a killed sweep loses at most the record in flight; resuming skips every
+(cell, prompt) already present.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from draftlab.errors import DraftlabError
+
+APP = "draftlab-study"
+SCHEMA_VERSION = "1"
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS runs (run_id INTEGER PRIMARY KEY AUTOINCREMENT, started_at TEXT, environment TEXT);
+CREATE TABLE IF NOT EXISTS records (
+    cell TEXT NOT NULL, prompt_id TEXT NOT NULL,
+    target TEXT, drafter TEXT, k INTEGER, method TEXT, dataset TEXT, temperature REAL, max_new_tokens INTEGER,
+    category TEXT, run_id INTEGER, new_tokens INTEGER, steps INTEGER, drafted INTEGER, accepted INTEGER,
+    accepted_per_step TEXT, drafted_per_step TEXT,
+    prefill_s REAL, draft_s REAL, target_s REAL, overhead_s REAL, wall_s REAL,
+    output_sha TEXT, identical INTEGER, created_at TEXT,
+    PRIMARY KEY (cell, prompt_id)
+);
+"""
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One point of the grid."""
+
+    target: str
+    drafter: str  # 'none' for ar
+    k: int  # 0 for ar
+    method: str  # ar | sps | asg
+    dataset: str
+    temperature: float
+    max_new_tokens: int
+
+    @property
+    def key(self) -> str:
+        """Stable text id of the cell."""
+        return f"{self.target}|{self.method}|{self.drafter}|k={self.k}|{self.dataset}|t={self.temperature}|n={self.max_new_tokens}"
+
+    def baseline(self) -> "Cell":
+        """The autoregressive cell this one is compared with."""
+        return Cell(self.target, "none", 0, "ar", self.dataset, self.temperature, self.max_new_tokens)
+
+
+@dataclass
+class Record:
+    """One prompt's measurement in one cell."""
+
+    cell: Cell
+    prompt_id: str
+    category: str
+    new_tokens: int
+    steps: int
+    drafted: int
+    accepted: int
+    accepted_per_step: list[int] = field(default_factory=list)
+    drafted_per_step: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    target_s: float = 0.0
+    overhead_s: float = 0.0
+    wall_s: float = 0.0
+    output_sha: str = ""
+    identical: bool | None = None
+
+
+class ResultsStore:
+    """A study database; refuses files that are not draftlab study databases."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        existed = self.path.exists() and self.path.stat().st_size > 0
+        if not existed:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.conn = self._connect()
+        if existed:
+            self._check()
+        else:
+            self._create()
+
+    def _connect(self) -> sqlite3.Connection:
+        try:
+            conn = sqlite3.connect(self.path)
+            conn.execute("PRAGMA journal_mode=WAL")
+            return conn
+        except sqlite3.DatabaseError as exc:
+            raise DraftlabError(f"{self.path} is not a SQLite database ({exc}); give a new file name") from exc
+
+    def _create(self) -> None:
+        with self.conn:
+            self.conn.executescript(SCHEMA)
+            self.conn.executemany(
+                "INSERT INTO meta VALUES (?, ?)", [("app", APP), ("schema_version", SCHEMA_VERSION)]
+            )
+
+    def _check(self) -> None:
+        try:
+            meta = dict(self.conn.execute("SELECT key, value FROM meta").fetchall())
+            problem = self.conn.execute("PRAGMA quick_check").fetchone()[0]
+        except sqlite3.DatabaseError as exc:
+            raise DraftlabError(
+                f"{self.path} is not a draftlab study database ({exc}); it was left untouched, give a new file name"
+            ) from exc
+        if meta.get("app") != APP:
+            raise DraftlabError(f"{self.path} is not a draftlab study database; it was left untouched")
+        if meta.get("schema_version") != SCHEMA_VERSION:
+            raise DraftlabError(
+                f"{self.path} has schema version {meta.get('schema_version')}, this draftlab reads {SCHEMA_VERSION}"
+            )
+        if problem != "ok":
+            raise DraftlabError(f"{self.path} is corrupted ({problem}); restore it or start a new study file")
+
+    def close(self) -> None:
+        """Close the connection."""
+        self.conn.close()
+
+    def get_meta(self, key: str) -> str | None:
+        """A value from the meta table."""
+        row = self.conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return row[0] if row else None
+
+    def set_meta(self, key: str, value: str) -> None:
+        """Store a value in the meta table."""
+        with self.conn:
+            self.conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
+
+    def start_run(self, environment: dict) -> int:
+        """Record the environment of this sweep invocation; returns its run id."""
+        with self.conn:
+            cursor = self.conn.execute(
+                "INSERT INTO runs (started_at, environment) VALUES (?, ?)", (_now(), json.dumps(environment))
+            )
+        return int(cursor.lastrowid)
+
+    def done(self) -> set[tuple[str, str]]:
+        """Every finished (cell key, prompt id)."""
+        return set(self.conn.execute("SELECT cell, prompt_id FROM records").fetchall())
+
+    def output_sha(self, cell: Cell, prompt_id: str) -> str | None:
+        """The output hash recorded for (cell, prompt), if any."""
+        row = self.conn.execute(
+            "SELECT output_sha FROM records WHERE cell = ? AND prompt_id = ?", (cell.key, prompt_id)
+        ).fetchone()
+        return row[0] if row else None
+
+    def add(self, record: Record, run_id: int) -> None:
+        """Insert one record and commit it at once."""
+        c = record.cell
+        row = (
+            c.key, record.prompt_id, c.target, c.drafter, c.k, c.method, c.dataset, c.temperature, c.max_new_tokens,
+            record.category, run_id, record.new_tokens, record.steps, record.drafted, record.accepted,
+            json.dumps(record.accepted_per_step), json.dumps(record.drafted_per_step),
+            record.prefill_s, record.draft_s, record.target_s, record.overhead_s, record.wall_s,
+            record.output_sha, None if record.identical is None else int(record.identical), _now(),
+        )
+        with self.conn:
+            self.conn.execute(f"INSERT INTO records VALUES ({', '.join('?' * len(row))})", row)
+
+    def rows(self) -> list[dict]:
+        """Every record as a dict (JSON lists decoded)."""
+        cursor = self.conn.execute("SELECT * FROM records ORDER BY rowid")
+        names = [d[0] for d in cursor.description]
+        out = []
+        for values in cursor.fetchall():
+            row = dict(zip(names, values))
+            row["accepted_per_step"] = json.loads(row["accepted_per_step"] or "[]")
+            row["drafted_per_step"] = json.loads(row["drafted_per_step"] or "[]")
+            out.append(row)
+        return out
+
+    def environments(self) -> list[dict]:
+        """The environment of every sweep invocation."""
+        return [json.loads(e) for (e,) in self.conn.execute("SELECT environment FROM runs ORDER BY run_id")]
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def record_dict(record: Record) -> dict:
+    """A record as a flat dict (for tests and exports)."""
+    out = asdict(record)
+    out.update(asdict(record.cell))
+    del out["cell"]
+    return out

@@ -1,0 +1,238 @@
+"""Run a grid of cells over prompts and store one record per (cell, prompt), resumably.
+
+For every target and prompt, the autoregressive cell runs first; then every
+(method, drafter, K) cell runs on the same prompt, so that all cells of a
+prompt are measured close together in time. Finished (cell, prompt) pairs in
+the database are skipped, which makes a killed sweep resume where it stopped
+and a finished sweep a no-op.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import tomllib
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+from tqdm import tqdm
+
+from draftlab.api import SpeculativeDecoder, encode_prompt, eos_ids, parse_drafter_spec
+from draftlab.datasets import Prompt, load_prompts
+from draftlab.errors import DraftlabError
+from draftlab.hf_reference import assisted_kwargs, hf_generate
+from draftlab.models import LoadedModel, load_model
+from draftlab.sampling import SamplingConfig
+from draftlab.study.store import Cell, Record, ResultsStore
+
+METHODS = ("ar", "sps", "asg")
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """The grid and how each cell is run."""
+
+    targets: tuple[str, ...] = ("smollm2-135m",)
+    drafters: tuple[str, ...] = ("ngram", "layers:0-3")
+    ks: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7)
+    methods: tuple[str, ...] = ("sps", "asg")  # 'ar' always runs: it is every cell's baseline
+    datasets: tuple[str, ...] = ("mixed",)
+    temperatures: tuple[float, ...] = (0.0,)
+    limit: int = 3  # prompts per dataset, spread over its categories
+    max_new_tokens: int = 64
+    warmup: int = 1
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str = "auto"
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not self.ks or min(self.ks) < 1:
+            raise DraftlabError(f"every K must be >= 1, got {list(self.ks)}")
+        unknown = set(self.methods) - set(METHODS)
+        if unknown:
+            raise DraftlabError(f"unknown method(s) {sorted(unknown)}; use {', '.join(METHODS)}")
+        if self.limit < 1 or self.max_new_tokens < 1:
+            raise DraftlabError("limit and max_new_tokens must be >= 1")
+        for spec in self.drafters:
+            parse_drafter_spec(spec)
+        for t in self.temperatures:
+            SamplingConfig(t)
+
+    def cells(self, target: str, dataset: str, temperature: float) -> list[Cell]:
+        """The baseline cell, then every (method, drafter, K) cell, for one target/dataset/temperature."""
+        base = Cell(target, "none", 0, "ar", dataset, temperature, self.max_new_tokens)
+        others = [
+            Cell(target, drafter, k, method, dataset, temperature, self.max_new_tokens)
+            for method in self.methods if method != "ar"
+            for drafter in self.drafters
+            for k in self.ks
+        ]
+        return [base, *others]
+
+    def to_json(self) -> str:
+        """The config as JSON (stored with the results)."""
+        return json.dumps(asdict(self), sort_keys=True)
+
+
+PRESETS = {
+    "quick": SweepConfig(),
+    "full": SweepConfig(
+        drafters=("ngram", "ngram:2-4", "layers:0-3", "layers:0-7", "layers:0-29:2"),
+        datasets=("humaneval", "xsum", "mt-bench", "math", "mmlu"),
+        limit=8,
+        max_new_tokens=128,
+    ),
+}
+
+
+def load_config(path: str | Path) -> dict:
+    """Grid settings from a TOML file (keys as in SweepConfig)."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise DraftlabError(f"config file not found: {path}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise DraftlabError(f"{path} is not valid TOML: {exc}") from exc
+    data = data.get("sweep", data)
+    known = {f.name for f in fields(SweepConfig)}
+    unknown = set(data) - known
+    if unknown:
+        raise DraftlabError(f"{path}: unknown setting(s) {sorted(unknown)}; known: {sorted(known)}")
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+
+
+def make_config(preset: str = "quick", file: str | None = None, **overrides) -> SweepConfig:
+    """A preset, updated by a config file, updated by explicit overrides (None values ignored)."""
+    if preset not in PRESETS:
+        raise DraftlabError(f"unknown preset {preset!r}; use one of {', '.join(PRESETS)}")
+    config = PRESETS[preset]
+    settings = load_config(file) if file else {}
+    settings.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return replace(config, **settings)
+    except TypeError as exc:
+        raise DraftlabError(f"bad sweep setting: {exc}") from exc
+
+
+def environment(config: SweepConfig, target: LoadedModel | None = None) -> dict:
+    """Versions, device, threads and dtype: what a record's numbers depend on."""
+    import torch
+    import transformers
+
+    import draftlab
+
+    return {
+        "draftlab": draftlab.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+        "python": platform.python_version(), "platform": platform.platform(), "machine": platform.machine(),
+        "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": config.device,
+        "dtype": str(target.dtype).removeprefix("torch.") if target else config.dtype, "backend": config.backend,
+    }
+
+
+class CellRunner:
+    """Builds each drafter once per target and runs one (cell, prompt) at a time."""
+
+    def __init__(self, target: LoadedModel, config: SweepConfig) -> None:
+        self.target = target
+        self.config = config
+        self.eos = eos_ids(target)
+        self.decoders: dict[tuple[str, int], SpeculativeDecoder] = {}
+
+    def decoder(self, drafter: str, k: int) -> SpeculativeDecoder:
+        """Our decoder for (drafter, K); drafter 'none' is the baseline."""
+        key = (drafter, k)
+        if key not in self.decoders:
+            self.decoders[key] = SpeculativeDecoder.from_names(
+                self.target, drafter=drafter, k=max(k, 1), backend=self.config.backend
+            )
+        return self.decoders[key]
+
+    def run(self, cell: Cell, prompt: Prompt, prompt_ids: list[int]) -> Record:
+        """Measure one prompt in one cell."""
+        sampling = SamplingConfig(cell.temperature)
+        if cell.method == "asg":
+            decoder = self.decoder(cell.drafter, cell.k)
+            assist = assisted_kwargs(parse_drafter_spec(cell.drafter), decoder.draft_model, cell.k)
+            tokens, wall = hf_generate(self.target, prompt_ids, cell.max_new_tokens, self.eos, sampling,
+                                       self.config.seed, **assist)
+            return Record(cell, prompt.id, prompt.category, len(tokens), 0, 0, 0, wall_s=wall,
+                          output_sha=token_sha(tokens))
+        result = self.decoder(cell.drafter, cell.k).generate(
+            prompt_ids, max_new_tokens=cell.max_new_tokens, temperature=cell.temperature, seed=self.config.seed
+        )
+        s = result.stats
+        return Record(
+            cell, prompt.id, prompt.category, s.new_tokens, s.steps, s.drafted, s.accepted,
+            s.accepted_per_step_list, s.drafted_per_step_list, s.prefill_s, s.draft_s, s.target_s, s.overhead_s,
+            s.wall_s, token_sha(result.token_ids),
+        )
+
+    def warm_up(self, cells: list[Cell], prompt: Prompt, prompt_ids: list[int]) -> None:
+        """Untimed short runs through every path: first calls pay one-off costs."""
+        for cell in cells:
+            self.run(replace(cell, max_new_tokens=8), prompt, prompt_ids)
+
+
+def token_sha(tokens: list[int]) -> str:
+    """SHA256 of a token id list."""
+    return hashlib.sha256(json.dumps(tokens).encode()).hexdigest()
+
+
+def run_sweep(config: SweepConfig, store: ResultsStore, progress: bool = True) -> int:
+    """Run every cell not yet in `store`; returns the number of records added."""
+    store.set_meta("config", config.to_json())
+    done = store.done()
+    plan = _plan(config)
+    todo = sum(1 for cell, prompt in _work(plan) if (cell.key, prompt.id) not in done)
+    if todo == 0:
+        return 0
+    bar = tqdm(total=todo, desc="sweep", unit="run", disable=not progress)
+    added = 0
+    for target_name in config.targets:
+        target = load_model(target_name, device=config.device, dtype=config.dtype)
+        run_id = store.start_run(environment(config, target))
+        runner = CellRunner(target, config)
+        for cells, prompts in plan[target_name]:
+            encoded = {p.id: encode_prompt(target.tokenizer, p.text, p.chat) for p in prompts}
+            pending = [(c, p) for p in prompts for c in cells if (c.key, p.id) not in done]
+            if pending and config.warmup:
+                runner.warm_up(cells, prompts[0], encoded[prompts[0].id])
+            for cell, prompt in pending:
+                bar.set_postfix_str(f"{cell.method} {cell.drafter} k={cell.k}", refresh=False)
+                record = runner.run(cell, prompt, encoded[prompt.id])
+                record.identical = _identical(store, cell, prompt.id, record.output_sha)
+                store.add(record, run_id)
+                added += 1
+                bar.update()
+    bar.close()
+    return added
+
+
+def _plan(config: SweepConfig) -> dict[str, list[tuple[list[Cell], list[Prompt]]]]:
+    prompts = {d: load_prompts(d, config.limit) for d in config.datasets}
+    return {
+        t: [(config.cells(t, d, temp), prompts[d]) for d in config.datasets for temp in config.temperatures]
+        for t in config.targets
+    }
+
+
+def _work(plan):
+    for groups in plan.values():
+        for cells, prompts in groups:
+            for prompt in prompts:
+                for cell in cells:
+                    yield cell, prompt
+
+
+def _identical(store: ResultsStore, cell: Cell, prompt_id: str, output_sha: str) -> bool | None:
+    """Equality with the baseline's output: only defined for greedy decoding."""
+    if cell.temperature > 0:
+        return None
+    if cell.method == "ar":
+        return True
+    baseline = store.output_sha(cell.baseline(), prompt_id)
+    return None if baseline is None else baseline == output_sha
