@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Set up draftlab in ./.venv and run the main job on the embedded default model.
-#   ./run.sh              set up, then the main job
+# Set up draftlab in ./.venv and run the main job on the embedded default model:
+# the quick study (sweep over drafts x K x SpS/AsG on smollm2-135m, then the report).
+#   ./run.sh              set up, then the quick study into results/quick/
+#   ./run.sh --preset full   the full study (extra arguments go to `draftlab study`)
 #   ./run.sh --setup-only set up only (what CI does before the tests)
 # Extra arguments after the flags go to the main job.
 set -euo pipefail
@@ -19,4 +21,4 @@ fi
 if [ "${1:-}" = "--setup-only" ]; then
   exit 0
 fi
-exec .venv/bin/draftlab bench --target smollm2-135m --drafter ngram --k 4 --dataset mixed --limit 8 "$@"
+exec .venv/bin/draftlab study --out results/quick "$@"

@@ -46,3 +46,21 @@ def tiny_target() -> LoadedModel:
 @pytest.fixture(scope="session")
 def tiny_backend(tiny_target) -> HFBackend:
     return HFBackend(tiny_target.model)
+
+
+def tiny_model_dir(path, vocab: int = 64, layers: int = 4, seed: int = 0):
+    """A tiny Llama saved as an HF directory with a word-level tokenizer ('w0' .. 'w63'), for CLI tests."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"w{i}": i for i in range(vocab - 1)}
+    words["[UNK]"] = vocab - 1
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]")
+    model = tiny_llama(vocab=vocab, layers=layers, seed=seed).model
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(path)
+    fast.save_pretrained(path)
+    return path

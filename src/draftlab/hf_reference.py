@@ -52,7 +52,7 @@ def hf_generate(
     with torch.inference_mode():
         out = target.model.generate(
             input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-            eos_token_id=list(eos), pad_token_id=eos[0] if eos else None, **options, **assist,
+            eos_token_id=list(eos) or None, pad_token_id=eos[0] if eos else None, **options, **assist,
         )
     if target.device.type == "cuda":
         torch.cuda.synchronize(target.device)

@@ -4,6 +4,9 @@ Schema (version 1), readable with `sqlite3` or `pandas.read_sql`:
 
     meta(key TEXT PRIMARY KEY, value TEXT)
         app = 'draftlab-study', schema_version = '1', config = the sweep's JSON
+    models(name TEXT PRIMARY KEY, params INTEGER)
+        parameter counts of targets and model drafts ("target" or "target::drafter"),
+        for the report's scaling ratio (target params / draft params)
     runs(run_id INTEGER PRIMARY KEY, started_at TEXT, environment TEXT)
         environment: JSON with versions, device, threads, dtype, platform
     records(
@@ -38,6 +41,7 @@ SCHEMA_VERSION = "1"
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS models (name TEXT PRIMARY KEY, params INTEGER);
 CREATE TABLE IF NOT EXISTS runs (run_id INTEGER PRIMARY KEY AUTOINCREMENT, started_at TEXT, environment TEXT);
 CREATE TABLE IF NOT EXISTS records (
     cell TEXT NOT NULL, prompt_id TEXT NOT NULL,
@@ -162,6 +166,15 @@ class ResultsStore:
                 "INSERT INTO runs (started_at, environment) VALUES (?, ?)", (_now(), json.dumps(environment))
             )
         return int(cursor.lastrowid)
+
+    def set_params(self, name: str, params: int) -> None:
+        """Record a model's parameter count."""
+        with self.conn:
+            self.conn.execute("INSERT OR REPLACE INTO models VALUES (?, ?)", (name, params))
+
+    def params(self) -> dict[str, int]:
+        """Every recorded parameter count."""
+        return dict(self.conn.execute("SELECT name, params FROM models").fetchall())
 
     def done(self) -> set[tuple[str, str]]:
         """Every finished (cell key, prompt id)."""

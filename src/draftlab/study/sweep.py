@@ -41,7 +41,7 @@ class SweepConfig:
     datasets: tuple[str, ...] = ("mixed",)
     temperatures: tuple[float, ...] = (0.0,)
     limit: int = 3  # prompts per dataset, spread over its categories
-    max_new_tokens: int = 64
+    max_new_tokens: int = 48
     warmup: int = 1
     seed: int = 0
     device: str = "cpu"
@@ -196,6 +196,7 @@ def run_sweep(config: SweepConfig, store: ResultsStore, progress: bool = True) -
         target = load_model(target_name, device=config.device, dtype=config.dtype)
         run_id = store.start_run(environment(config, target))
         runner = CellRunner(target, config)
+        _record_params(store, runner, config, target_name)
         for cells, prompts in plan[target_name]:
             encoded = {p.id: encode_prompt(target.tokenizer, p.text, p.chat) for p in prompts}
             pending = [(c, p) for p in prompts for c in cells if (c.key, p.id) not in done]
@@ -210,6 +211,15 @@ def run_sweep(config: SweepConfig, store: ResultsStore, progress: bool = True) -
                 bar.update()
     bar.close()
     return added
+
+
+def _record_params(store: ResultsStore, runner: CellRunner, config: SweepConfig, target_name: str) -> None:
+    """Parameter counts of the target and of every model draft, for the scaling ratio."""
+    store.set_params(target_name, runner.target.num_parameters())
+    for drafter in config.drafters:
+        draft = runner.decoder(drafter, 1).draft_model
+        if draft is not None:
+            store.set_params(f"{target_name}::{drafter}", draft.num_parameters())
 
 
 def _plan(config: SweepConfig) -> dict[str, list[tuple[list[Cell], list[Prompt]]]]:

@@ -1,0 +1,252 @@
+"""From records to answers: per-cell aggregates, the optimal-configuration table, plots, HTML.
+
+Everything here is computed from the database alone, so a report can be
+rebuilt at any time, on any machine, from a study file.
+"""
+
+from __future__ import annotations
+
+import csv
+import html
+import statistics
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from draftlab.errors import DraftlabError
+from draftlab.study.store import ResultsStore
+
+ALL = "all"
+
+
+@dataclass
+class CellSummary:
+    """Aggregates of one cell (or of one configuration over all datasets, dataset='all')."""
+
+    target: str
+    method: str
+    drafter: str
+    k: int
+    dataset: str
+    temperature: float
+    prompts: int
+    new_tokens: int
+    wall_s: float
+    tokens_per_s: float
+    ms_per_token: float
+    tokens_per_step: float | None  # TAR; None for asg (HF does not report steps)
+    acceptance_rate: float | None
+    draft_ms_per_step: float | None
+    target_ms_per_step: float | None
+    overhead_ms_per_step: float | None
+    speedup: float = 0.0  # tokens/s over the ar cell's on the same prompts
+    speedup_min: float = 0.0
+    speedup_median: float = 0.0
+    speedup_max: float = 0.0
+    identical: int | None = None  # outputs equal to ar (greedy only)
+    per_position_acceptance: list[float] = field(default_factory=list)
+
+    @property
+    def config_key(self) -> tuple:
+        return (self.target, self.method, self.drafter, self.k, self.temperature)
+
+
+def summarize(rows: list[dict]) -> list[CellSummary]:
+    """One summary per (cell) and per (configuration, dataset='all')."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for row in rows:
+        config = (row["target"], row["method"], row["drafter"], row["k"], row["temperature"])
+        groups[config + (row["dataset"],)].append(row)
+        groups[config + (ALL,)].append(row)
+    baseline_speed = _baseline_speeds(rows)
+    return [_summarize_group(key, group, baseline_speed) for key, group in sorted(groups.items(), key=_sort_key)]
+
+
+def _sort_key(item):
+    (target, method, drafter, k, temperature, dataset), _ = item
+    return (target, dataset, temperature, {"ar": 0, "sps": 1, "asg": 2}.get(method, 3), drafter, k)
+
+
+def _baseline_speeds(rows: list[dict]) -> dict[tuple, float]:
+    """tokens/s of each ar record, keyed by (target, dataset, temperature, prompt)."""
+    return {
+        (r["target"], r["dataset"], r["temperature"], r["prompt_id"]): r["new_tokens"] / r["wall_s"]
+        for r in rows if r["method"] == "ar" and r["wall_s"] > 0
+    }
+
+
+def _summarize_group(key: tuple, rows: list[dict], baseline_speed: dict[tuple, float]) -> CellSummary:
+    target, method, drafter, k, temperature, dataset = key
+    new_tokens = sum(r["new_tokens"] for r in rows)
+    wall = sum(r["wall_s"] for r in rows)
+    steps = sum(r["steps"] for r in rows)
+    drafted = sum(r["drafted"] for r in rows)
+    per_step = lambda name: 1000 * sum(r[name] for r in rows) / steps if steps else None  # noqa: E731
+    summary = CellSummary(
+        target, method, drafter, k, dataset, temperature, len(rows), new_tokens, wall,
+        tokens_per_s=new_tokens / wall if wall else 0.0,
+        ms_per_token=1000 * wall / new_tokens if new_tokens else 0.0,
+        tokens_per_step=new_tokens / steps if steps else None,
+        acceptance_rate=sum(r["accepted"] for r in rows) / drafted if drafted else None,
+        draft_ms_per_step=per_step("draft_s"),
+        target_ms_per_step=1000 * sum(r["target_s"] + r["prefill_s"] for r in rows) / steps if steps else None,
+        overhead_ms_per_step=per_step("overhead_s"),
+        per_position_acceptance=_per_position(rows),
+    )
+    _add_speedups(summary, rows, baseline_speed)
+    known = [r["identical"] for r in rows if r["identical"] is not None]
+    summary.identical = sum(known) if known else None
+    return summary
+
+
+def _add_speedups(summary: CellSummary, rows: list[dict], baseline_speed: dict[tuple, float]) -> None:
+    """Overall speedup (total tokens/s over the baseline's on the same prompts) and its spread over prompts."""
+    matched = [(r, baseline_speed.get((r["target"], r["dataset"], r["temperature"], r["prompt_id"]))) for r in rows]
+    matched = [(r, base) for r, base in matched if base and r["wall_s"] > 0]
+    if not matched:
+        return
+    per_prompt = [(r["new_tokens"] / r["wall_s"]) / base for r, base in matched]
+    base_time = sum(r["new_tokens"] / base for r, base in matched)  # the baseline's time for the same tokens
+    summary.speedup = base_time / sum(r["wall_s"] for r, _ in matched)
+    summary.speedup_min, summary.speedup_max = min(per_prompt), max(per_prompt)
+    summary.speedup_median = statistics.median(per_prompt)
+
+
+def _per_position(rows: list[dict]) -> list[float]:
+    drafted_at: dict[int, int] = defaultdict(int)
+    accepted_at: dict[int, int] = defaultdict(int)
+    for row in rows:
+        for drafted, accepted in zip(row["drafted_per_step"], row["accepted_per_step"]):
+            for i in range(drafted):
+                drafted_at[i] += 1
+                accepted_at[i] += i < accepted
+    return [accepted_at[i] / drafted_at[i] for i in range(len(drafted_at))]
+
+
+@dataclass(frozen=True)
+class OptimalRow:
+    """The best configuration of one method for one target and dataset, as in the first study's table."""
+
+    target: str
+    dataset: str
+    temperature: float
+    method: str
+    drafter: str
+    k: int
+    speedup: float
+    speedup_min: float
+    speedup_max: float
+    tokens_per_s: float
+    scaling: float | None  # target params / draft params; None when the draft has no parameters
+
+
+def optimal_table(summaries: list[CellSummary], params: dict[str, int]) -> list[OptimalRow]:
+    """Per (target, dataset, temperature) and method, the (draft, K) with the highest speedup."""
+    best: dict[tuple, CellSummary] = {}
+    for s in summaries:
+        key = (s.target, s.dataset, s.temperature, s.method)
+        if key not in best or s.speedup > best[key].speedup:
+            best[key] = s
+    rows = []
+    for (target, dataset, temperature, method), s in best.items():
+        draft_params = params.get(f"{target}::{s.drafter}")
+        scaling = 1.0 if method == "ar" else (params[target] / draft_params if draft_params and target in params else None)
+        rows.append(OptimalRow(target, dataset, temperature, method, s.drafter, s.k, s.speedup, s.speedup_min,
+                               s.speedup_max, s.tokens_per_s, scaling))
+    order = {"ar": 0, "sps": 1, "asg": 2}
+    return sorted(rows, key=lambda r: (r.target, r.dataset != ALL, r.dataset, r.temperature, order.get(r.method, 3)))
+
+
+def format_optimal(rows: list[OptimalRow]) -> str:
+    """The optimal table as text, for a terminal or a closing note."""
+    header = f"{'target':<14}{'dataset':<15}{'temp':>5}  {'method':<7}{'draft':<18}{'K':>3}{'speedup':>9}  {'(min-max)':<12}{'tok/s':>7}{'scaling':>9}"
+    lines = [header]
+    for r in rows:
+        scaling = f"{r.scaling:.2f}x" if r.scaling else "-"
+        lines.append(
+            f"{r.target:<14}{r.dataset:<15}{r.temperature:>5.2f}  {r.method.upper() if r.method != 'ar' else 'AR':<7}"
+            f"{r.drafter:<18}{r.k:>3}{r.speedup:>8.3f}x  {r.speedup_min:.2f}-{r.speedup_max:<7.2f}"
+            f"{r.tokens_per_s:>7.1f}{scaling:>9}"
+        )
+    return "\n".join(lines)
+
+
+def load_study(db: str | Path) -> tuple[list[dict], dict[str, int], list[dict]]:
+    """Records, parameter counts and environments of a study database."""
+    if not Path(db).exists():
+        raise DraftlabError(f"study database not found: {db}")
+    store = ResultsStore(db)
+    try:
+        rows, params, envs = store.rows(), store.params(), store.environments()
+    finally:
+        store.close()
+    if not rows:
+        raise DraftlabError(f"{db} holds no records yet; run `draftlab sweep --db {db}` first")
+    return rows, params, envs
+
+
+def write_csv(path: Path, items: list) -> None:
+    """Dataclass instances (or dicts) to CSV."""
+    dicts = [asdict(i) if not isinstance(i, dict) else i for i in items]
+    if not dicts:
+        return
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(dicts[0]))
+        writer.writeheader()
+        writer.writerows(dicts)
+
+
+def build_report(db: str | Path, out: str | Path) -> Path:
+    """Write index.html, the PNGs and CSVs it shows, into `out`; return the HTML path."""
+    from draftlab.study import plots
+
+    rows, params, envs = load_study(db)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    summaries = summarize(rows)
+    optimal = optimal_table(summaries, params)
+    write_csv(out / "cells.csv", summaries)
+    write_csv(out / "optimal.csv", optimal)
+    figures = plots.draw_all(summaries, out)
+    page = _html(db, summaries, optimal, figures, envs)
+    (out / "index.html").write_text(page, encoding="utf-8")
+    return out / "index.html"
+
+
+def _html(db, summaries: list[CellSummary], optimal: list[OptimalRow], figures: list[tuple[str, str]], envs) -> str:
+    esc = html.escape
+    opt_rows = "".join(
+        f"<tr><td>{esc(r.target)}</td><td>{esc(r.dataset)}</td><td>{r.temperature:g}</td><td>{r.method.upper()}</td>"
+        f"<td>{esc(r.drafter)}</td><td>{r.k}</td><td>{r.speedup:.3f}x</td><td>{r.speedup_min:.2f} - {r.speedup_max:.2f}</td>"
+        f"<td>{r.tokens_per_s:.1f}</td><td>{f'{r.scaling:.2f}x' if r.scaling else '-'}</td></tr>"
+        for r in optimal
+    )
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    cell_rows = "".join(
+        f"<tr class='{'lossy' if s.identical is not None and s.identical < s.prompts else ''}'>"
+        f"<td>{esc(s.target)}</td><td>{esc(s.dataset)}</td><td>{s.temperature:g}</td><td>{s.method.upper()}</td>"
+        f"<td>{esc(s.drafter)}</td><td>{s.k}</td><td>{s.prompts}</td><td>{s.tokens_per_s:.1f}</td>"
+        f"<td>{s.ms_per_token:.1f}</td><td>{s.speedup:.3f}x</td><td>{s.speedup_min:.2f} / {s.speedup_median:.2f} / {s.speedup_max:.2f}</td>"
+        f"<td>{fmt(s.tokens_per_step, '.2f')}</td><td>{fmt(s.acceptance_rate, '.1%')}</td>"
+        f"<td>{fmt(s.draft_ms_per_step, '.1f')} / {fmt(s.target_ms_per_step, '.1f')} / {fmt(s.overhead_ms_per_step, '.1f')}</td>"
+        f"<td>{'-' if s.identical is None else f'{s.identical}/{s.prompts}'}</td></tr>"
+        for s in summaries
+    )
+    images = "".join(f"<h3>{esc(title)}</h3><img src='{esc(name)}' alt='{esc(title)}'>" for name, title in figures)
+    env = "".join(f"<li><code>{esc(str(e))}</code></li>" for e in envs)
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>draftlab study report</title>
+<style>body{{font-family:sans-serif;margin:2em;max-width:1400px}}table{{border-collapse:collapse;font-size:13px}}
+td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}}th{{background:#eee}}tr.lossy{{background:#fcc}}
+img{{max-width:100%;border:1px solid #ddd;margin-bottom:1em}}</style></head><body>
+<h1>draftlab study report</h1><p>Database: <code>{esc(str(db))}</code>. Speedups are tokens/s over the autoregressive
+baseline on the same prompts in the same study; the range is min - max over prompts. Scaling = target parameters / draft
+parameters ("-" for drafts without parameters, such as n-gram lookup). SpS = draftlab's engine, AsG = Hugging Face
+assisted generation with the same draft and K.</p>
+<h2>Optimal configuration</h2><table><tr><th>target</th><th>dataset</th><th>temp</th><th>method</th><th>draft</th><th>K</th>
+<th>speedup</th><th>min - max</th><th>tok/s</th><th>scaling</th></tr>{opt_rows}</table>
+<h2>Figures</h2>{images}
+<h2>Every cell</h2><p>Rows in red produced output different from the baseline (greedy only; "-" when not defined).
+Time split per step: draft / target / overhead (ms).</p>
+<table><tr><th>target</th><th>dataset</th><th>temp</th><th>method</th><th>draft</th><th>K</th><th>prompts</th><th>tok/s</th>
+<th>ms/token</th><th>speedup</th><th>min / median / max</th><th>TAR</th><th>accept</th><th>ms/step d / t / o</th><th>identical</th></tr>
+{cell_rows}</table><h2>Environment</h2><ul>{env}</ul></body></html>"""

@@ -1,0 +1,80 @@
+"""The report's numbers come from the records: a hand-built database with known answers."""
+
+from __future__ import annotations
+
+import pytest
+
+from draftlab.study.report import build_report, format_optimal, load_study, optimal_table, summarize
+from draftlab.study.store import Cell, Record, ResultsStore
+
+
+def cell(method, drafter="none", k=0, dataset="code"):
+    return Cell("tgt", drafter, k, method, dataset, 0.0, 100)
+
+
+def record(c, prompt, wall, steps=0, accepted=(), drafted=(), identical=True):
+    return Record(c, prompt, c.dataset, 100, steps, sum(drafted), sum(accepted), list(accepted), list(drafted),
+                  0.0, 0.1 * wall, 0.8 * wall, 0.1 * wall, wall, "sha", identical)
+
+
+@pytest.fixture()
+def study(tmp_path):
+    store = ResultsStore(tmp_path / "study.sqlite")
+    run = store.start_run({"device": "cpu"})
+    store.set_params("tgt", 100)
+    store.set_params("tgt::layers:0-1", 25)
+    for prompt in ("p1", "p2"):
+        store.add(record(cell("ar"), prompt, 10.0, steps=100), run)  # 10 tok/s
+    # ngram K=2: 20 tok/s on both prompts -> speedup 2.0
+    for prompt in ("p1", "p2"):
+        store.add(record(cell("sps", "ngram", 2), prompt, 5.0, steps=50, accepted=[1] * 50, drafted=[2] * 50), run)
+    # ngram K=4: 25 and 12.5 tok/s -> 20 s of baseline time in 12 s -> 1.667
+    store.add(record(cell("sps", "ngram", 4), "p1", 4.0, steps=40, accepted=[2] * 40, drafted=[4] * 40), run)
+    store.add(record(cell("sps", "ngram", 4), "p2", 8.0, steps=40, accepted=[2] * 40, drafted=[4] * 40,
+                     identical=False), run)
+    # layers K=3: 12.5 tok/s -> 1.25; AsG layers K=3: 16 s for 200 tokens -> 1.25
+    for prompt in ("p1", "p2"):
+        store.add(record(cell("sps", "layers:0-1", 3), prompt, 8.0, steps=60, accepted=[1] * 60, drafted=[3] * 60), run)
+        store.add(record(cell("asg", "layers:0-1", 3), prompt, 8.0), run)
+    store.close()
+    return tmp_path / "study.sqlite"
+
+
+def test_optimal_table_from_records(study):
+    rows, params, _ = load_study(study)
+    table = {(r.dataset, r.method): r for r in optimal_table(summarize(rows), params)}
+    sps = table[("code", "sps")]
+    assert (sps.drafter, sps.k) == ("ngram", 2)
+    assert sps.speedup == pytest.approx(2.0)
+    assert sps.scaling is None  # n-gram has no parameters
+    asg = table[("code", "asg")]
+    assert (asg.drafter, asg.k, asg.speedup, asg.scaling) == ("layers:0-1", 3, pytest.approx(1.25), 4.0)
+    assert table[("code", "ar")].speedup == pytest.approx(1.0)
+    assert table[("all", "sps")].speedup == pytest.approx(2.0)
+    text = format_optimal(list(table.values()))
+    assert "ngram" in text and "2.000x" in text
+
+
+def test_cell_summaries(study):
+    rows, _, _ = load_study(study)
+    by_key = {(s.method, s.drafter, s.k, s.dataset): s for s in summarize(rows)}
+    k4 = by_key[("sps", "ngram", 4, "code")]
+    assert k4.speedup == pytest.approx(20 / 12)
+    assert (k4.speedup_min, k4.speedup_max) == (pytest.approx(1.25), pytest.approx(2.5))
+    assert k4.tokens_per_step == pytest.approx(200 / 80)
+    assert k4.acceptance_rate == pytest.approx(0.5)
+    assert k4.per_position_acceptance == [1.0, 1.0, 0.0, 0.0]
+    assert k4.identical == 1
+    assert by_key[("asg", "layers:0-1", 3, "code")].tokens_per_step is None
+
+
+def test_report_files(study, tmp_path):
+    page = build_report(study, tmp_path / "report")
+    html = page.read_text()
+    assert "Optimal configuration" in html and "class='lossy'" in html
+    pngs = sorted(p.name for p in page.parent.glob("*.png"))
+    assert len(pngs) == 5
+    for name in pngs:
+        assert name in html
+        assert (page.parent / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (page.parent / "optimal.csv").read_text().startswith("target,dataset")

@@ -1,0 +1,95 @@
+"""A sweep killed with SIGKILL resumes to exactly the records of an uninterrupted sweep.
+
+Real processes, a real signal, a tiny model saved to disk with a word-level tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+
+from draftlab.study.store import ResultsStore
+from tests.conftest import tiny_model_dir
+
+DETERMINISTIC = ("cell", "prompt_id", "method", "drafter", "k", "new_tokens", "steps", "drafted", "accepted",
+                 "accepted_per_step", "output_sha", "identical")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sweep")
+    model = tiny_model_dir(root / "tiny")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(
+        json.dumps({"prompt": " ".join(f"w{(i * 7 + j) % 60}" for j in range(12)), "category": c, "id": f"q{i}"}) + "\n"
+        for i, c in enumerate(["code", "chat", "code", "chat", "math", "math"])
+    ))
+    return root, model, prompts
+
+
+def sweep_command(db, model, prompts):
+    return [sys.executable, "-m", "draftlab.cli", "sweep", "--db", str(db), "--targets", str(model),
+            "--drafters", "ngram", "layers:0-1", "--ks", "1-3", "--datasets", str(prompts), "--limit", "6",
+            "--max-new-tokens", "48", "--warmup", "0", "--no-progress"]
+
+
+def count(db) -> int:
+    try:
+        conn = sqlite3.connect(db, timeout=1)
+        try:
+            return conn.execute("SELECT COUNT(*) FROM records").fetchone()[0]
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return 0
+
+
+def deterministic_rows(db) -> list[tuple]:
+    store = ResultsStore(db)
+    rows = sorted(tuple(json.dumps(r[k]) for k in DETERMINISTIC) for r in store.rows())
+    store.close()
+    return rows
+
+
+def test_killed_sweep_resumes_to_the_same_records(setup):
+    root, model, prompts = setup
+    full_db, killed_db = root / "full.sqlite", root / "killed.sqlite"
+    subprocess.run(sweep_command(full_db, model, prompts), check=True, capture_output=True, timeout=600)
+    total = count(full_db)
+    assert total == 6 * (1 + 2 * 2 * 3)  # prompts x (ar + methods x drafters x K)
+
+    process = subprocess.Popen(sweep_command(killed_db, model, prompts), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while count(killed_db) < total // 3 and process.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    assert process.poll() is None, "the sweep finished before it could be killed"
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    interrupted = count(killed_db)
+    assert 0 < interrupted < total
+
+    resumed = subprocess.run(sweep_command(killed_db, model, prompts), check=True, capture_output=True,
+                             text=True, timeout=600)
+    assert f"{total - interrupted} new records" in resumed.stdout
+    assert deterministic_rows(killed_db) == deterministic_rows(full_db)
+
+    again = subprocess.run(sweep_command(killed_db, model, prompts), check=True, capture_output=True,
+                           text=True, timeout=600)
+    assert "nothing to do" in again.stdout and count(killed_db) == total
+
+
+def test_sweep_refuses_a_corrupted_database(setup):
+    root, model, prompts = setup
+    bad = root / "corrupt.sqlite"
+    bad.write_bytes(b"\x00garbage" * 512)
+    out = subprocess.run(sweep_command(bad, model, prompts), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 2 and "draftlab: error:" in out.stderr
+    assert bad.read_bytes() == b"\x00garbage" * 512
