@@ -1,0 +1,89 @@
+"""Does `tune` find the best (draft, K) at a fraction of an exhaustive sweep's cost?
+
+Runs, on the same prompts and in one process:
+  1. an exhaustive sweep of our engine over every candidate draft and K = 1..K_max
+     (sps cells only) into a study database, timed;
+  2. `tune` (calibrate + predict + a short confirmation run), timed;
+then prints the best cell of the sweep, the cell the tuner picked, the regret
+(how much slower the pick measured in the sweep than the best cell), the
+ratio of wall times, and the model's errors against the sweep.
+The last line of stdout is one JSON document.
+
+    python benchmarks/tune_vs_sweep.py --drafts ngram ngram:2-4 layers:0-3 layers:0-7 --limit 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from draftlab.calibrate import CalibrationSettings
+from draftlab.models import load_model
+from draftlab.study.report import summarize
+from draftlab.study.store import ResultsStore
+from draftlab.study.sweep import SweepConfig, run_sweep
+from draftlab.datasets import load_prompts
+from draftlab.tuner import compare, error_summary, tune
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--drafts", nargs="+", default=["ngram", "ngram:2-4", "layers:0-3", "layers:0-7"])
+    parser.add_argument("--dataset", default="mixed")
+    parser.add_argument("--limit", type=int, default=3)
+    parser.add_argument("--k-max", type=int, default=7)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--db", default=None, help="keep the sweep database here (default: a temporary file)")
+    args = parser.parse_args()
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    db = Path(args.db) if args.db else Path(tempfile.mkdtemp()) / "sweep.sqlite"
+    config = SweepConfig(targets=(args.target,), drafters=tuple(args.drafts), ks=tuple(range(1, args.k_max + 1)),
+                         methods=("sps",), datasets=(args.dataset,), limit=args.limit,
+                         max_new_tokens=args.max_new_tokens)
+    store = ResultsStore(db)
+    start = time.perf_counter()
+    run_sweep(config, store)
+    sweep_s = time.perf_counter() - start
+    rows = store.rows()
+    store.close()
+
+    target = load_model(args.target)
+    target.name = args.target
+    prompts = load_prompts(args.dataset, args.limit)
+    settings = CalibrationSettings(k_max=args.k_max, max_new_tokens=args.max_new_tokens)
+    start = time.perf_counter()
+    rec, profile, _ = tune(target, args.drafts, prompts, settings, confirm=True)
+    tune_s = time.perf_counter() - start
+
+    cells = {(s.drafter, s.k): s for s in summarize(rows) if s.method == "sps" and s.dataset == "all"}
+    best = max(cells.values(), key=lambda s: s.tokens_per_s)
+    ar = next(s for s in summarize(rows) if s.method == "ar" and s.dataset == "all")
+    picked = cells.get((rec.draft, rec.k))
+    picked_tps = picked.tokens_per_s if picked else ar.tokens_per_s
+    regret = best.tokens_per_s / picked_tps - 1.0
+    errors = error_summary(compare(profile, rows))
+    print(f"target={args.target} dataset={args.dataset} prompts={args.limit} K=1..{args.k_max} drafts={' '.join(args.drafts)}")
+    print(f"exhaustive sweep: {len(cells)} cells in {sweep_s:.0f}s; best {best.drafter} K={best.k}: "
+          f"{best.tokens_per_s:.1f} tok/s ({best.speedup:.2f}x over AR {ar.tokens_per_s:.1f})")
+    print(f"tune: picked {rec.draft} K={rec.k} in {tune_s:.0f}s (predicted {rec.predicted_tokens_per_s:.1f} tok/s); "
+          f"that cell measured {picked_tps:.1f} tok/s in the sweep")
+    print(f"regret {regret:.1%} (target <= 5%), tune time / sweep time {tune_s / sweep_s:.1%} (target <= 25%)")
+    print(f"model vs sweep (decode tok/s): simplified mean {errors['simplified_mean_error']:.1%} max "
+          f"{errors['simplified_max_error']:.1%}; Leviathan mean {errors['leviathan_mean_error']:.1%} max "
+          f"{errors['leviathan_max_error']:.1%}")
+    print("reproduce: python " + " ".join(sys.argv))
+    print(json.dumps({"sweep_s": sweep_s, "tune_s": tune_s, "best": [best.drafter, best.k, best.tokens_per_s],
+                      "picked": [rec.draft, rec.k, picked_tps], "regret": regret, "time_ratio": tune_s / sweep_s,
+                      "errors": errors, "db": str(db)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""Depth vs width: per-token decode latency of random-weight models shaped like the target.
+
+The second study's Figure 4, in the target's own architecture family and on
+the current device:
+  (a) fixed non-embedding parameter count, depth traded for width;
+  (b) fixed width (the target's), growing depth;
+  (c) fixed depth, growing width.
+Weights are random (latency does not depend on their values). Each shape is
+timed through draftlab's own backend: prefill a context, then the median
+time of single-token steps, rolled back so the context length stays fixed.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from draftlab.fast_llama import make_backend
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One model shape: layers, hidden size, heads and MLP size."""
+
+    series: str  # fixed_params | fixed_width | fixed_depth
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Per-token latency of one shape."""
+
+    shape: Shape
+    params_millions: float  # without the embedding / LM head
+    ms_per_token: float
+
+
+def _round(x: float, multiple: int) -> int:
+    return max(multiple, int(round(x / multiple)) * multiple)
+
+
+def shapes_for(config) -> list[Shape]:
+    """The three series, scaled from the target's config."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    group = config.num_attention_heads // config.num_key_value_heads
+    mlp_ratio = config.intermediate_size / config.hidden_size
+    depth = config.num_hidden_layers
+
+    def shape(series, layers, hidden):
+        heads = max(group, _round(hidden / head_dim, group))
+        hidden = heads * head_dim
+        return Shape(series, layers, hidden, heads, heads // group, _round(hidden * mlp_ratio, 64))
+
+    fixed_params = [shape("fixed_params", n, config.hidden_size * (depth / n) ** 0.5)
+                    for n in sorted({depth, depth * 2 // 3, depth // 2, depth // 3, depth // 5, 4, 2}, reverse=True) if n >= 1]
+    fixed_width = [shape("fixed_width", n, config.hidden_size) for n in sorted({1, 2, 4, 8, 16, depth})]
+    fixed_depth = [shape("fixed_depth", 4, config.hidden_size * f) for f in (0.5, 1, 1.5, 2, 3, 4)]
+    return fixed_params + fixed_width + fixed_depth
+
+
+def build(config, shape: Shape) -> torch.nn.Module:
+    """A random-weight model of `shape` in the target's family (a new config; the target's is untouched)."""
+    from transformers import AutoModelForCausalLM
+
+    new = copy.deepcopy(config)
+    new.num_hidden_layers = shape.layers
+    new.hidden_size = shape.hidden
+    new.num_attention_heads = shape.heads
+    new.num_key_value_heads = shape.kv_heads
+    new.intermediate_size = shape.intermediate
+    new.head_dim = shape.hidden // shape.heads
+    if getattr(new, "layer_types", None) is not None:
+        new.layer_types = [config.layer_types[i % len(config.layer_types)] for i in range(shape.layers)]
+    return AutoModelForCausalLM.from_config(new).eval()
+
+
+def time_shape(model: torch.nn.Module, context: int = 128, steps: int = 20) -> float:
+    """Median seconds of one decode step at a fixed context length."""
+    backend = make_backend(model)
+    backend.reset()
+    backend.score(list(range(1, context + 1)), last_only=True)
+    times = []
+    for i in range(steps + 2):
+        start = time.perf_counter()
+        backend.score([7])
+        backend.synchronize()
+        times.append(time.perf_counter() - start)
+        backend.rollback(context)
+    return statistics.median(times[2:])
+
+
+def run(config, context: int = 128, steps: int = 20, progress: bool = True) -> list[Timing]:
+    """Time every shape."""
+    from tqdm import tqdm
+
+    out = []
+    for shape in tqdm(shapes_for(config), desc="microbench", unit="shape", disable=not progress):
+        model = build(config, shape)
+        params = sum(p.numel() for n, p in model.named_parameters() if "layers." in n) / 1e6
+        out.append(Timing(shape, params, 1000 * time_shape(model, context, steps)))
+        del model
+    return out
+
+
+def plot(timings: list[Timing], out: Path) -> list[Path]:
+    """One PNG per series: latency against the varied dimension."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for series, x_of, xlabel, title in (
+        ("fixed_params", lambda s: s.layers, "layers (width grows as depth shrinks)", "(a) fixed parameters: depth vs width"),
+        ("fixed_width", lambda s: s.layers, "layers (width fixed)", "(b) fixed width, growing depth"),
+        ("fixed_depth", lambda s: s.hidden, "hidden size (4 layers)", "(c) fixed depth, growing width"),
+    ):
+        points = [t for t in timings if t.shape.series == series]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([x_of(t.shape) for t in points], [t.ms_per_token for t in points], "o-")
+        for t in points:
+            ax.annotate(f"{t.params_millions:.0f}M", (x_of(t.shape), t.ms_per_token), fontsize=7,
+                        xytext=(3, 3), textcoords="offset points")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("decode latency (ms per token)")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = out / f"microbench_{series}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def save(timings: list[Timing], out: Path) -> Path:
+    """Timings as JSON."""
+    path = out / "microbench.json"
+    path.write_text(json.dumps([{**asdict(t.shape), "params_millions": t.params_millions,
+                                 "ms_per_token": t.ms_per_token} for t in timings], indent=2))
+    return path
+
+
+def format_table(timings: list[Timing]) -> str:
+    """The timings for people."""
+    lines = [f"{'series':<14}{'layers':>7}{'hidden':>8}{'heads':>6}{'mlp':>7}{'params(M)':>11}{'ms/token':>10}"]
+    for t in timings:
+        s = t.shape
+        lines.append(f"{s.series:<14}{s.layers:>7}{s.hidden:>8}{s.heads:>6}{s.intermediate:>7}"
+                     f"{t.params_millions:>11.1f}{t.ms_per_token:>10.2f}")
+    return "\n".join(lines)

@@ -1,0 +1,129 @@
+"""The analytical throughput model: predict tokens/s for any (draft, K) from cheap measurements.
+
+Two formulas, with the inputs they need:
+
+- The simplified model of "Decoding Speculative Decoding":
+      Tput(K) = TAR(K) / (t_target(K) + t_draft(K))   (1 / (...) when TAR <= 1)
+  where t_target(K) is the time to score a block of K+1 tokens and t_draft(K)
+  the time to draft K tokens. TAR(K) comes from per-position acceptance
+  measured once at K_max: with greedy verification, the accepted count at
+  K <= K_max is min(accepted at K_max, K) (the first K drafted tokens do not
+  depend on K), so E[accepted(K)] = sum_{j=1..K} P(accepted >= j).
+- Leviathan et al.: speedup = (1 - a^(K+1)) / ((1 - a)(cK + 1)), with a the
+  per-token acceptance rate (assumed independent across positions) and
+  c = t_draft(1 token) / t_target(1 token). It assumes the target's time does
+  not grow with K, which the simplified model does not.
+
+For sampling the same identity holds for a drafter whose first K proposals do
+not depend on K (all of draftlab's): the accepted prefix at K_max, cut at K, is
+distributed as the accepted prefix at K, since the verifier's decisions at
+positions < K never look at later positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def expected_tokens_per_step(accepted_at_least: list[float], k: int) -> float:
+    """TAR at K: 1 + sum_{j=1..K} P(accepted >= j), from P(accepted >= j) measured at K_max >= K."""
+    if k > len(accepted_at_least):
+        raise ValueError(f"acceptance measured up to K={len(accepted_at_least)}, asked for K={k}")
+    return 1.0 + sum(accepted_at_least[:k])
+
+
+def accepted_at_least(accepted_per_step: list[int], drafted_per_step: list[int], k_max: int) -> list[float]:
+    """P(accepted >= j) for j = 1..k_max over steps that drafted k_max tokens (a full draft)."""
+    full = [a for a, d in zip(accepted_per_step, drafted_per_step) if d == k_max]
+    if not full:
+        return [0.0] * k_max
+    return [sum(a >= j for a in full) / len(full) for j in range(1, k_max + 1)]
+
+
+def leviathan_tokens_per_step(acceptance: float, k: int) -> float:
+    """Expected tokens per step with i.i.d. acceptance a: (1 - a^(K+1)) / (1 - a)."""
+    if acceptance >= 1.0:
+        return k + 1.0
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+def leviathan_speedup(acceptance: float, k: int, cost_ratio: float) -> float:
+    """Leviathan et al.'s speedup over autoregressive decoding: (1 - a^(K+1)) / ((1 - a)(cK + 1))."""
+    return leviathan_tokens_per_step(acceptance, k) / (cost_ratio * k + 1.0)
+
+
+def simplified_throughput(tokens_per_step: float, t_target: float, t_draft: float) -> float:
+    """Tokens/s = TAR / (t_target + t_draft), or 1 / (...) when TAR <= 1."""
+    return max(tokens_per_step, 1.0) / (t_target + t_draft)
+
+
+@dataclass
+class DraftProfile:
+    """What the model needs to know about one draft."""
+
+    name: str
+    draft_s_per_token: float  # time to draft one token (n-gram: one lookup per step, spread over K)
+    accepted_at_least: list[float]  # P(accepted >= j), j = 1..K_max
+    per_step_draft_s: float = 0.0  # a fixed cost per step (n-gram lookup), on top of per-token time
+
+    @property
+    def k_max(self) -> int:
+        return len(self.accepted_at_least)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Per-token acceptance a for Leviathan's formula: accepted / drafted at K_max."""
+        expected_accepted = sum(self.accepted_at_least)
+        return expected_accepted / self.k_max if self.k_max else 0.0
+
+    def t_draft(self, k: int) -> float:
+        """Seconds to draft K tokens."""
+        return self.per_step_draft_s + k * self.draft_s_per_token
+
+
+@dataclass
+class TargetProfile:
+    """Target scoring time by block size (1..K_max+1 tokens), at the context length it was measured at."""
+
+    name: str
+    score_s: dict[int, float] = field(default_factory=dict)  # block size -> seconds
+    overhead_s_per_step: float = 0.0  # engine bookkeeping per step
+
+    def t_target(self, k: int) -> float:
+        """Seconds to score a block of K+1 tokens."""
+        return self.score_s[k + 1]
+
+    @property
+    def autoregressive_tokens_per_s(self) -> float:
+        return 1.0 / (self.score_s[1] + self.overhead_s_per_step)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Both formulas' predictions for one (draft, K), with their inputs."""
+
+    draft: str
+    k: int
+    tokens_per_step: float
+    t_target: float
+    t_draft: float
+    tokens_per_s: float  # simplified model
+    speedup: float  # simplified model, over the target's autoregressive throughput
+    leviathan_acceptance: float
+    leviathan_c: float
+    leviathan_speedup: float
+    leviathan_tokens_per_s: float
+
+
+def predict(target: TargetProfile, draft: DraftProfile, k: int) -> Prediction:
+    """Predict throughput of `draft` at K with both formulas."""
+    tar = expected_tokens_per_step(draft.accepted_at_least, k)
+    t_target = target.t_target(k) + target.overhead_s_per_step
+    t_draft = draft.t_draft(k)
+    tokens_per_s = simplified_throughput(tar, t_target, t_draft)
+    ar = target.autoregressive_tokens_per_s
+    acceptance = draft.acceptance_rate
+    c = draft.t_draft(1) / (target.score_s[1] + target.overhead_s_per_step)
+    lev = leviathan_speedup(acceptance, k, c)
+    return Prediction(draft.name, k, tar, t_target, t_draft, tokens_per_s, tokens_per_s / ar, acceptance, c, lev,
+                      lev * ar)

@@ -1,0 +1,74 @@
+"""The performance model's formulas, pinned to hand-computed values and edge cases."""
+
+from __future__ import annotations
+
+import pytest
+
+from draftlab.perfmodel import (
+    DraftProfile,
+    TargetProfile,
+    accepted_at_least,
+    expected_tokens_per_step,
+    leviathan_speedup,
+    leviathan_tokens_per_step,
+    predict,
+    simplified_throughput,
+)
+from draftlab.tuner import choose, latency_reduction_for_parity, required_tar
+
+
+def test_leviathan_hand_values():
+    # a = 0.5, K = 2: (1 - 0.125) / 0.5 = 1.75 tokens per step; c = 0.1: 1.75 / 1.2
+    assert leviathan_tokens_per_step(0.5, 2) == pytest.approx(1.75)
+    assert leviathan_speedup(0.5, 2, 0.1) == pytest.approx(1.75 / 1.2)
+    assert leviathan_speedup(0.8, 4, 0.05) == pytest.approx((1 - 0.8**5) / (0.2 * 1.2))
+
+
+def test_leviathan_edges():
+    for k in range(1, 8):
+        assert leviathan_tokens_per_step(0.0, k) == 1.0  # acceptance 0: one token per step
+        assert leviathan_tokens_per_step(1.0, k) == k + 1  # acceptance 1: K + 1
+        assert leviathan_tokens_per_step(0.999999, k) == pytest.approx(k + 1, rel=1e-4)
+    speedups = [leviathan_speedup(0.7, 3, c) for c in (0.0, 0.05, 0.1, 0.5, 1.0)]
+    assert speedups == sorted(speedups, reverse=True)  # monotonically worse as the draft gets costlier
+    assert leviathan_speedup(0.7, 3, 0.0) == pytest.approx(leviathan_tokens_per_step(0.7, 3))
+
+
+def test_tokens_per_step_from_acceptance_at_kmax():
+    # steps at K_max = 3 accepted 0, 1, 3, 3: P(>=1) = 3/4, P(>=2) = 2/4, P(>=3) = 2/4
+    at_least = accepted_at_least([0, 1, 3, 3, 2], [3, 3, 3, 3, 2], 3)  # the truncated last step is ignored
+    assert at_least == [0.75, 0.5, 0.5]
+    assert expected_tokens_per_step(at_least, 1) == pytest.approx(1.75)
+    assert expected_tokens_per_step(at_least, 3) == pytest.approx(2.75)
+    # the same as min(accepted at K_max, K) + 1 averaged over steps
+    assert expected_tokens_per_step(at_least, 2) == pytest.approx(1 + (0 + 1 + 2 + 2) / 4)
+    with pytest.raises(ValueError):
+        expected_tokens_per_step(at_least, 4)
+    assert accepted_at_least([], [], 2) == [0.0, 0.0]
+
+
+def test_simplified_throughput():
+    assert simplified_throughput(3.0, 0.04, 0.02) == pytest.approx(50.0)
+    assert simplified_throughput(0.5, 0.04, 0.01) == pytest.approx(20.0)  # TAR <= 1 counts as one token
+
+
+def test_predict_combines_profiles():
+    target = TargetProfile("t", {1: 0.030, 2: 0.032, 3: 0.034}, overhead_s_per_step=0.001)
+    draft = DraftProfile("d", draft_s_per_token=0.003, accepted_at_least=[0.8, 0.6])
+    p = predict(target, draft, 2)
+    assert p.tokens_per_step == pytest.approx(2.4)
+    assert p.t_target == pytest.approx(0.035) and p.t_draft == pytest.approx(0.006)
+    assert p.tokens_per_s == pytest.approx(2.4 / 0.041)
+    assert p.speedup == pytest.approx((2.4 / 0.041) * 0.031)
+    assert p.leviathan_acceptance == pytest.approx(0.7)
+    assert p.leviathan_c == pytest.approx(0.003 / 0.031)
+    assert choose([p]) is p
+    zero = predict(target, DraftProfile("z", 0.003, [0.0, 0.0]), 1)
+    assert choose([zero]) is None  # nothing beats autoregressive decoding
+
+
+def test_what_if_helpers():
+    assert required_tar(50.0, 0.04, 0.02) == pytest.approx(3.0)
+    # TAR 3 with 40 ms target and 20 ms draft gives 50 tok/s; to reach 60 the draft may take 10 ms: shed 50%
+    assert latency_reduction_for_parity(3.0, 0.04, 0.02, 60.0) == pytest.approx(0.5)
+    assert latency_reduction_for_parity(3.0, 0.04, 0.02, 50.0) == pytest.approx(0.0)
