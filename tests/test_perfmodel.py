@@ -14,7 +14,7 @@ from draftlab.perfmodel import (
     predict,
     simplified_throughput,
 )
-from draftlab.tuner import choose, latency_reduction_for_parity, required_tar
+from draftlab.tuner import choose, extra_tar_for_parity, format_what_if, latency_reduction_for_parity, required_tar
 
 
 def test_leviathan_hand_values():
@@ -72,3 +72,16 @@ def test_what_if_helpers():
     # TAR 3 with 40 ms target and 20 ms draft gives 50 tok/s; to reach 60 the draft may take 10 ms: shed 50%
     assert latency_reduction_for_parity(3.0, 0.04, 0.02, 60.0) == pytest.approx(0.5)
     assert latency_reduction_for_parity(3.0, 0.04, 0.02, 50.0) == pytest.approx(0.0)
+
+
+def test_extra_tar_and_what_if_table():
+    # 2 tokens/step at 60 ms per step = 33.3 tok/s; to reach 50 tok/s it needs TAR 3: +1
+    assert extra_tar_for_parity(2.0, 0.04, 0.02, 50.0) == pytest.approx(1.0)
+    target = TargetProfile("t", {1: 0.030, 2: 0.032, 3: 0.034})
+    fast = DraftProfile("fast", 0.001, [0.6, 0.3])
+    slow = DraftProfile("slow", 0.010, [0.7, 0.5])
+    from draftlab.tuner import predictions
+    from draftlab.calibrate import Profile
+
+    text = format_what_if(predictions(Profile(target, [fast, slow])))
+    assert "best draft (fast" in text and "slow" in text

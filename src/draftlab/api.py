@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from draftlab.backend import Backend
 from draftlab.fast_llama import make_backend
 from draftlab.drafters import (
     Drafter,
@@ -140,15 +141,18 @@ class SpeculativeDecoder:
 
     def __init__(
         self, target: LoadedModel, drafter: Drafter, policy: DraftLengthPolicy,
-        draft_model: LoadedModel | None = None, backend: str = "auto",
+        draft_model: LoadedModel | None = None, backend: str = "auto", target_backend: Backend | None = None,
     ) -> None:
         self.target = target
         self.drafter = drafter
         self.policy = policy
         self.draft_model = draft_model
         self.backend = backend
+        # Decoders of one target may share its backend (one KV cache, one copy of fused
+        # weights); they must then not generate concurrently.
+        self.target_backend = target_backend or make_backend(target.model, target.device, backend)
         self.engine = SpeculativeEngine(
-            make_backend(target.model, target.device, backend),
+            self.target_backend,
             drafter,
             policy,
             context_length=target.context_length,
@@ -194,6 +198,11 @@ class SpeculativeDecoder:
         )
         return self.engine.generate(prompt_ids, config, on_tokens)
 
+    def with_policy(self, policy: DraftLengthPolicy) -> "SpeculativeDecoder":
+        """The same target, backend and drafter with another K policy."""
+        return SpeculativeDecoder(self.target, self.drafter, policy, self.draft_model, self.backend, self.target_backend)
+
     def autoregressive(self) -> "SpeculativeDecoder":
         """A decoder for the same target and backend with no drafter: the baseline."""
-        return SpeculativeDecoder(self.target, NoDrafter(), FixedK(1), backend=self.backend)
+        return SpeculativeDecoder(self.target, NoDrafter(), FixedK(1), backend=self.backend,
+                                  target_backend=self.target_backend)

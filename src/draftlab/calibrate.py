@@ -19,7 +19,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from draftlab.api import SpeculativeDecoder, encode_prompt
+from draftlab.api import SpeculativeDecoder, build_drafter, encode_prompt, parse_drafter_spec
+from draftlab.policy import FixedK
 from draftlab.backend import Backend
 from draftlab.datasets import Prompt
 from draftlab.drafters import ModelDrafter, NGramDrafter
@@ -109,7 +110,9 @@ def calibrate(
     target_profile = TargetProfile(_name(target), score_s)
     drafts = []
     for spec in tqdm(drafters, desc="calibrate", unit="draft", disable=not progress):
-        decoder = SpeculativeDecoder.from_names(target, drafter=spec, k=settings.k_max, backend=settings.backend)
+        draft, draft_model = build_drafter(parse_drafter_spec(spec), target, settings.backend)
+        decoder = SpeculativeDecoder(target, draft, FixedK(settings.k_max), draft_model, settings.backend,
+                                     ar.target_backend)
         drafts.append(_profile_draft(spec, decoder, context, encoded, settings))
         if spec == drafters[0]:
             target_profile.overhead_s_per_step = _overhead_per_step(decoder, encoded, settings)

@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="HTML report with tables and plots from a study database")
     report.add_argument("--db", required=True)
     report.add_argument("--out", required=True, help="output folder")
+    report.add_argument("--profile", help="calibration profile: adds the performance model's check and what-ifs")
     report.set_defaults(run=cmd_report)
     export = sub.add_parser("export", help="export a study's records as CSV or JSONL")
     export.add_argument("--db", required=True)
@@ -80,7 +81,33 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tune_args(tune)
     tune.add_argument("--budget", type=float, default=None, help="seconds; skip the confirmation run if exceeded")
     tune.set_defaults(run=cmd_tune)
+    design = sub.add_parser("design", help="draft design tools").add_subparsers(dest="design", required=True)
+    micro = design.add_parser("microbench", help="decode latency vs depth and width in the target's family")
+    micro.add_argument("--target", default=DEFAULT_TARGET)
+    micro.add_argument("--out", required=True, help="folder for the table (JSON) and plots")
+    micro.add_argument("--context", type=int, default=128)
+    micro.add_argument("--steps", type=int, default=20)
+    micro.add_argument("--threads", type=int, default=None)
+    micro.set_defaults(run=cmd_microbench)
     return parser
+
+
+def cmd_microbench(args) -> None:
+    """Time random-weight shapes of the target's family; print, plot, save."""
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from draftlab.design import microbench
+    from draftlab.models import resolve_directory
+
+    config = AutoConfig.from_pretrained(resolve_directory(args.target))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    timings = microbench.run(config, args.context, args.steps)
+    print(microbench.format_table(timings))
+    for path in [microbench.save(timings, out), *microbench.plot(timings, out)]:
+        print(f"wrote {path}")
 
 
 def _add_tune_args(parser: argparse.ArgumentParser) -> None:
@@ -129,11 +156,12 @@ def cmd_calibrate(args) -> None:
 def cmd_predict(args) -> None:
     """Print both formulas' predictions from a profile."""
     from draftlab.calibrate import Profile
-    from draftlab.tuner import format_predictions, predictions, required_tar
+    from draftlab.tuner import format_predictions, format_what_if, predictions, required_tar
 
     profile = Profile.load(args.profile)
     preds = predictions(profile)
     print(format_predictions(preds, profile.target.autoregressive_tokens_per_s))
+    print(format_what_if(preds))
     if args.goal:
         print(f"TAR needed for {args.goal:.1f} tokens/s:")
         for p in preds:
@@ -351,7 +379,7 @@ def cmd_report(args) -> None:
     """Write the HTML report of a study database."""
     from draftlab.study.report import build_report
 
-    print(f"report: {build_report(args.db, args.out)}")
+    print(f"report: {build_report(args.db, args.out, args.profile)}")
 
 
 def cmd_export(args) -> None:

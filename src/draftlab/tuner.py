@@ -139,6 +139,29 @@ def latency_reduction_for_parity(tar: float, t_target: float, t_draft: float, be
     return 1.0 - needed_draft_time / t_draft
 
 
+def extra_tar_for_parity(tar: float, t_target: float, t_draft: float, best_tokens_per_s: float) -> float:
+    """TAR a draft must add to match `best_tokens_per_s` at its current latency (the study's Figure 7)."""
+    return required_tar(best_tokens_per_s, t_target, t_draft) - tar
+
+
+def format_what_if(preds: list[Prediction]) -> str:
+    """For each draft at its best K: what it would take to match the best draft (Table 5, Figure 7)."""
+    best_per_draft: dict[str, Prediction] = {}
+    for p in preds:
+        if p.draft not in best_per_draft or p.tokens_per_s > best_per_draft[p.draft].tokens_per_s:
+            best_per_draft[p.draft] = p
+    best = max(best_per_draft.values(), key=lambda p: p.tokens_per_s)
+    lines = [f"what it takes to match the best draft ({best.draft} K={best.k}, {best.tokens_per_s:.1f} tokens/s):",
+             f"{'draft':<18}{'K':>3}{'tok/s':>8}{'draft latency cut':>19}{'or extra TAR':>14}"]
+    for p in sorted(best_per_draft.values(), key=lambda p: -p.tokens_per_s):
+        cut = latency_reduction_for_parity(p.tokens_per_step, p.t_target, p.t_draft, best.tokens_per_s)
+        extra = extra_tar_for_parity(p.tokens_per_step, p.t_target, p.t_draft, best.tokens_per_s)
+        cut_text = f"{cut:.0%}" if cut <= 1 else "unreachable"
+        extra_text = f"+{extra:.2f}" if p.tokens_per_step + extra <= p.k + 1 else f"+{extra:.2f} (> K+1)"
+        lines.append(f"{p.draft:<18}{p.k:>3}{p.tokens_per_s:>8.1f}{cut_text:>19}{extra_text:>14}")
+    return "\n".join(lines)
+
+
 @dataclass(frozen=True)
 class Recommendation:
     """The tuner's choice, its predicted and measured speed, and how long tuning took."""

@@ -78,3 +78,18 @@ def test_report_files(study, tmp_path):
         assert name in html
         assert (page.parent / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (page.parent / "optimal.csv").read_text().startswith("target,dataset")
+
+
+def test_report_with_profile_checks_the_model(study, tmp_path):
+    from draftlab.calibrate import Profile
+    from draftlab.perfmodel import DraftProfile, TargetProfile
+
+    # decode time = wall - prefill(0): ngram K=2 measured 200 tokens / 10 s = 20 tok/s
+    target = TargetProfile("tgt", {1: 0.1, 2: 0.1, 3: 0.1, 4: 0.1, 5: 0.1})
+    profile = Profile(target, [DraftProfile("ngram", 0.0, [1.0, 1.0, 0.5, 0.5]),
+                               DraftProfile("layers:0-1", 0.01, [0.5, 0.3, 0.2])])
+    profile.save(tmp_path / "profile.json")
+    assert Profile.load(tmp_path / "profile.json").target.score_s[3] == 0.1
+    page = build_report(study, tmp_path / "report", tmp_path / "profile.json").read_text()
+    assert "Performance model" in page and "predicted_vs_measured.png" in page and "What-if" in page
+    assert (tmp_path / "report" / "predicted_vs_measured.png").exists()

@@ -153,6 +153,11 @@ def optimal_table(summaries: list[CellSummary], params: dict[str, int]) -> list[
         scaling = 1.0 if method == "ar" else (params[target] / draft_params if draft_params and target in params else None)
         rows.append(OptimalRow(target, dataset, temperature, method, s.drafter, s.k, s.speedup, s.speedup_min,
                                s.speedup_max, s.tokens_per_s, scaling))
+    datasets_per_target = defaultdict(set)
+    for r in rows:
+        datasets_per_target[r.target].add(r.dataset)
+    # With a single dataset, its 'all' rows would only repeat it.
+    rows = [r for r in rows if r.dataset != ALL or len(datasets_per_target[r.target]) > 2]
     order = {"ar": 0, "sps": 1, "asg": 2}
     return sorted(rows, key=lambda r: (r.target, r.dataset != ALL, r.dataset, r.temperature, order.get(r.method, 3)))
 
@@ -196,8 +201,12 @@ def write_csv(path: Path, items: list) -> None:
         writer.writerows(dicts)
 
 
-def build_report(db: str | Path, out: str | Path) -> Path:
-    """Write index.html, the PNGs and CSVs it shows, into `out`; return the HTML path."""
+def build_report(db: str | Path, out: str | Path, profile_path: str | Path | None = None) -> Path:
+    """Write index.html, the PNGs and CSVs it shows, into `out`; return the HTML path.
+
+    With a calibration profile, the page also checks the performance model against the
+    records (predicted vs measured, errors of both formulas) and shows the what-if tables.
+    """
     from draftlab.study import plots
 
     rows, params, envs = load_study(db)
@@ -208,9 +217,33 @@ def build_report(db: str | Path, out: str | Path) -> Path:
     write_csv(out / "cells.csv", summaries)
     write_csv(out / "optimal.csv", optimal)
     figures = plots.draw_all(summaries, out)
-    page = _html(db, summaries, optimal, figures, envs)
+    model_section = _model_section(profile_path, rows, out) if profile_path else ""
+    page = _html(db, summaries, optimal, figures, envs).replace("<h2>Every cell</h2>", model_section + "<h2>Every cell</h2>")
     (out / "index.html").write_text(page, encoding="utf-8")
     return out / "index.html"
+
+
+def _model_section(profile_path, rows: list[dict], out: Path) -> str:
+    """Performance model vs measurement, and what-if analyses, as HTML."""
+    from draftlab.calibrate import Profile
+    from draftlab.tuner import compare, error_summary, format_predictions, format_what_if, plot_comparison, predictions
+
+    profile = Profile.load(profile_path)
+    comparisons = compare(profile, rows)
+    errors = error_summary(comparisons)
+    plot_comparison(comparisons, out / "predicted_vs_measured.png")
+    preds = predictions(profile)
+    table = html.escape(format_predictions(preds, profile.target.autoregressive_tokens_per_s))
+    what_if = html.escape(format_what_if(preds))
+    return (
+        "<h2>Performance model</h2>"
+        f"<p>Decode throughput (prefill excluded) of {errors['cells']} SpS cells against the calibration profile "
+        f"<code>{html.escape(str(profile_path))}</code>. TAR / (t_target + t_draft): mean error "
+        f"{errors['simplified_mean_error']:.1%}, max {errors['simplified_max_error']:.1%}. Leviathan et al.: mean "
+        f"{errors['leviathan_mean_error']:.1%}, max {errors['leviathan_max_error']:.1%}.</p>"
+        "<img src='predicted_vs_measured.png' alt='predicted vs measured throughput'>"
+        f"<h3>Predictions</h3><pre>{table}</pre><h3>What-if</h3><pre>{what_if}</pre>"
+    )
 
 
 def _html(db, summaries: list[CellSummary], optimal: list[OptimalRow], figures: list[tuple[str, str]], envs) -> str:

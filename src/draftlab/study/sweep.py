@@ -19,7 +19,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from draftlab.api import SpeculativeDecoder, encode_prompt, eos_ids, parse_drafter_spec
+from draftlab.api import SpeculativeDecoder, build_drafter, encode_prompt, eos_ids, parse_drafter_spec
+from draftlab.policy import FixedK
 from draftlab.datasets import Prompt, load_prompts
 from draftlab.errors import DraftlabError
 from draftlab.hf_reference import assisted_kwargs, hf_generate
@@ -140,16 +141,19 @@ class CellRunner:
         self.target = target
         self.config = config
         self.eos = eos_ids(target)
-        self.decoders: dict[tuple[str, int], SpeculativeDecoder] = {}
+        self.baseline = SpeculativeDecoder.from_names(target, drafter="none", k=1, backend=config.backend)
+        self.by_drafter: dict[str, SpeculativeDecoder] = {}
 
     def decoder(self, drafter: str, k: int) -> SpeculativeDecoder:
-        """Our decoder for (drafter, K); drafter 'none' is the baseline."""
-        key = (drafter, k)
-        if key not in self.decoders:
-            self.decoders[key] = SpeculativeDecoder.from_names(
-                self.target, drafter=drafter, k=max(k, 1), backend=self.config.backend
+        """Our decoder for (drafter, K); drafter 'none' is the baseline. One drafter and target backend are shared."""
+        if drafter == "none":
+            return self.baseline
+        if drafter not in self.by_drafter:
+            draft, draft_model = build_drafter(parse_drafter_spec(drafter), self.target, self.config.backend)
+            self.by_drafter[drafter] = SpeculativeDecoder(
+                self.target, draft, FixedK(1), draft_model, self.config.backend, self.baseline.target_backend
             )
-        return self.decoders[key]
+        return self.by_drafter[drafter].with_policy(FixedK(k))
 
     def run(self, cell: Cell, prompt: Prompt, prompt_ids: list[int]) -> Record:
         """Measure one prompt in one cell."""
