@@ -50,7 +50,7 @@ def test_optimal_table_from_records(study):
     asg = table[("code", "asg")]
     assert (asg.drafter, asg.k, asg.speedup, asg.scaling) == ("layers:0-1", 3, pytest.approx(1.25), 4.0)
     assert table[("code", "ar")].speedup == pytest.approx(1.0)
-    assert table[("all", "sps")].speedup == pytest.approx(2.0)
+    assert ("all", "sps") not in table  # one dataset: its "all" rows would only repeat it
     text = format_optimal(list(table.values()))
     assert "ngram" in text and "2.000x" in text
 
