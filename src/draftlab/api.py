@@ -11,7 +11,8 @@ Drafter spec strings (also used by the CLI):
   layers:SPEC                self-draft from target layers; SPEC is a comma list
                              of indices, ranges a-b and strided ranges a-b:s,
                              e.g. layers:0-3, layers:0-29:2, layers:0-3,26-29
-  model:NAME_OR_PATH         a separate draft model with the target's tokenizer
+  model:NAME_OR_PATH         a separate draft model with the target's tokenizer, or a
+                             draft directory made by `draftlab design prune/distill`
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from draftlab.drafters import (
     build_layer_draft,
     check_compatible,
 )
+from draftlab.design.prune import is_draft_dir, load_draft
 from draftlab.engine import GenerationConfig, GenerationResult, SpeculativeEngine
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel, ModelSpec, load_model
@@ -99,6 +101,11 @@ def build_drafter(plan: DraftPlan, target: LoadedModel, backend: str = "auto") -
         return NGramDrafter(max_n=plan.ngram[1], min_n=plan.ngram[0]), None
     if plan.kind == "layers":
         draft = build_layer_draft(target, plan.layers)
+    elif is_draft_dir(plan.model):
+        designed = load_draft(plan.model, target)
+        drafter = ModelDrafter(make_backend(designed.model.model, target.device, backend), designed.model.name,
+                               designed.vocab_map, target.vocab_size)
+        return drafter, designed.model
     else:
         draft = load_model(ModelSpec(plan.model, device=str(target.device), dtype=_dtype_name(target)))
         check_compatible(target, draft)

@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 
+from draftlab.cli_design import add_design_commands
 from draftlab.errors import DraftlabError
 from draftlab.models import DEFAULT_TARGET
 
@@ -81,33 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tune_args(tune)
     tune.add_argument("--budget", type=float, default=None, help="seconds; skip the confirmation run if exceeded")
     tune.set_defaults(run=cmd_tune)
-    design = sub.add_parser("design", help="draft design tools").add_subparsers(dest="design", required=True)
-    micro = design.add_parser("microbench", help="decode latency vs depth and width in the target's family")
-    micro.add_argument("--target", default=DEFAULT_TARGET)
-    micro.add_argument("--out", required=True, help="folder for the table (JSON) and plots")
-    micro.add_argument("--context", type=int, default=128)
-    micro.add_argument("--steps", type=int, default=20)
-    micro.add_argument("--threads", type=int, default=None)
-    micro.set_defaults(run=cmd_microbench)
+    add_design_commands(sub)
     return parser
-
-
-def cmd_microbench(args) -> None:
-    """Time random-weight shapes of the target's family; print, plot, save."""
-    from pathlib import Path
-
-    from transformers import AutoConfig
-
-    from draftlab.design import microbench
-    from draftlab.models import resolve_directory
-
-    config = AutoConfig.from_pretrained(resolve_directory(args.target))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    timings = microbench.run(config, args.context, args.steps)
-    print(microbench.format_table(timings))
-    for path in [microbench.save(timings, out), *microbench.plot(timings, out)]:
-        print(f"wrote {path}")
 
 
 def _add_tune_args(parser: argparse.ArgumentParser) -> None:

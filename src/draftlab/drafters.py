@@ -105,9 +105,15 @@ class ModelDrafter:
     can disagree with the new one; that part is rolled back and re-fed.
     """
 
-    def __init__(self, backend: Backend, name: str = "model") -> None:
+    def __init__(self, backend: Backend, name: str = "model", vocab_map: torch.Tensor | None = None,
+                 target_vocab_size: int | None = None) -> None:
+        """vocab_map [V']: target token id of each draft output row, for drafts with a cut vocabulary."""
+        if vocab_map is not None and target_vocab_size is None:
+            raise DraftlabError("a draft with a vocabulary map needs the target's vocabulary size")
         self.backend = backend
         self.name = name
+        self.vocab_map = vocab_map
+        self.target_vocab_size = target_vocab_size
         self._fed: list[int] = []
         self._stable = 0  # prefix of _fed known to be committed
 
@@ -122,7 +128,7 @@ class ModelDrafter:
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         for i in range(k):
-            token, token_probs = choose(logits, sampling, generator)
+            token, token_probs = self._choose(logits, sampling, generator)
             tokens.append(token)
             if token_probs is not None:
                 probs.append(token_probs)
@@ -131,6 +137,16 @@ class ModelDrafter:
                 self._fed.append(token)
         self._stable = len(context)
         return Proposal(tokens, torch.stack(probs) if probs else None)
+
+    def _choose(self, logits, sampling, generator) -> tuple[int, torch.Tensor | None]:
+        """Pick a token from the draft's logits [V'] and express it (and its probabilities) in target ids."""
+        token, token_probs = choose(logits, sampling, generator)
+        if self.vocab_map is None:
+            return token, token_probs
+        if token_probs is not None:
+            full = torch.zeros(self.target_vocab_size, dtype=token_probs.dtype)  # [V]
+            token_probs = full.index_copy_(0, self.vocab_map, token_probs)
+        return int(self.vocab_map[token]), token_probs
 
     def _catch_up(self, context: Sequence[int]) -> torch.Tensor:
         """Roll back to the longest common prefix with `context`, feed the rest; logits [V] after it."""

@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 
 from draftlab.api import DraftPlan
+from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel
 from draftlab.sampling import SamplingConfig
 
@@ -24,8 +25,11 @@ def assisted_kwargs(plan: DraftPlan, draft: LoadedModel | None, k: int) -> dict:
 
     if plan.kind == "ngram":
         return {"prompt_lookup_num_tokens": k, "max_matching_ngram_size": plan.ngram[1]}
-    if draft is None:
-        raise ValueError(f"no HF counterpart for drafter kind {plan.kind!r}")
+    if draft is None or draft.vocab_size != draft.model.config.vocab_size:
+        raise DraftlabError(
+            f"{plan.kind} draft {draft.name if draft else ''} has no HF assisted-generation counterpart "
+            "(HF needs a draft with the target's full vocabulary)"
+        )
     draft.model.generation_config = GenerationConfig(
         num_assistant_tokens=k, num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0,
     )

@@ -175,6 +175,14 @@ class CellRunner:
             s.wall_s, token_sha(result.token_ids),
         )
 
+    def asg_supported(self, drafter: str) -> bool:
+        """Whether HF assisted generation can run this drafter (n-gram, or a full-vocabulary model draft)."""
+        try:
+            assisted_kwargs(parse_drafter_spec(drafter), self.decoder(drafter, 1).draft_model, 1)
+        except DraftlabError:
+            return False
+        return True
+
     def warm_up(self, cells: list[Cell], prompt: Prompt, prompt_ids: list[int]) -> None:
         """Untimed short runs through every path: first calls pay one-off costs."""
         for cell in cells:
@@ -201,7 +209,11 @@ def run_sweep(config: SweepConfig, store: ResultsStore, progress: bool = True) -
         run_id = store.start_run(environment(config, target))
         runner = CellRunner(target, config)
         _record_params(store, runner, config, target_name)
+        skipped = {d for d in config.drafters if "asg" in config.methods and not runner.asg_supported(d)}
+        for drafter in sorted(skipped):
+            print(f"sweep: no HF assisted-generation counterpart for {drafter}; its asg cells are skipped")
         for cells, prompts in plan[target_name]:
+            cells = [c for c in cells if not (c.method == "asg" and c.drafter in skipped)]
             encoded = {p.id: encode_prompt(target.tokenizer, p.text, p.chat) for p in prompts}
             pending = [(c, p) for p in prompts for c in cells if (c.key, p.id) not in done]
             if pending and config.warmup:

@@ -1,0 +1,180 @@
+"""`draftlab design ...`: microbench, prune, distill, correlate."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from draftlab.errors import DraftlabError
+from draftlab.models import DEFAULT_TARGET
+
+
+def add_design_commands(sub) -> None:
+    """Register the design subcommands on the top-level subparsers."""
+    design = sub.add_parser("design", help="draft design: microbench, prune, distill, correlate")
+    commands = design.add_subparsers(dest="design", required=True)
+
+    micro = commands.add_parser("microbench", help="decode latency vs depth and width in the target's family")
+    micro.add_argument("--target", default=DEFAULT_TARGET)
+    micro.add_argument("--out", required=True, help="folder for the table (JSON) and plots")
+    micro.add_argument("--context", type=int, default=128)
+    micro.add_argument("--steps", type=int, default=20)
+    micro.set_defaults(run=cmd_microbench)
+
+    prune = commands.add_parser("prune", help="cut a draft from the target: layers (chosen or searched), vocabulary")
+    _add_text_args(prune)
+    layers = prune.add_mutually_exclusive_group(required=True)
+    layers.add_argument("--layers", help="layer list, e.g. 0-3 or 0-29:10")
+    layers.add_argument("--search", type=int, help="search this many layers for the best agreement with the target")
+    prune.add_argument("--vocab", type=int, default=None, help="keep only this many most frequent output tokens")
+    prune.add_argument("--out", required=True, help="draft directory (use it as --drafter model:DIR)")
+    prune.set_defaults(run=cmd_prune)
+
+    distill = commands.add_parser("distill", help="train a draft on the target's distributions within a budget")
+    _add_text_args(distill)
+    distill.add_argument("--init", help="a pruned draft directory to start from (default: --layers/--vocab)")
+    distill.add_argument("--layers", default="0-3")
+    distill.add_argument("--vocab", type=int, default=None)
+    distill.add_argument("--out", required=True, help="draft directory; holds checkpoints, resumes if present")
+    distill.add_argument("--budget", type=float, default=600.0, help="training seconds (excluding the teacher pass)")
+    distill.add_argument("--checkpoint-every", type=float, default=60.0, help="seconds between checkpoints")
+    distill.add_argument("--seq-len", type=int, default=128)
+    distill.add_argument("--batch-size", type=int, default=8)
+    distill.add_argument("--lr", type=float, default=2e-3)
+    distill.add_argument("--top-k", type=int, default=32, help="teacher logits cached per position")
+    distill.set_defaults(run=cmd_distill)
+
+    correlate = commands.add_parser("correlate", help="draft LM quality (perplexity, MMLU) against TAR")
+    correlate.add_argument("--target", default=DEFAULT_TARGET)
+    correlate.add_argument("--drafts", nargs="+", required=True, help="drafter specs: layers:..., model:DIR")
+    correlate.add_argument("--dataset", default="mt-bench", help="prompts for TAR")
+    correlate.add_argument("--limit", type=int, default=4)
+    correlate.add_argument("--k", type=int, default=4)
+    correlate.add_argument("--max-new-tokens", type=int, default=64)
+    correlate.add_argument("--mmlu", type=int, default=40, help="MMLU questions to score")
+    correlate.add_argument("--out", required=True)
+    correlate.set_defaults(run=cmd_correlate)
+
+    for parser in (micro, prune, distill, correlate):
+        parser.add_argument("--threads", type=int, default=None)
+        parser.add_argument("--no-progress", action="store_true")
+
+
+def _add_text_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--datasets", nargs="*", default=["mt-bench", "xsum", "humaneval", "math"],
+                        help="prompt sets whose prompts are training / calibration text")
+    parser.add_argument("--limit", type=int, default=150, help="prompts per set")
+    parser.add_argument("--generate", type=int, default=24, help="prompts continued by the target (its own outputs)")
+    parser.add_argument("--max-new-tokens", type=int, default=96, help="length of those continuations")
+    parser.add_argument("--corpus", help="extra text: a .txt (blank-line separated) or .jsonl ('text') file")
+
+
+def _target_and_text(args):
+    from draftlab.design.corpus import gather
+    from draftlab.models import load_model
+
+    target = load_model(args.target)
+    sequences = gather(target, args.datasets, args.limit, args.generate, args.max_new_tokens, args.corpus,
+                       progress=not args.no_progress)
+    return target, sequences
+
+
+def _vocab_map(target, sequences, size):
+    from draftlab.api import eos_ids
+    from draftlab.design.prune import frequent_tokens
+
+    if size is None:
+        return None
+    if not 1 <= size <= target.vocab_size:
+        raise DraftlabError(f"--vocab must be in 1..{target.vocab_size}, got {size}")
+    return frequent_tokens(sequences, size, always=eos_ids(target))
+
+
+def cmd_microbench(args) -> None:
+    """Time random-weight shapes of the target's family; print, plot, save."""
+    from transformers import AutoConfig
+
+    from draftlab.design import microbench
+    from draftlab.models import resolve_directory
+
+    config = AutoConfig.from_pretrained(resolve_directory(args.target))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    timings = microbench.run(config, args.context, args.steps, progress=not args.no_progress)
+    print(microbench.format_table(timings))
+    for path in [microbench.save(timings, out), *microbench.plot(timings, out)]:
+        print(f"wrote {path}")
+
+
+def cmd_prune(args) -> None:
+    """Build and save a pruned draft, with its agreement on held-out calibration text."""
+    import torch
+
+    from draftlab.api import parse_layers
+    from draftlab.design.prune import agreement, build_draft, save_draft, search_layers, target_next_tokens
+
+    target, sequences = _target_and_text(args)
+    vocab_map = _vocab_map(target, sequences, args.vocab)
+    tensors = [torch.tensor(s[:256]) for s in sequences if len(s) > 1]
+    calibration, held_out = tensors[: max(1, len(tensors) * 3 // 4)], tensors[max(1, len(tensors) * 3 // 4):] or tensors
+    if args.search:
+        layers, _ = search_layers(target, calibration, args.search, vocab_map, progress=not args.no_progress)
+        how = f"greedy search for {args.search} layers on {sum(map(len, calibration))} calibration tokens"
+    else:
+        layers = parse_layers(args.layers, target.model.config.num_hidden_layers)
+        how = f"layers {args.layers}"
+    draft = build_draft(target, layers, vocab_map)
+    score = agreement(target_next_tokens(target, held_out), draft, held_out)
+    draft.made = {"method": "prune", "how": how, "layers": layers, "vocab": args.vocab,
+                  "held_out_agreement": round(score, 4), "held_out_tokens": sum(map(len, held_out))}
+    save_draft(draft, args.out, args.target)
+    print(f"prune: layers {layers}, vocabulary {args.vocab or 'full'}, held-out agreement with the target "
+          f"{score:.1%} -> {args.out} (use --drafter model:{args.out})")
+
+
+def cmd_distill(args) -> None:
+    """Distil a draft within the budget; resumes from --out's checkpoint."""
+    from draftlab.api import parse_layers
+    from draftlab.design.distill import CHECKPOINT, DistillSettings, distill
+    from draftlab.design.prune import build_draft, is_draft_dir, load_draft
+
+    settings = DistillSettings(budget_s=args.budget, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
+                               top_k=args.top_k, checkpoint_every_s=args.checkpoint_every)
+    target, sequences = _target_and_text(args)
+    out = Path(args.out)
+    start = out if (out / CHECKPOINT).exists() else (Path(args.init) if args.init else None)
+    if start is not None and is_draft_dir(start):
+        draft = load_draft(start, target)
+    else:
+        draft = build_draft(target, parse_layers(args.layers, target.model.config.num_hidden_layers),
+                            _vocab_map(target, sequences, args.vocab))
+    draft.made = {**draft.made, "method": "prune+distill"}
+    distill(target, draft, sequences, out, settings, args.target, progress=not args.no_progress)
+    history = draft.made.get("distill", {}).get("history", [])
+    if history:
+        last = history[-1]
+        print(f"distill: {last['tokens']} tokens in {last['elapsed_s']:.0f}s, held-out agreement "
+              f"{history[0]['held_out_agreement']:.1%} -> {last['held_out_agreement']:.1%} -> {out}")
+
+
+def cmd_correlate(args) -> None:
+    """Quality vs TAR for a set of drafts."""
+    import random
+
+    from draftlab.api import encode_prompt
+    from draftlab.datasets import load_prompts, mmlu_items
+    from draftlab.design import correlate
+    from draftlab.design.corpus import prompt_sequences
+    from draftlab.models import load_model
+
+    target = load_model(args.target)
+    # The last xsum documents: outside what `design distill` trains on by default (the first --limit).
+    held_out = [s[:256] for s in prompt_sequences(target, ["xsum"], None)[-8:]]
+    items = mmlu_items()
+    mmlu = random.Random(0).sample(items, min(args.mmlu, len(items)))
+    prompts = [encode_prompt(target.tokenizer, p.text, p.chat) for p in load_prompts(args.dataset, args.limit)]
+    results = correlate.measure(target, args.drafts, held_out, mmlu, prompts, args.k, args.max_new_tokens,
+                                progress=not args.no_progress)
+    corr = correlate.write(results, Path(args.out))
+    print(correlate.format_table(results, corr))

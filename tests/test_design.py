@@ -1,0 +1,160 @@
+"""Designed drafts: pruning, the draft file format, cut vocabularies, distillation and its resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from draftlab.api import SpeculativeDecoder
+from draftlab.design.distill import DistillSettings, distill, soft_cross_entropy, windows
+from draftlab.design.prune import (
+    agreement,
+    build_draft,
+    frequent_tokens,
+    load_draft,
+    save_draft,
+    search_layers,
+    target_next_tokens,
+)
+from draftlab.drafters import ModelDrafter, NoDrafter
+from draftlab.engine import GenerationConfig, SpeculativeEngine
+from draftlab.errors import DraftlabError
+from draftlab.fast_llama import make_backend
+from draftlab.policy import FixedK
+from draftlab.sampling import SamplingConfig
+from tests.conftest import tiny_llama, tiny_model_dir
+
+SEQUENCES = [[(i * 7 + j * 3) % 60 for j in range(40)] for i in range(6)]
+
+
+def test_frequent_tokens_and_draft_round_trip(tiny_target, tmp_path):
+    vocab_map = frequent_tokens(SEQUENCES, 20, always=(63,))
+    assert len(vocab_map) == 20 and 63 in vocab_map.tolist() and vocab_map.tolist() == sorted(vocab_map.tolist())
+    draft = build_draft(tiny_target, [0, 2], vocab_map)
+    assert draft.model.model.lm_head.weight.shape[0] == 20
+    assert draft.model.model.model.embed_tokens.weight.data_ptr() == tiny_target.model.model.embed_tokens.weight.data_ptr()
+    before = tiny_target.model.model.layers[0].mlp.up_proj.weight.clone()
+    draft.model.model.model.layers[0].mlp.up_proj.weight.data.add_(1.0)  # the draft owns copies of its layers
+    assert torch.equal(tiny_target.model.model.layers[0].mlp.up_proj.weight, before)
+    save_draft(draft, tmp_path / "d", "tiny")
+    files = sorted(p.name for p in (tmp_path / "d").iterdir())
+    assert files == ["draftlab_draft.json", "weights.safetensors"]
+    loaded = load_draft(tmp_path / "d", tiny_target)
+    assert loaded.layers == [0, 2] and torch.equal(loaded.vocab_map, vocab_map)
+    tokens = torch.tensor([[1, 2, 3, 4]])
+    with torch.inference_mode():
+        torch.testing.assert_close(loaded.model.model(input_ids=tokens).logits, draft.model.model(input_ids=tokens).logits)
+
+
+def test_cut_vocabulary_draft_is_lossless(tiny_target):
+    vocab_map = frequent_tokens(SEQUENCES, 24)
+    draft = build_draft(tiny_target, [0, 1, 2], vocab_map)
+    prompt = SEQUENCES[0][:8]
+    config = GenerationConfig(max_new_tokens=30)
+    expected = SpeculativeEngine(make_backend(tiny_target.model), NoDrafter(), context_length=512).generate(prompt, config)
+    for k in (1, 3, 5):
+        drafter = ModelDrafter(make_backend(draft.model.model), "cut", vocab_map, tiny_target.vocab_size)
+        engine = SpeculativeEngine(make_backend(tiny_target.model), drafter, FixedK(k), context_length=512)
+        assert engine.generate(prompt, config).token_ids == expected.token_ids
+    # sampling: the draft's probabilities are expressed over the full vocabulary
+    drafter = ModelDrafter(make_backend(draft.model.model), "cut", vocab_map, tiny_target.vocab_size)
+    drafter.begin(prompt)
+    proposal = drafter.propose(prompt, 3, SamplingConfig(1.0), torch.Generator().manual_seed(0))
+    assert proposal.draft_probs.shape == (3, tiny_target.vocab_size)
+    assert set(proposal.tokens) <= set(vocab_map.tolist())
+    outside = torch.ones(tiny_target.vocab_size, dtype=torch.bool)
+    outside[vocab_map] = False
+    assert proposal.draft_probs[:, outside].sum() == 0
+    with pytest.raises(DraftlabError):
+        ModelDrafter(make_backend(draft.model.model), "cut", vocab_map)
+
+
+def test_layer_search_beats_or_matches_first_layers(tiny_target):
+    sequences = [torch.tensor(s) for s in SEQUENCES]
+    chosen, score = search_layers(tiny_target, sequences, 2, progress=False)
+    first = agreement(target_next_tokens(tiny_target, sequences), build_draft(tiny_target, [0, 1]), sequences)
+    assert len(chosen) == 2 and score >= first
+
+
+def test_distillation_raises_agreement(tiny_target, tmp_path):
+    draft = build_draft(tiny_target, [0])
+    sequences = [[(i * 5 + j * j) % 60 for j in range(64)] for i in range(40)]
+    settings = DistillSettings(budget_s=6.0, seq_len=32, batch_size=8, lr=5e-3, checkpoint_every_s=2.0, top_k=8)
+    distill(tiny_target, draft, sequences, tmp_path / "d", settings, "tiny", progress=False)
+    history = draft.made["distill"]["history"]
+    assert len(history) >= 2
+    assert history[-1]["held_out_agreement"] > history[0]["held_out_agreement"] or history[-1]["held_out_agreement"] > 0.5
+    assert load_draft(tmp_path / "d", tiny_target).made["distill"]["history"] == history
+
+
+def test_soft_cross_entropy_is_minimal_at_the_teacher():
+    teacher_values = torch.tensor([[[2.0, 1.0, 0.0]]])
+    rows = torch.tensor([[[0, 1, 2]]])
+    valid = torch.ones_like(rows, dtype=torch.bool)
+    exact = soft_cross_entropy(teacher_values.clone(), teacher_values, rows, valid)
+    worse = soft_cross_entropy(torch.tensor([[[0.0, 1.0, 2.0]]]), teacher_values, rows, valid)
+    assert exact < worse
+    with pytest.raises(DraftlabError):
+        windows([[1, 2, 3]], 8)
+
+
+def _distill_command(model, prompts, out):
+    return [sys.executable, "-m", "draftlab.cli", "design", "distill", "--target", str(model), "--datasets",
+            str(prompts), "--generate", "0", "--layers", "0", "--out", str(out), "--budget", "8",
+            "--checkpoint-every", "1", "--seq-len", "16", "--batch-size", "4", "--top-k", "8", "--no-progress"]
+
+
+def test_killed_distillation_resumes_from_its_last_checkpoint(tmp_path):
+    model = tiny_model_dir(tmp_path / "tiny")
+    prompts = tmp_path / "text.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(f"w{(i * 3 + j) % 60}" for j in range(48))}) + "\n"
+                               for i in range(30)))
+    out = tmp_path / "draft"
+    process = subprocess.Popen(_distill_command(model, prompts, out), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    while process.poll() is None and time.time() < deadline:
+        if (out / "checkpoint.pt").exists() and _logged_elapsed(out) > 3.0:
+            break
+        time.sleep(0.05)
+    assert process.poll() is None, process.communicate()
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    killed_at = _logged_elapsed(out)
+    checkpoint = torch.load(out / "checkpoint.pt", weights_only=False)
+    lost = killed_at - checkpoint["elapsed"]
+    assert 0 <= lost <= 1.0 + 0.5, f"lost {lost:.2f}s of training, more than one checkpoint interval"
+    resumed = subprocess.run(_distill_command(model, prompts, out), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming from step {checkpoint['step']}" in resumed.stdout
+    final = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert final["elapsed"] >= 8.0 and final["step"] > checkpoint["step"]
+    steps = [json.loads(line)["step"] for line in (out / "distill_log.jsonl").read_text().splitlines()]
+    restart = len(steps) - 1 - steps[::-1].index(checkpoint["step"] + 1)  # where the resumed run began
+    assert steps[restart:] == list(range(checkpoint["step"] + 1, final["step"] + 1))
+    assert steps[restart - 1] >= checkpoint["step"]  # the killed run got at least to its checkpoint
+
+
+def _logged_elapsed(out) -> float:
+    log = out / "distill_log.jsonl"
+    if not log.exists():
+        return 0.0
+    lines = [line for line in log.read_text().splitlines() if line.endswith("}")]
+    return json.loads(lines[-1])["elapsed_s"] if lines else 0.0
+
+
+def test_designed_draft_through_the_api(tmp_path):
+    model_dir = tiny_model_dir(tmp_path / "tiny")
+    decoder = SpeculativeDecoder.from_names(str(model_dir), drafter="none", k=1)
+    draft = build_draft(decoder.target, [0, 1], frequent_tokens(SEQUENCES, 30))
+    save_draft(draft, tmp_path / "d", str(model_dir))
+    spec = SpeculativeDecoder.from_names(decoder.target, drafter=f"model:{tmp_path / 'd'}", k=3)
+    prompt = "w1 w2 w3 w4 w5"
+    assert spec.generate(prompt, max_new_tokens=20).token_ids == decoder.generate(prompt, max_new_tokens=20).token_ids
+    assert spec.draft_model.vocab_size == 30
