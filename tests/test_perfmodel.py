@@ -35,16 +35,27 @@ def test_leviathan_edges():
 
 
 def test_tokens_per_step_from_acceptance_at_kmax():
-    # steps at K_max = 3 accepted 0, 1, 3, 3: P(>=1) = 3/4, P(>=2) = 2/4, P(>=3) = 2/4
-    at_least = accepted_at_least([0, 1, 3, 3, 2], [3, 3, 3, 3, 2], 3)  # the truncated last step is ignored
-    assert at_least == [0.75, 0.5, 0.5]
-    assert expected_tokens_per_step(at_least, 1) == pytest.approx(1.75)
-    assert expected_tokens_per_step(at_least, 3) == pytest.approx(2.75)
+    # steps at K_max = 3 accepted 0, 1, 3, 3, 2: P(>=1) = 4/5, P(>=2) = 3/5, P(>=3) = 2/5
+    at_least = accepted_at_least([0, 1, 3, 3, 2], [3, 3, 3, 3, 2], 3)
+    assert at_least == [0.8, 0.6, 0.4]
+    assert expected_tokens_per_step(at_least, 1) == pytest.approx(1.8)
+    assert expected_tokens_per_step(at_least, 3) == pytest.approx(2.8)
     # the same as min(accepted at K_max, K) + 1 averaged over steps
-    assert expected_tokens_per_step(at_least, 2) == pytest.approx(1 + (0 + 1 + 2 + 2) / 4)
+    assert expected_tokens_per_step(at_least, 2) == pytest.approx(1 + (0 + 1 + 2 + 2 + 2) / 5)
     with pytest.raises(ValueError):
         expected_tokens_per_step(at_least, 4)
     assert accepted_at_least([], [], 2) == [0.0, 0.0]
+
+
+def test_lookup_drafts_that_propose_less_than_k():
+    """An n-gram step with no match drafts nothing: the target then scores a smaller block."""
+    target = TargetProfile("t", {1: 0.030, 2: 0.034, 3: 0.038})
+    draft = DraftProfile("ngram", 0.0, [0.25, 0.25], per_step_draft_s=0.001, drafted_at_least=[0.5, 0.5])
+    assert draft.expected_drafted(2) == pytest.approx(1.0)
+    assert target.t_target(2.0) == pytest.approx(0.034) and target.t_target(1.5) == pytest.approx(0.032)
+    p = predict(target, draft, 2)
+    assert p.t_target == pytest.approx(0.034) and p.t_draft == pytest.approx(0.001)
+    assert p.tokens_per_s == pytest.approx(1.5 / 0.035)
 
 
 def test_simplified_throughput():

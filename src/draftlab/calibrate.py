@@ -26,7 +26,7 @@ from draftlab.datasets import Prompt
 from draftlab.drafters import ModelDrafter, NGramDrafter
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel
-from draftlab.perfmodel import DraftProfile, TargetProfile, accepted_at_least
+from draftlab.perfmodel import DraftProfile, TargetProfile, accepted_at_least, at_least
 from draftlab.sampling import SamplingConfig
 
 
@@ -140,7 +140,8 @@ def _profile_draft(spec, decoder: SpeculativeDecoder, context, encoded, settings
         stats = decoder.generate(ids, max_new_tokens=settings.max_new_tokens).stats
         accepted += stats.accepted_per_step_list
         drafted += stats.drafted_per_step_list
-    return DraftProfile(spec, per_token, accepted_at_least(accepted, drafted, settings.k_max), per_step)
+    return DraftProfile(spec, per_token, accepted_at_least(accepted, drafted, settings.k_max), per_step,
+                        at_least(drafted, settings.k_max) if isinstance(drafter, NGramDrafter) else [])
 
 
 def _overhead_per_step(decoder: SpeculativeDecoder, encoded, settings) -> float:

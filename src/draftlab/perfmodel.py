@@ -4,8 +4,9 @@ Two formulas, with the inputs they need:
 
 - The simplified model of "Decoding Speculative Decoding":
       Tput(K) = TAR(K) / (t_target(K) + t_draft(K))   (1 / (...) when TAR <= 1)
-  where t_target(K) is the time to score a block of K+1 tokens and t_draft(K)
-  the time to draft K tokens. TAR(K) comes from per-position acceptance
+  where t_target(K) is the time to score the step's block (1 + the tokens
+  drafted; an n-gram lookup often drafts fewer than K) and t_draft(K) the
+  time to draft them. TAR(K) comes from per-position acceptance
   measured once at K_max: with greedy verification, the accepted count at
   K <= K_max is min(accepted at K_max, K) (the first K drafted tokens do not
   depend on K), so E[accepted(K)] = sum_{j=1..K} P(accepted >= j).
@@ -32,12 +33,20 @@ def expected_tokens_per_step(accepted_at_least: list[float], k: int) -> float:
     return 1.0 + sum(accepted_at_least[:k])
 
 
-def accepted_at_least(accepted_per_step: list[int], drafted_per_step: list[int], k_max: int) -> list[float]:
-    """P(accepted >= j) for j = 1..k_max over steps that drafted k_max tokens (a full draft)."""
-    full = [a for a, d in zip(accepted_per_step, drafted_per_step) if d == k_max]
-    if not full:
+def at_least(counts: list[int], k_max: int) -> list[float]:
+    """P(count >= j) for j = 1..k_max over all steps (counts of accepted, or of drafted, tokens)."""
+    if not counts:
         return [0.0] * k_max
-    return [sum(a >= j for a in full) / len(full) for j in range(1, k_max + 1)]
+    return [sum(c >= j for c in counts) / len(counts) for j in range(1, k_max + 1)]
+
+
+def accepted_at_least(accepted_per_step: list[int], drafted_per_step: list[int], k_max: int) -> list[float]:
+    """P(accepted >= j), j = 1..k_max, over every step of a run at K_max.
+
+    Steps that drafted fewer than K_max tokens (an n-gram lookup that found no
+    match proposes nothing) count too: leaving them out would overstate TAR.
+    """
+    return at_least(accepted_per_step, k_max)
 
 
 def leviathan_tokens_per_step(acceptance: float, k: int) -> float:
@@ -62,9 +71,10 @@ class DraftProfile:
     """What the model needs to know about one draft."""
 
     name: str
-    draft_s_per_token: float  # time to draft one token (n-gram: one lookup per step, spread over K)
+    draft_s_per_token: float  # time to draft one token with a model draft (0 for n-gram lookup)
     accepted_at_least: list[float]  # P(accepted >= j), j = 1..K_max
     per_step_draft_s: float = 0.0  # a fixed cost per step (n-gram lookup), on top of per-token time
+    drafted_at_least: list[float] = field(default_factory=list)  # P(drafted >= j); empty: always K
 
     @property
     def k_max(self) -> int:
@@ -76,9 +86,13 @@ class DraftProfile:
         expected_accepted = sum(self.accepted_at_least)
         return expected_accepted / self.k_max if self.k_max else 0.0
 
+    def expected_drafted(self, k: int) -> float:
+        """Mean tokens drafted per step at K: sum_{j<=K} P(drafted >= j) (K for a model draft)."""
+        return sum(self.drafted_at_least[:k]) if self.drafted_at_least else float(k)
+
     def t_draft(self, k: int) -> float:
-        """Seconds to draft K tokens."""
-        return self.per_step_draft_s + k * self.draft_s_per_token
+        """Seconds spent drafting per step at K."""
+        return self.per_step_draft_s + self.expected_drafted(k) * self.draft_s_per_token
 
 
 @dataclass
@@ -89,9 +103,11 @@ class TargetProfile:
     score_s: dict[int, float] = field(default_factory=dict)  # block size -> seconds
     overhead_s_per_step: float = 0.0  # engine bookkeeping per step
 
-    def t_target(self, k: int) -> float:
-        """Seconds to score a block of K+1 tokens."""
-        return self.score_s[k + 1]
+    def t_target(self, block: float) -> float:
+        """Seconds to score a block of `block` tokens, interpolated linearly between measured sizes."""
+        low = max(1, min(int(block), max(self.score_s) - 1))
+        fraction = block - low
+        return self.score_s[low] + fraction * (self.score_s[low + 1] - self.score_s[low])
 
     @property
     def autoregressive_tokens_per_s(self) -> float:
@@ -118,7 +134,7 @@ class Prediction:
 def predict(target: TargetProfile, draft: DraftProfile, k: int) -> Prediction:
     """Predict throughput of `draft` at K with both formulas."""
     tar = expected_tokens_per_step(draft.accepted_at_least, k)
-    t_target = target.t_target(k) + target.overhead_s_per_step
+    t_target = target.t_target(1 + draft.expected_drafted(k)) + target.overhead_s_per_step
     t_draft = draft.t_draft(k)
     tokens_per_s = simplified_throughput(tar, t_target, t_draft)
     ar = target.autoregressive_tokens_per_s
