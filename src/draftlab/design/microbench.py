@@ -56,12 +56,22 @@ def shapes_for(config) -> list[Shape]:
     mlp_ratio = config.intermediate_size / config.hidden_size
     depth = config.num_hidden_layers
 
-    def shape(series, layers, hidden):
+    def shape(series, layers, hidden, layer_params=None):
         heads = max(group, _round(hidden / head_dim, group))
         hidden = heads * head_dim
-        return Shape(series, layers, hidden, heads, heads // group, _round(hidden * mlp_ratio, 64))
+        kv = heads // group
+        attention = 2 * hidden * hidden + 2 * hidden * kv * head_dim  # q, o and k, v projections
+        if layer_params is None:
+            intermediate = _round(hidden * mlp_ratio, 64)
+        else:  # fill the layer's parameter budget with the MLP, so the total stays fixed
+            intermediate = _round(max(layer_params - attention, 3 * hidden * 64) / (3 * hidden), 64)
+        return Shape(series, layers, hidden, heads, kv, intermediate)
 
-    fixed_params = [shape("fixed_params", n, config.hidden_size * (depth / n) ** 0.5)
+    target_layer = shape("target", 1, config.hidden_size)
+    per_layer = 2 * target_layer.hidden ** 2 + 2 * target_layer.hidden * target_layer.kv_heads * head_dim \
+        + 3 * target_layer.hidden * target_layer.intermediate
+    budget = per_layer * depth
+    fixed_params = [shape("fixed_params", n, config.hidden_size * (depth / n) ** 0.5, budget / n)
                     for n in sorted({depth, depth * 2 // 3, depth // 2, depth // 3, depth // 5, 4, 2}, reverse=True) if n >= 1]
     fixed_width = [shape("fixed_width", n, config.hidden_size) for n in sorted({1, 2, 4, 8, 16, depth})]
     fixed_depth = [shape("fixed_depth", 4, config.hidden_size * f) for f in (0.5, 1, 1.5, 2, 3, 4)]
