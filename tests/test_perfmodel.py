@@ -52,10 +52,13 @@ def test_lookup_drafts_that_propose_less_than_k():
     target = TargetProfile("t", {1: 0.030, 2: 0.034, 3: 0.038})
     draft = DraftProfile("ngram", 0.0, [0.25, 0.25], per_step_draft_s=0.001, drafted_at_least=[0.5, 0.5])
     assert draft.expected_drafted(2) == pytest.approx(1.0)
+    assert draft.drafted_distribution(2) == [(0, 0.5), (1, 0.0), (2, 0.5)]
     assert target.t_target(2.0) == pytest.approx(0.034) and target.t_target(1.5) == pytest.approx(0.032)
     p = predict(target, draft, 2)
+    # half the steps score 1 token (30 ms), half score 3 (38 ms): 34 ms on average
     assert p.t_target == pytest.approx(0.034) and p.t_draft == pytest.approx(0.001)
     assert p.tokens_per_s == pytest.approx(1.5 / 0.035)
+    assert DraftProfile("m", 0.002, [0.5, 0.2]).drafted_distribution(2) == [(2, 1.0)]
 
 
 def test_simplified_throughput():

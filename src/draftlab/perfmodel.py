@@ -4,9 +4,9 @@ Two formulas, with the inputs they need:
 
 - The simplified model of "Decoding Speculative Decoding":
       Tput(K) = TAR(K) / (t_target(K) + t_draft(K))   (1 / (...) when TAR <= 1)
-  where t_target(K) is the time to score the step's block (1 + the tokens
-  drafted; an n-gram lookup often drafts fewer than K) and t_draft(K) the
-  time to draft them. TAR(K) comes from per-position acceptance
+  where t_target(K) is the mean time to score the step's block (1 + the
+  tokens drafted; an n-gram lookup often drafts fewer than K, so the block
+  size is a distribution) and t_draft(K) the time to draft them. TAR(K) comes from per-position acceptance
   measured once at K_max: with greedy verification, the accepted count at
   K <= K_max is min(accepted at K_max, K) (the first K drafted tokens do not
   depend on K), so E[accepted(K)] = sum_{j=1..K} P(accepted >= j).
@@ -90,6 +90,13 @@ class DraftProfile:
         """Mean tokens drafted per step at K: sum_{j<=K} P(drafted >= j) (K for a model draft)."""
         return sum(self.drafted_at_least[:k]) if self.drafted_at_least else float(k)
 
+    def drafted_distribution(self, k: int) -> list[tuple[int, float]]:
+        """(d, P(d tokens drafted)) at K, from P(drafted >= j) at K_max; a model draft always drafts K."""
+        if not self.drafted_at_least:
+            return [(k, 1.0)]
+        at_least = [1.0, *self.drafted_at_least[:k]]  # P(drafted >= 0..K)
+        return [(d, at_least[d] - (at_least[d + 1] if d < k else 0.0)) for d in range(k + 1)]
+
     def t_draft(self, k: int) -> float:
         """Seconds spent drafting per step at K."""
         return self.per_step_draft_s + self.expected_drafted(k) * self.draft_s_per_token
@@ -108,6 +115,14 @@ class TargetProfile:
         low = max(1, min(int(block), max(self.score_s) - 1))
         fraction = block - low
         return self.score_s[low] + fraction * (self.score_s[low + 1] - self.score_s[low])
+
+    def expected_t_target(self, drafted: list[tuple[int, float]]) -> float:
+        """Mean seconds per step to score blocks of 1 + d tokens, d distributed as `drafted`.
+
+        Block time is far from linear on some hardware (on a 2-core CPU, 4 tokens cost
+        ~1.45x 3 tokens), so the mean of the times is taken, not the time of the mean block.
+        """
+        return sum(p * self.t_target(1 + d) for d, p in drafted)
 
     @property
     def autoregressive_tokens_per_s(self) -> float:
@@ -134,7 +149,7 @@ class Prediction:
 def predict(target: TargetProfile, draft: DraftProfile, k: int) -> Prediction:
     """Predict throughput of `draft` at K with both formulas."""
     tar = expected_tokens_per_step(draft.accepted_at_least, k)
-    t_target = target.t_target(1 + draft.expected_drafted(k)) + target.overhead_s_per_step
+    t_target = target.expected_t_target(draft.drafted_distribution(k)) + target.overhead_s_per_step
     t_draft = draft.t_draft(k)
     tokens_per_s = simplified_throughput(tar, t_target, t_draft)
     ar = target.autoregressive_tokens_per_s
