@@ -51,7 +51,16 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", text)
 
 
-def _save(fig, path: Path) -> bool:
+def _finish(fig, ax, path: Path, xlabel: str, ylabel: str, title: str, integer_x: bool = False, grid: bool = True) -> bool:
+    """Label the axes, add title, grid and legend, save the PNG and close the figure."""
+    if integer_x:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    if grid:
+        ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -74,13 +83,7 @@ def _latency_vs_k(group, path, title) -> bool:
     for s in group:
         if s.method == "ar":
             ax.axhline(s.ms_per_token, color="black", linestyle=":", label="autoregressive")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("draft tokens per step K")
-    ax.set_ylabel("latency (ms per generated token)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return _save(fig, path)
+    return _finish(fig, ax, path, "draft tokens per step K", "latency (ms per generated token)", title, integer_x=True)
 
 
 def _throughput_vs_tar(group, path, title) -> bool:
@@ -96,12 +99,7 @@ def _throughput_vs_tar(group, path, title) -> bool:
     for s in group:
         if s.method == "ar":
             ax.axhline(s.tokens_per_s, color="black", linestyle=":", label="autoregressive")
-    ax.set_xlabel("tokens per step (TAR)")
-    ax.set_ylabel("throughput (tokens/s)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return _save(fig, path)
+    return _finish(fig, ax, path, "tokens per step (TAR)", "throughput (tokens/s)", title)
 
 
 def _best_per_drafter(group, method="sps") -> list[CellSummary]:
@@ -122,11 +120,7 @@ def _time_breakdown(group, path, title) -> bool:
     ax.bar(names, draft, label="draft")
     ax.bar(names, target, bottom=draft, label="target (verify + prefill)")
     ax.bar(names, overhead, bottom=[d + t for d, t in zip(draft, target)], label="overhead")
-    ax.set_xlabel("draft (at its best K)")
-    ax.set_ylabel("time per step (ms)")
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
-    return _save(fig, path)
+    return _finish(fig, ax, path, "draft (at its best K)", "time per step (ms)", title, grid=False)
 
 
 def _acceptance_by_position(group, path, title) -> bool:
@@ -138,14 +132,8 @@ def _acceptance_by_position(group, path, title) -> bool:
         curve = cells[-1].per_position_acceptance
         if curve:
             ax.plot(range(1, len(curve) + 1), curve, "o-", label=f"{drafter} (K={cells[-1].k})")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("draft position")
-    ax.set_ylabel("P(accepted | drafted)")
     ax.set_ylim(0, 1.05)
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return _save(fig, path)
+    return _finish(fig, ax, path, "draft position", "P(accepted | drafted)", title, integer_x=True)
 
 
 def _sps_vs_asg(group, path, title) -> bool:
@@ -160,8 +148,4 @@ def _sps_vs_asg(group, path, title) -> bool:
     ax.bar([x + 0.2 for x in xs], [asg[p].tokens_per_s for p in pairs], width=0.4, label="AsG (HF)")
     ax.set_xticks(list(xs))
     ax.set_xticklabels([f"{d}\nK={k}" for d, k in pairs], fontsize=7, rotation=45, ha="right")
-    ax.set_xlabel("draft and K")
-    ax.set_ylabel("throughput (tokens/s)")
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
-    return _save(fig, path)
+    return _finish(fig, ax, path, "draft and K", "throughput (tokens/s)", title, grid=False)
