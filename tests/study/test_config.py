@@ -1,0 +1,36 @@
+"""The sweep grid from presets, a TOML file and flags, validated at construction."""
+
+from __future__ import annotations
+
+import pytest
+
+from draftlab.errors import DraftlabError
+from draftlab.study.sweep import SweepConfig, make_config
+
+
+def test_toml_file_then_flags(tmp_path):
+    path = tmp_path / "grid.toml"
+    path.write_text('[sweep]\ndrafters = ["ngram", "layers:0-1"]\nks = [1, 3]\nlimit = 2\n')
+    config = make_config("quick", str(path), limit=5, methods=None)
+    assert config.drafters == ("ngram", "layers:0-1") and config.ks == (1, 3)
+    assert config.limit == 5  # flags win over the file
+    cells = config.cells("t", "d", 0.0)
+    assert cells[0].method == "ar" and len(cells) == 1 + 2 * 2 * 2
+    assert len({c.key for c in cells}) == len(cells)
+
+
+def test_bad_grids_are_refused(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("ks = [1, 2\n")
+    with pytest.raises(DraftlabError, match="not valid TOML"):
+        make_config("quick", str(bad))
+    bad.write_text("colour = 'blue'\n")
+    with pytest.raises(DraftlabError, match="unknown setting"):
+        make_config("quick", str(bad))
+    with pytest.raises(DraftlabError, match="config file not found"):
+        make_config("quick", str(tmp_path / "missing.toml"))
+    with pytest.raises(DraftlabError, match="unknown preset"):
+        make_config("huge")
+    for kwargs in ({"ks": (0,)}, {"methods": ("fast",)}, {"drafters": ("bogus",)}, {"temperatures": (-1.0,)}):
+        with pytest.raises(DraftlabError):
+            SweepConfig(**kwargs)
