@@ -29,7 +29,7 @@ from draftlab.errors import DraftlabError
 from draftlab.fast_llama import make_backend
 from draftlab.policy import FixedK
 from draftlab.sampling import SamplingConfig
-from tests.conftest import tiny_llama, tiny_model_dir
+from tests.conftest import tiny_model_dir
 
 SEQUENCES = [[(i * 7 + j * 3) % 60 for j in range(40)] for i in range(6)]
 

@@ -25,7 +25,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from draftlab.design.prune import DesignedDraft, build_draft, draft_state, save_draft
 from draftlab.errors import DraftlabError

@@ -1,0 +1,120 @@
+"""`draftlab sweep | study | report | export`: the study's commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from draftlab.errors import DraftlabError
+
+
+def add_study_commands(sub) -> None:
+    """Register the study subcommands on the top-level subparsers."""
+    sweep = sub.add_parser("sweep", help="run a grid of target x draft x K x method x dataset into a study database")
+    _add_sweep_args(sweep)
+    sweep.set_defaults(run=cmd_sweep)
+    study = sub.add_parser("study", help="sweep, then write the report (the quick study by default)")
+    _add_sweep_args(study, db_required=False)
+    study.add_argument("--out", default="results/quick", help="folder for study.sqlite and the report")
+    study.set_defaults(run=cmd_study)
+    report = sub.add_parser("report", help="HTML report with tables and plots from a study database")
+    report.add_argument("--db", required=True)
+    report.add_argument("--out", required=True, help="output folder")
+    report.add_argument("--profile", help="calibration profile: adds the performance model's check and what-ifs")
+    report.set_defaults(run=cmd_report)
+    export = sub.add_parser("export", help="export a study's records as CSV or JSONL")
+    export.add_argument("--db", required=True)
+    export.add_argument("--out", required=True, help="file to write; the format follows its suffix (.csv, .jsonl)")
+    export.set_defaults(run=cmd_export)
+
+
+def _add_sweep_args(parser: argparse.ArgumentParser, db_required: bool = True) -> None:
+    parser.add_argument("--db", required=db_required, help="study database (SQLite); resumes if it exists")
+    parser.add_argument("--preset", default="quick", help="quick (a few minutes on a CPU) or full")
+    parser.add_argument("--config", help="TOML file with the grid (keys as the flags, in a [sweep] table)")
+    parser.add_argument("--targets", nargs="+")
+    parser.add_argument("--drafters", nargs="+")
+    parser.add_argument("--ks", help="K values: 1-7 or 1,2,4")
+    parser.add_argument("--methods", nargs="+", help="sps asg (ar always runs)")
+    parser.add_argument("--datasets", nargs="+")
+    parser.add_argument("--temperatures", nargs="+", type=float)
+    parser.add_argument("--limit", type=int, help="prompts per dataset")
+    parser.add_argument("--max-new-tokens", type=int)
+    parser.add_argument("--warmup", type=int)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--device")
+    parser.add_argument("--dtype")
+    parser.add_argument("--backend")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def _sweep_config(args):
+    from draftlab.api import parse_layers
+    from draftlab.study.sweep import make_config
+
+    ks = tuple(parse_layers(args.ks)) if args.ks else None
+    tuple_or_none = lambda v: tuple(v) if v else None  # noqa: E731
+    return make_config(
+        args.preset, args.config, targets=tuple_or_none(args.targets), drafters=tuple_or_none(args.drafters), ks=ks,
+        methods=tuple_or_none(args.methods), datasets=tuple_or_none(args.datasets),
+        temperatures=tuple_or_none(args.temperatures), limit=args.limit, max_new_tokens=args.max_new_tokens,
+        warmup=args.warmup, seed=args.seed, device=args.device, dtype=args.dtype, backend=args.backend,
+    )
+
+
+def _run_sweep(args, db) -> None:
+    from draftlab.study.store import ResultsStore
+    from draftlab.study.sweep import run_sweep
+
+    config = _sweep_config(args)
+    store = ResultsStore(db)
+    try:
+        added = run_sweep(config, store, progress=not args.no_progress)
+    finally:
+        store.close()
+    print(f"sweep: {added} new records in {db}" if added else f"sweep: nothing to do, {db} is complete")
+
+
+def cmd_sweep(args) -> None:
+    """Run (or resume) a sweep into --db."""
+    _run_sweep(args, args.db)
+
+
+def cmd_study(args) -> None:
+    """Sweep into OUT/study.sqlite, write OUT/report, print the optimal table."""
+    from draftlab.study.report import build_report, format_optimal, load_study, optimal_table, summarize
+
+    out = Path(args.out)
+    db = args.db or str(out / "study.sqlite")
+    _run_sweep(args, db)
+    page = build_report(db, out / "report")
+    rows, params, _ = load_study(db)
+    print(format_optimal(optimal_table(summarize(rows), params)))
+    print(f"report: {page}")
+
+
+def cmd_report(args) -> None:
+    """Write the HTML report of a study database."""
+    from draftlab.study.report import build_report
+
+    print(f"report: {build_report(args.db, args.out, args.profile)}")
+
+
+def cmd_export(args) -> None:
+    """Write a study's records as CSV or JSONL."""
+    from draftlab.study.report import load_study, write_csv
+
+    rows, _, _ = load_study(args.db)
+    out = Path(args.out)
+    if out.suffix == ".csv":
+        write_csv(out, [{**r, "accepted_per_step": json.dumps(r["accepted_per_step"]),
+                         "drafted_per_step": json.dumps(r["drafted_per_step"])} for r in rows])
+    elif out.suffix == ".jsonl":
+        out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        raise DraftlabError(f"cannot tell the format of {out}: use a .csv or .jsonl file name")
+    print(f"export: {len(rows)} records to {out}")
+
+

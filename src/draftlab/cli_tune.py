@@ -1,0 +1,137 @@
+"""`draftlab calibrate | predict | validate | tune`: the performance model's commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from draftlab.errors import DraftlabError
+from draftlab.models import DEFAULT_TARGET
+
+
+def add_tune_commands(sub) -> None:
+    """Register the performance-model subcommands on the top-level subparsers."""
+    calibrate = sub.add_parser("calibrate", help="measure target block times, draft costs and acceptance")
+    _add_tune_args(calibrate)
+    calibrate.add_argument("--out", required=True, help="profile JSON to write")
+    calibrate.set_defaults(run=cmd_calibrate)
+    predict = sub.add_parser("predict", help="predicted tokens/s and speedup per draft and K from a profile")
+    predict.add_argument("--profile", required=True)
+    predict.add_argument("--goal", type=float, help="also print the TAR each draft needs for this tokens/s")
+    predict.set_defaults(run=cmd_predict)
+    validate = sub.add_parser("validate", help="compare the model's predictions with a measured study")
+    validate.add_argument("--profile", required=True)
+    validate.add_argument("--db", required=True)
+    validate.add_argument("--out", help="folder for the predicted-vs-measured plot and CSV")
+    validate.set_defaults(run=cmd_validate)
+    tune = sub.add_parser("tune", help="calibrate, predict, pick draft and K, confirm, print how to use it")
+    _add_tune_args(tune)
+    tune.add_argument("--budget", type=float, default=None, help="seconds; skip the confirmation run if exceeded")
+    tune.set_defaults(run=cmd_tune)
+
+
+def _add_tune_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--drafts", nargs="+", default=None,
+                        help="candidate drafter specs (default: ngram, ngram:2-4, layers:0-3, layers:0-7)")
+    parser.add_argument("--dataset", default="mixed")
+    parser.add_argument("--limit", type=int, default=3)
+    parser.add_argument("--k-max", type=int, default=7)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--backend", default="auto")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--no-progress", action="store_true")
+
+
+DEFAULT_DRAFTS = ["ngram", "ngram:2-4", "layers:0-3", "layers:0-7"]
+
+
+def _calibration_inputs(args):
+    from draftlab.calibrate import CalibrationSettings
+    from draftlab.datasets import load_prompts
+    from draftlab.models import load_model
+
+    settings = CalibrationSettings(args.k_max, args.max_new_tokens, args.repeats, args.backend)
+    if settings.k_max < 1:
+        raise DraftlabError(f"--k-max must be >= 1, got {settings.k_max}")
+    prompts = load_prompts(args.dataset, args.limit)
+    target = load_model(args.target, device=args.device, dtype=args.dtype)
+    target.name = args.target
+    return target, args.drafts or DEFAULT_DRAFTS, prompts, settings
+
+
+def cmd_calibrate(args) -> None:
+    """Measure and save a profile."""
+    from draftlab.calibrate import calibrate
+
+    target, drafts, prompts, settings = _calibration_inputs(args)
+    profile = calibrate(target, drafts, prompts, settings, progress=not args.no_progress)
+    profile.save(args.out)
+    print(f"calibrate: profile of {len(drafts)} drafts in {profile.seconds:.0f}s -> {args.out}")
+
+
+def cmd_predict(args) -> None:
+    """Print both formulas' predictions from a profile."""
+    from draftlab.calibrate import Profile
+    from draftlab.tuner import format_predictions, format_what_if, predictions, required_tar
+
+    profile = Profile.load(args.profile)
+    preds = predictions(profile)
+    print(format_predictions(preds, profile.target.autoregressive_tokens_per_s))
+    print(format_what_if(preds))
+    if args.goal:
+        print(f"TAR needed for {args.goal:.1f} tokens/s:")
+        for p in preds:
+            print(f"  {p.draft:<18} K={p.k}: {required_tar(args.goal, p.t_target, p.t_draft):.2f}")
+
+
+def cmd_validate(args) -> None:
+    """Errors of both formulas against a measured study."""
+    from draftlab.calibrate import Profile
+    from draftlab.study.report import load_study, write_csv
+    from draftlab.tuner import compare, error_summary, plot_comparison
+
+    rows, _, _ = load_study(args.db)
+    comparisons = compare(Profile.load(args.profile), rows)
+    print(f"{'draft':<18}{'K':>3}{'measured':>10}{'simplified':>12}{'err':>7}{'Leviathan':>11}{'err':>7}")
+    for c in comparisons:
+        print(f"{c.draft:<18}{c.k:>3}{c.measured_tokens_per_s:>10.1f}{c.simplified_tokens_per_s:>12.1f}"
+              f"{c.simplified_error:>7.1%}{c.leviathan_tokens_per_s:>11.1f}{c.leviathan_error:>7.1%}")
+    summary = error_summary(comparisons)
+    print(f"simplified model: mean error {summary['simplified_mean_error']:.1%}, max {summary['simplified_max_error']:.1%}; "
+          f"Leviathan: mean {summary['leviathan_mean_error']:.1%}, max {summary['leviathan_max_error']:.1%} "
+          f"({summary['cells']} cells, decode throughput, prefill excluded)")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        plot_comparison(comparisons, out / "predicted_vs_measured.png")
+        write_csv(out / "predicted_vs_measured.csv", [
+            {"draft": c.draft, "k": c.k, "measured": c.measured_tokens_per_s, "simplified": c.simplified_tokens_per_s,
+             "leviathan": c.leviathan_tokens_per_s} for c in comparisons])
+    print(json.dumps(summary))
+
+
+def cmd_tune(args) -> None:
+    """Recommend a draft and K, with predicted and measured speed and how to use it."""
+    from draftlab.tuner import format_predictions, tune, usage
+
+    target, drafts, prompts, settings = _calibration_inputs(args)
+    rec, profile, preds = tune(target, drafts, prompts, settings, confirm=True, progress=not args.no_progress)
+    print(format_predictions(preds, profile.target.autoregressive_tokens_per_s))
+    measured = (f"measured {rec.measured_tokens_per_s:.1f} tokens/s ({rec.measured_speedup:.2f}x)"
+                if rec.measured_tokens_per_s else "not measured")
+    print(f"\nrecommendation: drafter={rec.draft} K={rec.k}: predicted {rec.predicted_tokens_per_s:.1f} tokens/s "
+          f"({rec.predicted_speedup:.2f}x), {measured}; tuning took {rec.seconds:.0f}s")
+    if args.budget and rec.seconds > args.budget:
+        print(f"note: tuning took {rec.seconds:.0f}s, over the budget of {args.budget:.0f}s; lower --limit or --repeats")
+    for line in usage(args.target, rec.draft, rec.k):
+        print("  " + line)
+    print(json.dumps({"draft": rec.draft, "k": rec.k, "predicted_tokens_per_s": rec.predicted_tokens_per_s,
+                      "predicted_speedup": rec.predicted_speedup, "measured_tokens_per_s": rec.measured_tokens_per_s,
+                      "measured_speedup": rec.measured_speedup, "seconds": rec.seconds}))
+
+
