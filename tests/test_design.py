@@ -101,6 +101,12 @@ def test_soft_cross_entropy_is_minimal_at_the_teacher():
     exact = soft_cross_entropy(teacher_values.clone(), teacher_values, rows, valid)
     worse = soft_cross_entropy(torch.tensor([[[0.0, 1.0, 2.0]]]), teacher_values, rows, valid)
     assert exact < worse
+    # a position whose teacher top-k is wholly outside a cut vocabulary carries no signal, and no NaN
+    none_valid = torch.zeros_like(valid)
+    mixed = torch.cat([valid, none_valid], dim=1)
+    loss = soft_cross_entropy(torch.cat([teacher_values, teacher_values], 1), torch.cat([teacher_values, teacher_values], 1),
+                              torch.cat([rows, rows], 1), mixed)
+    assert torch.isfinite(loss) and loss == pytest.approx(float(exact))
     with pytest.raises(DraftlabError):
         windows([[1, 2, 3]], 8)
 

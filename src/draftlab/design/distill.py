@@ -95,11 +95,17 @@ def load_or_make_teacher(out: Path, target: LoadedModel, sequences: list[list[in
 
 def soft_cross_entropy(student_logits: torch.Tensor, teacher_values: torch.Tensor, teacher_rows: torch.Tensor,
                        valid: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of the student [B, T, V'] against teacher top-k probs over draft rows [B, T, k]."""
-    teacher_probs = torch.softmax(teacher_values.float().masked_fill(~valid, float("-inf")), dim=-1)  # [B, T, k]
+    """Cross-entropy of the student [B, T, V'] against teacher top-k probs over draft rows [B, T, k].
+
+    Teacher tokens outside a cut vocabulary are dropped and the rest renormalised; a position
+    whose top-k lies wholly outside it carries no signal and is left out of the mean.
+    """
+    masked = teacher_values.float().masked_fill(~valid, float("-inf"))
+    teacher_probs = torch.softmax(masked, dim=-1).nan_to_num(0.0)  # [B, T, k]; all-masked rows -> 0
     log_student = torch.log_softmax(student_logits.float(), dim=-1)  # [B, T, V']
-    picked = log_student.gather(-1, teacher_rows.clamp_min(0))  # [B, T, k]
-    return -(teacher_probs * picked.masked_fill(~valid, 0.0)).sum(-1).mean()
+    picked = log_student.gather(-1, teacher_rows.clamp_min(0)).masked_fill(~valid, 0.0)  # [B, T, k]
+    per_position = -(teacher_probs * picked).sum(-1)  # [B, T]
+    return per_position.sum() / valid.any(-1).sum().clamp_min(1)
 
 
 def to_draft_rows(indices: torch.Tensor, row_of: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
