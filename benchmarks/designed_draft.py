@@ -28,6 +28,8 @@ def main() -> None:
     parser.add_argument("--self-drafts", nargs="+", default=["layers:0-1", "layers:0-3", "layers:0-7"])
     parser.add_argument("--dataset", default="mt-bench")
     parser.add_argument("--limit", type=int, default=8)
+    parser.add_argument("--skip", type=int, default=0,
+                        help="pass over the first prompts (in round-robin order): those the draft was trained on")
     parser.add_argument("--k-max", type=int, default=5)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--db", default=None)
@@ -40,7 +42,7 @@ def main() -> None:
     db = Path(args.db) if args.db else Path(tempfile.mkdtemp()) / "designed.sqlite"
     config = SweepConfig(targets=(args.target,), drafters=tuple(args.self_drafts + designed),
                          ks=tuple(range(1, args.k_max + 1)), methods=("sps",), datasets=(args.dataset,),
-                         limit=args.limit, max_new_tokens=args.max_new_tokens)
+                         limit=args.limit, skip=args.skip, max_new_tokens=args.max_new_tokens)
     store = ResultsStore(db)
     run_sweep(config, store)
     rows = store.rows()
@@ -51,7 +53,7 @@ def main() -> None:
     for s in cells:
         if s.method == "sps" and (s.drafter not in best or s.tokens_per_s > best[s.drafter].tokens_per_s):
             best[s.drafter] = s
-    print(f"target={args.target} dataset={args.dataset} prompts={args.limit} K=1..{args.k_max} "
+    print(f"target={args.target} dataset={args.dataset} prompts={args.limit} (after skipping {args.skip}) K=1..{args.k_max} "
           f"max_new_tokens={args.max_new_tokens}")
     print(f"{'draft':<44}{'best K':>7}{'tok/s':>8}{'vs AR':>8}{'TAR':>6}{'accept':>8}{'draft ms/step':>14}{'target ms/step':>15}")
     print(f"{'autoregressive':<44}{'-':>7}{ar.tokens_per_s:>8.1f}{1.0:>7.2f}x")

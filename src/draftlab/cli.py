@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--dataset", help="mixed, mt-bench, humaneval, xsum, mmlu, hellaswag, math")
     source.add_argument("--prompts", help="JSONL file with a 'prompt' per line")
     bench.add_argument("--limit", type=int, default=8, help="prompts to run, spread over categories")
+    bench.add_argument("--skip", type=int, default=0, help="prompts passed over first (e.g. a draft's training set)")
     bench.add_argument("--warmup", type=int, default=1)
     bench.set_defaults(run=cmd_bench)
     add_study_commands(sub)
@@ -120,7 +121,7 @@ def cmd_bench(args) -> None:
 
     if args.limit is not None and args.limit < 1:
         raise DraftlabError(f"--limit must be >= 1, got {args.limit}")
-    prompts = load_prompts(args.dataset or args.prompts, args.limit)
+    prompts = load_prompts(args.dataset or args.prompts, args.limit, args.skip)
     decoder = _decoder(args)
     settings = BenchSettings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.warmup)
     summary = run_bench(decoder, prompts, settings).summary()

@@ -40,6 +40,7 @@ def _add_sweep_args(parser: argparse.ArgumentParser, db_required: bool = True) -
     parser.add_argument("--datasets", nargs="+")
     parser.add_argument("--temperatures", nargs="+", type=float)
     parser.add_argument("--limit", type=int, help="prompts per dataset")
+    parser.add_argument("--skip", type=int, help="prompts passed over first (round-robin order)")
     parser.add_argument("--max-new-tokens", type=int)
     parser.add_argument("--warmup", type=int)
     parser.add_argument("--seed", type=int)
@@ -59,7 +60,7 @@ def _sweep_config(args):
     return make_config(
         args.preset, args.config, targets=tuple_or_none(args.targets), drafters=tuple_or_none(args.drafters), ks=ks,
         methods=tuple_or_none(args.methods), datasets=tuple_or_none(args.datasets),
-        temperatures=tuple_or_none(args.temperatures), limit=args.limit, max_new_tokens=args.max_new_tokens,
+        temperatures=tuple_or_none(args.temperatures), limit=args.limit, skip=args.skip, max_new_tokens=args.max_new_tokens,
         warmup=args.warmup, seed=args.seed, device=args.device, dtype=args.dtype, backend=args.backend,
     )
 

@@ -100,13 +100,16 @@ DATASETS: dict[str, Callable[[], list[Prompt]]] = {
 }
 
 
-def load_prompts(source: str, limit: int | None = None) -> list[Prompt]:
-    """Prompts from a named set or a JSONL file; `limit` keeps every category represented."""
+def load_prompts(source: str, limit: int | None = None, skip: int = 0) -> list[Prompt]:
+    """Prompts from a named set or a JSONL file, taken round-robin over categories.
+
+    `skip` passes over the first prompts of that order, e.g. those a draft was trained on.
+    """
     if source in DATASETS:
         prompts = DATASETS[source]()
     else:
         prompts = _user_file(Path(source))
-    return balanced(prompts, limit)
+    return balanced(prompts, None if limit is None else limit + skip)[skip:]
 
 
 def _user_file(path: Path) -> list[Prompt]:

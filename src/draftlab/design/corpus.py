@@ -21,8 +21,13 @@ from draftlab.models import LoadedModel
 
 
 def prompt_sequences(target: LoadedModel, datasets: list[str], limit: int | None) -> list[list[int]]:
-    """Encoded prompts of the given sets."""
-    return [encode_prompt(target.tokenizer, p.text, p.chat) for d in datasets for p in load_prompts(d, limit)]
+    """Encoded prompts of the given sets; 'NAME:N' takes N prompts of that set instead of `limit`."""
+    out = []
+    for entry in datasets:
+        name, _, count = entry.rpartition(":") if entry.rpartition(":")[2].isdigit() else (entry, "", "")
+        for p in load_prompts(name, int(count) if count else limit):
+            out.append(encode_prompt(target.tokenizer, p.text, p.chat))
+    return out
 
 
 def with_generations(target: LoadedModel, prompts: list[list[int]], count: int, max_new_tokens: int,

@@ -42,6 +42,7 @@ class SweepConfig:
     datasets: tuple[str, ...] = ("mixed",)
     temperatures: tuple[float, ...] = (0.0,)
     limit: int = 3  # prompts per dataset, spread over its categories
+    skip: int = 0  # prompts passed over first (e.g. those a designed draft was trained on)
     max_new_tokens: int = 48
     warmup: int = 1
     seed: int = 0
@@ -239,7 +240,7 @@ def _record_params(store: ResultsStore, runner: CellRunner, config: SweepConfig,
 
 
 def _plan(config: SweepConfig) -> dict[str, list[tuple[list[Cell], list[Prompt]]]]:
-    prompts = {d: load_prompts(d, config.limit) for d in config.datasets}
+    prompts = {d: load_prompts(d, config.limit, config.skip) for d in config.datasets}
     return {
         t: [(config.cells(t, d, temp), prompts[d]) for d in config.datasets for temp in config.temperatures]
         for t in config.targets
