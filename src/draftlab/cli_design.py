@@ -49,6 +49,7 @@ def add_design_commands(sub) -> None:
     correlate.add_argument("--drafts", nargs="+", required=True, help="drafter specs: layers:..., model:DIR")
     correlate.add_argument("--dataset", default="mt-bench", help="prompts for TAR")
     correlate.add_argument("--limit", type=int, default=4)
+    correlate.add_argument("--skip", type=int, default=0, help="pass over the first prompts (a draft's training set)")
     correlate.add_argument("--k", type=int, default=4)
     correlate.add_argument("--max-new-tokens", type=int, default=64)
     correlate.add_argument("--mmlu", type=int, default=40, help="MMLU questions to score")
@@ -173,7 +174,7 @@ def cmd_correlate(args) -> None:
     held_out = [s[:256] for s in prompt_sequences(target, ["xsum"], None)[-8:]]
     items = mmlu_items()
     mmlu = random.Random(0).sample(items, min(args.mmlu, len(items)))
-    prompts = [encode_prompt(target.tokenizer, p.text, p.chat) for p in load_prompts(args.dataset, args.limit)]
+    prompts = [encode_prompt(target.tokenizer, p.text, p.chat) for p in load_prompts(args.dataset, args.limit, args.skip)]
     results = correlate.measure(target, args.drafts, held_out, mmlu, prompts, args.k, args.max_new_tokens,
                                 progress=not args.no_progress)
     corr = correlate.write(results, Path(args.out))

@@ -160,9 +160,9 @@ def write(results: list[DraftQuality], out: Path) -> dict:
 
 def format_table(results: list[DraftQuality], corr: dict) -> str:
     """The measurements and correlations for people."""
-    lines = [f"{'draft':<34}{'layers':>7}{'ppl':>10}{'coverage':>10}{'MMLU':>7}{'TAR':>7}{'accept':>8}"]
+    lines = [f"{'draft':<34}{'layers':>7}{'ppl':>12}{'coverage':>10}{'MMLU':>7}{'TAR':>7}{'accept':>8}"]
     for r in results:
-        lines.append(f"{r.draft:<34}{r.layers:>7}{r.perplexity:>10.1f}{r.coverage:>10.1%}{r.mmlu_accuracy:>7.1%}"
+        lines.append(f"{r.draft:<34}{r.layers:>7}{r.perplexity:>12.4g}{r.coverage:>10.1%}{r.mmlu_accuracy:>7.1%}"
                      f"{r.tokens_per_step:>7.2f}{r.acceptance_rate:>8.1%}")
     for name, c in corr.items():
         lines.append(f"{name} vs TAR: Pearson {c['pearson']:.2f}, Spearman {c['spearman']:.2f}")
