@@ -89,7 +89,11 @@ def _vocab_map(target, sequences, size):
         return None
     if not 1 <= size <= target.vocab_size:
         raise DraftlabError(f"--vocab must be in 1..{target.vocab_size}, got {size}")
-    return frequent_tokens(sequences, size, always=eos_ids(target))
+    vocab_map = frequent_tokens(sequences, size, always=eos_ids(target))
+    if len(vocab_map) < size:
+        print(f"note: the text holds only {len(vocab_map)} distinct tokens, so the draft's vocabulary has "
+              f"{len(vocab_map)} rows, not {size}; give more text (--limit, --generate, --corpus) for a larger one")
+    return vocab_map
 
 
 def cmd_microbench(args) -> None:
@@ -127,10 +131,11 @@ def cmd_prune(args) -> None:
         how = f"layers {args.layers}"
     draft = build_draft(target, layers, vocab_map)
     score = agreement(target_next_tokens(target, held_out), draft, held_out)
-    draft.made = {"method": "prune", "how": how, "layers": layers, "vocab": args.vocab,
+    vocab = None if draft.vocab_map is None else len(draft.vocab_map)
+    draft.made = {"method": "prune", "how": how, "layers": layers, "vocab": vocab,
                   "held_out_agreement": round(score, 4), "held_out_tokens": sum(map(len, held_out))}
     save_draft(draft, args.out, args.target)
-    print(f"prune: layers {layers}, vocabulary {args.vocab or 'full'}, held-out agreement with the target "
+    print(f"prune: layers {layers}, vocabulary {vocab or 'full'}, held-out agreement with the target "
           f"{score:.1%} -> {args.out} (use --drafter model:{args.out})")
 
 
