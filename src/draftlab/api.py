@@ -31,6 +31,7 @@ from draftlab.drafters import (
     check_compatible,
 )
 from draftlab.design.prune import is_draft_dir, load_draft
+from draftlab.feature_draft import FeatureDrafter, is_feature_draft, load_feature_draft
 from draftlab.engine import GenerationConfig, GenerationResult, SpeculativeEngine
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel, ModelSpec, load_model
@@ -101,6 +102,8 @@ def build_drafter(plan: DraftPlan, target: LoadedModel, backend: str = "auto") -
         return NGramDrafter(max_n=plan.ngram[1], min_n=plan.ngram[0]), None
     if plan.kind == "layers":
         draft = build_layer_draft(target, plan.layers)
+    elif is_feature_draft(plan.model):
+        return FeatureDrafter(load_feature_draft(plan.model, target), name=f"feature:{plan.model}"), None
     elif is_draft_dir(plan.model):
         designed = load_draft(plan.model, target)
         drafter = ModelDrafter(make_backend(designed.model.model, target.device, backend), designed.model.name,

@@ -11,7 +11,7 @@ from draftlab.models import DEFAULT_TARGET
 
 def add_design_commands(sub) -> None:
     """Register the design subcommands on the top-level subparsers."""
-    design = sub.add_parser("design", help="draft design: microbench, prune, distill, correlate")
+    design = sub.add_parser("design", help="draft design: microbench, prune, distill, feature, correlate")
     commands = design.add_subparsers(dest="design", required=True)
 
     micro = commands.add_parser("microbench", help="decode latency vs depth and width in the target's family")
@@ -44,6 +44,18 @@ def add_design_commands(sub) -> None:
     distill.add_argument("--top-k", type=int, default=32, help="teacher logits cached per position")
     distill.set_defaults(run=cmd_distill)
 
+    feature = commands.add_parser("feature", help="train an EAGLE-style draft that reads the target's hidden states")
+    _add_text_args(feature)
+    feature.add_argument("--vocab", type=int, default=8192, help="draft output rows: the target's most frequent tokens")
+    feature.add_argument("--out", required=True, help="draft directory; holds text, features, checkpoints; resumes")
+    feature.add_argument("--budget", type=float, default=1800.0, help="training seconds (excluding the target pass)")
+    feature.add_argument("--checkpoint-every", type=float, default=120.0, help="seconds between checkpoints")
+    feature.add_argument("--seq-len", type=int, default=256)
+    feature.add_argument("--batch-size", type=int, default=8)
+    feature.add_argument("--lr", type=float, default=1e-3)
+    feature.add_argument("--random-init", action="store_true", help="start from random weights, not the last layer")
+    feature.set_defaults(run=cmd_feature)
+
     correlate = commands.add_parser("correlate", help="draft LM quality (perplexity, MMLU) against TAR")
     correlate.add_argument("--target", default=DEFAULT_TARGET)
     correlate.add_argument("--drafts", nargs="+", required=True, help="drafter specs: layers:..., model:DIR")
@@ -56,7 +68,7 @@ def add_design_commands(sub) -> None:
     correlate.add_argument("--out", required=True)
     correlate.set_defaults(run=cmd_correlate)
 
-    for parser in (micro, prune, distill, correlate):
+    for parser in (micro, prune, distill, feature, correlate):
         parser.add_argument("--threads", type=int, default=None)
         parser.add_argument("--no-progress", action="store_true")
 
@@ -162,6 +174,45 @@ def cmd_distill(args) -> None:
         last = history[-1]
         print(f"distill: {last['tokens']} tokens in {last['elapsed_s']:.0f}s, held-out agreement "
               f"{history[0]['held_out_agreement']:.1%} -> {last['held_out_agreement']:.1%} -> {out}")
+
+
+def cmd_feature(args) -> None:
+    """Train a feature draft within the budget; resumes from --out."""
+    from collections import Counter
+
+    import torch
+
+    from draftlab.api import eos_ids
+    from draftlab.design.corpus import cached_text
+    from draftlab.design.feature import FeatureSettings, load_or_make_features, train_feature_draft
+    from draftlab.design.training import CHECKPOINT
+    from draftlab.feature_draft import is_feature_draft, load_feature_draft, new_feature_draft
+    from draftlab.models import load_model
+
+    settings = FeatureSettings(budget_s=args.budget, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
+                               checkpoint_every_s=args.checkpoint_every)
+    out = Path(args.out)
+    target = load_model(args.target)
+    sequences = cached_text(out, target, args.datasets, args.limit, args.generate, args.max_new_tokens, args.corpus,
+                            progress=not args.no_progress)
+    data = load_or_make_features(out, target, sequences, settings, progress=not args.no_progress)
+    if (out / CHECKPOINT).exists() and is_feature_draft(out):
+        draft = load_feature_draft(out, target)
+    else:
+        counts = Counter(data["top1"].flatten().tolist())  # what the draft must predict
+        chosen = sorted({*eos_ids(target), *[t for t, _ in counts.most_common(args.vocab)]})[: max(args.vocab, 1)]
+        vocab_map = torch.tensor(chosen, dtype=torch.long)
+        covered = sum(counts[t] for t in chosen) / max(1, sum(counts.values()))
+        print(f"feature: {len(vocab_map)} output rows cover {covered:.1%} of the target's greedy tokens on this text")
+        draft = new_feature_draft(target, vocab_map, init_layer=None if args.random_init else -1)
+        draft.made = {"method": "feature (EAGLE-style)", "init": "random" if args.random_init else "last target layer",
+                      "text": {"datasets": args.datasets, "limit": args.limit, "generate": args.generate,
+                               "max_new_tokens": args.max_new_tokens, "corpus": args.corpus,
+                               "tokens": int(data["tokens"].numel())}}
+    history = train_feature_draft(target, draft, sequences, out, settings, args.target, progress=not args.no_progress)
+    if history:
+        print(f"feature: {history[-1]['tokens']} tokens in {history[-1]['elapsed_s']:.0f}s, held-out agreement "
+              f"{history[0]['held_out_agreement']:.1%} -> {history[-1]['held_out_agreement']:.1%} -> {out}")
 
 
 def cmd_correlate(args) -> None:

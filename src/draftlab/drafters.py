@@ -11,6 +11,8 @@ are verified as one-hot drafts.
   a new module that shares the target's weights (the target is not touched).
 - `NGramDrafter`: prompt lookup; copies what followed the latest earlier
   occurrence of the context's last n tokens.
+- `FeatureDrafter` (feature_draft.py): an EAGLE-style draft that reads the
+  target's hidden states.
 - `NoDrafter`: proposes nothing, which turns the engine into plain
   autoregressive decoding through the same code path (the baseline).
 """
@@ -43,7 +45,12 @@ class Proposal:
 
 
 class Drafter(Protocol):
-    """Anything that proposes draft tokens for the engine."""
+    """Anything that proposes draft tokens for the engine.
+
+    A drafter that also reads the target's hidden states (a feature draft) sets
+    `reads_target_hidden = True` and has `observe(target_hidden [n, D])`, which the
+    engine calls with the rows of each newly committed and cached token.
+    """
 
     name: str
 

@@ -10,7 +10,9 @@ Cache invariant: between steps the target cache holds every committed token
 but the last. A step feeds [last committed, d_1 .. d_k] (k+1 tokens) and gets
 k+1 rows of logits: row i scores the token after d_i. After verification the
 cache is cut back to (committed before the step + accepted), so that it again
-holds every committed token but the newest.
+holds every committed token but the newest. Drafters that read the target's
+hidden states (`reads_target_hidden`) get the rows of exactly those cached
+tokens through `observe`, so they too know every committed token but the newest.
 """
 
 from __future__ import annotations
@@ -92,6 +94,12 @@ class SpeculativeEngine:
         self.policy = policy or FixedK(1)
         self.context_length = context_length
         self.decode = decode
+        self.reads_hidden = getattr(self.drafter, "reads_target_hidden", False)
+        if self.reads_hidden and not getattr(target, "provides_hidden", False):
+            raise DraftlabError(
+                f"drafter {self.drafter.name} reads the target's hidden states, which this backend does not "
+                "provide; use the fast backend (Llama-family targets)"
+            )
 
     def generate(
         self,
@@ -130,12 +138,20 @@ class SpeculativeEngine:
         draft_tokens = proposal.tokens[:k]
         draft_probs = proposal.draft_probs[:k] if proposal.draft_probs is not None else None  # [k, V]
         with watch.time("target"):
-            target_logits = self.target.score([tokens[-1], *draft_tokens])  # [k+1, V]
+            target_logits, target_hidden = self._score([tokens[-1], *draft_tokens])  # [k+1, V], [k+1, D]
         verdict = verify(draft_tokens, draft_probs, target_logits, config.sampling, generator)
         self.target.rollback(len(tokens) + verdict.num_accepted)
+        if target_hidden is not None:  # rows of the tokens now committed and cached
+            self.drafter.observe(target_hidden[: verdict.num_accepted + 1])
         stats.record_step(len(draft_tokens), verdict.num_accepted)
         self.policy.observe(len(draft_tokens), verdict.num_accepted)
         return verdict.committed(draft_tokens)
+
+    def _score(self, block: list[int], last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Target logits [n, V] for a block, and its hidden states [n, D] when the drafter reads them."""
+        if self.reads_hidden:
+            return self.target.score(block, last_only=last_only, with_hidden=True)
+        return self.target.score(block, last_only=last_only), None
 
     def _room(self, tokens, config, stats) -> int:
         """Most draft tokens worth proposing: a step commits at most k+1 tokens."""
@@ -149,7 +165,9 @@ class SpeculativeEngine:
         self.policy.begin()
         if len(tokens) > 1:
             with watch.time("prefill"):
-                self.target.score(tokens[:-1], last_only=True)
+                _, target_hidden = self._score(tokens[:-1], last_only=True)
+            if target_hidden is not None:
+                self.drafter.observe(target_hidden)
 
     @staticmethod
     def _commit(committed: list[int], new: list[int], stop: StopCriteria) -> tuple[list[int], str]:

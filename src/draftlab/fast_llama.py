@@ -38,6 +38,8 @@ SUPPORTED_MODEL_TYPES = ("llama",)
 class FastLlamaBackend:
     """Batch-1 Llama decoding with a static, rollback-by-length KV cache."""
 
+    provides_hidden = True  # score(..., with_hidden=True) also returns the final hidden states
+
     def __init__(self, model: torch.nn.Module, device: torch.device | str = "cpu", capacity: int = 1024) -> None:
         config = model.config
         self.model = model
@@ -77,8 +79,12 @@ class FastLlamaBackend:
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def score(self, token_ids: Sequence[int], last_only: bool = False) -> torch.Tensor:
-        """Append tokens to the cache; logits [n, V] (or [1, V] if last_only), fp32 on the CPU."""
+    def score(self, token_ids: Sequence[int], last_only: bool = False, with_hidden: bool = False):
+        """Append tokens to the cache; logits [n, V] (or [1, V] if last_only), fp32 on the CPU.
+
+        with_hidden: also return the final hidden states [n, D] of every token (after the
+        final norm: what the LM head reads), for drafters that read them.
+        """
         n = len(token_ids)
         start, end = self._len, self._len + n
         if end > self._keys[0].shape[1]:
@@ -89,10 +95,14 @@ class FastLlamaBackend:
         mask = self._causal_mask(start, n)  # [n, end] or None
         for index, layer in enumerate(self.layers):
             hidden = self._layer(index, layer, hidden, cos, sin, mask, start, end)
+        self._len = end
+        if with_hidden:
+            hidden = _rms_norm(hidden, self.model.model.norm.weight, self.eps)  # [n, D]
+            rows = hidden[-1:] if last_only else hidden
+            return F.linear(rows, self.model.get_output_embeddings().weight).float().cpu(), hidden
         if last_only:
             hidden = hidden[-1:]
         hidden = _rms_norm(hidden, self.model.model.norm.weight, self.eps)
-        self._len = end
         return F.linear(hidden, self.model.get_output_embeddings().weight).float().cpu()  # [n, V]
 
     def _layer(self, index, layer, hidden, cos, sin, mask, start, end) -> torch.Tensor:

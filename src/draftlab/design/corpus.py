@@ -2,22 +2,27 @@
 
 Three sources: prompt sets (each prompt as the engine sees it, through the
 chat template when it applies), the target's own greedy continuations of
-those prompts (what a draft must really predict), and any user text file
+those prompts (what a draft must really predict; generated in bf16 batches),
+and any user text file
 (.txt: one document per blank-line-separated block; .jsonl: a `text` or
 `prompt` field per line).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
-from draftlab.api import SpeculativeDecoder, encode_prompt
+from draftlab.api import encode_prompt, eos_ids
 from draftlab.datasets import load_prompts
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel
+
+TEXT = "text.pt"
 
 
 def prompt_sequences(target: LoadedModel, datasets: list[str], limit: int | None) -> list[list[int]]:
@@ -30,14 +35,39 @@ def prompt_sequences(target: LoadedModel, datasets: list[str], limit: int | None
     return out
 
 
-def with_generations(target: LoadedModel, prompts: list[list[int]], count: int, max_new_tokens: int,
-                     progress: bool = True) -> list[list[int]]:
-    """The first `count` prompts followed by the target's greedy continuation (fast n-gram-drafted decoding)."""
-    decoder = SpeculativeDecoder.from_names(target, drafter="ngram", k=4)
-    out = []
-    for ids in tqdm(prompts[:count], desc="target generations", unit="prompt", disable=not progress):
-        out.append(ids + decoder.generate(ids, max_new_tokens=max_new_tokens).token_ids)
+def batched_generations(target: LoadedModel, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 16,
+                        dtype: torch.dtype = torch.bfloat16, progress: bool = True) -> list[list[int]]:
+    """Each prompt followed by the target's greedy continuation, generated in padded batches.
+
+    For training text only: batches run in `dtype` (bf16 uses the CPU's matrix units), so a
+    continuation may differ from batch-1 fp32 decoding at near-ties. The target is not touched
+    (a converted copy runs). Prompts are grouped by length to keep padding small.
+    """
+    model = copy.deepcopy(target.model).to(dtype).eval()
+    pad = target.tokenizer.pad_token_id
+    pad = pad if pad is not None else 0
+    eos = set(eos_ids(target))
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out: list[list[int] | None] = [None] * len(prompts)
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    for batch in tqdm(batches, desc="target generations", unit="batch", disable=not progress):
+        width = max(len(prompts[i]) for i in batch)
+        ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in batch])  # [B, L]
+        mask = (torch.arange(width)[None] >= torch.tensor([width - len(prompts[i]) for i in batch])[:, None]).long()
+        with torch.inference_mode():
+            generated = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                       do_sample=False, pad_token_id=pad)[:, width:]  # [B, new]
+        for i, row in zip(batch, generated.tolist()):
+            out[i] = prompts[i] + _until_eos(row, eos)
     return out
+
+
+def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    """Tokens up to and including the first end-of-sequence token."""
+    for i, token in enumerate(tokens):
+        if token in eos:
+            return tokens[: i + 1]
+    return tokens
 
 
 def file_sequences(target: LoadedModel, path: str | Path) -> list[list[int]]:
@@ -62,10 +92,29 @@ def gather(target: LoadedModel, datasets: list[str], limit: int | None, generate
            corpus: str | None = None, progress: bool = True) -> list[list[int]]:
     """Every source together: generations first (they matter most), then the other prompts, then the file."""
     prompts = prompt_sequences(target, datasets, limit) if datasets else []
-    sequences = with_generations(target, prompts, generate, max_new_tokens, progress) if generate else []
+    sequences = batched_generations(target, prompts[:generate], max_new_tokens, progress=progress) if generate else []
     sequences += prompts[generate:]
     if corpus:
         sequences += file_sequences(target, corpus)
     if not sequences:
         raise DraftlabError("no training text: give --datasets, --generate or --corpus")
+    return sequences
+
+
+def cached_text(out: Path, target: LoadedModel, datasets: list[str], limit: int | None, generate: int,
+                max_new_tokens: int, corpus: str | None = None, progress: bool = True) -> list[list[int]]:
+    """`gather`, cached in `out/text.pt` with its sources; a cache made from other sources is refused."""
+    sources = {"datasets": list(datasets), "limit": limit, "generate": generate, "max_new_tokens": max_new_tokens,
+               "corpus": corpus}
+    path = Path(out) / TEXT
+    if path.exists():
+        cached = torch.load(path)
+        if cached.get("sources") != sources:
+            raise DraftlabError(f"{path} was made from other text ({cached.get('sources')}); delete it or use "
+                                "another --out")
+        return cached["sequences"]
+    sequences = gather(target, datasets, limit, generate, max_new_tokens, corpus, progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"sources": sources, "sequences": sequences}, path.with_suffix(".tmp"))
+    path.with_suffix(".tmp").replace(path)
     return sequences

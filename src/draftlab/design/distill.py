@@ -9,28 +9,22 @@ Token-level knowledge distillation from the target's logits on real text
   shrinks the LM head, the largest part of its cost;
 - the loss is the cross-entropy of the student against the teacher's top-k
   distribution (renormalised), which equals their KL divergence up to a constant;
-- AdamW with warm-up and a cosine decay over the wall-clock budget;
-- a checkpoint every `checkpoint_every_s` seconds (weights, optimizer, data
-  position, RNG state, elapsed time), written atomically; a killed run resumes
-  from the last one and loses at most one interval; the draft directory is
-  refreshed at every checkpoint, with the held-out agreement measured there.
+- the shared training loop (training.py): AdamW, warm-up and cosine over the
+  wall-clock budget, atomic checkpoints, resume, held-out agreement.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from draftlab.design.prune import DesignedDraft, build_draft, draft_state, save_draft
+from draftlab.design.training import CHECKPOINT, LoopSettings, train
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel
 
-CHECKPOINT = "checkpoint.pt"
 TEACHER = "teacher.pt"
 LOG = "distill_log.jsonl"
 
@@ -126,13 +120,6 @@ def row_lookup(vocab_map: torch.Tensor | None, vocab_size: int) -> torch.Tensor 
     return lookup
 
 
-def learning_rate(settings: DistillSettings, step: int, elapsed: float) -> float:
-    """Linear warm-up over steps, then cosine decay to 10% over the wall-clock budget."""
-    warm = min(1.0, (step + 1) / settings.warmup_steps)
-    progress = min(1.0, elapsed / settings.budget_s)
-    return settings.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
 @torch.inference_mode()
 def held_out_agreement(draft: DesignedDraft, teacher: dict, rows: torch.Tensor) -> float:
     """Top-1 agreement of the draft with the teacher's argmax on held-out windows (~greedy acceptance)."""
@@ -147,105 +134,59 @@ def held_out_agreement(draft: DesignedDraft, teacher: dict, rows: torch.Tensor) 
     return float((predicted == expected).float().mean())
 
 
+class _LayerStudent:
+    """A layer draft under distillation, as the training loop's `Student`."""
+
+    def __init__(self, draft: DesignedDraft, teacher: dict, train_rows: int, lookup: torch.Tensor | None,
+                 out: Path, settings: DistillSettings, target_name: str) -> None:
+        self.draft, self.teacher, self.lookup = draft, teacher, lookup
+        self.out, self.settings, self.target_name = out, settings, target_name
+        self.held_rows = torch.arange(train_rows, teacher["tokens"].shape[0])
+        self.model = draft.model.model
+
+    def trainable(self) -> list[torch.Tensor]:
+        self.model.model.embed_tokens.weight.requires_grad_(False)  # shared with the target: never trained
+        params = [p for n, p in self.model.named_parameters() if "embed_tokens" not in n]
+        for p in params:
+            p.requires_grad_(True)
+        self.model.train()
+        return params
+
+    def loss(self, rows: list[int]) -> torch.Tensor:
+        tokens = self.teacher["tokens"][rows]  # [B, T]
+        draft_rows, valid = to_draft_rows(self.teacher["indices"][rows], self.lookup)  # [B, T, k]
+        logits = self.model(input_ids=tokens).logits  # [B, T, V']
+        return soft_cross_entropy(logits, self.teacher["values"][rows], draft_rows, valid)
+
+    def agreement(self) -> float:
+        return held_out_agreement(self.draft, self.teacher, self.held_rows)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return draft_state(self.draft)
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        own = {("model." + k if k.startswith("layers.") or k == "norm.weight" else k): v
+               for k, v in weights.items() if k != "vocab_map"}
+        self.model.load_state_dict(own, strict=False)
+
+    def save(self, history: list[dict]) -> None:
+        self.draft.made = {**self.draft.made, "distill": {"settings": asdict(self.settings), "history": history}}
+        save_draft(self.draft, self.out, self.target_name)
+
+
 def distill(target: LoadedModel, draft: DesignedDraft, sequences: list[list[int]], out: str | Path,
             settings: DistillSettings, target_name: str, progress: bool = True) -> DesignedDraft:
     """Train `draft` within the budget (resuming from `out` when a checkpoint is there); save it to `out`."""
-    from tqdm import tqdm
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     teacher = load_or_make_teacher(out, target, sequences, settings, progress)
     count = teacher["tokens"].shape[0]
-    held = max(1, int(count * settings.held_out_fraction))
-    held_rows, train_rows = torch.arange(count - held, count), count - held
-    lookup = row_lookup(draft.vocab_map, target.vocab_size)
-    model = draft.model.model
-    model.model.embed_tokens.weight.requires_grad_(False)  # shared with the target: never trained
-    params = [p for n, p in model.named_parameters() if "embed_tokens" not in n]
-    for p in params:
-        p.requires_grad_(True)
-    optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
-    state = _resume(out, draft, optimizer, settings)
-    generator = torch.Generator().manual_seed(settings.seed)
-    if state.get("rng") is not None:
-        generator.set_state(state["rng"])
-    order = state.get("order") or torch.randperm(train_rows, generator=generator).tolist()
-    history = state.get("history", [])
-    step, position, elapsed = state.get("step", 0), state.get("position", 0), state.get("elapsed", 0.0)
-    model.train()
-    bar = tqdm(total=int(settings.budget_s), initial=int(elapsed), desc="distill", unit="s", disable=not progress)
-    last_checkpoint = time.perf_counter()
-    log = (out / LOG).open("a")
-    while elapsed < settings.budget_s:
-        start = time.perf_counter()
-        if position + settings.batch_size > len(order):
-            order, position = torch.randperm(train_rows, generator=generator).tolist(), 0
-        batch = order[position : position + settings.batch_size]
-        position += settings.batch_size
-        loss = _train_step(model, optimizer, teacher, batch, lookup, learning_rate(settings, step, elapsed))
-        step += 1
-        elapsed += time.perf_counter() - start
-        log.write(json.dumps({"step": step, "elapsed_s": round(elapsed, 3), "loss": round(loss, 4)}) + "\n")
-        log.flush()
-        bar.update(int(elapsed) - bar.n)
-        bar.set_postfix_str(f"loss {loss:.3f}", refresh=False)
-        if time.perf_counter() - last_checkpoint >= settings.checkpoint_every_s or elapsed >= settings.budget_s:
-            agreement = held_out_agreement(draft, teacher, held_rows)
-            history.append({"step": step, "elapsed_s": round(elapsed, 1), "loss": round(loss, 4),
-                            "tokens": step * settings.batch_size * settings.seq_len,
-                            "held_out_agreement": round(agreement, 4)})
-            _checkpoint(out, draft, optimizer, settings, target_name, step, position, elapsed, order,
-                        generator, history)
-            last_checkpoint = time.perf_counter()
-    bar.close()
-    log.close()
-    model.eval()
-    for p in params:
-        p.requires_grad_(False)
+    train_rows = count - max(1, int(count * settings.held_out_fraction))
+    student = _LayerStudent(draft, teacher, train_rows, row_lookup(draft.vocab_map, target.vocab_size), out,
+                            settings, target_name)
+    train(student, train_rows, LoopSettings.of(settings), out, settings.seq_len, progress, log_name=LOG)
+    draft.model.model.eval()
     return draft
-
-
-def _train_step(model, optimizer, teacher, batch, lookup, lr) -> float:
-    tokens = teacher["tokens"][batch]  # [B, T]
-    rows, valid = to_draft_rows(teacher["indices"][batch], lookup)  # [B, T, k]
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    logits = model(input_ids=tokens).logits  # [B, T, V']
-    loss = soft_cross_entropy(logits, teacher["values"][batch], rows, valid)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], 1.0)
-    optimizer.step()
-    return float(loss.detach())
-
-
-def _checkpoint(out, draft, optimizer, settings, target_name, step, position, elapsed, order, generator, history):
-    """Write the checkpoint atomically, then refresh the draft directory."""
-    state = {"weights": draft_state(draft), "optimizer": optimizer.state_dict(), "step": step, "position": position,
-             "elapsed": elapsed, "order": order, "rng": generator.get_state(), "history": history,
-             "settings": asdict(settings)}
-    tmp = out / (CHECKPOINT + ".tmp")
-    torch.save(state, tmp)
-    tmp.replace(out / CHECKPOINT)
-    draft.made = {**draft.made, "distill": {"settings": asdict(settings), "history": history}}
-    save_draft(draft, out, target_name)
-
-
-def _resume(out: Path, draft: DesignedDraft, optimizer, settings: DistillSettings) -> dict:
-    """Load the last checkpoint into the draft and optimizer; {} when there is none."""
-    path = out / CHECKPOINT
-    if not path.exists():
-        return {}
-    try:
-        state = torch.load(path, weights_only=False)
-    except Exception as exc:  # a torn or foreign file
-        raise DraftlabError(f"cannot read checkpoint {path} ({exc}); delete it to start over") from exc
-    own = {("model." + k if k.startswith("layers.") or k == "norm.weight" else k): v
-           for k, v in state["weights"].items() if k != "vocab_map"}
-    draft.model.model.load_state_dict(own, strict=False)
-    optimizer.load_state_dict(state["optimizer"])
-    print(f"distill: resuming from step {state['step']} ({state['elapsed']:.0f}s of {settings.budget_s:.0f}s done)")
-    return state
 
 
 def fresh_student(target: LoadedModel, layers: list[int], vocab_map: torch.Tensor | None) -> DesignedDraft:

@@ -1,0 +1,167 @@
+"""Training a feature draft (EAGLE-style) on the target's hidden states.
+
+The target runs once over the training text (in bf16 on a CPU with matrix
+units: ~2x fp32 here) and its final hidden states and greedy next tokens are
+cached on disk (`features.pt`); training never runs the target again. For a
+pair window the draft sees real features f_0..f_{T-2} and tokens x_1..x_{T-1}
+and is trained on both of EAGLE's terms:
+
+- classification: cross-entropy of its cut-vocabulary distribution against
+  the target's (the same head rows applied to the real next feature f_{t+1});
+- regression: smooth L1 between its predicted feature and f_{t+1}, which keeps
+  the features it feeds back to itself (draft positions 2..K) in range.
+
+Input features get uniform noise (EAGLE's trick), so that the draft learns to
+continue from its own imperfect predictions. Training runs in the shared loop
+(training.py): budget, checkpoints, resume, held-out agreement.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from draftlab.design.distill import windows
+from draftlab.design.training import LoopSettings, train
+from draftlab.errors import DraftlabError
+from draftlab.feature_draft import FeatureDraft, save_feature_draft
+from draftlab.models import LoadedModel
+
+FEATURES = "features.pt"
+LOG = "train_log.jsonl"
+
+
+@dataclass(frozen=True)
+class FeatureSettings:
+    """Data shape, loss weights and the training loop's settings."""
+
+    budget_s: float = 1800.0
+    seq_len: int = 256
+    batch_size: int = 8
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    checkpoint_every_s: float = 120.0
+    seed: int = 0
+    regression_weight: float = 1.0
+    noise: float = 0.1  # uniform input-feature noise, as a fraction of the features' RMS
+    held_out_fraction: float = 0.03
+    feature_dtype: str = "bf16"
+
+    def __post_init__(self) -> None:
+        if self.budget_s <= 0 or self.checkpoint_every_s <= 0:
+            raise DraftlabError("budget and checkpoint interval must be positive")
+        if self.seq_len < 3 or self.batch_size < 1:
+            raise DraftlabError("seq_len >= 3 and batch_size >= 1 are required")
+        if self.feature_dtype not in ("bf16", "fp32"):
+            raise DraftlabError(f"feature dtype must be bf16 or fp32, not {self.feature_dtype!r}")
+
+
+@torch.inference_mode()
+def target_features(target: LoadedModel, data: torch.Tensor, batch_size: int = 8, dtype: torch.dtype = torch.bfloat16,
+                    progress: bool = True) -> dict:
+    """The target's final hidden states [N, T, D] and greedy next tokens [N, T] on token windows [N, T].
+
+    A converted copy of the target runs (the loaded model is not touched).
+    """
+    from tqdm import tqdm
+
+    model = copy.deepcopy(target.model).to(dtype).eval()
+    head = model.get_output_embeddings().weight
+    features, top1 = [], []
+    for start in tqdm(range(0, data.shape[0], batch_size), desc="target features", unit="batch",
+                      disable=not progress):
+        hidden = model.model(input_ids=data[start : start + batch_size]).last_hidden_state  # [B, T, D]
+        features.append(hidden.to(torch.bfloat16))
+        top1.append(F.linear(hidden, head).argmax(-1).to(torch.int32))  # [B, T]
+    return {"tokens": data, "features": torch.cat(features), "top1": torch.cat(top1)}
+
+
+def load_or_make_features(out: Path, target: LoadedModel, sequences: list[list[int]], settings: FeatureSettings,
+                          progress: bool = True) -> dict:
+    """Cached features from `out`, or computed and cached."""
+    path = out / FEATURES
+    if path.exists():
+        try:
+            return torch.load(path)
+        except Exception as exc:
+            raise DraftlabError(f"cannot read {path} ({exc}); delete it to recompute") from exc
+    dtype = torch.bfloat16 if settings.feature_dtype == "bf16" else torch.float32
+    data = target_features(target, windows(sequences, settings.seq_len), dtype=dtype, progress=progress)
+    tmp = path.with_suffix(".tmp")
+    torch.save(data, tmp)
+    tmp.replace(path)
+    return data
+
+
+class FeatureStudent:
+    """A feature draft under training, as the training loop's `Student`."""
+
+    def __init__(self, draft: FeatureDraft, data: dict, train_rows: int, out: Path, settings: FeatureSettings,
+                 target_name: str) -> None:
+        self.draft, self.data, self.out, self.settings, self.target_name = draft, data, out, settings, target_name
+        self.held_rows = list(range(train_rows, data["tokens"].shape[0]))
+        self.scale = float(data["features"][:64].float().pow(2).mean().sqrt())  # features' RMS
+        self.generator = torch.Generator().manual_seed(settings.seed + 1)
+
+    def trainable(self) -> list[torch.Tensor]:
+        params = list(self.draft.layer.parameters())
+        for p in params:
+            p.requires_grad_(True)
+        self.draft.layer.train()
+        return params
+
+    def loss(self, rows: list[int]) -> torch.Tensor:
+        features = self.data["features"][rows].float()  # [B, T, D]
+        tokens = self.data["tokens"][rows]  # [B, T]
+        noise = (torch.rand(features[:, :-1].shape, generator=self.generator) - 0.5) * self.settings.noise * self.scale
+        predicted = self.draft.predict(features[:, :-1] + noise, tokens[:, 1:])  # [B, T-1, D]
+        target_next = features[:, 1:]  # [B, T-1, D]
+        with torch.no_grad():
+            target_probs = torch.softmax(self.draft.logits(target_next), dim=-1)  # [B, T-1, V']
+        log_draft = torch.log_softmax(self.draft.logits(predicted), dim=-1)  # [B, T-1, V']
+        classification = -(target_probs * log_draft).sum(-1).mean()
+        regression = F.smooth_l1_loss(predicted, target_next)
+        return classification + self.settings.regression_weight * regression
+
+    @torch.no_grad()
+    def agreement(self) -> float:
+        """Held-out top-1 agreement of the first draft token with the target's greedy token."""
+        was_training = self.draft.layer.training
+        self.draft.layer.eval()
+        features = self.data["features"][self.held_rows].float()
+        tokens = self.data["tokens"][self.held_rows]
+        predicted = self.draft.predict(features[:, :-1], tokens[:, 1:])  # [n, T-1, D]
+        guess = self.draft.vocab_map[self.draft.logits(predicted).argmax(-1)]  # [n, T-1]
+        self.draft.layer.train(was_training)
+        return float((guess == self.data["top1"][self.held_rows][:, 1:]).float().mean())
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.draft.layer.state_dict().items()}
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        self.draft.layer.load_state_dict(weights)
+
+    def save(self, history: list[dict]) -> None:
+        self.draft.made = {**self.draft.made, "train": {"settings": asdict(self.settings), "history": history}}
+        save_feature_draft(self.draft, self.out, self.target_name)
+
+
+def train_feature_draft(target: LoadedModel, draft: FeatureDraft, sequences: list[list[int]], out: str | Path,
+                        settings: FeatureSettings, target_name: str, progress: bool = True) -> list[dict]:
+    """Train `draft` within the budget (resuming from `out`), save it there; the checkpoint history."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = load_or_make_features(out, target, sequences, settings, progress)
+    count = data["tokens"].shape[0]
+    train_rows = count - max(1, int(count * settings.held_out_fraction))
+    if train_rows < 1:
+        raise DraftlabError(f"only {count} windows of {settings.seq_len} tokens; give more text")
+    student = FeatureStudent(draft, data, train_rows, out, settings, target_name)
+    history = train(student, train_rows, LoopSettings.of(settings), out, settings.seq_len, progress, log_name=LOG)
+    draft.layer.eval()
+    return history

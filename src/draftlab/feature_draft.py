@@ -1,0 +1,340 @@
+"""Feature drafts: a one-layer draft that reads the target's hidden states (as EAGLE does).
+
+A small draft cut from the target agrees with it on few tokens, because a
+few layers cannot redo what thirty did. A feature draft does not try: at
+position i it sees the target's own last hidden state f_i (the vector the
+target's LM head turns into the distribution of token i+1) and the embedding
+of the token x_{i+1} that was actually chosen, and it predicts f_{i+1}, from
+which the target's LM head (cut to the frequent rows) reads token i+2:
+
+    f_hat_{i+1} = layer(fc([f_i ; embed(x_{i+1})]))        one Llama decoder layer
+    draft_logits = head_rows @ norm(f_hat_{i+1})           [V'] rows of the target's head
+
+To draft further it feeds its own prediction back: (f_hat_{i+1}, x_hat_{i+2}).
+The target's hidden states arrive with each verification (the engine passes
+the rows of the committed tokens to `FeatureDrafter.observe`), so the draft is
+re-anchored on real features every step.
+
+The draft's own weights are the fc, the layer and its norms (~4M parameters
+for SmolLM2, a few MB in bf16): the input embeddings and the head rows are
+the target's, shared at load time. Its layer starts as a copy of the
+target's last layer (pruning), then `draftlab design feature` trains it.
+
+Saved as a draft directory (same record file as layer drafts):
+
+    draftlab_draft.json   {"format": "draftlab-feature-draft", "version": 1, "target": ..., "shape": {...},
+                           "vocab_size": V', "made": {...}}
+    weights.safetensors   fc.weight, layer.*, out_norm.weight, vocab_map [V']
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftlab.errors import DraftlabError
+from draftlab.models import LoadedModel
+from draftlab.sampling import SamplingConfig, choose
+
+FORMAT = "draftlab-feature-draft"
+RECORD = "draftlab_draft.json"
+WEIGHTS = "weights.safetensors"
+
+
+@dataclass(frozen=True)
+class FeatureShape:
+    """The draft layer's shape: the target's, so that its last layer can initialise it."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+
+    @classmethod
+    def of(cls, config) -> "FeatureShape":
+        """The shape of a Llama-family target's layers."""
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(config.hidden_size, config.num_attention_heads, config.num_key_value_heads, head_dim,
+                   config.intermediate_size, config.rms_norm_eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama RMSNorm in fp32."""
+    x32 = x.float()
+    return (weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (rotate-half) on [..., T, hd] with cos/sin [T, hd]."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class FeatureLayer(nn.Module):
+    """fc + one Llama decoder layer + output norm; reads (feature, next-token embedding) pairs."""
+
+    def __init__(self, shape: FeatureShape) -> None:
+        super().__init__()
+        d, hd = shape.hidden_size, shape.head_dim
+        self.shape = shape
+        self.fc = nn.Linear(2 * d, d, bias=False)
+        self.input_norm = nn.Parameter(torch.ones(d))
+        self.q_proj = nn.Linear(d, shape.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(d, shape.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, shape.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(shape.num_heads * hd, d, bias=False)
+        self.post_norm = nn.Parameter(torch.ones(d))
+        self.gate_proj = nn.Linear(d, shape.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(d, shape.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(shape.intermediate_size, d, bias=False)
+        self.out_norm = nn.Parameter(torch.ones(d))
+
+    def forward(self, features: torch.Tensor, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: "KVCache | None" = None) -> torch.Tensor:
+        """Predicted next features [B, T, D] (normed) from features and embeddings [B, T, D].
+
+        Without a cache the T positions attend causally among themselves (training);
+        with one, they are appended to it and attend to everything cached before them.
+        """
+        s = self.shape
+        hidden = self.fc(torch.cat([features, embeds], dim=-1))  # [B, T, D]
+        normed = rms_norm(hidden, self.input_norm, s.rms_norm_eps)
+        b, t, _ = hidden.shape
+        query = self.q_proj(normed).view(b, t, s.num_heads, s.head_dim).transpose(1, 2)  # [B, H, T, hd]
+        key = self.k_proj(normed).view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)  # [B, Hkv, T, hd]
+        value = self.v_proj(normed).view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
+        query, key = rotate(query, cos, sin), rotate(key, cos, sin)
+        if cache is None:
+            out = F.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True)
+        else:
+            key, value, mask = cache.append(key, value)
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True)
+        hidden = hidden + self.o_proj(out.transpose(1, 2).reshape(b, t, -1))  # [B, T, D]
+        normed = rms_norm(hidden, self.post_norm, s.rms_norm_eps)
+        hidden = hidden + self.down_proj(F.silu(self.gate_proj(normed)) * self.up_proj(normed))
+        return rms_norm(hidden, self.out_norm, s.rms_norm_eps)
+
+
+class KVCache:
+    """Batch-1 key/value buffers [1, Hkv, capacity, hd], rolled back by length."""
+
+    def __init__(self, shape: FeatureShape, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
+        size = (1, shape.num_kv_heads, capacity, shape.head_dim)
+        self.keys = torch.zeros(size, dtype=dtype, device=device)
+        self.values = torch.zeros(size, dtype=dtype, device=device)
+        self.length = 0
+
+    def append(self, key: torch.Tensor, value: torch.Tensor):
+        """Store [1, Hkv, n, hd] after the cached entries; all keys, values and the causal mask."""
+        n = key.shape[2]
+        start, end = self.length, self.length + n
+        if end > self.keys.shape[2]:
+            raise DraftlabError(f"feature draft cache holds {self.keys.shape[2]} positions; {end} needed")
+        self.keys[:, :, start:end] = key
+        self.values[:, :, start:end] = value
+        self.length = end
+        mask = None if n == 1 else torch.ones(n, end, dtype=torch.bool, device=key.device).tril(diagonal=start)
+        return self.keys[:, :, :end], self.values[:, :, :end], mask
+
+
+@dataclass
+class FeatureDraft:
+    """A feature layer plus the target parts it reads: embeddings, head rows, rotary tables."""
+
+    layer: FeatureLayer
+    embed: torch.Tensor  # [V, D] the target's input embeddings (shared, frozen)
+    head: torch.Tensor  # [V', D] the target's LM-head rows of the draft vocabulary (frozen)
+    vocab_map: torch.Tensor  # [V'] target token id of each head row
+    cos: torch.Tensor  # [P, hd]
+    sin: torch.Tensor  # [P, hd]
+    made: dict = field(default_factory=dict)
+
+    @property
+    def target_vocab_size(self) -> int:
+        return int(self.embed.shape[0])
+
+    def predict(self, features: torch.Tensor, next_ids: torch.Tensor, start: int = 0,
+                cache: KVCache | None = None) -> torch.Tensor:
+        """Predicted features [B, T, D] for pairs (features [B, T, D], next token ids [B, T]) from `start`."""
+        t = next_ids.shape[-1]
+        embeds = F.embedding(next_ids, self.embed).to(features.dtype)
+        return self.layer(features, embeds, self.cos[start : start + t], self.sin[start : start + t], cache)
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """Draft logits over the cut vocabulary [..., V'] from (predicted or real) features [..., D]."""
+        return F.linear(features, self.head.to(features.dtype))
+
+
+def new_feature_draft(target: LoadedModel, vocab_map: torch.Tensor, init_layer: int | None = -1) -> FeatureDraft:
+    """A feature draft for `target` whose layer copies the target's layer `init_layer` (None: random)."""
+    config = target.model.config
+    if getattr(config, "model_type", None) != "llama":
+        raise DraftlabError(f"feature drafts support Llama-family targets, not {config.model_type!r}")
+    shape = FeatureShape.of(config)
+    layer = FeatureLayer(shape).to(target.dtype)
+    if init_layer is not None:
+        _copy_target_layer(layer, target.model.model.layers[init_layer], target.model.model.norm.weight)
+    return _assemble(target, layer, vocab_map)
+
+
+def _copy_target_layer(layer: FeatureLayer, source: nn.Module, final_norm: torch.Tensor) -> None:
+    """Initialise from a target layer; fc starts as f + embed (the residual stream's own sum)."""
+    d = layer.shape.hidden_size
+    with torch.no_grad():
+        eye = torch.eye(d, dtype=layer.fc.weight.dtype)
+        layer.fc.weight.copy_(torch.cat([eye, eye], dim=1))
+        layer.input_norm.copy_(source.input_layernorm.weight)
+        layer.post_norm.copy_(source.post_attention_layernorm.weight)
+        layer.out_norm.copy_(final_norm)
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            getattr(layer, name).weight.copy_(getattr(source.self_attn, name).weight)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(layer, name).weight.copy_(getattr(source.mlp, name).weight)
+
+
+def _assemble(target: LoadedModel, layer: FeatureLayer, vocab_map: torch.Tensor) -> FeatureDraft:
+    """Attach the target's embeddings, head rows and rotary tables to a feature layer."""
+    model = target.model
+    capacity = model.config.max_position_embeddings
+    positions = torch.arange(capacity, device=target.device)[None]
+    probe = torch.zeros(1, dtype=target.dtype, device=target.device)
+    with torch.no_grad():
+        cos, sin = model.model.rotary_emb(probe, positions)  # [1, P, hd]
+        head = model.get_output_embeddings().weight.detach()[vocab_map.to(target.device)]  # [V', D]
+    layer.to(target.device)
+    return FeatureDraft(layer, model.model.embed_tokens.weight.detach(), head, vocab_map.long(), cos[0], sin[0])
+
+
+def save_feature_draft(draft: FeatureDraft, out: str | Path, target_name: str,
+                       dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write the draft's own weights (in `dtype`) and the record of how it was made."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to(dtype).contiguous() for k, v in draft.layer.state_dict().items()}
+    state["vocab_map"] = draft.vocab_map.to(torch.int64)
+    tmp = out / (WEIGHTS + ".tmp")
+    save_file(state, str(tmp))
+    tmp.replace(out / WEIGHTS)
+    record = {"format": FORMAT, "version": 1, "target": target_name, "shape": asdict(draft.layer.shape),
+              "vocab_size": len(draft.vocab_map), "made": draft.made}
+    (out / RECORD).write_text(json.dumps(record, indent=2))
+    return out
+
+
+def is_feature_draft(path: str | Path) -> bool:
+    """True for a directory written by `save_feature_draft`."""
+    try:
+        return json.loads((Path(path) / RECORD).read_text()).get("format") == FORMAT
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def load_feature_draft(path: str | Path, target: LoadedModel) -> FeatureDraft:
+    """Rebuild a saved feature draft on top of `target` (whose embeddings and head it reads)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    try:
+        record = json.loads((path / RECORD).read_text())
+        state = load_file(str(path / WEIGHTS))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DraftlabError(f"{path} is not a readable draftlab feature draft ({exc})") from exc
+    if record.get("format") != FORMAT:
+        raise DraftlabError(f"{path}/{RECORD} is not a feature draft record")
+    shape = FeatureShape(**record["shape"])
+    if shape != FeatureShape.of(target.model.config):
+        raise DraftlabError(f"feature draft {path} was made for a target of another shape, not {target.name}")
+    vocab_map = state.pop("vocab_map")
+    if int(vocab_map.max()) >= target.vocab_size:
+        raise DraftlabError(f"feature draft {path} maps to token ids beyond {target.name}'s vocabulary")
+    layer = FeatureLayer(shape)
+    layer.load_state_dict({k: v.to(target.dtype) for k, v in state.items()}, strict=True)
+    layer.to(target.dtype).eval().requires_grad_(False)
+    draft = _assemble(target, layer, vocab_map)
+    draft.made = record.get("made", {})
+    return draft
+
+
+class FeatureDrafter:
+    """Drafts with a `FeatureDraft`, re-anchored on the target's hidden states after every step.
+
+    State: `_features` holds real target features not yet fed to the draft
+    cache; the cache holds `_anchored` pairs built from real features, plus
+    the speculative pairs of the last proposal (rolled back before the next).
+    Invariant, as in the engine: real features exist for every committed token
+    but the newest, so pair i = (f_i, x_{i+1}) exists for i < len(context) - 1.
+    """
+
+    reads_target_hidden = True
+
+    def __init__(self, draft: FeatureDraft, name: str = "feature") -> None:
+        self.draft = draft
+        self.name = name
+        self._cache: KVCache | None = None
+        self._features: list[torch.Tensor] = []  # real features [n, D] not yet in the cache
+        self._anchored = 0
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        """Drop the cache and any pending features."""
+        shape = self.draft.layer.shape
+        capacity = self.draft.cos.shape[0]  # the target's context length
+        self._cache = KVCache(shape, capacity, self.draft.head.dtype, self.draft.head.device)
+        self._features, self._anchored = [], 0
+
+    def observe(self, target_hidden: torch.Tensor) -> None:
+        """Take the target's hidden states [n, D] of the next n committed tokens (in order)."""
+        if target_hidden.shape[0]:
+            self._features.append(target_hidden)
+
+    @torch.inference_mode()
+    def propose(self, context, k, sampling: SamplingConfig, generator) -> "Proposal":
+        """Up to k tokens; their draft probabilities [k, V] when sampling."""
+        from draftlab.drafters import Proposal
+
+        features = self._anchor(context)  # [1, D] predicted features after the last committed token
+        if features is None:
+            return Proposal([])
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        for i in range(k):
+            token, token_probs = self._choose(self.draft.logits(features[-1]), sampling, generator)
+            tokens.append(token)
+            if token_probs is not None:
+                probs.append(token_probs)
+            if i + 1 < k:
+                ids = torch.tensor([[token]], device=features.device)
+                features = self.draft.predict(features[None, -1:], ids, self._cache.length, self._cache)[0]
+        return Proposal(tokens, torch.stack(probs) if probs else None)
+
+    def _anchor(self, context: Sequence[int]) -> torch.Tensor | None:
+        """Roll back speculative pairs, feed the pairs of newly real features; [n, D] predictions or None."""
+        self._cache.length = self._anchored
+        if not self._features:
+            return None
+        real = torch.cat(self._features)  # [n, D]
+        self._features = []
+        start = self._anchored
+        if start + real.shape[0] != len(context) - 1:
+            raise DraftlabError("feature drafter lost track of the target's hidden states")
+        ids = torch.tensor([list(context[start + 1 :])], device=real.device)  # [1, n]
+        predicted = self.draft.predict(real[None].to(self.draft.head.dtype), ids, start, self._cache)[0]  # [n, D]
+        self._anchored = self._cache.length
+        return predicted
+
+    def _choose(self, logits: torch.Tensor, sampling, generator) -> tuple[int, torch.Tensor | None]:
+        """A token from the cut-vocabulary logits [V'], with probabilities over the full vocabulary [V]."""
+        token, token_probs = choose(logits.float(), sampling, generator)
+        if token_probs is not None:
+            full = torch.zeros(self.draft.target_vocab_size, dtype=token_probs.dtype)  # [V]
+            token_probs = full.index_copy_(0, self.draft.vocab_map, token_probs)
+        return int(self.draft.vocab_map[token]), token_probs

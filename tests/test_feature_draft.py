@@ -1,0 +1,143 @@
+"""Feature drafts (EAGLE-style): lossless in the engine, consistent caches, training, files."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftlab.backend import HFBackend
+from draftlab.design.feature import FeatureSettings, train_feature_draft
+from draftlab.drafters import NoDrafter
+from draftlab.engine import GenerationConfig, SpeculativeEngine
+from draftlab.errors import DraftlabError
+from draftlab.fast_llama import FastLlamaBackend
+from draftlab.feature_draft import FeatureDrafter, is_feature_draft, load_feature_draft, new_feature_draft
+from draftlab.policy import FixedK
+from draftlab.sampling import SamplingConfig
+from tests.conftest import tiny_llama
+from tests.test_engine_sampling import RUNS, VOCAB, assert_matches, exact_distributions, empirical
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 9, 10, 9, 10, 11], [42]]
+CUT = torch.arange(0, 64, 2)  # a draft that can only propose even token ids
+
+
+def run(target, drafter, k, prompt, max_new_tokens=40, **config):
+    engine = SpeculativeEngine(FastLlamaBackend(target.model), drafter, FixedK(k), context_length=512)
+    return engine.generate(prompt, GenerationConfig(max_new_tokens=max_new_tokens, **config))
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_target, tmp_path_factory):
+    """A feature draft trained for a few seconds on the tiny target's own greedy outputs."""
+    out = tmp_path_factory.mktemp("feature")
+    texts = [run(tiny_target, NoDrafter(), 1, [i, i + 1], max_new_tokens=62).token_ids for i in range(40)]
+    draft = new_feature_draft(tiny_target, torch.arange(64))
+    settings = FeatureSettings(budget_s=8.0, seq_len=32, batch_size=8, lr=3e-3, checkpoint_every_s=2.0,
+                               held_out_fraction=0.1, feature_dtype="fp32")
+    history = train_feature_draft(tiny_target, draft, texts, out, settings, "tiny", progress=False)
+    return draft, history, out
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+@pytest.mark.parametrize("vocab", ["full", "cut"])
+def test_feature_draft_greedy_equals_autoregressive(tiny_target, trained, k, vocab):
+    draft = trained[0] if vocab == "full" else new_feature_draft(tiny_target, CUT)
+    for prompt in PROMPTS:
+        expected = run(tiny_target, NoDrafter(), 1, prompt).token_ids
+        result = run(tiny_target, FeatureDrafter(draft), k, prompt)
+        assert result.token_ids == expected, f"k={k} prompt={prompt}"
+
+
+def test_training_raises_agreement_and_acceptance(tiny_target, trained):
+    draft, history, _ = trained
+    assert len(history) >= 2
+    assert history[-1]["held_out_agreement"] > history[0]["held_out_agreement"] + 0.1
+    untrained = run(tiny_target, FeatureDrafter(new_feature_draft(tiny_target, torch.arange(64))), 3, PROMPTS[0])
+    result = run(tiny_target, FeatureDrafter(draft), 3, PROMPTS[0])
+    assert 0 < result.stats.acceptance_rate < 1  # both verification paths are exercised
+    assert result.stats.acceptance_rate > untrained.stats.acceptance_rate
+
+
+class Recording(FeatureDrafter):
+    """Remembers every context and proposal, to replay them without a cache."""
+
+    def __init__(self, draft):
+        super().__init__(draft)
+        self.calls = []
+
+    def propose(self, context, k, sampling, generator):
+        proposal = super().propose(context, k, sampling, generator)
+        self.calls.append((list(context), proposal.tokens))
+        return proposal
+
+
+@torch.inference_mode()
+def greedy_without_cache(target, draft, context, k):
+    """What the draft proposes when everything is recomputed from scratch for this context."""
+    _, hidden = FastLlamaBackend(target.model).score(context[:-1], with_hidden=True)  # [L-1, D]
+    features, ids, tokens = hidden, list(context[1:]), []
+    for _ in range(k):
+        predicted = draft.predict(features[None], torch.tensor([ids]))[0]  # [n, D]
+        token = int(draft.vocab_map[draft.logits(predicted[-1]).argmax()])
+        tokens.append(token)
+        features, ids = torch.cat([features, predicted[-1:]]), ids + [token]
+    return tokens
+
+
+def test_incremental_cache_matches_recomputation(tiny_target, trained):
+    drafter = Recording(trained[0])
+    run(tiny_target, drafter, 3, PROMPTS[0])
+    assert len(drafter.calls) > 5
+    for context, proposed in drafter.calls:
+        assert proposed == greedy_without_cache(tiny_target, trained[0], context, len(proposed))
+
+
+def test_save_load_round_trip(tiny_target, trained):
+    draft, _, out = trained
+    assert is_feature_draft(out)
+    loaded = load_feature_draft(out, tiny_target)
+    assert loaded.made["train"]["history"] == trained[1]
+    torch.testing.assert_close(loaded.vocab_map, draft.vocab_map)
+    original = run(tiny_target, FeatureDrafter(draft), 3, PROMPTS[1])
+    again = run(tiny_target, FeatureDrafter(loaded), 3, PROMPTS[1])
+    assert again.token_ids == original.token_ids
+    # bf16 files: agreement on the drafted tokens, not bit equality
+    assert abs(again.stats.acceptance_rate - original.stats.acceptance_rate) < 0.2
+
+
+def test_training_resumes_from_the_checkpoint(tiny_target, trained, capsys):
+    draft, history, out = trained
+    settings = FeatureSettings(budget_s=10.0, seq_len=32, batch_size=8, lr=3e-3, checkpoint_every_s=2.0,
+                               held_out_fraction=0.1, feature_dtype="fp32")
+    more = train_feature_draft(tiny_target, draft, [], out, settings, "tiny", progress=False)  # cached features
+    assert f"resuming from step {history[-1]['step']}" in capsys.readouterr().out
+    assert more[: len(history)] == history and more[-1]["step"] > history[-1]["step"]
+
+
+def test_errors(tiny_target, tmp_path):
+    draft = new_feature_draft(tiny_target, CUT)
+    with pytest.raises(DraftlabError, match="hidden states"):
+        SpeculativeEngine(HFBackend(tiny_target.model), FeatureDrafter(draft), FixedK(2))
+    other = tiny_llama(hidden=48)
+    from draftlab.feature_draft import save_feature_draft
+
+    save_feature_draft(draft, tmp_path / "d", "tiny")
+    with pytest.raises(DraftlabError, match="another shape"):
+        load_feature_draft(tmp_path / "d", other)
+    with pytest.raises(DraftlabError):
+        FeatureSettings(seq_len=2)
+
+
+def test_feature_draft_keeps_the_sampling_distribution():
+    """Rejection sampling with the feature draft's cut-vocabulary probabilities is exact."""
+    toy = tiny_llama(vocab=VOCAB, layers=1, seed=5, hidden=16)
+    with torch.no_grad():
+        toy.model.lm_head.weight.mul_(0.25)
+    draft = new_feature_draft(toy, torch.arange(0, VOCAB, 2))  # half the vocabulary: forces residual draws
+    engine = SpeculativeEngine(FastLlamaBackend(toy.model), FeatureDrafter(draft), FixedK(3), context_length=512)
+    sampling = SamplingConfig(1.0)
+    firsts, seconds = empirical(engine, sampling)
+    exact_first, exact_second = exact_distributions(toy.model, sampling)
+    assert firsts.sum() == RUNS
+    assert_matches(firsts, exact_first)
+    assert_matches(seconds, exact_second)
