@@ -141,3 +141,41 @@ def test_feature_draft_keeps_the_sampling_distribution():
     assert firsts.sum() == RUNS
     assert_matches(firsts, exact_first)
     assert_matches(seconds, exact_second)
+
+
+def test_design_feature_command_builds_a_usable_draft(tmp_path):
+    """`draftlab design feature` end to end on a tiny model, then the draft through the API."""
+    import json
+    import subprocess
+    import sys
+
+    from draftlab.api import SpeculativeDecoder
+    from tests.conftest import tiny_model_dir
+
+    model = tiny_model_dir(tmp_path / "tiny")
+    prompts = tmp_path / "text.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(f"w{(i * 7 + j * j) % 60}" for j in range(40))}) + "\n"
+                               for i in range(20)))
+    out = tmp_path / "feature"
+    command = [sys.executable, "-m", "draftlab.cli", "design", "feature", "--target", str(model), "--datasets",
+               str(prompts), "--generate", "4", "--max-new-tokens", "8", "--vocab", "40", "--out", str(out),
+               "--budget", "3", "--checkpoint-every", "1", "--seq-len", "16", "--no-progress"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "output rows cover" in done.stdout and "held-out agreement" in done.stdout
+    record = json.loads((out / "draftlab_draft.json").read_text())
+    assert record["vocab_size"] == 40 and record["made"]["text"]["generate"] == 4
+    decoder = SpeculativeDecoder.from_names(str(model), drafter=f"model:{out}", k=3)
+    expected = decoder.autoregressive().generate("w1 w2 w3", max_new_tokens=20, chat=False).token_ids
+    assert decoder.generate("w1 w2 w3", max_new_tokens=20, chat=False).token_ids == expected
+    other = [*command[:command.index("--generate") + 1], "5", *command[command.index("--generate") + 2:]]
+    refused = subprocess.run(other, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "other text" in refused.stderr
+    # a second round: new prompts (a range), the first round's text reused, its weights as the start
+    second = [sys.executable, "-m", "draftlab.cli", "design", "feature", "--target", str(model), "--datasets",
+              f"{prompts}:10-20", "--generate", "10", "--max-new-tokens", "8", "--reuse-text", str(out), "--init",
+              str(out), "--out", str(tmp_path / "round2"), "--budget", "2", "--seq-len", "16", "--no-progress"]
+    done = subprocess.run(second, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    made = json.loads((tmp_path / "round2" / "draftlab_draft.json").read_text())["made"]
+    assert made["init"] == f"feature draft {out}" and made["text"]["tokens"] > record["made"]["text"]["tokens"]

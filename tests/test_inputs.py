@@ -125,3 +125,14 @@ def test_balanced_limit_covers_categories():
     prompts = [Prompt(str(i), c, "t") for i, c in enumerate("aaaabbbc")]
     assert [p.category for p in balanced(prompts, 3)] == ["a", "b", "c"]
     assert len(balanced(prompts, None)) == 8
+
+
+def test_text_selection_names_counts_and_ranges():
+    from draftlab.design.corpus import _selection
+
+    assert _selection("questions", 7) == ("questions", 0, 7)
+    assert _selection("questions:40", 7) == ("questions", 0, 40)
+    assert _selection("questions:960-2160", 7) == ("questions", 960, 1200)
+    assert _selection("data/my:file.jsonl", 7) == ("data/my:file.jsonl", 0, 7)
+    with pytest.raises(DraftlabError, match="A < B"):
+        _selection("math:10-5", None)

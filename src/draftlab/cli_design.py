@@ -54,6 +54,9 @@ def add_design_commands(sub) -> None:
     feature.add_argument("--batch-size", type=int, default=8)
     feature.add_argument("--lr", type=float, default=1e-3)
     feature.add_argument("--random-init", action="store_true", help="start from random weights, not the last layer")
+    feature.add_argument("--init", help="an earlier feature draft directory to start from (its weights and vocabulary)")
+    feature.add_argument("--reuse-text", nargs="*", default=[],
+                         help="earlier draft directories (or text.pt files) whose training text is added")
     feature.set_defaults(run=cmd_feature)
 
     correlate = commands.add_parser("correlate", help="draft LM quality (perplexity, MMLU) against TAR")
@@ -194,10 +197,15 @@ def cmd_feature(args) -> None:
     out = Path(args.out)
     target = load_model(args.target)
     sequences = cached_text(out, target, args.datasets, args.limit, args.generate, args.max_new_tokens, args.corpus,
-                            progress=not args.no_progress)
+                            args.reuse_text, progress=not args.no_progress)
     data = load_or_make_features(out, target, sequences, settings, progress=not args.no_progress)
     if (out / CHECKPOINT).exists() and is_feature_draft(out):
         draft = load_feature_draft(out, target)
+    elif args.init:
+        if not is_feature_draft(args.init):
+            raise DraftlabError(f"--init {args.init} is not a feature draft directory")
+        draft = load_feature_draft(args.init, target)
+        draft.made = {**draft.made, "init": f"feature draft {args.init}", "text": _text_record(args, data)}
     else:
         counts = Counter(data["top1"].flatten().tolist())  # what the draft must predict
         chosen = sorted({*eos_ids(target), *[t for t, _ in counts.most_common(args.vocab)]})[: max(args.vocab, 1)]
@@ -206,13 +214,18 @@ def cmd_feature(args) -> None:
         print(f"feature: {len(vocab_map)} output rows cover {covered:.1%} of the target's greedy tokens on this text")
         draft = new_feature_draft(target, vocab_map, init_layer=None if args.random_init else -1)
         draft.made = {"method": "feature (EAGLE-style)", "init": "random" if args.random_init else "last target layer",
-                      "text": {"datasets": args.datasets, "limit": args.limit, "generate": args.generate,
-                               "max_new_tokens": args.max_new_tokens, "corpus": args.corpus,
-                               "tokens": int(data["tokens"].numel())}}
+                      "text": _text_record(args, data)}
     history = train_feature_draft(target, draft, sequences, out, settings, args.target, progress=not args.no_progress)
     if history:
         print(f"feature: {history[-1]['tokens']} tokens in {history[-1]['elapsed_s']:.0f}s, held-out agreement "
               f"{history[0]['held_out_agreement']:.1%} -> {history[-1]['held_out_agreement']:.1%} -> {out}")
+
+
+def _text_record(args, data) -> dict:
+    """How a feature draft's training text was made, for its record."""
+    return {"datasets": args.datasets, "limit": args.limit, "generate": args.generate,
+            "max_new_tokens": args.max_new_tokens, "corpus": args.corpus, "reuse": args.reuse_text,
+            "tokens": int(data["tokens"].numel())}
 
 
 def cmd_correlate(args) -> None:

@@ -144,3 +144,25 @@ def test_cli_bad_input_is_one_clear_line(args, message):
     assert out.returncode == 2
     lines = [line for line in out.stderr.strip().splitlines() if line.startswith("draftlab: error:")]
     assert len(lines) == 1 and message in lines[0], out.stderr
+
+
+def test_feature_draft_on_the_real_target_is_lossless(target, baseline):
+    """An (untrained) EAGLE-style draft reading SmolLM2's hidden states: same greedy output."""
+    from draftlab.engine import GenerationConfig, SpeculativeEngine
+    from draftlab.fast_llama import FastLlamaBackend
+    from draftlab.feature_draft import FeatureDrafter, new_feature_draft
+    from draftlab.policy import FixedK
+
+    draft = new_feature_draft(target, torch.arange(4096))
+    engine = SpeculativeEngine(FastLlamaBackend(target.model), FeatureDrafter(draft), FixedK(2))
+    for prompt, expected in zip(PROMPTS, baseline):
+        ids = encode_prompt(target.tokenizer, prompt)
+        assert engine.generate(ids, GenerationConfig(max_new_tokens=32)).token_ids == expected
+
+
+def test_questions_prompt_set():
+    from draftlab.datasets import load_prompts
+
+    prompts = load_prompts("questions", limit=8)
+    assert {p.category for p in prompts} == {"finance", "health", "truthfulness", "trivia"}
+    assert all(p.chat and p.text.strip() for p in prompts)

@@ -26,16 +26,33 @@ TEXT = "text.pt"
 
 
 def prompt_sequences(target: LoadedModel, datasets: list[str], limit: int | None) -> list[list[int]]:
-    """Encoded prompts of the given sets; 'NAME:N' takes N prompts of that set instead of `limit`."""
+    """Encoded prompts of the given sets.
+
+    'NAME:N' takes the first N prompts of that set (round-robin order) instead of `limit`;
+    'NAME:A-B' takes prompts A..B-1, e.g. the next ones after an earlier draft's training text.
+    """
     out = []
     for entry in datasets:
-        name, _, count = entry.rpartition(":") if entry.rpartition(":")[2].isdigit() else (entry, "", "")
-        for p in load_prompts(name, int(count) if count else limit):
+        name, skip, count = _selection(entry, limit)
+        for p in load_prompts(name, count, skip=skip):
             out.append(encode_prompt(target.tokenizer, p.text, p.chat))
     return out
 
 
-def batched_generations(target: LoadedModel, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 16,
+def _selection(entry: str, limit: int | None) -> tuple[str, int, int | None]:
+    """'NAME', 'NAME:N' or 'NAME:A-B' -> (name, skip, count)."""
+    name, _, span = entry.rpartition(":")
+    first, dash, last = span.partition("-")
+    if not name or not first.isdigit() or (dash and not last.isdigit()):
+        return entry, 0, limit
+    if not dash:
+        return name, 0, int(first)
+    if int(last) <= int(first):
+        raise DraftlabError(f"{entry}: the range A-B needs A < B")
+    return name, int(first), int(last) - int(first)
+
+
+def batched_generations(target: LoadedModel, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 24,
                         dtype: torch.dtype = torch.bfloat16, progress: bool = True) -> list[list[int]]:
     """Each prompt followed by the target's greedy continuation, generated in padded batches.
 
@@ -102,10 +119,17 @@ def gather(target: LoadedModel, datasets: list[str], limit: int | None, generate
 
 
 def cached_text(out: Path, target: LoadedModel, datasets: list[str], limit: int | None, generate: int,
-                max_new_tokens: int, corpus: str | None = None, progress: bool = True) -> list[list[int]]:
-    """`gather`, cached in `out/text.pt` with its sources; a cache made from other sources is refused."""
+                max_new_tokens: int, corpus: str | None = None, reuse: list[str] = (),
+                progress: bool = True) -> list[list[int]]:
+    """`gather`, cached in `out/text.pt` with its sources; a cache made from other sources is refused.
+
+    reuse: earlier `text.pt` files (or the directories holding them) whose sequences are added,
+    so that a new draft can train on an earlier draft's text without generating it again.
+    """
     sources = {"datasets": list(datasets), "limit": limit, "generate": generate, "max_new_tokens": max_new_tokens,
                "corpus": corpus}
+    if reuse:
+        sources["reuse"] = [str(Path(r).resolve()) for r in reuse]
     path = Path(out) / TEXT
     if path.exists():
         cached = torch.load(path)
@@ -113,8 +137,21 @@ def cached_text(out: Path, target: LoadedModel, datasets: list[str], limit: int 
             raise DraftlabError(f"{path} was made from other text ({cached.get('sources')}); delete it or use "
                                 "another --out")
         return cached["sequences"]
-    sequences = gather(target, datasets, limit, generate, max_new_tokens, corpus, progress)
+    sequences = gather(target, datasets, limit, generate, max_new_tokens, corpus, progress) if datasets or corpus else []
+    for earlier in reuse:
+        sequences += _reused(Path(earlier))
+    if not sequences:
+        raise DraftlabError("no training text: give --datasets, --corpus or --reuse-text")
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"sources": sources, "sequences": sequences}, path.with_suffix(".tmp"))
     path.with_suffix(".tmp").replace(path)
     return sequences
+
+
+def _reused(path: Path) -> list[list[int]]:
+    """The sequences of an earlier text cache."""
+    path = path / TEXT if path.is_dir() else path
+    try:
+        return list(torch.load(path)["sequences"])
+    except (OSError, KeyError, RuntimeError, EOFError) as exc:
+        raise DraftlabError(f"cannot reuse training text from {path} ({exc})") from exc
