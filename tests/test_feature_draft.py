@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from draftlab.backend import HFBackend
-from draftlab.design.feature import FeatureSettings, train_feature_draft
+from draftlab.design.feature import FeatureSettings, FeatureStudent, train_feature_draft
 from draftlab.drafters import NoDrafter
 from draftlab.engine import GenerationConfig, SpeculativeEngine
 from draftlab.errors import DraftlabError
@@ -49,9 +49,12 @@ def test_feature_draft_greedy_equals_autoregressive(tiny_target, trained, k, voc
 
 
 def test_training_raises_agreement_and_acceptance(tiny_target, trained):
-    draft, history, _ = trained
+    draft, history, out = trained
     assert len(history) >= 2
-    assert history[-1]["held_out_agreement"] > history[0]["held_out_agreement"] + 0.1
+    data = torch.load(out / "features.pt")
+    untrained_student = FeatureStudent(new_feature_draft(tiny_target, torch.arange(64)), data,
+                                       int(data["tokens"].shape[0] * 0.9), out, FeatureSettings(), "tiny")
+    assert history[-1]["held_out_agreement"] > untrained_student.agreement() + 0.1
     untrained = run(tiny_target, FeatureDrafter(new_feature_draft(tiny_target, torch.arange(64))), 3, PROMPTS[0])
     result = run(tiny_target, FeatureDrafter(draft), 3, PROMPTS[0])
     assert 0 < result.stats.acceptance_rate < 1  # both verification paths are exercised

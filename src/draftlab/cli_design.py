@@ -157,7 +157,8 @@ def cmd_prune(args) -> None:
 def cmd_distill(args) -> None:
     """Distil a draft within the budget; resumes from --out's checkpoint."""
     from draftlab.api import parse_layers
-    from draftlab.design.distill import CHECKPOINT, DistillSettings, distill
+    from draftlab.design.distill import DistillSettings, distill
+    from draftlab.design.training import CHECKPOINT
     from draftlab.design.prune import build_draft, is_draft_dir, load_draft
 
     settings = DistillSettings(budget_s=args.budget, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftlab.drafters import Proposal
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel
 from draftlab.sampling import SamplingConfig, choose
@@ -297,10 +298,8 @@ class FeatureDrafter:
             self._features.append(target_hidden)
 
     @torch.inference_mode()
-    def propose(self, context, k, sampling: SamplingConfig, generator) -> "Proposal":
+    def propose(self, context, k, sampling: SamplingConfig, generator) -> Proposal:
         """Up to k tokens; their draft probabilities [k, V] when sampling."""
-        from draftlab.drafters import Proposal
-
         features = self._anchor(context)  # [1, D] predicted features after the last committed token
         if features is None:
             return Proposal([])
