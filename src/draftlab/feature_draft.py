@@ -242,16 +242,9 @@ def is_feature_draft(path: str | Path) -> bool:
 
 def load_feature_draft(path: str | Path, target: LoadedModel) -> FeatureDraft:
     """Rebuild a saved feature draft on top of `target` (whose embeddings and head it reads)."""
-    from safetensors.torch import load_file
+    from draftlab.design.prune import read_draft_files
 
-    path = Path(path)
-    try:
-        record = json.loads((path / RECORD).read_text())
-        state = load_file(str(path / WEIGHTS))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise DraftlabError(f"{path} is not a readable draftlab feature draft ({exc})") from exc
-    if record.get("format") != FORMAT:
-        raise DraftlabError(f"{path}/{RECORD} is not a feature draft record")
+    record, state = read_draft_files(path, FORMAT)
     shape = FeatureShape(**record["shape"])
     if shape != FeatureShape.of(target.model.config):
         raise DraftlabError(f"feature draft {path} was made for a target of another shape, not {target.name}")

@@ -143,8 +143,8 @@ def save_draft(draft: DesignedDraft, out: str | Path, target_name: str, dtype: t
     return out
 
 
-def load_draft(path: str | Path, target: LoadedModel) -> DesignedDraft:
-    """Rebuild a saved draft on top of `target` (whose embeddings it shares)."""
+def read_draft_files(path: str | Path, expected_format: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The record and weights of a draft directory whose record has `expected_format`."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -153,8 +153,14 @@ def load_draft(path: str | Path, target: LoadedModel) -> DesignedDraft:
         state = load_file(str(path / WEIGHTS))
     except (OSError, json.JSONDecodeError) as exc:
         raise DraftlabError(f"{path} is not a readable draftlab draft ({exc})") from exc
-    if record.get("format") != FORMAT:
-        raise DraftlabError(f"{path}/{RECORD} is not a draftlab draft record")
+    if record.get("format") != expected_format:
+        raise DraftlabError(f"{path}/{RECORD} is not a {expected_format} record")
+    return record, state
+
+
+def load_draft(path: str | Path, target: LoadedModel) -> DesignedDraft:
+    """Rebuild a saved draft on top of `target` (whose embeddings it shares)."""
+    record, state = read_draft_files(path, FORMAT)
     if state["lm_head.weight"].shape[1] != target.model.config.hidden_size:
         raise DraftlabError(f"draft {path} was made for a target of another width, not {target.name}")
     vocab_map = state.get("vocab_map")
