@@ -21,13 +21,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from draftlab.calibrate import CalibrationSettings
+from draftlab.perf.calibrate import CalibrationSettings
 from draftlab.models import load_model
 from draftlab.study.report import summarize
 from draftlab.study.store import ResultsStore
 from draftlab.study.sweep import SweepConfig, run_sweep
 from draftlab.datasets import load_prompts
-from draftlab.tuner import compare, error_summary, tune
+from draftlab.perf.tuner import compare, error_summary, tune
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftlab.backend import HFBackend
+from draftlab.backends.hf import HFBackend
 from draftlab.models import LoadedModel
 
 

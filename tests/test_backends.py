@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftlab.backend import HFBackend
+from draftlab.backends.hf import HFBackend
 from draftlab.errors import DraftlabError
-from draftlab.fast_llama import FastLlamaBackend, make_backend
+from draftlab.backends import FastLlamaBackend, make_backend
 
 TOKENS = [5, 9, 2, 33, 17, 8, 41, 3, 3, 60, 12, 7]
 

@@ -14,19 +14,12 @@ import torch
 
 from draftlab.api import SpeculativeDecoder
 from draftlab.design.distill import DistillSettings, distill, soft_cross_entropy, windows
-from draftlab.design.prune import (
-    agreement,
-    build_draft,
-    frequent_tokens,
-    load_draft,
-    save_draft,
-    search_layers,
-    target_next_tokens,
-)
+from draftlab.design.prune import agreement, frequent_tokens, search_layers, target_next_tokens
+from draftlab.drafters.pruned import build_draft, draft_state, load_draft, save_draft
 from draftlab.drafters import ModelDrafter, NoDrafter
 from draftlab.engine import GenerationConfig, SpeculativeEngine
 from draftlab.errors import DraftlabError
-from draftlab.fast_llama import make_backend
+from draftlab.backends import make_backend
 from draftlab.policy import FixedK
 from draftlab.sampling import SamplingConfig
 from tests.conftest import tiny_model_dir
@@ -48,6 +41,10 @@ def test_frequent_tokens_and_draft_round_trip(tiny_target, tmp_path):
     assert files == ["draftlab_draft.json", "weights.safetensors"]
     loaded = load_draft(tmp_path / "d", tiny_target)
     assert loaded.layers == [0, 2] and torch.equal(loaded.vocab_map, vocab_map)
+    saved, back = draft_state(draft), draft_state(loaded)
+    assert saved.keys() == back.keys()
+    for key in saved:
+        assert torch.equal(saved[key], back[key]), key  # the weights saved are the weights loaded
     tokens = torch.tensor([[1, 2, 3, 4]])
     with torch.inference_mode():
         torch.testing.assert_close(loaded.model.model(input_ids=tokens).logits, draft.model.model(input_ids=tokens).logits)

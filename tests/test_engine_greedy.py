@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftlab.backend import HFBackend
+from draftlab.backends.hf import HFBackend
 from draftlab.drafters import ModelDrafter, NGramDrafter, NoDrafter, build_layer_draft
 from draftlab.engine import GenerationConfig, SpeculativeEngine
-from draftlab.fast_llama import make_backend
+from draftlab.backends import make_backend
 from draftlab.policy import DynamicK, FixedK
 from tests.conftest import noisy_copy
 

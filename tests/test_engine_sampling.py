@@ -1,76 +1,139 @@
-"""The whole engine reproduces a toy target's exact next-token distributions.
+"""The whole engine reproduces a toy target's exact joint distribution over the first K+1 tokens.
 
-A 16-token random model is the target; a noisy copy drafts K=3 tokens at
-temperature 1 (top-k 12 in one case). Over many seeded runs, the empirical
-distribution of the first two generated tokens must match the exact ones
-computed from the target's logits: P(t1) and P(t2) = sum_t1 P(t1) P(t2 | t1).
+A 4-token random model is the target, so the exact joint distribution of the
+first four generated tokens (256 sequences) is computable from its logits. The
+engine drafts K=3 tokens in the first step (asserted: the drafted counts are
+checked, so positions 2 and 3 of a block are really drafted and verified) with
+a noisy copy of the target (a draft that is often wrong), an adversarial draft
+that puts its mass where the target puts little, and n-gram lookup on a prompt
+whose last token recurs (one-hot drafts). Over many seeded runs the empirical
+joint distribution must match the exact one (chi-square over the sequences,
+sparse cells pooled), at temperature 1, with top-k and with top-p.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
 from scipy.stats import chisquare
 
-from draftlab.backend import HFBackend
+from draftlab.backends import FastLlamaBackend
 from draftlab.drafters import ModelDrafter, NGramDrafter
 from draftlab.engine import GenerationConfig, SpeculativeEngine
 from draftlab.policy import FixedK
 from draftlab.sampling import SamplingConfig, logits_to_probs
 from tests.conftest import noisy_copy, tiny_llama
 
-VOCAB = 16
-RUNS = 2500
-PROMPT = [3, 1, 4, 1, 5]
+VOCAB = 4
+K = 3
+LENGTH = K + 1  # the first step commits up to K+1 tokens; later steps fill the rest
+RUNS = 3000
+PROMPT = [3, 1, 2, 0, 1, 2, 3]  # ends in 3, which recurs: n-gram lookup drafts [1, 2, 3]
 
 
 @pytest.fixture(scope="module")
 def toy():
     target = tiny_llama(vocab=VOCAB, layers=1, seed=5, hidden=16)
     with torch.no_grad():
-        target.model.lm_head.weight.mul_(0.25)  # spread the distribution: many tokens matter
+        target.model.lm_head.weight.mul_(0.15)  # spread the distribution: every token matters
     return target
 
 
-def exact_distributions(model, sampling):
+def adversarial(target):
+    """A draft whose output layer is the target's negated: it prefers what the target avoids."""
+    draft = noisy_copy(target, 0.0, seed=0)
+    with torch.no_grad():
+        draft.model.lm_head.weight.mul_(-1.0)
+    return draft
+
+
+def exact_joint(model, sampling) -> dict[tuple[int, ...], float]:
+    """P(first LENGTH tokens = s) for every sequence s, from the target's warped distributions."""
+    joint = {(): 1.0}
     with torch.inference_mode():
-        first = logits_to_probs(model(torch.tensor([PROMPT])).logits[0, -1:], sampling)[0]  # [V]
-        batch = torch.tensor([PROMPT + [t] for t in range(VOCAB)])  # [V, len+1]
-        second_given_first = logits_to_probs(model(batch).logits[:, -1], sampling)  # [V, V]
-    return first.double(), (first[:, None] * second_given_first).sum(0).double()
+        for _ in range(LENGTH):
+            prefixes = list(joint)
+            batch = torch.tensor([PROMPT + list(p) for p in prefixes])  # [P, L]
+            probs = logits_to_probs(model(batch).logits[:, -1].double(), sampling)  # [P, V]
+            joint = {p + (t,): joint[p] * float(probs[i, t]) for i, p in enumerate(prefixes) for t in range(VOCAB)}
+    return joint
 
 
-def empirical(engine, sampling):
-    firsts, seconds = torch.zeros(VOCAB), torch.zeros(VOCAB)
+def empirical_joint(engine, sampling) -> tuple[dict[tuple[int, ...], int], list[int]]:
+    """Counts of the first LENGTH tokens over RUNS seeds, and the tokens drafted in each run's first step."""
+    counts: dict[tuple[int, ...], int] = {}
+    first_drafted = []
     for seed in range(RUNS):
-        out = engine.generate(PROMPT, GenerationConfig(max_new_tokens=2, sampling=sampling, seed=seed))
-        firsts[out.token_ids[0]] += 1
-        seconds[out.token_ids[1]] += 1
-    return firsts, seconds
+        out = engine.generate(PROMPT, GenerationConfig(max_new_tokens=LENGTH, sampling=sampling, seed=seed))
+        key = tuple(out.token_ids[:LENGTH])
+        counts[key] = counts.get(key, 0) + 1
+        first_drafted.append(out.stats.drafted_per_step_list[0])
+    return counts, first_drafted
 
 
-def assert_matches(counts, probs):
-    expected = probs.double() / probs.double().sum() * counts.sum()
-    assert counts[expected == 0].sum() == 0
-    keep = expected > 0
-    pvalue = chisquare(counts[keep].double().numpy(), expected[keep].numpy()).pvalue
+def assert_joint_matches(counts: dict, exact: dict) -> None:
+    """Chi-square of observed vs exact sequence counts; cells expecting < 5 are pooled into one."""
+    total = sum(counts.values())
+    assert all(exact.get(s, 0.0) > 0 for s in counts), "a sequence of zero probability was generated"
+    observed, expected, pooled_obs, pooled_exp = [], [], 0.0, 0.0
+    for sequence, probability in exact.items():
+        if probability * total >= 5:
+            observed.append(counts.get(sequence, 0))
+            expected.append(probability * total)
+        else:
+            pooled_obs += counts.get(sequence, 0)
+            pooled_exp += probability * total
+    if pooled_exp > 0:
+        observed.append(pooled_obs)
+        expected.append(pooled_exp)
+    scale = sum(observed) / sum(expected)
+    pvalue = chisquare(observed, [e * scale for e in expected]).pvalue
+    assert len(observed) > 20, "too few sequences compared for the test to mean anything"
     assert pvalue > 1e-3, f"p={pvalue:.2e}"
 
 
-@pytest.mark.parametrize("sampling", [SamplingConfig(1.0), SamplingConfig(0.8, top_k=12)], ids=["t1", "t0.8-top12"])
-def test_engine_output_distribution_equals_target(toy, sampling):
-    drafter = ModelDrafter(HFBackend(noisy_copy(toy, 0.5, seed=2).model))
-    engine = SpeculativeEngine(HFBackend(toy.model), drafter, FixedK(3), context_length=512)
-    firsts, seconds = empirical(engine, sampling)
-    exact_first, exact_second = exact_distributions(toy.model, sampling)
-    assert_matches(firsts, exact_first)
-    assert_matches(seconds, exact_second)
+SAMPLINGS = {
+    "t1": SamplingConfig(1.0),
+    "t0.8-top3": SamplingConfig(0.8, top_k=3),
+    "t1-top0.85": SamplingConfig(1.0, top_p=0.85),
+}
 
 
-def test_ngram_drafts_keep_the_distribution(toy):
-    """A one-hot drafter (prompt lookup proposes '5'... after '1') is lossless too."""
-    engine = SpeculativeEngine(HFBackend(toy.model), NGramDrafter(max_n=1), FixedK(2), context_length=512)
-    firsts, seconds = empirical(engine, SamplingConfig(1.0))
-    exact_first, exact_second = exact_distributions(toy.model, SamplingConfig(1.0))
-    assert_matches(firsts, exact_first)
-    assert_matches(seconds, exact_second)
+@pytest.mark.parametrize("name", sorted(SAMPLINGS))
+@pytest.mark.parametrize("draft", ["noisy", "adversarial"])
+def test_engine_joint_distribution_equals_target(toy, name, draft):
+    sampling = SAMPLINGS[name]
+    draft_model = noisy_copy(toy, 0.8, seed=2) if draft == "noisy" else adversarial(toy)
+    engine = SpeculativeEngine(FastLlamaBackend(toy.model), ModelDrafter(FastLlamaBackend(draft_model.model)), FixedK(K),
+                               context_length=512)
+    counts, first_drafted = empirical_joint(engine, sampling)
+    assert set(first_drafted) == {K}
+    assert_joint_matches(counts, exact_joint(toy.model, sampling))
+
+
+@pytest.mark.parametrize("name", ["t1", "t1-top0.85"])
+def test_ngram_drafts_keep_the_joint_distribution(toy, name):
+    """A one-hot drafter that really drafts K tokens (the prompt's last token recurs) is lossless too."""
+    sampling = SAMPLINGS[name]
+    engine = SpeculativeEngine(FastLlamaBackend(toy.model), NGramDrafter(max_n=1), FixedK(K), context_length=512)
+    counts, first_drafted = empirical_joint(engine, sampling)
+    assert set(first_drafted) == {K}
+    assert_joint_matches(counts, exact_joint(toy.model, sampling))
+
+
+def test_the_joint_check_detects_a_lossy_engine(toy):
+    """Sampling the first token from the draft instead of the target must fail the check."""
+    sampling = SAMPLINGS["t1"]
+    exact = exact_joint(toy.model, sampling)
+    wrong = exact_joint(adversarial(toy).model, sampling)
+    generator = torch.Generator().manual_seed(0)
+    sequences = list(wrong)
+    draws = torch.multinomial(torch.tensor([wrong[s] for s in sequences]), RUNS, replacement=True, generator=generator)
+    counts: dict = {}
+    for index in draws.tolist():
+        counts[sequences[index]] = counts.get(sequences[index], 0) + 1
+    with pytest.raises(AssertionError):
+        assert_joint_matches(counts, exact)
+    assert len(list(itertools.islice(exact, 300))) == VOCAB**LENGTH

@@ -67,7 +67,7 @@ def test_empty_prompt_and_context_overflow(tiny_backend):
 
 def test_generation_fills_the_context_exactly(tiny_target):
     from draftlab.drafters import ModelDrafter
-    from draftlab.fast_llama import make_backend
+    from draftlab.backends import make_backend
 
     engine = SpeculativeEngine(make_backend(tiny_target.model), ModelDrafter(make_backend(tiny_target.model)),
                                FixedK(8), context_length=40)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from draftlab.perfmodel import (
+from draftlab.perf.model import (
     DraftProfile,
     TargetProfile,
     accepted_at_least,
@@ -14,7 +14,7 @@ from draftlab.perfmodel import (
     predict,
     simplified_throughput,
 )
-from draftlab.tuner import choose, extra_tar_for_parity, format_what_if, latency_reduction_for_parity, required_tar
+from draftlab.perf.tuner import choose, extra_tar_for_parity, format_what_if, latency_reduction_for_parity, required_tar
 
 
 def test_leviathan_hand_values():
@@ -94,8 +94,8 @@ def test_extra_tar_and_what_if_table():
     target = TargetProfile("t", {1: 0.030, 2: 0.032, 3: 0.034})
     fast = DraftProfile("fast", 0.001, [0.6, 0.3])
     slow = DraftProfile("slow", 0.010, [0.7, 0.5])
-    from draftlab.tuner import predictions
-    from draftlab.calibrate import Profile
+    from draftlab.perf.tuner import predictions
+    from draftlab.perf.calibrate import Profile
 
     text = format_what_if(predictions(Profile(target, [fast, slow])))
     assert "best draft (fast" in text and "slow" in text

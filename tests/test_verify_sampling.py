@@ -1,8 +1,9 @@
 """Rejection sampling is lossless: the committed token is distributed as the target says.
 
-Each case draws the draft token from draft_probs, verifies it against
-target_probs, and compares the histogram of the first committed token with
-target_probs[0] by a chi-square test (p > 1e-3, seeded, so the outcome is
+Each case draws k draft tokens, each from its own draft row, verifies them
+against k+1 target rows that differ per position, and compares the histogram
+of the committed token at every reached position j with target row j by a
+chi-square test (p > 1e-3, seeded, so the outcome is
 fixed). The last test shows the check has teeth: it rejects a sampler that
 simply keeps the draft.
 """
@@ -14,10 +15,11 @@ import torch
 from scipy.stats import chisquare
 
 from draftlab.sampling import SamplingConfig, logits_to_probs
+from draftlab.step import Block, Proposal
 from draftlab.verify import residual_distribution, verify_greedy, verify_sampling
 
 V = 6
-N = 20000
+N = 10000
 
 
 def normalize(x):
@@ -36,17 +38,28 @@ CASES = {
 }
 
 
-def first_token_histogram(draft_probs, target_probs, k, one_hot=False, seed=0):
+def chain(draft_tokens: list[int]) -> Block:
+    """The block that verifies a chain of drafted tokens after a root token 0."""
+    return Block.of(0, Proposal(list(draft_tokens)))
+
+
+def rows(probs, n):
+    """n different rows [n, V]: row j is `probs` rolled by j (each position has its own distribution)."""
+    return torch.stack([torch.roll(probs, j) for j in range(n)])
+
+
+def committed_histograms(draft_probs, target_probs, k, one_hot=False, seed=0):
+    """Histogram [k+1, V] of the committed token at each position, over N verified chains of k drafts."""
     generator = torch.Generator().manual_seed(seed)
-    draft_rows = draft_probs.expand(k, V)  # [k, V]
-    target_rows = target_probs.expand(k + 1, V)  # [k+1, V]
-    counts = torch.zeros(V)
+    draft_rows = rows(draft_probs, k)  # [k, V]
+    target_rows = rows(target_probs, k + 1)  # [k+1, V]
+    counts = torch.zeros(k + 1, V)
     for _ in range(N):
-        draft_tokens = torch.multinomial(draft_rows, 1, generator=generator)[:, 0]  # [k]
-        verdict = verify_sampling(draft_tokens, None if one_hot else draft_rows, target_rows, generator)
-        first = draft_tokens[0].item() if verdict.num_accepted > 0 else verdict.next_token
-        counts[first] += 1
-    return counts
+        draft_tokens = torch.multinomial(draft_rows, 1, generator=generator)[:, 0].tolist()  # [k]
+        verdict = verify_sampling(chain(draft_tokens), None if one_hot else draft_rows, target_rows, generator)
+        for position, token in enumerate(verdict.committed(Proposal(draft_tokens))):
+            counts[position, token] += 1
+    return counts, target_rows
 
 
 def assert_distributed_as(counts, probs):
@@ -57,23 +70,43 @@ def assert_distributed_as(counts, probs):
     assert result.pvalue > 1e-3, f"chi-square p={result.pvalue:.2e}: {counts.tolist()} vs {expected.tolist()}"
 
 
+def assert_every_position_follows_target(counts, target_rows):
+    """Each committed position j (given that it was reached) is distributed as target row j."""
+    checked = 0
+    for position in range(counts.shape[0]):
+        if counts[position].sum() >= 200:
+            assert_distributed_as(counts[position], target_rows[position])
+            checked += 1
+    assert checked >= 1
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("k", [1, 3])
-def test_first_committed_token_follows_target(case, k):
+def test_committed_tokens_follow_target(case, k):
+    """Every position has its own target and draft row, so a residual or bonus from the wrong row fails."""
     draft_probs, target_probs = CASES[case]
-    assert_distributed_as(first_token_histogram(draft_probs, target_probs, k), target_probs)
+    counts, target_rows = committed_histograms(draft_probs, target_probs, k)
+    assert_every_position_follows_target(counts, target_rows)
 
 
 @pytest.mark.parametrize("case", ["one_hot_draft", "random", "disjoint_support"])
 def test_drafter_without_probabilities_is_treated_as_one_hot(case):
     """N-gram drafts carry no distribution; any fixed or random draft token must still be lossless."""
     draft_probs, target_probs = CASES[case]
-    assert_distributed_as(first_token_histogram(draft_probs, target_probs, 2, one_hot=True), target_probs)
+    counts, target_rows = committed_histograms(draft_probs, target_probs, 2, one_hot=True)
+    assert_every_position_follows_target(counts, target_rows)
+
+
+def test_later_positions_are_reached_and_checked():
+    """With identical draft and target every draft is accepted: the bonus row (k) must be checked too."""
+    draft_probs, target_probs = CASES["identical"]
+    counts, _ = committed_histograms(draft_probs, target_probs, 3)
+    assert counts[3].sum() == N
 
 
 def test_all_accepted_gives_bonus_from_last_row():
     target = torch.stack([normalize([1, 0, 0, 0, 0, 0]), normalize([0, 0, 0, 0, 0, 1])])  # [2, V]
-    verdict = verify_sampling(torch.tensor([0]), target[:1], target, torch.Generator().manual_seed(0))
+    verdict = verify_sampling(chain([0]), target[:1], target, torch.Generator().manual_seed(0))
     assert verdict.num_accepted == 1 and verdict.next_token == 5
 
 
@@ -83,8 +116,8 @@ def test_acceptance_rate_equals_overlap():
     generator = torch.Generator().manual_seed(1)
     accepted = 0
     for _ in range(N):
-        token = torch.multinomial(draft_probs, 1, generator=generator)
-        accepted += verify_sampling(token, draft_probs[None], target_probs.expand(2, V), generator).num_accepted
+        token = torch.multinomial(draft_probs, 1, generator=generator).tolist()
+        accepted += verify_sampling(chain(token), draft_probs[None], target_probs.expand(2, V), generator).num_accepted
     overlap = torch.minimum(draft_probs, target_probs).sum().item()
     assert abs(accepted / N - overlap) < 4 * (overlap * (1 - overlap) / N) ** 0.5
 
@@ -109,11 +142,11 @@ def test_greedy_verification_longest_prefix():
     logits = torch.full((4, V), -1.0)
     for row, token in enumerate([2, 3, 4, 5]):
         logits[row, token] = 1.0
-    assert verify_greedy(torch.tensor([2, 3, 1]), logits).num_accepted == 2
-    assert verify_greedy(torch.tensor([2, 3, 1]), logits).next_token == 4
-    full = verify_greedy(torch.tensor([2, 3, 4]), logits)
+    assert verify_greedy(chain([2, 3, 1]), logits).num_accepted == 2
+    assert verify_greedy(chain([2, 3, 1]), logits).next_token == 4
+    full = verify_greedy(chain([2, 3, 4]), logits)
     assert (full.num_accepted, full.next_token) == (3, 5)
-    assert verify_greedy(torch.tensor([0, 3, 4]), logits).num_accepted == 0
+    assert verify_greedy(chain([0, 3, 4]), logits).num_accepted == 0
 
 
 def test_top_k_and_top_p_warping():

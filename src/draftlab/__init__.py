@@ -1,7 +1,8 @@
 """draftlab: lossless speculative decoding, and the evidence to choose draft and K."""
 
 from draftlab.api import SpeculativeDecoder, encode_prompt, parse_drafter_spec
-from draftlab.drafters import Drafter, ModelDrafter, NGramDrafter, NoDrafter, Proposal, build_layer_draft
+from draftlab.drafters import Drafter, ModelDrafter, NGramDrafter, NoDrafter, build_layer_draft
+from draftlab.step import Proposal
 from draftlab.engine import GenerationConfig, GenerationResult, SpeculativeEngine
 from draftlab.errors import DraftlabError
 from draftlab.metrics import GenerationStats

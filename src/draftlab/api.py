@@ -5,14 +5,7 @@
     out = decoder.generate("Write a haiku about caches.", max_new_tokens=64)
     print(out.text, out.stats.tokens_per_step)
 
-Drafter spec strings (also used by the CLI):
-  none | ar                  no draft: autoregressive decoding
-  ngram | ngram:N | ngram:A-B prompt lookup with n-gram sizes 1..3, 1..N or A..B
-  layers:SPEC                self-draft from target layers; SPEC is a comma list
-                             of indices, ranges a-b and strided ranges a-b:s,
-                             e.g. layers:0-3, layers:0-29:2, layers:0-3,26-29
-  model:NAME_OR_PATH         a separate draft model with the target's tokenizer, or a
-                             draft directory made by `draftlab design prune/distill`
+Drafter spec strings: see `draftlab.registry` (the same grammar everywhere).
 """
 
 from __future__ import annotations
@@ -20,103 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from draftlab.backend import Backend
-from draftlab.fast_llama import make_backend
-from draftlab.drafters import (
-    Drafter,
-    ModelDrafter,
-    NGramDrafter,
-    NoDrafter,
-    build_layer_draft,
-    check_compatible,
-)
-from draftlab.design.prune import is_draft_dir, load_draft
-from draftlab.feature_draft import FeatureDrafter, is_feature_draft, load_feature_draft
+from draftlab.backends import Backend, make_backend
+from draftlab.drafters.base import Drafter, NoDrafter
 from draftlab.engine import GenerationConfig, GenerationResult, SpeculativeEngine
 from draftlab.errors import DraftlabError
-from draftlab.models import LoadedModel, ModelSpec, load_model
+from draftlab.models import LoadedModel, load_model
 from draftlab.policy import DraftLengthPolicy, DynamicK, FixedK
+from draftlab.registry import DraftPlan, build_drafter, parse_drafter_spec, parse_layers  # noqa: F401 (API)
 from draftlab.sampling import SamplingConfig
-
-
-@dataclass(frozen=True)
-class DraftPlan:
-    """A parsed drafter spec string."""
-
-    kind: str  # none | ngram | layers | model
-    ngram: tuple[int, int] = (1, 3)  # (min_n, max_n)
-    layers: tuple[int, ...] = ()
-    model: str = ""
-
-
-def parse_drafter_spec(spec: str, num_layers: int | None = None) -> DraftPlan:
-    """Parse a drafter spec string (see the module docstring)."""
-    kind, _, arg = spec.partition(":")
-    if kind in ("none", "ar") and not arg:
-        return DraftPlan("none")
-    if kind == "ngram":
-        return DraftPlan("ngram", ngram=_parse_ngram(arg))
-    if kind == "layers" and arg:
-        return DraftPlan("layers", layers=tuple(parse_layers(arg, num_layers)))
-    if kind == "model" and arg:
-        return DraftPlan("model", model=arg)
-    raise DraftlabError(
-        f"unknown drafter {spec!r}: use none, ngram[:N|:A-B], layers:0-3 (or 0,2,4 / 0-29:2), model:NAME_OR_PATH"
-    )
-
-
-def _parse_ngram(arg: str) -> tuple[int, int]:
-    try:
-        if not arg:
-            return (1, 3)
-        if "-" in arg:
-            low, high = (int(x) for x in arg.split("-", 1))
-            return (low, high)
-        return (1, int(arg))
-    except ValueError as exc:
-        raise DraftlabError(f"bad n-gram size {arg!r}: use ngram:N or ngram:A-B with integers") from exc
-
-
-def parse_layers(text: str, num_layers: int | None = None) -> list[int]:
-    """'0-3,26-29' -> [0,1,2,3,26,27,28,29]; 'a-b:s' steps by s; negatives count from the end."""
-    layers: list[int] = []
-    try:
-        for item in text.split(","):
-            span, _, step = item.partition(":")
-            low, sep, high = span.partition("-") if not span.startswith("-") else (span, "", "")
-            first = int(low)
-            last = int(high) if sep else first
-            layers.extend(range(first, last + 1, int(step) if step else 1))
-    except ValueError as exc:
-        raise DraftlabError(f"bad layer list {text!r}: use indices, ranges a-b or strided ranges a-b:s") from exc
-    if num_layers is not None:
-        layers = [i + num_layers if i < 0 else i for i in layers]
-    return layers
-
-
-def build_drafter(plan: DraftPlan, target: LoadedModel, backend: str = "auto") -> tuple[Drafter, LoadedModel | None]:
-    """A drafter for `plan`; also the draft model when there is one (HF assisted generation needs it)."""
-    if plan.kind == "none":
-        return NoDrafter(), None
-    if plan.kind == "ngram":
-        return NGramDrafter(max_n=plan.ngram[1], min_n=plan.ngram[0]), None
-    if plan.kind == "layers":
-        draft = build_layer_draft(target, plan.layers)
-    elif is_feature_draft(plan.model):
-        return FeatureDrafter(load_feature_draft(plan.model, target), name=f"feature:{plan.model}"), None
-    elif is_draft_dir(plan.model):
-        designed = load_draft(plan.model, target)
-        drafter = ModelDrafter(make_backend(designed.model.model, target.device, backend), designed.model.name,
-                               designed.vocab_map, target.vocab_size)
-        return drafter, designed.model
-    else:
-        draft = load_model(ModelSpec(plan.model, device=str(target.device), dtype=_dtype_name(target)))
-        check_compatible(target, draft)
-    return ModelDrafter(make_backend(draft.model, draft.device, backend), name=draft.name), draft
-
-
-def _dtype_name(model: LoadedModel) -> str:
-    return str(model.dtype).removeprefix("torch.")
 
 
 def make_policy(k: int, dynamic: bool = False) -> DraftLengthPolicy:
@@ -181,9 +85,8 @@ class SpeculativeDecoder:
         """
         policy = make_policy(k, dynamic_k)
         loaded = target if isinstance(target, LoadedModel) else load_model(target, device=device, dtype=dtype)
-        plan = parse_drafter_spec(drafter, loaded.model.config.num_hidden_layers)
-        draft, draft_model = build_drafter(plan, loaded, backend)
-        return cls(loaded, draft, policy, draft_model, backend)
+        built = build_drafter(drafter, loaded, backend)
+        return cls(loaded, built.drafter, policy, built.model, backend)
 
     def generate(
         self,

@@ -7,12 +7,13 @@ autoregressive decoding, which is the baseline every speedup is measured
 against.
 
 Cache invariant: between steps the target cache holds every committed token
-but the last. A step feeds [last committed, d_1 .. d_k] (k+1 tokens) and gets
-k+1 rows of logits: row i scores the token after d_i. After verification the
-cache is cut back to (committed before the step + accepted), so that it again
-holds every committed token but the newest. Drafters that read the target's
-hidden states (`reads_target_hidden`) get the rows of exactly those cached
-tokens through `observe`, so they too know every committed token but the newest.
+but the last. A step scores a block (`draftlab.step.Block`): the last
+committed token (the root) and the drafted tokens, a chain or a tree, each
+row scoring the token after it. After verification the backend keeps the
+root and the accepted path (`Backend.keep`), so that the cache again holds
+every committed token but the newest. Drafters that read the target's hidden
+states get the rows of exactly those cached tokens through `observe`, so they
+too know every committed token but the newest.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ from typing import Callable, Sequence
 
 import torch
 
-from draftlab.backend import Backend, Stopwatch
-from draftlab.drafters import Drafter, NoDrafter, Proposal
+from draftlab.backends.base import Backend, Stopwatch
+from draftlab.drafters.base import Drafter, NoDrafter
 from draftlab.errors import DraftlabError
 from draftlab.metrics import GenerationStats
 from draftlab.policy import DraftLengthPolicy, FixedK
 from draftlab.sampling import SamplingConfig
+from draftlab.step import Block, Proposal
 from draftlab.verify import verify
 
 
@@ -94,11 +96,12 @@ class SpeculativeEngine:
         self.policy = policy or FixedK(1)
         self.context_length = context_length
         self.decode = decode
-        self.reads_hidden = getattr(self.drafter, "reads_target_hidden", False)
-        if self.reads_hidden and not getattr(target, "provides_hidden", False):
+        self._prompt_len = 0
+        self.reads_hidden = self.drafter.reads_target_hidden
+        if self.reads_hidden and not target.provides_hidden:
             raise DraftlabError(
                 f"drafter {self.drafter.name} reads the target's hidden states, which this backend does not "
-                "provide; use the fast backend (Llama-family targets)"
+                "provide; use another backend"
             )
 
     def generate(
@@ -109,6 +112,7 @@ class SpeculativeEngine:
     ) -> GenerationResult:
         """Generate from `prompt_ids`; `on_tokens` sees each step's committed tokens."""
         tokens = self._check_prompt(prompt_ids, config)
+        self._prompt_len = len(tokens)
         stats = GenerationStats(prompt_tokens=len(tokens))
         watch = Stopwatch(self.target.synchronize)
         generator = torch.Generator().manual_seed(config.seed)
@@ -117,8 +121,10 @@ class SpeculativeEngine:
         self._prefill(tokens, watch)
         new: list[int] = []
         while not stats.stop_reason:
-            committed = self._step(tokens, config, generator, watch, stats)
+            committed, num_drafted, num_accepted = self._step(tokens, config, generator, watch)
             kept, stats.stop_reason = self._commit(committed, new, stop)
+            # A stop inside the block drops what follows it: count only accepted tokens that were kept.
+            stats.record_step(num_drafted, min(num_accepted, len(kept)))
             tokens.extend(kept)
             if on_tokens is not None:
                 on_tokens(kept)
@@ -130,32 +136,26 @@ class SpeculativeEngine:
         text = self.decode(new) if self.decode is not None else ""
         return GenerationResult(new, text, stats)
 
-    def _step(self, tokens, config, generator, watch, stats) -> list[int]:
-        """One draft-verify step; returns the tokens it commits (accepted + recovered/bonus)."""
-        k = min(self.policy.next_k(), self._room(tokens, config, stats))
+    def _step(self, tokens, config, generator, watch) -> tuple[list[int], int, int]:
+        """One draft-verify step: the tokens it commits (accepted + recovered/bonus), drafted and accepted counts."""
+        budget = min(self.policy.next_k(), self._room(tokens, config))
         with watch.time("draft"):
-            proposal = self.drafter.propose(tokens, k, config.sampling, generator) if k > 0 else Proposal([])
-        draft_tokens = proposal.tokens[:k]
-        draft_probs = proposal.draft_probs[:k] if proposal.draft_probs is not None else None  # [k, V]
+            proposal = self.drafter.propose(tokens, budget, config.sampling, generator) if budget > 0 else Proposal([])
+        proposal = proposal.first(budget)
+        block = Block.of(tokens[-1], proposal)
         with watch.time("target"):
-            target_logits, target_hidden = self._score([tokens[-1], *draft_tokens])  # [k+1, V], [k+1, D]
-        verdict = verify(draft_tokens, draft_probs, target_logits, config.sampling, generator)
-        self.target.rollback(len(tokens) + verdict.num_accepted)
-        if target_hidden is not None:  # rows of the tokens now committed and cached
-            self.drafter.observe(target_hidden[: verdict.num_accepted + 1])
-        stats.record_step(len(draft_tokens), verdict.num_accepted)
-        self.policy.observe(len(draft_tokens), verdict.num_accepted)
-        return verdict.committed(draft_tokens)
+            scores = self.target.score_block(block, with_hidden=self.reads_hidden)  # logits [n, V], hidden [n, D]
+        verdict = verify(block, proposal.draft_probs, scores.logits, config.sampling, generator)
+        kept = verdict.kept_rows()
+        self.target.keep(kept)
+        if scores.hidden is not None:  # rows of the tokens now committed and cached
+            self.drafter.observe(scores.hidden[kept])
+        self.policy.observe(len(proposal), verdict.num_accepted)
+        return verdict.committed(proposal), len(proposal), verdict.num_accepted
 
-    def _score(self, block: list[int], last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Target logits [n, V] for a block, and its hidden states [n, D] when the drafter reads them."""
-        if self.reads_hidden:
-            return self.target.score(block, last_only=last_only, with_hidden=True)
-        return self.target.score(block, last_only=last_only), None
-
-    def _room(self, tokens, config, stats) -> int:
+    def _room(self, tokens, config) -> int:
         """Most draft tokens worth proposing: a step commits at most k+1 tokens."""
-        generated = len(tokens) - stats.prompt_tokens
+        generated = len(tokens) - self._prompt_len
         return max(0, min(config.max_new_tokens - generated, self.context_length - len(tokens)) - 1)
 
     def _prefill(self, tokens: list[int], watch: Stopwatch) -> None:
@@ -165,9 +165,9 @@ class SpeculativeEngine:
         self.policy.begin()
         if len(tokens) > 1:
             with watch.time("prefill"):
-                _, target_hidden = self._score(tokens[:-1], last_only=True)
-            if target_hidden is not None:
-                self.drafter.observe(target_hidden)
+                scores = self.target.score_block(Block.chain(tokens[:-1]), with_hidden=self.reads_hidden, last_only=True)
+            if scores.hidden is not None:
+                self.drafter.observe(scores.hidden)
 
     @staticmethod
     def _commit(committed: list[int], new: list[int], stop: StopCriteria) -> tuple[list[int], str]:

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from draftlab.api import DraftPlan
+from draftlab.registry import DraftPlan
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel
 from draftlab.sampling import SamplingConfig

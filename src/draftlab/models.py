@@ -34,13 +34,37 @@ class ModelSpec:
     device: str = "cpu"
     dtype: str = "auto"  # auto: fp32 on CPU, bf16 on CUDA
 
+    def __post_init__(self) -> None:
+        check_dtype_name(self.dtype)
+        check_device(self.device)
+
     def torch_dtype(self) -> torch.dtype:
         """The torch dtype this spec resolves to."""
-        if self.dtype == "auto":
-            return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
-        if self.dtype not in DTYPES:
-            raise DraftlabError(f"unknown dtype {self.dtype!r}; use one of fp32, bf16, fp16")
-        return DTYPES[self.dtype]
+        return DTYPES[resolve_dtype_name(self.dtype, self.device)]
+
+
+def check_dtype_name(dtype: str) -> str:
+    """`dtype` if it is 'auto' or a known dtype name; a clear error otherwise."""
+    if dtype != "auto" and dtype not in DTYPES:
+        raise DraftlabError(f"unknown dtype {dtype!r}; use auto, fp32, bf16 or fp16")
+    return dtype
+
+
+def resolve_dtype_name(dtype: str, device: str) -> str:
+    """The dtype name 'auto' stands for on `device` (fp32 on CPU, bf16 on CUDA); others unchanged."""
+    if check_dtype_name(dtype) == "auto":
+        return "bf16" if device.startswith("cuda") else "fp32"
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[DTYPES[dtype]]
+
+
+def check_device(device: str) -> str:
+    """`device` if torch can use it here; a clear error otherwise."""
+    kind = device.split(":")[0]
+    if kind not in ("cpu", "cuda", "mps"):
+        raise DraftlabError(f"unknown device {device!r}; use cpu, cuda or cuda:N")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise DraftlabError(f"device {device!r} asked for, but CUDA is not available here; use --device cpu")
+    return device
 
 
 @dataclass

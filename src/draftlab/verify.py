@@ -1,15 +1,21 @@
-"""Verification: which drafted tokens the target accepts, and the token it adds.
+"""Verification: which path of the drafted tree the target accepts, and the token it adds.
 
 Words (as in vLLM): a drafted token is *accepted*; after the first rejection the
 target's *recovered* token is sampled from the residual normalize(max(0,
-target_probs - draft_probs)); when all drafted tokens are accepted the target
-adds a *bonus* token from its distribution after the last one. Either way, each
-step commits num_accepted + 1 tokens.
+target_probs - draft_probs)); when a whole path is accepted the target adds a
+*bonus* token from its distribution after the path's last token. Either way,
+each step commits num_accepted + 1 tokens.
 
-Greedy verification keeps the longest prefix of drafts that equals the
-target's argmax; sampling verification is Leviathan/Chen rejection sampling,
-which leaves the output distributed exactly as the target's. A drafter that
-gives no probabilities (n-gram lookup) is treated as a one-hot draft.
+Verification walks the tree from the root (the last committed token, block row
+0). Greedy: move to the child equal to the target's argmax, as long as one
+exists. Sampling (multi-candidate rejection sampling, as SpecInfer): try the
+node's children in order; child j is accepted with probability min(1,
+residual(x_j) / draft_probs_j(x_j)); after each rejection the residual becomes
+normalize(max(0, residual - draft_probs_j)); when every child is rejected the
+recovered token is drawn from the residual. For a chain (one child per node)
+this is exactly Leviathan/Chen rejection sampling, and it is lossless for
+children drawn independently from the draft distribution and for
+deterministic children (n-gram lookups are one-hot drafts).
 """
 
 from __future__ import annotations
@@ -19,50 +25,80 @@ from dataclasses import dataclass
 import torch
 
 from draftlab.sampling import SamplingConfig, logits_to_probs, sample
+from draftlab.step import Block, Proposal
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """Outcome of verifying one proposal."""
+    """Outcome of verifying one proposal: the accepted path and the token the target adds."""
 
-    num_accepted: int
+    path: tuple[int, ...]  # proposal indices of the accepted tokens, root to leaf
     next_token: int  # the recovered token (after a rejection) or the bonus token
 
-    def committed(self, draft_tokens: list[int]) -> list[int]:
+    @property
+    def num_accepted(self) -> int:
+        """Accepted draft tokens."""
+        return len(self.path)
+
+    def committed(self, proposal: Proposal) -> list[int]:
         """The tokens this step adds to the sequence."""
-        return draft_tokens[: self.num_accepted] + [self.next_token]
+        return [proposal.tokens[i] for i in self.path] + [self.next_token]
+
+    def kept_rows(self) -> list[int]:
+        """Block rows that stay cached: the root and the accepted path."""
+        return [0, *(i + 1 for i in self.path)]
 
 
-def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> Verdict:
-    """Longest prefix of drafts [k] equal to the target's argmax over logits [k+1, V]."""
-    target_tokens = target_logits.argmax(dim=-1)  # [k+1]
-    k = draft_tokens.shape[0]
-    matches = (draft_tokens == target_tokens[:k]).to(torch.int64)  # [k]
-    num_accepted = int(torch.cumprod(matches, dim=0).sum().item())
-    return Verdict(num_accepted, int(target_tokens[num_accepted].item()))
+def verify_greedy(block: Block, target_logits: torch.Tensor) -> Verdict:
+    """Follow the target's argmax through the tree; target_logits [n, V] score the block's rows."""
+    target_tokens = target_logits.argmax(dim=-1).tolist()  # [n]
+    children = block.layout().children
+    node, path = 0, []
+    while True:
+        match = next((c for c in children[node] if block.tokens[c] == target_tokens[node]), None)
+        if match is None:
+            return Verdict(tuple(path), target_tokens[node])
+        path.append(match - 1)
+        node = match
 
 
 def verify_sampling(
-    draft_tokens: torch.Tensor,
+    block: Block,
     draft_probs: torch.Tensor | None,
     target_probs: torch.Tensor,
     generator: torch.Generator | None,
 ) -> Verdict:
-    """Rejection sampling of drafts [k] with draft_probs [k, V] (None: one-hot) against target_probs [k+1, V]."""
-    k = draft_tokens.shape[0]
-    rows = torch.arange(k)
-    if draft_probs is None:
-        draft_probs = torch.nn.functional.one_hot(draft_tokens, target_probs.shape[-1]).to(target_probs.dtype)  # [k, V]
-    target_at_draft = target_probs[rows, draft_tokens]  # [k]
-    draft_at_draft = draft_probs[rows, draft_tokens]  # [k]
-    uniforms = torch.rand(k, generator=generator, dtype=target_probs.dtype)  # [k]
-    # Accept with probability min(1, target/draft); written without division.
-    accepted = (uniforms * draft_at_draft < target_at_draft).to(torch.int64)  # [k]
-    num_accepted = int(torch.cumprod(accepted, dim=0).sum().item())
-    if num_accepted == k:
-        return Verdict(k, sample(target_probs[k], generator))
-    residual = residual_distribution(draft_probs[num_accepted], target_probs[num_accepted])
-    return Verdict(num_accepted, sample(residual, generator))
+    """Multi-candidate rejection sampling over the tree.
+
+    draft_probs [n-1, V]: row i is the distribution proposal token i was drawn from (None: one-hot);
+    target_probs [n, V]: the target's distribution after each block row.
+    """
+    n = len(block.tokens)
+    children = block.layout().children
+    uniforms = torch.rand(n - 1, generator=generator, dtype=target_probs.dtype)  # [n-1], one per drafted token
+    node, path = 0, []
+    while True:
+        residual = target_probs[node]  # [V]
+        accepted = None
+        for child in children[node]:
+            token, row = block.tokens[child], child - 1
+            draft_row = _draft_row(draft_probs, row, token, residual)  # [V]
+            # Accept with probability min(1, residual / draft); written without division.
+            if uniforms[row] * draft_row[token] < residual[token]:
+                accepted = child
+                break
+            residual = residual_distribution(draft_row, residual)
+        if accepted is None:
+            return Verdict(tuple(path), sample(residual, generator))
+        path.append(accepted - 1)
+        node = accepted
+
+
+def _draft_row(draft_probs: torch.Tensor | None, row: int, token: int, like: torch.Tensor) -> torch.Tensor:
+    """The draft distribution [V] of proposal token `row`; one-hot on `token` without probabilities."""
+    if draft_probs is not None:
+        return draft_probs[row]
+    return torch.zeros_like(like).index_fill_(0, torch.tensor([token]), 1.0)
 
 
 def residual_distribution(draft_probs: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
@@ -77,15 +113,14 @@ def residual_distribution(draft_probs: torch.Tensor, target_probs: torch.Tensor)
 
 
 def verify(
-    draft_tokens: list[int],
+    block: Block,
     draft_probs: torch.Tensor | None,
     target_logits: torch.Tensor,
     config: SamplingConfig,
     generator: torch.Generator | None,
 ) -> Verdict:
-    """Verify a proposal against target logits [k+1, V] under `config`."""
-    tokens = torch.tensor(draft_tokens, dtype=torch.long, device=target_logits.device)  # [k]
+    """Verify a block (root + proposal) against target logits [n, V] under `config`."""
     if config.greedy:
-        return verify_greedy(tokens, target_logits)
-    target_probs = logits_to_probs(target_logits, config)  # [k+1, V]
-    return verify_sampling(tokens, draft_probs, target_probs, generator)
+        return verify_greedy(block, target_logits)
+    target_probs = logits_to_probs(target_logits, config)  # [n, V]
+    return verify_sampling(block, draft_probs, target_probs, generator)

@@ -149,8 +149,8 @@ def test_cli_bad_input_is_one_clear_line(args, message):
 def test_feature_draft_on_the_real_target_is_lossless(target, baseline):
     """An (untrained) EAGLE-style draft reading SmolLM2's hidden states: same greedy output."""
     from draftlab.engine import GenerationConfig, SpeculativeEngine
-    from draftlab.fast_llama import FastLlamaBackend
-    from draftlab.feature_draft import FeatureDrafter, new_feature_draft
+    from draftlab.backends import FastLlamaBackend
+    from draftlab.drafters.feature import FeatureDrafter, new_feature_draft
     from draftlab.policy import FixedK
 
     draft = new_feature_draft(target, torch.arange(4096))

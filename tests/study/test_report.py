@@ -81,8 +81,8 @@ def test_report_files(study, tmp_path):
 
 
 def test_report_with_profile_checks_the_model(study, tmp_path):
-    from draftlab.calibrate import Profile
-    from draftlab.perfmodel import DraftProfile, TargetProfile
+    from draftlab.perf.calibrate import Profile
+    from draftlab.perf.model import DraftProfile, TargetProfile
 
     # decode time = wall - prefill(0): ngram K=2 measured 200 tokens / 10 s = 20 tok/s
     target = TargetProfile("tgt", {1: 0.1, 2: 0.1, 3: 0.1, 4: 0.1, 5: 0.1})

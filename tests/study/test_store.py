@@ -51,3 +51,66 @@ def test_foreign_database_is_refused(tmp_path):
     conn.close()
     with pytest.raises(DraftlabError, match="not a draftlab study database"):
         ResultsStore(other)
+
+
+V1_SCHEMA = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE models (name TEXT PRIMARY KEY, params INTEGER);
+CREATE TABLE runs (run_id INTEGER PRIMARY KEY AUTOINCREMENT, started_at TEXT, environment TEXT);
+CREATE TABLE records (
+    cell TEXT NOT NULL, prompt_id TEXT NOT NULL,
+    target TEXT, drafter TEXT, k INTEGER, method TEXT, dataset TEXT, temperature REAL, max_new_tokens INTEGER,
+    category TEXT, run_id INTEGER, new_tokens INTEGER, steps INTEGER, drafted INTEGER, accepted INTEGER,
+    accepted_per_step TEXT, drafted_per_step TEXT,
+    prefill_s REAL, draft_s REAL, target_s REAL, overhead_s REAL, wall_s REAL,
+    output_sha TEXT, identical INTEGER, created_at TEXT,
+    PRIMARY KEY (cell, prompt_id)
+);
+"""
+
+
+def test_version_1_database_is_migrated_with_its_settings_in_the_key(tmp_path):
+    path = tmp_path / "v1.sqlite"
+    conn = sqlite3.connect(path)
+    conn.executescript(V1_SCHEMA)
+    conn.executemany("INSERT INTO meta VALUES (?, ?)",
+                     [("app", "draftlab-study"), ("schema_version", "1"), ("config", '{"seed": 3, "skip": 2}')])
+    conn.execute("INSERT INTO runs VALUES (1, 'then', ?)",
+                 ('{"dtype": "float32", "device": "cpu", "backend": "auto"}',))
+    conn.execute("INSERT INTO records VALUES ('old-key', 'p1', 't', 'ngram', 2, 'sps', 'd', 0.0, 16, 'code', 1, "
+                 "16, 8, 16, 8, '[1]', '[2]', 0, 0, 0, 0, 1.0, 'abc', 1, 'then')")
+    conn.commit()
+    conn.close()
+    store = ResultsStore(path)
+    migrated = Cell("t", "ngram", 2, "sps", "d", 0.0, 16, seed=3, dtype="fp32", backend="auto", device="cpu", skip=2)
+    assert store.done() == {(migrated.key, "p1")}
+    assert store.get_meta("schema_version") == "2"
+    run = store.start_run({})
+    bf16 = Cell("t", "ngram", 2, "sps", "d", 0.0, 16, seed=3, dtype="bf16", skip=2)
+    store.add(Record(bf16, "p1", "code", 16, 8, 16, 8), run)
+    assert {r["dtype"] for r in store.rows()} == {"fp32", "bf16"}
+
+
+def test_newer_schema_is_refused_untouched(tmp_path):
+    path = tmp_path / "new.sqlite"
+    ResultsStore(path).close()
+    conn = sqlite3.connect(path)
+    conn.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
+    conn.commit()
+    conn.close()
+    before = path.read_bytes()
+    with pytest.raises(DraftlabError, match="upgrade draftlab"):
+        ResultsStore(path)
+    assert path.read_bytes() == before
+
+
+def test_every_setting_that_changes_a_record_is_in_the_cell_key():
+    from dataclasses import replace
+
+    from draftlab.study.sweep import SweepConfig
+
+    base = SweepConfig().cells("t", "d", 0.0)[1]
+    for change in ({"seed": 1}, {"dtype": "bf16"}, {"backend": "hf"}, {"skip": 4}, {"max_new_tokens": 9}):
+        other = replace(SweepConfig(), **change).cells("t", "d", 0.0)[1]
+        assert other.key != base.key, change
+    assert SweepConfig(dtype="auto").cells("t", "d", 0.0)[0].key == SweepConfig(dtype="fp32").cells("t", "d", 0.0)[0].key

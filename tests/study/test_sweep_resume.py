@@ -85,6 +85,13 @@ def test_killed_sweep_resumes_to_the_same_records(setup):
                            text=True, timeout=600)
     assert "nothing to do" in again.stdout and count(killed_db) == total
 
+    bf16 = subprocess.run([*sweep_command(killed_db, model, prompts), "--dtype", "bf16", "--drafters", "ngram",
+                           "--ks", "1", "--methods", "sps"], check=True, capture_output=True, text=True, timeout=600)
+    assert "nothing to do" not in bf16.stdout and count(killed_db) == total + 6 * 2
+    store = ResultsStore(killed_db)
+    assert {r["dtype"] for r in store.rows()} == {"fp32", "bf16"}
+    store.close()
+
 
 def test_sweep_refuses_a_corrupted_database(setup):
     root, model, prompts = setup

@@ -12,17 +12,21 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass
+from types import SimpleNamespace
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from draftlab.api import SpeculativeDecoder, parse_drafter_spec
+from draftlab.api import SpeculativeDecoder
+from draftlab.backends import FastLlamaBackend
 from draftlab.datasets import Prompt
-from draftlab.design.prune import is_draft_dir, load_draft
-from draftlab.drafters import build_layer_draft
-from draftlab.models import LoadedModel, load_model
+from draftlab.drafters.feature import FeatureDraft, FeatureDrafter
+from draftlab.errors import DraftlabError
+from draftlab.models import LoadedModel
+from draftlab.registry import build_drafter
+from draftlab.step import Block
 
 
 @dataclass(frozen=True)
@@ -39,17 +43,35 @@ class DraftQuality:
 
 
 def draft_forward(target: LoadedModel, spec: str) -> tuple[torch.nn.Module, torch.Tensor | None, int]:
-    """The draft's causal LM, its vocabulary map (or None) and its depth, from a drafter spec."""
-    plan = parse_drafter_spec(spec, target.model.config.num_hidden_layers)
-    if plan.kind == "layers":
-        return build_layer_draft(target, plan.layers).model, None, len(plan.layers)
-    if plan.kind == "model" and is_draft_dir(plan.model):
-        designed = load_draft(plan.model, target)
-        return designed.model.model, designed.vocab_map, len(designed.layers)
-    if plan.kind == "model":
-        model = load_model(plan.model, device=str(target.device)).model
-        return model, None, model.config.num_hidden_layers
-    raise ValueError(f"{spec} is not a model draft")
+    """The draft as a causal LM, its vocabulary map (or None) and its depth, from a drafter spec."""
+    built = build_drafter(spec, target)
+    if isinstance(built.drafter, FeatureDrafter):
+        draft = built.drafter.draft
+        return FeatureDraftLM(target, draft), draft.vocab_map, 1
+    if built.model is None:
+        raise DraftlabError(f"{spec} is not a model draft: correlate needs drafts with a language model")
+    return built.model.model, built.drafter.vocab_map, built.model.model.config.num_hidden_layers
+
+
+class FeatureDraftLM(torch.nn.Module):
+    """A feature draft read as a causal LM: logits at position j predict token j+1, as an LM's do.
+
+    The pair (target features f_{j-1}, token x_j) predicts x_{j+1}; position 0 has
+    no earlier features, so its logits are uniform (one token per sequence).
+    """
+
+    def __init__(self, target: LoadedModel, draft: FeatureDraft) -> None:
+        super().__init__()
+        self.target, self.draft = target, draft
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor):
+        features = FastLlamaBackend(self.target.model, self.target.device).score_block(
+            Block.chain(input_ids[0].tolist()), with_hidden=True).hidden  # [n, D]
+        predicted = self.draft.predict(features[None, :-1], input_ids[:, 1:])  # [1, n-1, D]
+        logits = self.draft.logits(predicted)  # [1, n-1, V']
+        first = torch.zeros_like(logits[:, :1])
+        return SimpleNamespace(logits=torch.cat([first, logits], dim=1).float())  # [1, n, V']
 
 
 def _target_log_probs(logits: torch.Tensor, vocab_map: torch.Tensor | None, vocab_size: int) -> torch.Tensor:

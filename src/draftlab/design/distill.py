@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from draftlab.design.prune import DesignedDraft, build_draft, draft_state, save_draft
+from draftlab.drafters.pruned import DesignedDraft, build_draft, draft_state, save_draft
 from draftlab.design.training import LoopSettings, train
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from draftlab.design.distill import windows
 from draftlab.design.training import LoopSettings, train
 from draftlab.errors import DraftlabError
-from draftlab.feature_draft import FeatureDraft, save_feature_draft
+from draftlab.drafters.feature import FeatureDraft, save_feature_draft
 from draftlab.models import LoadedModel
 
 FEATURES = "features.pt"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from draftlab.fast_llama import make_backend
+from draftlab.backends import make_backend
 
 
 @dataclass(frozen=True)

@@ -225,8 +225,8 @@ def build_report(db: str | Path, out: str | Path, profile_path: str | Path | Non
 
 def _model_section(profile_path, rows: list[dict], out: Path) -> str:
     """Performance model vs measurement, and what-if analyses, as HTML."""
-    from draftlab.calibrate import Profile
-    from draftlab.tuner import compare, error_summary, format_predictions, format_what_if, plot_comparison, predictions
+    from draftlab.perf.calibrate import Profile
+    from draftlab.perf.tuner import compare, error_summary, format_predictions, format_what_if, plot_comparison, predictions
 
     profile = Profile.load(profile_path)
     comparisons = compare(profile, rows)

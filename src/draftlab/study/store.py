@@ -1,9 +1,9 @@
 """The results store: one SQLite database per study, one row per prompt per cell.
 
-Schema (version 1), readable with `sqlite3` or `pandas.read_sql`:
+Schema (version 2), readable with `sqlite3` or `pandas.read_sql`:
 
     meta(key TEXT PRIMARY KEY, value TEXT)
-        app = 'draftlab-study', schema_version = '1', config = the sweep's JSON
+        app = 'draftlab-study', schema_version = '2', config = the sweep's JSON
     models(name TEXT PRIMARY KEY, params INTEGER)
         parameter counts of targets and model drafts ("target" or "target::drafter"),
         for the report's scaling ratio (target params / draft params)
@@ -12,6 +12,7 @@ Schema (version 1), readable with `sqlite3` or `pandas.read_sql`:
     records(
         cell TEXT, prompt_id TEXT,             -- primary key: a finished (cell, prompt)
         target, drafter, k, method, dataset, temperature, max_new_tokens,
+        seed, dtype, backend, device, skip,    -- every setting that changes a record is in its cell key
         category, run_id, new_tokens, steps, drafted, accepted,
         accepted_per_step TEXT,                -- JSON list, one entry per step
         drafted_per_step TEXT,                 -- JSON list
@@ -21,7 +22,10 @@ Schema (version 1), readable with `sqlite3` or `pandas.read_sql`:
         created_at TEXT)
 
 `method` is 'ar' (our autoregressive loop), 'sps' (our speculative engine) or
-'asg' (Hugging Face assisted generation). Each record is committed on its own,
+'asg' (Hugging Face assisted generation). `dtype` is resolved ('fp32', not
+'auto'). A version-1 database (whose cell key lacked seed, dtype, backend,
+device and skip) is migrated in place when opened: those settings are filled
+in from the run's recorded environment and the stored sweep config. Each record is committed on its own,
 so a killed sweep loses at most the record in flight; resuming skips every
 (cell, prompt) already present.
 """
@@ -30,14 +34,20 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
 from draftlab.errors import DraftlabError
 
 APP = "draftlab-study"
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"
+SETTINGS = ("seed", "dtype", "backend", "device", "skip")
+RECORD_COLUMNS = (
+    "cell", "prompt_id", "target", "drafter", "k", "method", "dataset", "temperature", "max_new_tokens", *SETTINGS,
+    "category", "run_id", "new_tokens", "steps", "drafted", "accepted", "accepted_per_step", "drafted_per_step",
+    "prefill_s", "draft_s", "target_s", "overhead_s", "wall_s", "output_sha", "identical", "created_at",
+)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -46,6 +56,7 @@ CREATE TABLE IF NOT EXISTS runs (run_id INTEGER PRIMARY KEY AUTOINCREMENT, start
 CREATE TABLE IF NOT EXISTS records (
     cell TEXT NOT NULL, prompt_id TEXT NOT NULL,
     target TEXT, drafter TEXT, k INTEGER, method TEXT, dataset TEXT, temperature REAL, max_new_tokens INTEGER,
+    seed INTEGER, dtype TEXT, backend TEXT, device TEXT, skip INTEGER,
     category TEXT, run_id INTEGER, new_tokens INTEGER, steps INTEGER, drafted INTEGER, accepted INTEGER,
     accepted_per_step TEXT, drafted_per_step TEXT,
     prefill_s REAL, draft_s REAL, target_s REAL, overhead_s REAL, wall_s REAL,
@@ -66,15 +77,21 @@ class Cell:
     dataset: str
     temperature: float
     max_new_tokens: int
+    seed: int = 0
+    dtype: str = "fp32"  # resolved, never 'auto'
+    backend: str = "auto"
+    device: str = "cpu"
+    skip: int = 0
 
     @property
     def key(self) -> str:
-        """Stable text id of the cell."""
-        return f"{self.target}|{self.method}|{self.drafter}|k={self.k}|{self.dataset}|t={self.temperature}|n={self.max_new_tokens}"
+        """Stable text id of the cell: every setting that changes its records."""
+        return (f"{self.target}|{self.method}|{self.drafter}|k={self.k}|{self.dataset}|t={self.temperature}"
+                f"|n={self.max_new_tokens}|seed={self.seed}|{self.dtype}|{self.backend}|{self.device}|skip={self.skip}")
 
     def baseline(self) -> "Cell":
         """The autoregressive cell this one is compared with."""
-        return Cell(self.target, "none", 0, "ar", self.dataset, self.temperature, self.max_new_tokens)
+        return replace(self, drafter="none", k=0, method="ar")
 
 
 @dataclass
@@ -108,18 +125,22 @@ class ResultsStore:
         if not existed:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         self.conn = self._connect()
-        if existed:
-            self._check()
-        else:
-            self._create()
+        try:
+            self._check() if existed else self._create()
+        except DraftlabError:
+            self.conn.close()
+            raise
+        self._use_wal()
 
     def _connect(self) -> sqlite3.Connection:
         try:
-            conn = sqlite3.connect(self.path)
-            conn.execute("PRAGMA journal_mode=WAL")
-            return conn
+            return sqlite3.connect(self.path)
         except sqlite3.DatabaseError as exc:
             raise DraftlabError(f"{self.path} is not a SQLite database ({exc}); give a new file name") from exc
+
+    def _use_wal(self) -> None:
+        """Write-ahead logging, switched on only once the file is known to be ours (it rewrites the header)."""
+        self.conn.execute("PRAGMA journal_mode=WAL")
 
     def _create(self) -> None:
         with self.conn:
@@ -138,12 +159,33 @@ class ResultsStore:
             ) from exc
         if meta.get("app") != APP:
             raise DraftlabError(f"{self.path} is not a draftlab study database; it was left untouched")
-        if meta.get("schema_version") != SCHEMA_VERSION:
-            raise DraftlabError(
-                f"{self.path} has schema version {meta.get('schema_version')}, this draftlab reads {SCHEMA_VERSION}"
-            )
         if problem != "ok":
             raise DraftlabError(f"{self.path} is corrupted ({problem}); restore it or start a new study file")
+        version = meta.get("schema_version")
+        if version == "1":
+            self._migrate_from_1(json.loads(meta.get("config") or "{}"))
+        elif version != SCHEMA_VERSION:
+            raise DraftlabError(
+                f"{self.path} has schema version {version}, this draftlab reads {SCHEMA_VERSION} (and migrates 1); "
+                "upgrade draftlab to read it; the file was left untouched"
+            )
+
+    def _migrate_from_1(self, config: dict) -> None:
+        """Add the settings columns, fill them from each run's environment and the sweep config, re-key."""
+        environments = dict(self.conn.execute("SELECT run_id, environment FROM runs").fetchall())
+        rows = self.conn.execute("SELECT rowid, run_id, target, drafter, k, method, dataset, temperature, "
+                                 "max_new_tokens FROM records").fetchall()
+        with self.conn:
+            for column, kind in zip(SETTINGS, ("INTEGER", "TEXT", "TEXT", "TEXT", "INTEGER")):
+                self.conn.execute(f"ALTER TABLE records ADD COLUMN {column} {kind}")
+            for rowid, run_id, *head in rows:
+                env = json.loads(environments.get(run_id) or "{}")
+                cell = Cell(*head, seed=int(config.get("seed", 0)), dtype=_short_dtype(env.get("dtype", "fp32")),
+                            backend=env.get("backend", "auto"), device=env.get("device", "cpu"),
+                            skip=int(config.get("skip", 0)))
+                self.conn.execute("UPDATE records SET cell = ?, seed = ?, dtype = ?, backend = ?, device = ?, skip = ? "
+                                  "WHERE rowid = ?", (cell.key, *(getattr(cell, c) for c in SETTINGS), rowid))
+            self.conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (SCHEMA_VERSION,))
 
     def close(self) -> None:
         """Close the connection."""
@@ -192,13 +234,14 @@ class ResultsStore:
         c = record.cell
         row = (
             c.key, record.prompt_id, c.target, c.drafter, c.k, c.method, c.dataset, c.temperature, c.max_new_tokens,
-            record.category, run_id, record.new_tokens, record.steps, record.drafted, record.accepted,
+            c.seed, c.dtype, c.backend, c.device, c.skip, record.category, run_id, record.new_tokens, record.steps, record.drafted, record.accepted,
             json.dumps(record.accepted_per_step), json.dumps(record.drafted_per_step),
             record.prefill_s, record.draft_s, record.target_s, record.overhead_s, record.wall_s,
             record.output_sha, None if record.identical is None else int(record.identical), _now(),
         )
-        with self.conn:
-            self.conn.execute(f"INSERT INTO records VALUES ({', '.join('?' * len(row))})", row)
+        with self.conn:  # columns named: a migrated table has the settings columns at its end
+            self.conn.execute(f"INSERT INTO records ({', '.join(RECORD_COLUMNS)}) VALUES ({', '.join('?' * len(row))})",
+                              row)
 
     def rows(self) -> list[dict]:
         """Every record as a dict (JSON lists decoded)."""
@@ -215,6 +258,11 @@ class ResultsStore:
     def environments(self) -> list[dict]:
         """The environment of every sweep invocation."""
         return [json.loads(e) for (e,) in self.conn.execute("SELECT environment FROM runs ORDER BY run_id")]
+
+
+def _short_dtype(name: str) -> str:
+    """'float32' -> 'fp32' (environments recorded torch's names)."""
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(name, name)
 
 
 def _now() -> str:

@@ -19,12 +19,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from draftlab.backends import check_backend_name
 from draftlab.api import SpeculativeDecoder, build_drafter, encode_prompt, eos_ids, parse_drafter_spec
 from draftlab.policy import FixedK
 from draftlab.datasets import Prompt, load_prompts
 from draftlab.errors import DraftlabError
 from draftlab.hf_reference import assisted_kwargs, hf_generate
-from draftlab.models import LoadedModel, load_model
+from draftlab.models import LoadedModel, check_device, load_model, resolve_dtype_name
 from draftlab.sampling import SamplingConfig
 from draftlab.study.store import Cell, Record, ResultsStore
 
@@ -58,6 +59,11 @@ class SweepConfig:
             raise DraftlabError(f"unknown method(s) {sorted(unknown)}; use {', '.join(METHODS)}")
         if self.limit < 1 or self.max_new_tokens < 1:
             raise DraftlabError("limit and max_new_tokens must be >= 1")
+        if self.skip < 0 or self.warmup < 0:
+            raise DraftlabError("skip and warmup must be >= 0")
+        resolve_dtype_name(self.dtype, self.device)
+        check_device(self.device)
+        check_backend_name(self.backend)
         for spec in self.drafters:
             parse_drafter_spec(spec)
         for t in self.temperatures:
@@ -65,9 +71,10 @@ class SweepConfig:
 
     def cells(self, target: str, dataset: str, temperature: float) -> list[Cell]:
         """The baseline cell, then every (method, drafter, K) cell, for one target/dataset/temperature."""
-        base = Cell(target, "none", 0, "ar", dataset, temperature, self.max_new_tokens)
+        base = Cell(target, "none", 0, "ar", dataset, temperature, self.max_new_tokens, self.seed,
+                    resolve_dtype_name(self.dtype, self.device), self.backend, self.device, self.skip)
         others = [
-            Cell(target, drafter, k, method, dataset, temperature, self.max_new_tokens)
+            replace(base, drafter=drafter, k=k, method=method)
             for method in self.methods if method != "ar"
             for drafter in self.drafters
             for k in self.ks
@@ -150,9 +157,9 @@ class CellRunner:
         if drafter == "none":
             return self.baseline
         if drafter not in self.by_drafter:
-            draft, draft_model = build_drafter(parse_drafter_spec(drafter), self.target, self.config.backend)
+            built = build_drafter(drafter, self.target, self.config.backend)
             self.by_drafter[drafter] = SpeculativeDecoder(
-                self.target, draft, FixedK(1), draft_model, self.config.backend, self.baseline.target_backend
+                self.target, built.drafter, FixedK(1), built.model, self.config.backend, self.baseline.target_backend
             )
         return self.by_drafter[drafter].with_policy(FixedK(k))
 

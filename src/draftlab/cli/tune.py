@@ -51,7 +51,7 @@ DEFAULT_DRAFTS = ["ngram", "ngram:2-4", "layers:0-3", "layers:0-7"]
 
 
 def _calibration_inputs(args):
-    from draftlab.calibrate import CalibrationSettings
+    from draftlab.perf.calibrate import CalibrationSettings
     from draftlab.datasets import load_prompts
     from draftlab.models import load_model
 
@@ -66,7 +66,7 @@ def _calibration_inputs(args):
 
 def cmd_calibrate(args) -> None:
     """Measure and save a profile."""
-    from draftlab.calibrate import calibrate
+    from draftlab.perf.calibrate import calibrate
 
     target, drafts, prompts, settings = _calibration_inputs(args)
     profile = calibrate(target, drafts, prompts, settings, progress=not args.no_progress)
@@ -76,8 +76,8 @@ def cmd_calibrate(args) -> None:
 
 def cmd_predict(args) -> None:
     """Print both formulas' predictions from a profile."""
-    from draftlab.calibrate import Profile
-    from draftlab.tuner import format_predictions, format_what_if, predictions, required_tar
+    from draftlab.perf.calibrate import Profile
+    from draftlab.perf.tuner import format_predictions, format_what_if, predictions, required_tar
 
     profile = Profile.load(args.profile)
     preds = predictions(profile)
@@ -91,9 +91,9 @@ def cmd_predict(args) -> None:
 
 def cmd_validate(args) -> None:
     """Errors of both formulas against a measured study."""
-    from draftlab.calibrate import Profile
+    from draftlab.perf.calibrate import Profile
     from draftlab.study.report import load_study, write_csv
-    from draftlab.tuner import compare, error_summary, plot_comparison
+    from draftlab.perf.tuner import compare, error_summary, plot_comparison
 
     rows, _, _ = load_study(args.db)
     comparisons = compare(Profile.load(args.profile), rows)
@@ -117,7 +117,7 @@ def cmd_validate(args) -> None:
 
 def cmd_tune(args) -> None:
     """Recommend a draft and K, with predicted and measured speed and how to use it."""
-    from draftlab.tuner import format_predictions, tune, usage
+    from draftlab.perf.tuner import format_predictions, tune, usage
 
     target, drafts, prompts, settings = _calibration_inputs(args)
     rec, profile, preds = tune(target, drafts, prompts, settings, confirm=True, progress=not args.no_progress)

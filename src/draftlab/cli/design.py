@@ -159,7 +159,7 @@ def cmd_distill(args) -> None:
     from draftlab.api import parse_layers
     from draftlab.design.distill import DistillSettings, distill
     from draftlab.design.training import CHECKPOINT
-    from draftlab.design.prune import build_draft, is_draft_dir, load_draft
+    from draftlab.drafters.pruned import build_draft, is_draft_dir, load_draft
 
     settings = DistillSettings(budget_s=args.budget, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
                                top_k=args.top_k, checkpoint_every_s=args.checkpoint_every)
@@ -190,11 +190,13 @@ def cmd_feature(args) -> None:
     from draftlab.design.corpus import cached_text
     from draftlab.design.feature import FeatureSettings, load_or_make_features, train_feature_draft
     from draftlab.design.training import CHECKPOINT
-    from draftlab.feature_draft import is_feature_draft, load_feature_draft, new_feature_draft
+    from draftlab.drafters.feature import is_feature_draft, load_feature_draft, new_feature_draft
     from draftlab.models import load_model
 
     settings = FeatureSettings(budget_s=args.budget, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
                                checkpoint_every_s=args.checkpoint_every)
+    if args.init and not is_feature_draft(args.init):
+        raise DraftlabError(f"--init {args.init} is not a feature draft directory")
     out = Path(args.out)
     target = load_model(args.target)
     sequences = cached_text(out, target, args.datasets, args.limit, args.generate, args.max_new_tokens, args.corpus,
@@ -203,8 +205,6 @@ def cmd_feature(args) -> None:
     if (out / CHECKPOINT).exists() and is_feature_draft(out):
         draft = load_feature_draft(out, target)
     elif args.init:
-        if not is_feature_draft(args.init):
-            raise DraftlabError(f"--init {args.init} is not a feature draft directory")
         draft = load_feature_draft(args.init, target)
         draft.made = {**draft.made, "init": f"feature draft {args.init}", "text": _text_record(args, data)}
     else:

@@ -20,7 +20,7 @@ for SmolLM2, a few MB in bf16): the input embeddings and the head rows are
 the target's, shared at load time. Its layer starts as a copy of the
 target's last layer (pruning), then `draftlab design feature` trains it.
 
-Saved as a draft directory (same record file as layer drafts):
+Saved as a draft directory (`drafters/files.py`; the record names this format):
 
     draftlab_draft.json   {"format": "draftlab-feature-draft", "version": 1, "target": ..., "shape": {...},
                            "vocab_size": V', "made": {...}}
@@ -38,14 +38,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftlab.drafters import Proposal
+from draftlab.backends.numerics import causal_mask, rms_norm, rope, scatter_vocab
+from draftlab.drafters.base import draft_chain
+from draftlab.drafters.files import RECORD, WEIGHTS, check_target_vocab, draft_format, load_strict, read_draft_files
+from draftlab.step import Proposal
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel
 from draftlab.sampling import SamplingConfig, choose
 
 FORMAT = "draftlab-feature-draft"
-RECORD = "draftlab_draft.json"
-WEIGHTS = "weights.safetensors"
 
 
 @dataclass(frozen=True)
@@ -65,18 +66,6 @@ class FeatureShape:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return cls(config.hidden_size, config.num_attention_heads, config.num_key_value_heads, head_dim,
                    config.intermediate_size, config.rms_norm_eps)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama RMSNorm in fp32."""
-    x32 = x.float()
-    return (weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding (rotate-half) on [..., T, hd] with cos/sin [T, hd]."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 class FeatureLayer(nn.Module):
@@ -112,7 +101,7 @@ class FeatureLayer(nn.Module):
         query = self.q_proj(normed).view(b, t, s.num_heads, s.head_dim).transpose(1, 2)  # [B, H, T, hd]
         key = self.k_proj(normed).view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)  # [B, Hkv, T, hd]
         value = self.v_proj(normed).view(b, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
-        query, key = rotate(query, cos, sin), rotate(key, cos, sin)
+        query, key = rope(query, cos, sin), rope(key, cos, sin)
         if cache is None:
             out = F.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True)
         else:
@@ -142,7 +131,7 @@ class KVCache:
         self.keys[:, :, start:end] = key
         self.values[:, :, start:end] = value
         self.length = end
-        mask = None if n == 1 else torch.ones(n, end, dtype=torch.bool, device=key.device).tril(diagonal=start)
+        mask = causal_mask(start, n, key.device)
         return self.keys[:, :, :end], self.values[:, :, :end], mask
 
 
@@ -226,7 +215,8 @@ def save_feature_draft(draft: FeatureDraft, out: str | Path, target_name: str,
     tmp = out / (WEIGHTS + ".tmp")
     save_file(state, str(tmp))
     tmp.replace(out / WEIGHTS)
-    record = {"format": FORMAT, "version": 1, "target": target_name, "shape": asdict(draft.layer.shape),
+    record = {"format": FORMAT, "version": 1, "target": target_name, "target_vocab_size": draft.target_vocab_size,
+              "shape": asdict(draft.layer.shape),
               "vocab_size": len(draft.vocab_map), "made": draft.made}
     (out / RECORD).write_text(json.dumps(record, indent=2))
     return out
@@ -234,25 +224,26 @@ def save_feature_draft(draft: FeatureDraft, out: str | Path, target_name: str,
 
 def is_feature_draft(path: str | Path) -> bool:
     """True for a directory written by `save_feature_draft`."""
-    try:
-        return json.loads((Path(path) / RECORD).read_text()).get("format") == FORMAT
-    except (OSError, json.JSONDecodeError):
-        return False
+    return draft_format(path) == FORMAT
 
 
 def load_feature_draft(path: str | Path, target: LoadedModel) -> FeatureDraft:
     """Rebuild a saved feature draft on top of `target` (whose embeddings and head it reads)."""
-    from draftlab.design.prune import read_draft_files
-
     record, state = read_draft_files(path, FORMAT)
-    shape = FeatureShape(**record["shape"])
+    check_target_vocab(path, record, target.vocab_size, target.name)
+    try:
+        shape = FeatureShape(**record["shape"])
+    except (KeyError, TypeError) as exc:
+        raise DraftlabError(f"feature draft {path} has no valid shape in its record; rebuild it") from exc
     if shape != FeatureShape.of(target.model.config):
         raise DraftlabError(f"feature draft {path} was made for a target of another shape, not {target.name}")
+    if "vocab_map" not in state:
+        raise DraftlabError(f"feature draft {path} lacks its vocab_map; rebuild it")
     vocab_map = state.pop("vocab_map")
     if int(vocab_map.max()) >= target.vocab_size:
         raise DraftlabError(f"feature draft {path} maps to token ids beyond {target.name}'s vocabulary")
     layer = FeatureLayer(shape)
-    layer.load_state_dict({k: v.to(target.dtype) for k, v in state.items()}, strict=True)
+    load_strict(layer, {k: v.to(target.dtype) for k, v in state.items()}, path)
     layer.to(target.dtype).eval().requires_grad_(False)
     draft = _assemble(target, layer, vocab_map)
     draft.made = record.get("made", {})
@@ -277,6 +268,7 @@ class FeatureDrafter:
         self._cache: KVCache | None = None
         self._features: list[torch.Tensor] = []  # real features [n, D] not yet in the cache
         self._anchored = 0
+        self._last = torch.empty(0)  # [1, D] the newest predicted features while drafting
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         """Drop the cache and any pending features."""
@@ -293,20 +285,18 @@ class FeatureDrafter:
     @torch.inference_mode()
     def propose(self, context, k, sampling: SamplingConfig, generator) -> Proposal:
         """Up to k tokens; their draft probabilities [k, V] when sampling."""
-        features = self._anchor(context)  # [1, D] predicted features after the last committed token
+        features = self._anchor(context)  # [n, D] predicted features; the last follows the newest token
         if features is None:
             return Proposal([])
-        tokens: list[int] = []
-        probs: list[torch.Tensor] = []
-        for i in range(k):
-            token, token_probs = self._choose(self.draft.logits(features[-1]), sampling, generator)
-            tokens.append(token)
-            if token_probs is not None:
-                probs.append(token_probs)
-            if i + 1 < k:
-                ids = torch.tensor([[token]], device=features.device)
-                features = self.draft.predict(features[None, -1:], ids, self._cache.length, self._cache)[0]
-        return Proposal(tokens, torch.stack(probs) if probs else None)
+        self._last = features[-1:]  # [1, D]
+        pick = lambda logits: self._choose(logits, sampling, generator)  # noqa: E731
+        return draft_chain(self.draft.logits(self._last[-1]), k, pick, self._advance)
+
+    def _advance(self, token: int) -> torch.Tensor:
+        """Feed (last predicted features, drafted token) as a speculative pair; draft logits [V'] after it."""
+        ids = torch.tensor([[token]], device=self._last.device)
+        self._last = self.draft.predict(self._last[None], ids, self._cache.length, self._cache)[0]  # [1, D]
+        return self.draft.logits(self._last[-1])
 
     def _anchor(self, context: Sequence[int]) -> torch.Tensor | None:
         """Roll back speculative pairs, feed the pairs of newly real features; [n, D] predictions or None."""
@@ -327,6 +317,5 @@ class FeatureDrafter:
         """A token from the cut-vocabulary logits [V'], with probabilities over the full vocabulary [V]."""
         token, token_probs = choose(logits.float(), sampling, generator)
         if token_probs is not None:
-            full = torch.zeros(self.draft.target_vocab_size, dtype=token_probs.dtype)  # [V]
-            token_probs = full.index_copy_(0, self.draft.vocab_map, token_probs)
+            token_probs = scatter_vocab(token_probs, self.draft.vocab_map, self.draft.target_vocab_size)  # [V]
         return int(self.draft.vocab_map[token]), token_probs

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftlab.api import parse_drafter_spec
-from draftlab.calibrate import CalibrationSettings, Profile, calibrate
+from draftlab.perf.calibrate import CalibrationSettings, Profile, calibrate
 from draftlab.datasets import Prompt
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel
-from draftlab.perfmodel import Prediction, predict
+from draftlab.perf.model import Prediction, predict
 
 
 def predictions(profile: Profile, k_max: int | None = None) -> list[Prediction]:

@@ -2,10 +2,12 @@
 
 - target: time to score blocks of 1..K_max+1 tokens at the prompts' typical
   context length (median of repeats; the cache is rolled back after each);
-- each draft: time per drafted token (model drafts: one single-token forward;
-  n-gram: one lookup per step) and its acceptance: one short run of our engine
-  at K_max over calibration prompts gives P(accepted >= j) for j = 1..K_max,
-  from which the model derives TAR at every K <= K_max;
+- each draft, whatever its type, the same way: its acceptance and drafting
+  cost from short runs of our engine. A run at K_max over the calibration
+  prompts gives P(accepted >= j) and P(drafted >= j) for j = 1..K_max, from
+  which the model derives TAR at every K <= K_max; a shorter run at K = 1
+  gives a second drafting cost per step, and the two fix the cost per step
+  and per drafted token (cost = per_step + per_token x drafted);
 - the engine's bookkeeping overhead per step, from the same runs.
 """
 
@@ -19,15 +21,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from draftlab.api import SpeculativeDecoder, build_drafter, encode_prompt, parse_drafter_spec
+from draftlab.api import SpeculativeDecoder, build_drafter, encode_prompt
 from draftlab.policy import FixedK
-from draftlab.backend import Backend
+from draftlab.backends.base import Backend
 from draftlab.datasets import Prompt
-from draftlab.drafters import ModelDrafter, NGramDrafter
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel
-from draftlab.perfmodel import DraftProfile, TargetProfile, accepted_at_least, at_least
-from draftlab.sampling import SamplingConfig
+from draftlab.perf.model import DraftProfile, TargetProfile, accepted_at_least, at_least
 
 
 @dataclass(frozen=True)
@@ -110,10 +110,10 @@ def calibrate(
     target_profile = TargetProfile(_name(target), score_s)
     drafts = []
     for spec in tqdm(drafters, desc="calibrate", unit="draft", disable=not progress):
-        draft, draft_model = build_drafter(parse_drafter_spec(spec), target, settings.backend)
-        decoder = SpeculativeDecoder(target, draft, FixedK(settings.k_max), draft_model, settings.backend,
+        built = build_drafter(spec, target, settings.backend)
+        decoder = SpeculativeDecoder(target, built.drafter, FixedK(settings.k_max), built.model, settings.backend,
                                      ar.target_backend)
-        drafts.append(_profile_draft(spec, decoder, context, encoded, settings))
+        drafts.append(_profile_draft(spec, decoder, encoded, settings))
         if spec == drafters[0]:
             target_profile.overhead_s_per_step = _overhead_per_step(decoder, encoded, settings)
     return Profile(target_profile, drafts, context_len, time.perf_counter() - start)
@@ -128,20 +128,33 @@ def _context_of_length(encoded: list[list[int]], length: int) -> list[int]:
     return (tokens * (length // max(len(tokens), 1) + 1))[:length]
 
 
-def _profile_draft(spec, decoder: SpeculativeDecoder, context, encoded, settings) -> DraftProfile:
-    drafter = decoder.drafter
-    per_token, per_step = 0.0, 0.0
-    if isinstance(drafter, ModelDrafter):
-        per_token = time_blocks(drafter.backend, context, range(1, 2), settings.repeats)[1]
-    elif isinstance(drafter, NGramDrafter):
-        per_step = median_time(lambda: drafter.propose(context, settings.k_max, SamplingConfig(), None), settings.repeats)
-    accepted, drafted = [], []
-    for ids in encoded:
-        stats = decoder.generate(ids, max_new_tokens=settings.max_new_tokens).stats
-        accepted += stats.accepted_per_step_list
-        drafted += stats.drafted_per_step_list
+def _profile_draft(spec, decoder: SpeculativeDecoder, encoded, settings) -> DraftProfile:
+    """Acceptance and drafting cost of one draft, measured the same way for every drafter type."""
+    runs = [decoder.generate(ids, max_new_tokens=settings.max_new_tokens).stats for ids in encoded]
+    accepted = [a for s in runs for a in s.accepted_per_step_list]
+    drafted = [d for s in runs for d in s.drafted_per_step_list]
+    short = decoder.with_policy(FixedK(1))
+    short_runs = [short.generate(ids, max_new_tokens=max(settings.max_new_tokens // 2, 2)).stats for ids in encoded[:2]]
+    per_step, per_token = draft_cost(_cost_point(short_runs), _cost_point(runs))
     return DraftProfile(spec, per_token, accepted_at_least(accepted, drafted, settings.k_max), per_step,
-                        at_least(drafted, settings.k_max) if isinstance(drafter, NGramDrafter) else [])
+                        at_least(drafted, settings.k_max))
+
+
+def _cost_point(runs) -> tuple[float, float]:
+    """(drafted tokens per step, drafting seconds per step) over generation runs."""
+    steps = sum(s.steps for s in runs)
+    if not steps:
+        return 0.0, 0.0
+    return sum(s.drafted for s in runs) / steps, sum(s.draft_s for s in runs) / steps
+
+
+def draft_cost(low: tuple[float, float], high: tuple[float, float]) -> tuple[float, float]:
+    """(seconds per step, seconds per drafted token) through two (drafted/step, seconds/step) points."""
+    (d_low, c_low), (d_high, c_high) = low, high
+    if d_high - d_low < 0.25:  # drafted counts too close to separate: charge everything per step
+        return max(c_high, c_low), 0.0
+    per_token = max(0.0, (c_high - c_low) / (d_high - d_low))
+    return max(0.0, c_high - per_token * d_high), per_token
 
 
 def _overhead_per_step(decoder: SpeculativeDecoder, encoded, settings) -> float:

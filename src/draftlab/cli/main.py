@@ -9,9 +9,10 @@ import argparse
 import json
 import sys
 
-from draftlab.cli_design import add_design_commands
-from draftlab.cli_study import add_study_commands
-from draftlab.cli_tune import add_tune_commands
+from draftlab.cli.checks import check_args
+from draftlab.cli.design import add_design_commands
+from draftlab.cli.study import add_study_commands
+from draftlab.cli.tune import add_tune_commands
 from draftlab.errors import DraftlabError
 from draftlab.models import DEFAULT_TARGET
 
@@ -67,18 +68,6 @@ def _decoder(args):
     )
 
 
-def _check_args(args) -> None:
-    from draftlab.policy import FixedK
-    from draftlab.sampling import SamplingConfig
-
-    if args.command not in ("generate", "bench"):
-        return
-    FixedK(args.k)
-    SamplingConfig(args.temperature, args.top_k, args.top_p)
-    if args.max_new_tokens < 1:
-        raise DraftlabError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-
-
 def cmd_generate(args) -> None:
     """Stream the generated text, then the statistics."""
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
@@ -119,8 +108,6 @@ def cmd_bench(args) -> None:
     from draftlab.bench import BenchSettings, run_bench
     from draftlab.datasets import load_prompts
 
-    if args.limit is not None and args.limit < 1:
-        raise DraftlabError(f"--limit must be >= 1, got {args.limit}")
     prompts = load_prompts(args.dataset or args.prompts, args.limit, args.skip)
     decoder = _decoder(args)
     settings = BenchSettings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.warmup)
@@ -157,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()  # weight-loading bars would bury our own output
     hf_logging.set_verbosity_error()
     try:
-        _check_args(args)
+        check_args(args)
         if getattr(args, "threads", None):
             import torch
 

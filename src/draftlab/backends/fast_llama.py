@@ -15,10 +15,11 @@ through plain tensor code:
 - RoPE tables from the model's own rotary module, so every RoPE variant that
   transformers implements gives the same angles.
 - SDPA with grouped-query attention; a causal mask only when more than one
-  token is scored.
+  token is scored, a tree mask (cache + ancestors) for tree-shaped blocks;
+  `keep` compacts an accepted tree path in place.
 
-It implements the `Backend` protocol; `make_backend` picks it for
-`model_type == "llama"` and falls back to `HFBackend` for everything else.
+It implements the `Backend` protocol; the registry (`draftlab.backends`) picks
+it for the model types in `SUPPORTED_MODEL_TYPES`.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from draftlab.backend import HFBackend
+from draftlab.backends.base import is_prefix
+from draftlab.backends.numerics import causal_mask, rms_norm, rope, tree_mask
 from draftlab.errors import DraftlabError
+from draftlab.step import Block, Scores
 
 SUPPORTED_MODEL_TYPES = ("llama",)
 
@@ -38,7 +41,7 @@ SUPPORTED_MODEL_TYPES = ("llama",)
 class FastLlamaBackend:
     """Batch-1 Llama decoding with a static, rollback-by-length KV cache."""
 
-    provides_hidden = True  # score(..., with_hidden=True) also returns the final hidden states
+    provides_hidden = True  # score_block(..., with_hidden=True) also returns the final hidden states
 
     def __init__(self, model: torch.nn.Module, device: torch.device | str = "cpu", capacity: int = 1024) -> None:
         config = model.config
@@ -56,6 +59,7 @@ class FastLlamaBackend:
         self._values: list[torch.Tensor] = []
         self._cos = self._sin = torch.empty(0)  # [capacity, head_dim]
         self._len = 0
+        self._block_start = 0  # where the last scored block began
         self._head_split = (self.num_heads, self.num_kv_heads, self.num_kv_heads)
         self._weights = [_fuse(layer) for layer in self.layers]
         self._allocate(capacity)
@@ -79,39 +83,62 @@ class FastLlamaBackend:
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def score(self, token_ids: Sequence[int], last_only: bool = False, with_hidden: bool = False):
-        """Append tokens to the cache; logits [n, V] (or [1, V] if last_only), fp32 on the CPU.
+    def score(self, token_ids: Sequence[int], last_only: bool = False) -> torch.Tensor:
+        """Append consecutive tokens to the cache; logits [n, V] (or [1, V] if last_only), fp32 on the CPU."""
+        start, n = self._len, len(token_ids)
+        positions = torch.arange(start, start + n, device=self.device)  # [n]
+        hidden = self._forward(token_ids, positions, causal_mask(start, n, self.device))  # [n, D]
+        return self._logits(hidden[-1:] if last_only else hidden)
 
-        with_hidden: also return the final hidden states [n, D] of every token (after the
-        final norm: what the LM head reads), for drafters that read them.
-        """
+    @torch.inference_mode()
+    def score_block(self, block: Block, with_hidden: bool = False, last_only: bool = False) -> Scores:
+        """Append a tree-shaped block in one pass; logits [n, V] ([1, V] if last_only), final hidden states [n, D] if asked."""
+        start, n = self._len, len(block.tokens)
+        if block.is_chain:  # the chain's own code path: no tree bookkeeping, causal mask
+            positions = torch.arange(start, start + n, device=self.device)  # [n]
+            mask = causal_mask(start, n, self.device)
+        else:
+            layout = block.layout()
+            positions = (start + layout.depths).to(self.device)  # [n]
+            mask = tree_mask(start, layout.ancestors, self.device)  # [n, start + n]
+        hidden = self._forward(block.tokens, positions, mask)
+        return Scores(self._logits(hidden[-1:] if last_only else hidden), hidden if with_hidden else None)
+
+    def keep(self, indices: Sequence[int]) -> None:
+        """Keep the cache before the last block plus the block's entries at `indices`, compacted in order."""
+        start = self._block_start
+        if not is_prefix(indices):
+            rows = torch.tensor([start + i for i in indices], device=self.device)  # [m]
+            for keys, values in zip(self._keys, self._values):
+                keys[:, start : start + len(indices)] = keys[:, rows]
+                values[:, start : start + len(indices)] = values[:, rows]
+        self._len = start + len(indices)
+
+    def _forward(self, token_ids: Sequence[int], positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Run the layers on new tokens at `positions` [n], appended to the cache; final hidden states [n, D]."""
         n = len(token_ids)
         start, end = self._len, self._len + n
         if end > self._keys[0].shape[1]:
             self._allocate(min(max(2 * end, 256), self.max_positions))
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)  # [n]
         hidden = F.embedding(ids, self.model.model.embed_tokens.weight)  # [n, D]
-        cos, sin = self._cos[start:end], self._sin[start:end]  # [n, head_dim]
-        mask = self._causal_mask(start, n)  # [n, end] or None
+        cos, sin = self._cos[positions], self._sin[positions]  # [n, head_dim]
         for index, layer in enumerate(self.layers):
             hidden = self._layer(index, layer, hidden, cos, sin, mask, start, end)
-        self._len = end
-        if with_hidden:
-            hidden = _rms_norm(hidden, self.model.model.norm.weight, self.eps)  # [n, D]
-            rows = hidden[-1:] if last_only else hidden
-            return F.linear(rows, self.model.get_output_embeddings().weight).float().cpu(), hidden
-        if last_only:
-            hidden = hidden[-1:]
-        hidden = _rms_norm(hidden, self.model.model.norm.weight, self.eps)
-        return F.linear(hidden, self.model.get_output_embeddings().weight).float().cpu()  # [n, V]
+        self._block_start, self._len = start, end
+        return rms_norm(hidden, self.model.model.norm.weight, self.eps)  # [n, D]
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM-head logits [n, V], fp32 on the CPU, from final hidden states [n, D]."""
+        return F.linear(hidden, self.model.get_output_embeddings().weight).float().cpu()
 
     def _layer(self, index, layer, hidden, cos, sin, mask, start, end) -> torch.Tensor:
         weights = self._weights[index]
         n = hidden.shape[0]
-        normed = _rms_norm(hidden, layer.input_layernorm.weight, self.eps)  # [n, D]
+        normed = rms_norm(hidden, layer.input_layernorm.weight, self.eps)  # [n, D]
         qkv = F.linear(normed, weights.qkv, weights.qkv_bias)  # [n, (H + 2 Hkv) hd]
         query, key, value = qkv.view(n, -1, self.head_dim).transpose(0, 1).split(self._head_split)  # [heads, n, hd]
-        query, key = _rope(query, cos, sin), _rope(key, cos, sin)
+        query, key = rope(query, cos, sin), rope(key, cos, sin)
         self._keys[index][:, start:end] = key
         self._values[index][:, start:end] = value
         out = F.scaled_dot_product_attention(
@@ -123,15 +150,9 @@ class FastLlamaBackend:
             enable_gqa=True,
         )[0]  # [H, n, hd]
         hidden = hidden + _linear(out.transpose(0, 1).reshape(n, -1), layer.self_attn.o_proj)
-        normed = _rms_norm(hidden, layer.post_attention_layernorm.weight, self.eps)
+        normed = rms_norm(hidden, layer.post_attention_layernorm.weight, self.eps)
         gate, up = F.linear(normed, weights.gate_up).chunk(2, dim=-1)  # [n, I] each
         return hidden + _linear(F.silu(gate) * up, layer.mlp.down_proj)
-
-    def _causal_mask(self, start: int, n: int) -> torch.Tensor | None:
-        """Boolean [n, start+n]: query i sees keys 0..start+i. None for a single token (it sees all)."""
-        if n == 1:
-            return None
-        return torch.ones(n, start + n, dtype=torch.bool, device=self.device).tril(diagonal=start)
 
     def _allocate(self, capacity: int) -> None:
         """(Re)allocate cache buffers and RoPE tables for `capacity` positions, keeping cached entries."""
@@ -182,32 +203,3 @@ def _linear(x: torch.Tensor, module: torch.nn.Linear) -> torch.Tensor:
     return F.linear(x, module.weight, module.bias)
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama RMSNorm, computed in fp32 as transformers does."""
-    if x.dtype != torch.float32:
-        return weight * _rms_norm(x.float(), torch.ones((), device=x.device), eps).to(x.dtype)
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding on [heads, n, hd] with cos/sin [n, hd] (rotate-half convention)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-BACKENDS = ("auto", "fast", "hf")
-
-
-def make_backend(model: torch.nn.Module, device: torch.device | str = "cpu", kind: str = "auto"):
-    """A backend for `model`: "fast" (FastLlamaBackend), "hf" (HFBackend) or "auto" (fast where supported)."""
-    if kind not in BACKENDS:
-        raise DraftlabError(f"unknown backend {kind!r}; use one of {', '.join(BACKENDS)}")
-    supported = getattr(model.config, "model_type", None) in SUPPORTED_MODEL_TYPES
-    if kind == "fast" and not supported:
-        raise DraftlabError(
-            f"the fast backend supports model types {SUPPORTED_MODEL_TYPES}, not {model.config.model_type!r}; use --backend hf"
-        )
-    if kind != "hf" and supported:
-        return FastLlamaBackend(model, device)
-    return HFBackend(model, device)

@@ -1,0 +1,47 @@
+"""Backends: one file per backend, and the registry that builds them by name.
+
+Adding a backend is one new file implementing `Backend` (base.py) and one
+entry in `BACKENDS`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from draftlab.backends.base import Backend, Stopwatch
+from draftlab.backends.fast_llama import SUPPORTED_MODEL_TYPES, FastLlamaBackend
+from draftlab.backends.hf import HFBackend
+from draftlab.errors import DraftlabError
+
+BACKENDS: dict[str, Callable[[torch.nn.Module, torch.device | str], Backend]] = {
+    "fast": FastLlamaBackend,
+    "hf": HFBackend,
+}
+BACKEND_NAMES = ("auto", *BACKENDS)
+
+
+def check_backend_name(kind: str) -> str:
+    """`kind` if it names a backend (or 'auto'); a clear error otherwise."""
+    if kind not in BACKEND_NAMES:
+        raise DraftlabError(f"unknown backend {kind!r}; use one of {', '.join(BACKEND_NAMES)}")
+    return kind
+
+
+def make_backend(model: torch.nn.Module, device: torch.device | str = "cpu", kind: str = "auto") -> Backend:
+    """A backend for `model`: 'fast' (draftlab's forward), 'hf' (transformers) or 'auto' (fast where supported)."""
+    check_backend_name(kind)
+    supported = getattr(model.config, "model_type", None) in SUPPORTED_MODEL_TYPES
+    if kind == "fast" and not supported:
+        raise DraftlabError(
+            f"the fast backend supports model types {SUPPORTED_MODEL_TYPES}, not {model.config.model_type!r}; "
+            "use --backend hf"
+        )
+    if kind == "auto":
+        kind = "fast" if supported else "hf"
+    return BACKENDS[kind](model, device)
+
+
+__all__ = ["BACKENDS", "BACKEND_NAMES", "Backend", "FastLlamaBackend", "HFBackend", "Stopwatch", "check_backend_name",
+           "make_backend"]

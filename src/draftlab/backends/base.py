@@ -1,0 +1,90 @@
+"""The interface between the engine and a model: score a block of tokens, keep what was accepted.
+
+Cache invariant (the engine relies on it): a backend's cache holds exactly the
+tokens it was fed and kept, `cache_len` of them. `score(tokens)` appends a run
+of consecutive tokens (a prompt, a chain); `score_block(block)` appends a
+tree-shaped block (see `draftlab.step`), each token at position cache_len +
+its depth, seeing the cache and its own ancestors. `keep(indices)` then keeps
+the cache as it was before the last block plus that block's tokens at
+`indices` (the root and the accepted path), in that order; `rollback(n)`
+forgets everything after the first n tokens.
+
+Backends live one per file in this package and are built by name through
+`draftlab.backends.make_backend`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol, Sequence
+
+import torch
+
+from draftlab.step import Block, Scores
+
+
+class Backend(Protocol):
+    """A model with a KV cache that can be cut back to any accepted path."""
+
+    vocab_size: int
+    provides_hidden: bool  # score_block(..., with_hidden=True) returns the final hidden states
+
+    @property
+    def cache_len(self) -> int:
+        """Number of tokens currently held in the cache."""
+        ...
+
+    def reset(self) -> None:
+        """Empty the cache."""
+        ...
+
+    def score(self, token_ids: Sequence[int], last_only: bool = False) -> torch.Tensor:
+        """Append consecutive tokens to the cache; logits [n, V] (or [1, V] if last_only), fp32 on the CPU."""
+        ...
+
+    def score_block(self, block: Block, with_hidden: bool = False, last_only: bool = False) -> Scores:
+        """Append a tree-shaped block in one pass; logits [n, V] ([1, V] if last_only), hidden states [n, D] if asked."""
+        ...
+
+    def keep(self, indices: Sequence[int]) -> None:
+        """Keep the cache before the last block plus that block's tokens at `indices` (ascending)."""
+        ...
+
+    def rollback(self, length: int) -> None:
+        """Keep only the first `length` cached tokens."""
+        ...
+
+    def synchronize(self) -> None:
+        """Wait for queued device work, so that wall-clock timings are honest."""
+        ...
+
+
+def is_prefix(indices: Sequence[int]) -> bool:
+    """True when `indices` is 0, 1, ..., m-1: keeping them is a plain rollback."""
+    return all(i == j for j, i in enumerate(indices))
+
+
+class Stopwatch:
+    """Accumulates seconds per named phase; synchronizes the device at each edge."""
+
+    def __init__(self, sync=lambda: None) -> None:
+        self.seconds: dict[str, float] = {}
+        self._sync = sync
+
+    def time(self, phase: str):
+        """Context manager that adds the elapsed time to `phase`."""
+        return _Phase(self, phase)
+
+
+class _Phase:
+    def __init__(self, watch: Stopwatch, phase: str) -> None:
+        self.watch, self.phase = watch, phase
+
+    def __enter__(self):
+        self.watch._sync()
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.watch._sync()
+        elapsed = time.perf_counter() - self.start
+        self.watch.seconds[self.phase] = self.watch.seconds.get(self.phase, 0.0) + elapsed

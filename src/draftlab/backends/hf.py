@@ -1,0 +1,106 @@
+"""Any transformers causal LM as a backend, with a `DynamicCache` (batch size 1).
+
+Tree blocks are scored with a custom 4D additive attention mask (transformers
+passes a 4D mask through unchanged) and explicit position ids; `keep` gathers
+the accepted entries of every layer's key/value tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from draftlab.backends.base import is_prefix
+from draftlab.step import Block, Scores
+
+
+class HFBackend:
+    """A transformers causal LM with a DynamicCache, batch size 1."""
+
+    provides_hidden = True  # from output_hidden_states: the last entry is after the final norm
+
+    def __init__(self, model: torch.nn.Module, device: torch.device | str = "cpu") -> None:
+        self.model = model
+        self.device = torch.device(device)
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self._cache = None
+        self._len = 0
+        self._block_start = 0
+
+    @property
+    def cache_len(self) -> int:
+        """Number of tokens currently held in the cache."""
+        return self._len
+
+    def reset(self) -> None:
+        """Empty the cache."""
+        from transformers import DynamicCache
+
+        self._cache = DynamicCache(config=self.model.config)
+        self._len = 0
+
+    @torch.inference_mode()
+    def score(self, token_ids: Sequence[int], last_only: bool = False) -> torch.Tensor:
+        """Append consecutive tokens to the cache; logits [n, V] (or [1, V] if last_only), fp32."""
+        positions = torch.arange(self._len, self._len + len(token_ids), device=self.device)  # [n]
+        logits, _ = self._forward(token_ids, positions, None, last_only, with_hidden=False)
+        return logits
+
+    @torch.inference_mode()
+    def score_block(self, block: Block, with_hidden: bool = False, last_only: bool = False) -> Scores:
+        """Append a tree-shaped block in one pass; logits [n, V] ([1, V] if last_only), hidden states [n, D] if asked."""
+        layout = block.layout()
+        positions = (self._len + layout.depths).to(self.device)  # [n]
+        mask = None if block.is_chain else self._tree_mask(layout.ancestors)
+        logits, hidden = self._forward(block.tokens, positions, mask, last_only, with_hidden)
+        return Scores(logits, hidden)
+
+    def keep(self, indices: Sequence[int]) -> None:
+        """Keep the cache before the last block plus the block's entries at `indices`."""
+        if is_prefix(indices):
+            self.rollback(self._block_start + len(indices))
+            return
+        rows = torch.tensor([self._block_start + i for i in indices], device=self.device)  # [m]
+        for layer in self._cache.layers:
+            layer.keys = torch.cat([layer.keys[:, :, : self._block_start], layer.keys[:, :, rows]], dim=2)
+            layer.values = torch.cat([layer.values[:, :, : self._block_start], layer.values[:, :, rows]], dim=2)
+        self._len = self._block_start + len(indices)
+
+    def rollback(self, length: int) -> None:
+        """Keep only the first `length` cached tokens."""
+        if length < self._len:
+            self._cache.crop(length - self._len)  # transformers 5 takes minus the tokens to drop
+            self._len = length
+
+    def synchronize(self) -> None:
+        """Wait for queued device work."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _forward(self, token_ids, positions, mask, last_only: bool, with_hidden: bool):
+        """Run the model on new tokens at `positions` [n]; logits [n, V] fp32 CPU, hidden [n, D] or None."""
+        if self._cache is None:
+            self.reset()
+        self._block_start = self._len
+        input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)  # [1, n]
+        out = self.model(
+            input_ids=input_ids,
+            past_key_values=self._cache,
+            use_cache=True,
+            position_ids=positions.unsqueeze(0),
+            attention_mask=mask,
+            logits_to_keep=1 if last_only else 0,
+            output_hidden_states=with_hidden,
+        )
+        self._len += input_ids.shape[1]
+        hidden = out.hidden_states[-1][0] if with_hidden else None  # [n, D]
+        return out.logits[0].float().cpu(), hidden  # [n, V]; verification runs on the CPU
+
+    def _tree_mask(self, ancestors: torch.Tensor) -> torch.Tensor:
+        """Additive mask [1, 1, n, cache + n]: every cached token, plus each token's ancestors and itself."""
+        n = ancestors.shape[0]
+        visible = torch.cat([torch.ones(n, self._len, dtype=torch.bool), ancestors], dim=1)  # [n, cache + n]
+        dtype = self.model.dtype
+        mask = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)
+        return mask[None, None].to(self.device)

@@ -1,0 +1,40 @@
+"""Numerics shared by draftlab's own forward passes (the fast backend, feature drafts).
+
+Written once so that every module computes them the same way, bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama RMSNorm as transformers computes it: normalised in fp32, cast back, then scaled."""
+    x32 = x.float()
+    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return weight.to(x.dtype) * normed
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (rotate-half) on [..., n, hd] with cos/sin [n, hd]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def causal_mask(start: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
+    """Boolean [n, start+n]: query i sees keys 0..start+i. None for a single token (it sees all)."""
+    if n == 1:
+        return None
+    return torch.ones(n, start + n, dtype=torch.bool, device=device).tril(diagonal=start)
+
+
+def tree_mask(start: int, ancestors: torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Boolean [n, start+n]: every cached key, plus each block token's ancestors and itself."""
+    n = ancestors.shape[0]
+    return torch.cat([torch.ones(n, start, dtype=torch.bool), ancestors], dim=1).to(device)
+
+
+def scatter_vocab(probs: torch.Tensor, vocab_map: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Probabilities over a cut vocabulary [V'] placed at their target ids in a [V] vector."""
+    return torch.zeros(vocab_size, dtype=probs.dtype).index_copy_(0, vocab_map, probs)

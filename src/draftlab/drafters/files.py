@@ -1,0 +1,74 @@
+"""Draft directories: a JSON record naming the format, and the draft's own weights.
+
+    draftlab_draft.json   {"format": <one of the formats below>, "version": 1, "target": ..., ...}
+    weights.safetensors   the draft's own tensors
+
+Each format is defined beside its drafter (`pruned.py`: "draftlab-draft",
+`feature.py`: "draftlab-feature-draft"); this module only reads what they
+share, and refuses damaged files with a clear error.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from draftlab.errors import DraftlabError
+
+RECORD = "draftlab_draft.json"
+WEIGHTS = "weights.safetensors"
+
+
+def draft_format(path: str | Path) -> str | None:
+    """The format named by a draft directory's record; None when `path` holds no record."""
+    record = Path(path) / RECORD
+    if not record.is_file():
+        return None
+    return str(read_record(Path(path)).get("format"))
+
+
+def read_record(path: Path) -> dict:
+    """The JSON record of a draft directory."""
+    try:
+        record = json.loads((path / RECORD).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DraftlabError(f"{path} is not a readable draftlab draft ({exc}); rebuild it") from exc
+    if not isinstance(record, dict):
+        raise DraftlabError(f"{path}/{RECORD} is not a draftlab draft record; rebuild it")
+    return record
+
+
+def read_draft_files(path: str | Path, expected_format: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The record and weights of a draft directory whose record has `expected_format`."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    record = read_record(path)
+    if record.get("format") != expected_format:
+        raise DraftlabError(f"{path}/{RECORD} is not a {expected_format} record")
+    try:
+        state = load_file(str(path / WEIGHTS))
+    except (OSError, SafetensorError) as exc:
+        raise DraftlabError(f"{path}/{WEIGHTS} cannot be read ({exc}); the file is damaged, rebuild the draft") from exc
+    return record, state
+
+
+def check_target_vocab(path: str | Path, record: dict, vocab_size: int, target_name: str) -> None:
+    """Refuse a draft whose record names another target vocabulary size."""
+    expected = record.get("target_vocab_size")
+    if expected is not None and int(expected) != vocab_size:
+        raise DraftlabError(
+            f"draft {path} was built for a target with {expected} tokens; {target_name} has {vocab_size}"
+        )
+
+
+def load_strict(module: torch.nn.Module, state: dict[str, torch.Tensor], path: str | Path, **options) -> None:
+    """`module.load_state_dict(state, strict=True)`, with a clear error for missing or unexpected keys."""
+    try:
+        module.load_state_dict(state, strict=True, **options)
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise DraftlabError(f"draft {path} does not match its format ({first}); rebuild the draft") from exc

@@ -1,0 +1,90 @@
+"""A separate causal LM (same tokenizer as the target) that drafts autoregressively."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from draftlab.backends.base import Backend
+from draftlab.backends.numerics import scatter_vocab
+from draftlab.drafters.base import BlindDrafter, draft_chain
+from draftlab.errors import DraftlabError
+from draftlab.models import LoadedModel
+from draftlab.sampling import choose
+from draftlab.step import Proposal
+
+
+class ModelDrafter(BlindDrafter):
+    """A small causal LM that drafts autoregressively, with its own rolled-back cache.
+
+    Cache invariant: `self._fed` lists exactly the tokens in the draft cache.
+    Committed tokens never change, so only the part after the previous context
+    can disagree with the new one; that part is rolled back and re-fed.
+    """
+
+    def __init__(self, backend: Backend, name: str = "model", vocab_map: torch.Tensor | None = None,
+                 target_vocab_size: int | None = None) -> None:
+        """vocab_map [V']: target token id of each draft output row, for drafts with a cut vocabulary."""
+        if vocab_map is not None and target_vocab_size is None:
+            raise DraftlabError("a draft with a vocabulary map needs the target's vocabulary size")
+        self.backend = backend
+        self.name = name
+        self.vocab_map = vocab_map
+        self.target_vocab_size = target_vocab_size
+        self._fed: list[int] = []
+        self._stable = 0  # prefix of _fed known to be committed
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        """Drop the cache; the next proposal prefills the prompt."""
+        self.backend.reset()
+        self._fed, self._stable = [], 0
+
+    def propose(self, context, k, sampling, generator) -> Proposal:
+        """Draft k tokens one at a time; probabilities [k, V] when sampling."""
+        logits = self._catch_up(context)  # [V]
+        proposal = draft_chain(logits, k, lambda row: self._choose(row, sampling, generator), self._advance)
+        self._stable = len(context)
+        return proposal
+
+    def _advance(self, token: int) -> torch.Tensor:
+        """Feed one drafted token; the draft's logits [V] after it."""
+        self._fed.append(token)
+        return self.backend.score([token], last_only=True)[-1]
+
+    def _choose(self, logits, sampling, generator) -> tuple[int, torch.Tensor | None]:
+        """Pick a token from the draft's logits [V'] and express it (and its probabilities) in target ids."""
+        token, token_probs = choose(logits, sampling, generator)
+        if self.vocab_map is None:
+            return token, token_probs
+        if token_probs is not None:
+            token_probs = scatter_vocab(token_probs, self.vocab_map, self.target_vocab_size)  # [V]
+        return int(self.vocab_map[token]), token_probs
+
+    def _catch_up(self, context: Sequence[int]) -> torch.Tensor:
+        """Roll back to the longest common prefix with `context`, feed the rest; logits [V] after it."""
+        common = self._stable
+        limit = min(len(self._fed), len(context))
+        while common < limit and self._fed[common] == context[common]:
+            common += 1
+        common = min(common, len(context) - 1)  # always feed at least one token to get logits
+        self.backend.rollback(common)
+        del self._fed[common:]
+        missing = list(context[common:])
+        self._fed.extend(missing)
+        return self.backend.score(missing, last_only=True)[-1]
+
+
+def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
+    """Raise unless draft and target share tokenizer and vocabulary size."""
+    if target.vocab_size != draft.vocab_size:
+        raise DraftlabError(
+            f"draft {draft.name} has {draft.vocab_size} output tokens but target {target.name} has "
+            f"{target.vocab_size}; speculative decoding needs the same vocabulary"
+        )
+    if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+        raise DraftlabError(
+            f"draft {draft.name} and target {target.name} use different tokenizers; choose a draft from the same family"
+        )
+
+

@@ -1,0 +1,150 @@
+"""One registry: drafter spec strings -> drafters, draft directory formats -> loaders.
+
+Used by the CLI, the Python API, the sweep, calibration, correlation and the
+HF reference runs alike. Spec grammar:
+
+  none | ar                   no draft: autoregressive decoding
+  ngram | ngram:N | ngram:A-B prompt lookup with n-gram sizes 1..3, 1..N or A..B
+  layers:SPEC                 self-draft from target layers; SPEC is a comma list of
+                              indices, ranges a-b and strided ranges a-b:s (0-3, 0-29:2, 0-3,26-29)
+  model:NAME_OR_PATH          a separate draft model with the target's tokenizer, or a draft
+                              directory (pruned or feature draft: its record names the format)
+
+Adding a draft source is one file in `draftlab/drafters/` plus one entry in
+`DRAFTERS` (a spec kind) or `DRAFT_FORMATS` (a draft directory format).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from draftlab.backends import make_backend
+from draftlab.drafters import feature, pruned
+from draftlab.drafters.base import Drafter, NoDrafter
+from draftlab.drafters.files import draft_format
+from draftlab.drafters.layers import build_layer_draft
+from draftlab.drafters.model import ModelDrafter, check_compatible
+from draftlab.drafters.ngram import NGramDrafter
+from draftlab.errors import DraftlabError
+from draftlab.models import LoadedModel, ModelSpec, load_model
+
+SPEC_HELP = "none | ngram[:N|:A-B] | layers:0-3 (or 0,2,4 / 0-29:2) | model:NAME_OR_PATH"
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """A parsed drafter spec string."""
+
+    kind: str  # a key of DRAFTERS
+    ngram: tuple[int, int] = (1, 3)  # (min_n, max_n)
+    layers: tuple[int, ...] = ()
+    model: str = ""
+
+
+@dataclass
+class BuiltDraft:
+    """A drafter and, when it runs a causal LM of its own, that model (HF assisted generation needs it)."""
+
+    drafter: Drafter
+    model: LoadedModel | None = None
+
+
+def parse_drafter_spec(spec: str, num_layers: int | None = None) -> DraftPlan:
+    """Parse a drafter spec string (see the module docstring)."""
+    kind, _, arg = spec.partition(":")
+    if kind in ("none", "ar") and not arg:
+        return DraftPlan("none")
+    if kind == "ngram":
+        return DraftPlan("ngram", ngram=_parse_ngram(arg))
+    if kind == "layers" and arg:
+        return DraftPlan("layers", layers=tuple(parse_layers(arg, num_layers)))
+    if kind == "model" and arg:
+        return DraftPlan("model", model=arg)
+    raise DraftlabError(f"unknown drafter {spec!r}: use {SPEC_HELP}")
+
+
+def _parse_ngram(arg: str) -> tuple[int, int]:
+    try:
+        if not arg:
+            return (1, 3)
+        if "-" in arg:
+            low, high = (int(x) for x in arg.split("-", 1))
+            return (low, high)
+        return (1, int(arg))
+    except ValueError as exc:
+        raise DraftlabError(f"bad n-gram size {arg!r}: use ngram:N or ngram:A-B with integers") from exc
+
+
+def parse_layers(text: str, num_layers: int | None = None) -> list[int]:
+    """'0-3,26-29' -> [0,1,2,3,26,27,28,29]; 'a-b:s' steps by s; negatives count from the end."""
+    layers: list[int] = []
+    try:
+        for item in text.split(","):
+            span, _, step = item.partition(":")
+            low, sep, high = span.partition("-") if not span.startswith("-") else (span, "", "")
+            first = int(low)
+            last = int(high) if sep else first
+            layers.extend(range(first, last + 1, int(step) if step else 1))
+    except ValueError as exc:
+        raise DraftlabError(f"bad layer list {text!r}: use indices, ranges a-b or strided ranges a-b:s") from exc
+    if num_layers is not None:
+        layers = [i + num_layers if i < 0 else i for i in layers]
+    return layers
+
+
+def build_drafter(plan: DraftPlan | str, target: LoadedModel, backend: str = "auto") -> BuiltDraft:
+    """The drafter for a spec (string or parsed) on `target`, with its draft model when it has one."""
+    if isinstance(plan, str):
+        plan = parse_drafter_spec(plan, target.model.config.num_hidden_layers)
+    return DRAFTERS[plan.kind](plan, target, backend)
+
+
+def _build_none(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
+    return BuiltDraft(NoDrafter())
+
+
+def _build_ngram(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
+    return BuiltDraft(NGramDrafter(max_n=plan.ngram[1], min_n=plan.ngram[0]))
+
+
+def _build_layers(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
+    return _model_draft(build_layer_draft(target, plan.layers), backend)
+
+
+def _build_model(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
+    fmt = draft_format(plan.model)
+    if fmt is not None:
+        if fmt not in DRAFT_FORMATS:
+            raise DraftlabError(f"{plan.model} holds a draft of unknown format {fmt!r}; known: {sorted(DRAFT_FORMATS)}")
+        return DRAFT_FORMATS[fmt](plan.model, target, backend)
+    draft = load_model(ModelSpec(plan.model, device=str(target.device), dtype=str(target.dtype).removeprefix("torch.")))
+    check_compatible(target, draft)
+    return _model_draft(draft, backend)
+
+
+def _model_draft(draft: LoadedModel, backend: str) -> BuiltDraft:
+    return BuiltDraft(ModelDrafter(make_backend(draft.model, draft.device, backend), name=draft.name), draft)
+
+
+def _load_pruned(path: str, target: LoadedModel, backend: str) -> BuiltDraft:
+    designed = pruned.load_draft(path, target)
+    drafter = ModelDrafter(make_backend(designed.model.model, target.device, backend), designed.model.name,
+                           designed.vocab_map, target.vocab_size)
+    return BuiltDraft(drafter, designed.model)
+
+
+def _load_feature(path: str, target: LoadedModel, backend: str) -> BuiltDraft:
+    return BuiltDraft(feature.FeatureDrafter(feature.load_feature_draft(path, target), name=f"feature:{path}"))
+
+
+DRAFTERS: dict[str, Callable[[DraftPlan, LoadedModel, str], BuiltDraft]] = {
+    "none": _build_none,
+    "ngram": _build_ngram,
+    "layers": _build_layers,
+    "model": _build_model,
+}
+DRAFT_FORMATS: dict[str, Callable[[str, LoadedModel, str], BuiltDraft]] = {
+    pruned.FORMAT: _load_pruned,
+    feature.FORMAT: _load_feature,
+}
