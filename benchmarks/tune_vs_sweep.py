@@ -3,13 +3,15 @@
 Runs, on the same prompts and in one process:
   1. an exhaustive sweep of our engine over every candidate draft and K = 1..K_max
      (sps cells only) into a study database, timed;
-  2. `tune` (calibrate + predict + a short confirmation run), timed;
+  2. `tune` (calibrate, predict with intervals, race the contenders against plain
+     decoding with successive halving), timed;
 then prints the best cell of the sweep, the cell the tuner picked, the regret
 (how much slower the pick measured in the sweep than the best cell), the
 ratio of wall times, and the model's errors against the sweep.
 The last line of stdout is one JSON document.
 
-    python benchmarks/tune_vs_sweep.py --drafts ngram ngram:2-4 layers:0-3 layers:0-7 --limit 3
+    python benchmarks/tune_vs_sweep.py --drafts ngram ngram:2-4 layers:0-3 --limit 2
+    python benchmarks/tune_vs_sweep.py --drafts ngram layers:0-3 --dataset my_prompts.jsonl --limit 4
 """
 
 from __future__ import annotations
@@ -27,17 +29,18 @@ from draftlab.study.report import summarize
 from draftlab.study.store import ResultsStore
 from draftlab.study.sweep import SweepConfig, run_sweep
 from draftlab.datasets import load_prompts
-from draftlab.perf.tuner import compare, error_summary, tune
+from draftlab.perf.tuner import TuneSettings, compare, error_summary, tune
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--drafts", nargs="+", default=["ngram", "ngram:2-4", "layers:0-3", "layers:0-7"])
-    parser.add_argument("--dataset", default="mixed")
+    parser.add_argument("--dataset", default="mixed", help="a bundled prompt set or a JSONL prompt file")
     parser.add_argument("--limit", type=int, default=3)
     parser.add_argument("--k-max", type=int, default=7)
     parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--budget", type=float, default=None, help="tune's time budget in seconds")
     parser.add_argument("--db", default=None, help="keep the sweep database here (default: a temporary file)")
     args = parser.parse_args()
     from transformers.utils import logging as hf_logging
@@ -60,7 +63,7 @@ def main() -> None:
     prompts = load_prompts(args.dataset, args.limit)
     settings = CalibrationSettings(k_max=args.k_max, max_new_tokens=args.max_new_tokens)
     start = time.perf_counter()
-    rec, profile, _ = tune(target, args.drafts, prompts, settings, confirm=True)
+    rec, profile, _ = tune(target, args.drafts, prompts, settings, TuneSettings(budget_s=args.budget))
     tune_s = time.perf_counter() - start
 
     cells = {(s.drafter, s.k): s for s in summarize(rows) if s.method == "sps" and s.dataset == "all"}
@@ -73,12 +76,16 @@ def main() -> None:
     print(f"target={args.target} dataset={args.dataset} prompts={args.limit} K=1..{args.k_max} drafts={' '.join(args.drafts)}")
     print(f"exhaustive sweep: {len(cells)} cells in {sweep_s:.0f}s; best {best.drafter} K={best.k}: "
           f"{best.tokens_per_s:.1f} tok/s ({best.speedup:.2f}x over AR {ar.tokens_per_s:.1f})")
-    print(f"tune: picked {rec.draft} K={rec.k} in {tune_s:.0f}s (predicted {rec.predicted_tokens_per_s:.1f} tok/s); "
-          f"that cell measured {picked_tps:.1f} tok/s in the sweep")
+    raced = f"{rec.measured_speedup:.2f}x in its race" if rec.measured_speedup else "not raced"
+    print(f"tune: picked {rec.draft} K={rec.k} in {tune_s:.0f}s (predicted {rec.predicted_tokens_per_s:.1f} tok/s, "
+          f"{raced}); that cell measured {picked_tps:.1f} tok/s in the sweep")
+    for note in rec.notes:
+        print(f"tune note: {note}")
     print(f"regret {regret:.1%} (target <= 5%), tune time / sweep time {tune_s / sweep_s:.1%} (target <= 25%)")
     print(f"model vs sweep (decode tok/s): simplified mean {errors['simplified_mean_error']:.1%} max "
           f"{errors['simplified_max_error']:.1%}; Leviathan mean {errors['leviathan_mean_error']:.1%} max "
-          f"{errors['leviathan_max_error']:.1%}")
+          f"{errors['leviathan_max_error']:.1%}; measured inside the predicted interval in "
+          f"{errors['inside_interval']:.0%} of cells ({errors['large_errors_inside_interval']:.0%} of those off by > 10%)")
     print("reproduce: python " + " ".join(sys.argv))
     print(json.dumps({"sweep_s": sweep_s, "tune_s": tune_s, "best": [best.drafter, best.k, best.tokens_per_s],
                       "picked": [rec.draft, rec.k, picked_tps], "regret": regret, "time_ratio": tune_s / sweep_s,

@@ -193,3 +193,38 @@ def test_design_feature_command_builds_a_usable_draft(tmp_path):
     assert done.returncode == 0, done.stderr
     made = json.loads((tmp_path / "round2" / "draftlab_draft.json").read_text())["made"]
     assert made["init"] == f"feature draft {out}" and made["text"]["tokens"] > record["made"]["text"]["tokens"]
+
+
+def test_calibrate_charges_a_feature_draft_its_drafting_time(tmp_path):
+    """Every drafter's cost is measured the same way: a feature draft is not free."""
+    from draftlab.datasets import Prompt
+    from draftlab.drafters.feature import save_feature_draft
+    from draftlab.models import load_model
+    from draftlab.perf.calibrate import CalibrationSettings, calibrate
+    from tests.conftest import tiny_model_dir
+
+    target = load_model(str(tiny_model_dir(tmp_path / "tiny")))
+    save_feature_draft(new_feature_draft(target, torch.arange(64)), tmp_path / "f", "tiny")
+    prompts = [Prompt(f"p{i}", "chat", " ".join(f"w{(i * 5 + j) % 60}" for j in range(16)), chat=False)
+               for i in range(2)]
+    profile = calibrate(target, [f"model:{tmp_path / 'f'}", "ngram"], prompts,
+                        CalibrationSettings(k_max=3, max_new_tokens=16, repeats=2), progress=False)
+    feature, ngram = profile.drafts
+    assert feature.t_draft(1) > 0 and feature.t_draft(3) > feature.t_draft(1)
+    assert ngram.t_draft(3) > 0
+    # a model draft drafts every position it has room for: only the steps at the end of a run are cut short
+    assert min(feature.drafted_at_least) > 0.8
+
+
+def test_correlate_reads_a_feature_draft(trained, tmp_path):
+    """`design correlate` scores a feature draft's perplexity and TAR instead of refusing it."""
+    from draftlab.design.correlate import measure
+    from draftlab.models import load_model
+    from tests.conftest import tiny_model_dir
+
+    _, _, out = trained
+    target = load_model(str(tiny_model_dir(tmp_path / "tiny")))  # the same weights as tiny_target, with a tokenizer
+    held_out = [[(i * 7 + j) % 64 for j in range(24)] for i in range(3)]
+    (quality,) = measure(target, [f"model:{out}"], held_out, [], [PROMPTS[0]], 3, 16, progress=False)
+    assert quality.layers == 1 and 1.0 < quality.perplexity < 64.0 * 4
+    assert quality.tokens_per_step > 1.0

@@ -17,7 +17,8 @@ from draftlab.backends import Backend, make_backend
 from draftlab.drafters.base import Drafter, NoDrafter
 from draftlab.engine import GenerationConfig, GenerationResult, SpeculativeEngine
 from draftlab.errors import DraftlabError
-from draftlab.models import LoadedModel, load_model
+from draftlab.defaults import DEFAULT_BACKEND, DraftSettings
+from draftlab.models import DEFAULT_TARGET, LoadedModel, ModelSpec, load_model
 from draftlab.policy import DraftLengthPolicy, DynamicK, FixedK
 from draftlab.registry import DraftPlan, build_drafter, parse_drafter_spec, parse_layers  # noqa: F401 (API)
 from draftlab.sampling import SamplingConfig
@@ -55,7 +56,7 @@ class SpeculativeDecoder:
 
     def __init__(
         self, target: LoadedModel, drafter: Drafter, policy: DraftLengthPolicy,
-        draft_model: LoadedModel | None = None, backend: str = "auto", target_backend: Backend | None = None,
+        draft_model: LoadedModel | None = None, backend: str = DEFAULT_BACKEND, target_backend: Backend | None = None,
     ) -> None:
         self.target = target
         self.drafter = drafter
@@ -75,8 +76,9 @@ class SpeculativeDecoder:
 
     @classmethod
     def from_names(
-        cls, target: str | LoadedModel = "smollm2-135m", drafter: str = "ngram", k: int = 4,
-        *, dynamic_k: bool = False, device: str = "cpu", dtype: str = "auto", backend: str = "auto",
+        cls, target: str | LoadedModel = DEFAULT_TARGET, drafter: str = DraftSettings.drafter, k: int = DraftSettings.k,
+        *, dynamic_k: bool = DraftSettings.dynamic_k, device: str = ModelSpec.device, dtype: str = ModelSpec.dtype,
+        backend: str = DEFAULT_BACKEND,
     ) -> "SpeculativeDecoder":
         """Load the target (unless given) and build the drafter from its spec string.
 
@@ -91,11 +93,11 @@ class SpeculativeDecoder:
     def generate(
         self,
         prompt: str | Sequence[int],
-        max_new_tokens: int = 128,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int = 0,
+        max_new_tokens: int = GenerationConfig.max_new_tokens,
+        temperature: float = SamplingConfig.temperature,
+        top_k: int = SamplingConfig.top_k,
+        top_p: float = SamplingConfig.top_p,
+        seed: int = GenerationConfig.seed,
         stop_strings: Sequence[str] = (),
         chat: bool = True,
         on_tokens: Callable[[list[int]], None] | None = None,

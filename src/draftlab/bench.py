@@ -15,6 +15,8 @@ from tqdm import tqdm
 
 from draftlab.api import SpeculativeDecoder, encode_prompt
 from draftlab.datasets import Prompt
+from draftlab.engine import GenerationConfig
+from draftlab.sampling import SamplingConfig
 from draftlab.metrics import GenerationStats
 
 
@@ -22,11 +24,11 @@ from draftlab.metrics import GenerationStats
 class BenchSettings:
     """Generation settings shared by the baseline and the speculative runs."""
 
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
+    max_new_tokens: int = GenerationConfig.max_new_tokens
+    temperature: float = SamplingConfig.temperature
+    top_k: int = SamplingConfig.top_k
+    top_p: float = SamplingConfig.top_p
+    seed: int = GenerationConfig.seed
     warmup: int = 1  # untimed runs first: the first forward passes are slow
 
 

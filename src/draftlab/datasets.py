@@ -138,6 +138,8 @@ def load_prompts(source: str, limit: int | None = None, skip: int = 0) -> list[P
 
 
 def _user_file(path: Path) -> list[Prompt]:
+    """Prompts from a JSONL file: draftlab's own lines ({"prompt", "category", "id"}) or Spec-Bench / MT-Bench
+    questions ({"question_id", "category", "turns": [first turn, ...]}: the first turn is the prompt)."""
     if not path.is_file():
         names = ", ".join(DATASETS)
         raise DraftlabError(f"no prompt set {str(path)!r}: give one of {names} or a JSONL file")
@@ -146,14 +148,24 @@ def _user_file(path: Path) -> list[Prompt]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
-            text = row["prompt"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise DraftlabError(f"{path}:{number}: expected a JSON object with a 'prompt' field ({exc})") from exc
-        prompts.append(Prompt(str(row.get("id", f"{path.stem}/{number}")), str(row.get("category", "custom")), text))
+            prompts.append(_prompt_of(json.loads(line), f"{path.stem}/{number}"))
+        except (json.JSONDecodeError, KeyError, TypeError, IndexError, AttributeError) as exc:
+            raise DraftlabError(f"{path}:{number}: expected a JSON object with a 'prompt' field or MT-Bench 'turns' "
+                                f"({exc!r})") from exc
     if not prompts:
         raise DraftlabError(f"{path} holds no prompts")
     return prompts
+
+
+def _prompt_of(row: dict, default_id: str) -> Prompt:
+    """One prompt from a draftlab line or a Spec-Bench / MT-Bench question."""
+    if "prompt" in row:
+        text, pid = row["prompt"], row.get("id", default_id)
+    else:
+        text, pid = row["turns"][0], row.get("question_id", default_id)
+    if not isinstance(text, str) or not text.strip():
+        raise TypeError("the prompt is empty or not text")
+    return Prompt(str(pid), str(row.get("category", "custom")), text)
 
 
 def balanced(prompts: list[Prompt], limit: int | None) -> list[Prompt]:

@@ -31,7 +31,7 @@ from draftlab.metrics import GenerationStats
 from draftlab.policy import DraftLengthPolicy, FixedK
 from draftlab.sampling import SamplingConfig
 from draftlab.step import Block, Proposal
-from draftlab.verify import verify
+from draftlab.verify import Verifier, verify
 
 
 @dataclass(frozen=True)
@@ -90,8 +90,11 @@ class SpeculativeEngine:
         policy: DraftLengthPolicy | None = None,
         context_length: int = 1 << 30,
         decode: Callable[[list[int]], str] | None = None,
+        verifier: Verifier = verify,
     ) -> None:
+        """verifier: the acceptance rule; only `draftlab audit`'s own tests replace it (with a broken one)."""
         self.target = target
+        self.verifier = verifier
         self.drafter = drafter or NoDrafter()
         self.policy = policy or FixedK(1)
         self.context_length = context_length
@@ -145,7 +148,7 @@ class SpeculativeEngine:
         block = Block.of(tokens[-1], proposal)
         with watch.time("target"):
             scores = self.target.score_block(block, with_hidden=self.reads_hidden)  # logits [n, V], hidden [n, D]
-        verdict = verify(block, proposal.draft_probs, scores.logits, config.sampling, generator)
+        verdict = self.verifier(block, proposal.draft_probs, scores.logits, config.sampling, generator)
         kept = verdict.kept_rows()
         self.target.keep(kept)
         if scores.hidden is not None:  # rows of the tokens now committed and cached

@@ -15,6 +15,7 @@ import torch
 
 from draftlab.registry import DraftPlan
 from draftlab.errors import DraftlabError
+from draftlab.engine import GenerationConfig
 from draftlab.models import LoadedModel
 from draftlab.sampling import SamplingConfig
 
@@ -42,14 +43,15 @@ def hf_generate(
     max_new_tokens: int,
     eos: Sequence[int],
     sampling: SamplingConfig = SamplingConfig(),
-    seed: int = 0,
+    seed: int = GenerationConfig.seed,
     **assist,
 ) -> tuple[list[int], float]:
     """New token ids and wall seconds of one HF generate call (batch 1)."""
     input_ids = torch.tensor([list(prompt_ids)], device=target.device)
     options = {"do_sample": False}
     if not sampling.greedy:
-        options = {"do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k or None,
+        # top_k=0 switches HF's top-k off explicitly (None would fall back to the model's default, often 50).
+        options = {"do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k,
                    "top_p": sampling.top_p}
         torch.manual_seed(seed)  # HF samples from the global generator
     start = time.perf_counter()

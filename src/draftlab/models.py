@@ -93,7 +93,7 @@ class LoadedModel:
         return sum(seen.values())
 
 
-def load_model(spec: ModelSpec | str, *, device: str = "cpu", dtype: str = "auto") -> LoadedModel:
+def load_model(spec: ModelSpec | str, *, device: str = ModelSpec.device, dtype: str = ModelSpec.dtype) -> LoadedModel:
     """Load a model and tokenizer from a short name, a .gguf file or an HF directory."""
     if isinstance(spec, str):
         spec = ModelSpec(spec, device=device, dtype=dtype)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from draftlab.defaults import DraftSettings
 from draftlab.errors import DraftlabError
 
 
@@ -31,9 +32,7 @@ class FixedK:
     """Always draft K tokens."""
 
     def __init__(self, k: int) -> None:
-        if k < 1:
-            raise DraftlabError(f"K (draft tokens per step) must be >= 1, got {k}")
-        self.k = k
+        self.k = DraftSettings(k=k).k  # validated there, once
 
     def begin(self) -> None:
         """Nothing to reset."""

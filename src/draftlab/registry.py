@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from draftlab.backends import make_backend
+from draftlab.defaults import DEFAULT_BACKEND
 from draftlab.drafters import feature, pruned
 from draftlab.drafters.base import Drafter, NoDrafter
 from draftlab.drafters.files import draft_format
@@ -93,7 +94,7 @@ def parse_layers(text: str, num_layers: int | None = None) -> list[int]:
     return layers
 
 
-def build_drafter(plan: DraftPlan | str, target: LoadedModel, backend: str = "auto") -> BuiltDraft:
+def build_drafter(plan: DraftPlan | str, target: LoadedModel, backend: str = DEFAULT_BACKEND) -> BuiltDraft:
     """The drafter for a spec (string or parsed) on `target`, with its draft model when it has one."""
     if isinstance(plan, str):
         plan = parse_drafter_spec(plan, target.model.config.num_hidden_layers)

@@ -21,6 +21,7 @@ deterministic children (n-gram lookups are one-hot drafts).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -124,3 +125,6 @@ def verify(
         return verify_greedy(block, target_logits)
     target_probs = logits_to_probs(target_logits, config)  # [n, V]
     return verify_sampling(block, draft_probs, target_probs, generator)
+
+
+Verifier = Callable[[Block, "torch.Tensor | None", torch.Tensor, SamplingConfig, "torch.Generator | None"], Verdict]

@@ -60,16 +60,24 @@ def test_bf16_divergence_only_at_near_ties():
     """In bf16, block scoring can flip near-ties: every divergence must sit on a near-tie of the target.
 
     This documents the behaviour rather than hiding it: outputs may differ in bf16, but only where the
-    target's two best logits are within bf16 rounding of each other.
+    target's two best logits are within bf16 rounding of each other. The test fails when it tests nothing:
+    the model must really be in bf16 and the speculative runs must really verify multi-token blocks.
     """
     target = load_model("smollm2-135m", dtype="bf16")
+    assert {p.dtype for p in target.model.parameters()} == {torch.bfloat16}
     ar = SpeculativeDecoder.from_names(target, drafter="none", k=1)
     sps = SpeculativeDecoder.from_names(target, drafter="ngram", k=5)
+    assert sps.target_backend.dtype == torch.bfloat16
+    accepted = compared = 0
     for prompt in PROMPTS:
         expected = ar.generate(prompt, max_new_tokens=48).token_ids
-        got = sps.generate(prompt, max_new_tokens=48).token_ids
+        result = sps.generate(prompt, max_new_tokens=48)
+        got = result.token_ids
+        accepted += result.stats.accepted
         diverged = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), None)
+        compared += len(expected) if diverged is None else diverged + 1
         if diverged is None:
+            assert got == expected
             continue
         context = encode_prompt(target.tokenizer, prompt) + expected[:diverged]
         with torch.inference_mode():
@@ -77,6 +85,19 @@ def test_bf16_divergence_only_at_near_ties():
         top2 = torch.topk(logits, 2).values
         # bf16 keeps 8 bits of mantissa: logits near 20 are resolved to ~0.125.
         assert (top2[0] - top2[1]).item() < 0.5, f"divergence at {diverged} is not a near-tie"
+    assert accepted > 0, "no multi-token block was verified: the bf16 block path went untested"
+    assert compared >= 48
+
+
+@pytest.mark.parametrize("dtype, expected", [("auto", torch.float32), ("fp32", torch.float32),
+                                             ("bf16", torch.bfloat16)])
+def test_dtype_flag_loads_that_dtype(dtype, expected):
+    """Each --dtype value loads the weights in that dtype (auto: fp32 on the CPU), through the CLI's path."""
+    target = load_model("smollm2-135m", dtype=dtype)
+    assert {p.dtype for p in target.model.parameters()} == {expected}
+    decoder = SpeculativeDecoder.from_names(target, drafter="layers:0-1", k=2)
+    assert decoder.target_backend.dtype == expected
+    assert {p.dtype for p in decoder.draft_model.model.parameters()} == {expected}
 
 
 def test_tokenizer_mismatch_is_refused(target):
@@ -166,3 +187,28 @@ def test_questions_prompt_set():
     prompts = load_prompts("questions", limit=8)
     assert {p.category for p in prompts} == {"finance", "health", "truthfulness", "trivia"}
     assert all(p.chat and p.text.strip() for p in prompts)
+
+
+def test_audit_passes_draftlab_and_fails_a_broken_verifier(target):
+    """The losslessness audit on the real target at temperature 0.8 with two drafters, and a broken verifier."""
+    from draftlab.audit import AuditSettings, exact_first_distribution, run_audit
+    from tests.test_audit import accept_everything
+
+    prompt_ids = encode_prompt(target.tokenizer, "List three colours, then three animals, then three colours again:")
+    sampling_args = {"max_new_tokens": 2, "temperature": 0.8}
+
+    def sampler(decoder):
+        return lambda seed: decoder.generate(prompt_ids, seed=seed, **sampling_args).token_ids
+
+    broken = SpeculativeDecoder.from_names(target, drafter="layers:0-3", k=3)
+    broken.engine.verifier = accept_everything  # the test hook: a verifier that keeps every draft
+    methods = {
+        "draftlab ngram K=3": sampler(SpeculativeDecoder.from_names(target, drafter="ngram", k=3)),
+        "draftlab layers:0-3 K=3": sampler(SpeculativeDecoder.from_names(target, drafter="layers:0-3", k=3)),
+        "broken layers:0-3 K=3": sampler(broken),
+    }
+    reference = sampler(SpeculativeDecoder.from_names(target, drafter="none", k=1))
+    exact = exact_first_distribution(target.model, prompt_ids, __import__("draftlab").SamplingConfig(0.8))
+    report = run_audit(reference, methods, exact, AuditSettings(positions=2, samples=100, budget_s=400))
+    verdicts = {m.method: m.passed for m in report.methods}
+    assert verdicts == {"draftlab ngram K=3": True, "draftlab layers:0-3 K=3": True, "broken layers:0-3 K=3": False}

@@ -13,6 +13,7 @@ import torch
 from draftlab.backends.base import Backend, Stopwatch
 from draftlab.backends.fast_llama import SUPPORTED_MODEL_TYPES, FastLlamaBackend
 from draftlab.backends.hf import HFBackend
+from draftlab.defaults import DEFAULT_BACKEND
 from draftlab.errors import DraftlabError
 
 BACKENDS: dict[str, Callable[[torch.nn.Module, torch.device | str], Backend]] = {
@@ -29,7 +30,7 @@ def check_backend_name(kind: str) -> str:
     return kind
 
 
-def make_backend(model: torch.nn.Module, device: torch.device | str = "cpu", kind: str = "auto") -> Backend:
+def make_backend(model: torch.nn.Module, device: torch.device | str = "cpu", kind: str = DEFAULT_BACKEND) -> Backend:
     """A backend for `model`: 'fast' (draftlab's forward), 'hf' (transformers) or 'auto' (fast where supported)."""
     check_backend_name(kind)
     supported = getattr(model.config, "model_type", None) in SUPPORTED_MODEL_TYPES

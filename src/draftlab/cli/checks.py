@@ -90,6 +90,8 @@ CHECKS: dict[str, Callable[[str, object], None]] = {
     "mmlu": _at_least(0),
     "search": _at_least(1),
     "goal": _positive,
+    "positions": _at_least(1),
+    "samples": _at_least(20),
     "dtype": _dtype,
     "device": _device,
     "backend": _backend,

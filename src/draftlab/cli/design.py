@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from draftlab.errors import DraftlabError
+from draftlab.defaults import DraftSettings
 from draftlab.models import DEFAULT_TARGET
 
 
@@ -65,7 +66,7 @@ def add_design_commands(sub) -> None:
     correlate.add_argument("--dataset", default="mt-bench", help="prompts for TAR")
     correlate.add_argument("--limit", type=int, default=4)
     correlate.add_argument("--skip", type=int, default=0, help="pass over the first prompts (a draft's training set)")
-    correlate.add_argument("--k", type=int, default=4)
+    correlate.add_argument("--k", type=int, default=DraftSettings.k)
     correlate.add_argument("--max-new-tokens", type=int, default=64)
     correlate.add_argument("--mmlu", type=int, default=40, help="MMLU questions to score")
     correlate.add_argument("--out", required=True)

@@ -9,29 +9,38 @@ import argparse
 import json
 import sys
 
+from draftlab.cli.audit import add_audit_command
 from draftlab.cli.checks import check_args
 from draftlab.cli.design import add_design_commands
 from draftlab.cli.study import add_study_commands
 from draftlab.cli.tune import add_tune_commands
 from draftlab.errors import DraftlabError
-from draftlab.models import DEFAULT_TARGET
+from draftlab.defaults import DEFAULT_BACKEND, DraftSettings
+from draftlab.engine import GenerationConfig
+from draftlab.models import DEFAULT_TARGET, ModelSpec
+from draftlab.sampling import SamplingConfig
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=DEFAULT_TARGET, help="short name, .gguf file or HF model directory")
-    parser.add_argument("--drafter", default="ngram", help="none | ngram[:N|:A-B] | layers:0-3 | model:NAME_OR_PATH")
-    parser.add_argument("--k", type=int, default=4, help="draft tokens per step (>= 1)")
+    parser.add_argument("--drafter", default=DraftSettings.drafter, help="none | ngram[:N|:A-B] | layers:0-3 | model:NAME_OR_PATH")
+    parser.add_argument("--k", type=int, default=DraftSettings.k, help="draft tokens per step (>= 1)")
     parser.add_argument("--dynamic-k", action="store_true", help="grow K after full acceptance, shrink after a rejection")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    parser.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), fp32, bf16, fp16")
-    parser.add_argument("--backend", default="auto", help="auto | fast (draftlab's Llama forward) | hf (transformers)")
+    parser.add_argument("--device", default=ModelSpec.device, help="cpu, cuda, cuda:1, ...")
+    parser.add_argument("--dtype", default=ModelSpec.dtype, help="auto (fp32 on CPU, bf16 on CUDA), fp32, bf16, fp16")
+    parser.add_argument("--backend", default=DEFAULT_BACKEND, help="auto | fast (draftlab's Llama forward) | hf (transformers)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-new-tokens", type=int, default=GenerationConfig.max_new_tokens)
+    add_sampling_args(parser)
+    parser.add_argument("--seed", type=int, default=GenerationConfig.seed)
     parser.add_argument("--json", action="store_true", help="end stdout with one JSON object")
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, temperature: float = SamplingConfig.temperature) -> None:
+    """--temperature, --top-k, --top-p with SamplingConfig's defaults (a command may start hotter)."""
+    parser.add_argument("--temperature", type=float, default=temperature, help="0 is greedy")
+    parser.add_argument("--top-k", type=int, default=SamplingConfig.top_k, help="0: off")
+    parser.add_argument("--top-p", type=float, default=SamplingConfig.top_p, help="1: off")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_study_commands(sub)
     add_tune_commands(sub)
     add_design_commands(sub)
+    add_audit_command(sub)
     return parser
 
 

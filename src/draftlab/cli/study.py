@@ -37,7 +37,9 @@ def _add_sweep_args(parser: argparse.ArgumentParser, db_required: bool = True) -
     parser.add_argument("--drafters", nargs="+")
     parser.add_argument("--ks", help="K values: 1-7 or 1,2,4")
     parser.add_argument("--methods", nargs="+", help="sps asg (ar always runs)")
-    parser.add_argument("--datasets", nargs="+")
+    parser.add_argument("--datasets", nargs="+", help="bundled prompt sets or JSONL prompt files")
+    parser.add_argument("--prompts", help="your own workload: a JSONL file (draftlab lines or MT-Bench/Spec-Bench "
+                                          "questions); added to --datasets")
     parser.add_argument("--temperatures", nargs="+", type=float)
     parser.add_argument("--limit", type=int, help="prompts per dataset")
     parser.add_argument("--skip", type=int, help="prompts passed over first (round-robin order)")
@@ -59,7 +61,7 @@ def _sweep_config(args):
     tuple_or_none = lambda v: tuple(v) if v else None  # noqa: E731
     return make_config(
         args.preset, args.config, targets=tuple_or_none(args.targets), drafters=tuple_or_none(args.drafters), ks=ks,
-        methods=tuple_or_none(args.methods), datasets=tuple_or_none(args.datasets),
+        methods=tuple_or_none(args.methods), datasets=tuple_or_none([*(args.datasets or []), *([args.prompts] if args.prompts else [])]),
         temperatures=tuple_or_none(args.temperatures), limit=args.limit, skip=args.skip, max_new_tokens=args.max_new_tokens,
         warmup=args.warmup, seed=args.seed, device=args.device, dtype=args.dtype, backend=args.backend,
     )

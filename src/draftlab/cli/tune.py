@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 from draftlab.errors import DraftlabError
-from draftlab.models import DEFAULT_TARGET
+from draftlab.defaults import DEFAULT_BACKEND
+from draftlab.models import DEFAULT_TARGET, ModelSpec
+from draftlab.perf.calibrate import CalibrationSettings
 
 
 def add_tune_commands(sub) -> None:
@@ -15,10 +18,12 @@ def add_tune_commands(sub) -> None:
     calibrate = sub.add_parser("calibrate", help="measure target block times, draft costs and acceptance")
     _add_tune_args(calibrate)
     calibrate.add_argument("--out", required=True, help="profile JSON to write")
+    calibrate.add_argument("--json", action="store_true", help="end stdout with the profile as one JSON object")
     calibrate.set_defaults(run=cmd_calibrate)
     predict = sub.add_parser("predict", help="predicted tokens/s and speedup per draft and K from a profile")
     predict.add_argument("--profile", required=True)
     predict.add_argument("--goal", type=float, help="also print the TAR each draft needs for this tokens/s")
+    predict.add_argument("--json", action="store_true", help="end stdout with one JSON object")
     predict.set_defaults(run=cmd_predict)
     validate = sub.add_parser("validate", help="compare the model's predictions with a measured study")
     validate.add_argument("--profile", required=True)
@@ -27,7 +32,9 @@ def add_tune_commands(sub) -> None:
     validate.set_defaults(run=cmd_validate)
     tune = sub.add_parser("tune", help="calibrate, predict, pick draft and K, confirm, print how to use it")
     _add_tune_args(tune)
-    tune.add_argument("--budget", type=float, default=None, help="seconds; skip the confirmation run if exceeded")
+    tune.add_argument("--budget", type=float, default=None,
+                      help="seconds for the whole tune; calibration and the race are sized to fit it")
+    tune.add_argument("--json", action="store_true", help="stdout ends with one JSON object (tune always does)")
     tune.set_defaults(run=cmd_tune)
 
 
@@ -35,14 +42,16 @@ def _add_tune_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--drafts", nargs="+", default=None,
                         help="candidate drafter specs (default: ngram, ngram:2-4, layers:0-3, layers:0-7)")
-    parser.add_argument("--dataset", default="mixed")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--dataset", default="mixed", help="a bundled prompt set")
+    source.add_argument("--prompts", help="your own workload: a JSONL file (draftlab lines or MT-Bench questions)")
     parser.add_argument("--limit", type=int, default=3)
-    parser.add_argument("--k-max", type=int, default=7)
-    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--k-max", type=int, default=CalibrationSettings.k_max)
+    parser.add_argument("--max-new-tokens", type=int, default=CalibrationSettings.max_new_tokens)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--backend", default="auto")
+    parser.add_argument("--dtype", default=ModelSpec.dtype)
+    parser.add_argument("--backend", default=DEFAULT_BACKEND)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--no-progress", action="store_true")
 
@@ -58,7 +67,7 @@ def _calibration_inputs(args):
     settings = CalibrationSettings(args.k_max, args.max_new_tokens, args.repeats, args.backend)
     if settings.k_max < 1:
         raise DraftlabError(f"--k-max must be >= 1, got {settings.k_max}")
-    prompts = load_prompts(args.dataset, args.limit)
+    prompts = load_prompts(args.prompts or args.dataset, args.limit)
     target = load_model(args.target, device=args.device, dtype=args.dtype)
     target.name = args.target
     return target, args.drafts or DEFAULT_DRAFTS, prompts, settings
@@ -71,7 +80,10 @@ def cmd_calibrate(args) -> None:
     target, drafts, prompts, settings = _calibration_inputs(args)
     profile = calibrate(target, drafts, prompts, settings, progress=not args.no_progress)
     profile.save(args.out)
-    print(f"calibrate: profile of {len(drafts)} drafts in {profile.seconds:.0f}s -> {args.out}")
+    print(f"calibrate: profile of {len(drafts)} drafts in {profile.seconds:.0f}s -> {args.out}; machine drift during "
+          f"calibration {profile.target.drift:+.1%}")
+    if args.json:
+        print(json.dumps(asdict(profile)))
 
 
 def cmd_predict(args) -> None:
@@ -87,6 +99,9 @@ def cmd_predict(args) -> None:
         print(f"TAR needed for {args.goal:.1f} tokens/s:")
         for p in preds:
             print(f"  {p.draft:<18} K={p.k}: {required_tar(args.goal, p.t_target, p.t_draft):.2f}")
+    if args.json:
+        print(json.dumps({"autoregressive_tokens_per_s": profile.target.autoregressive_tokens_per_s,
+                          "predictions": [asdict(p) for p in preds]}))
 
 
 def cmd_validate(args) -> None:
@@ -97,14 +112,17 @@ def cmd_validate(args) -> None:
 
     rows, _, _ = load_study(args.db)
     comparisons = compare(Profile.load(args.profile), rows)
-    print(f"{'draft':<18}{'K':>3}{'measured':>10}{'simplified':>12}{'err':>7}{'Leviathan':>11}{'err':>7}")
+    print(f"{'draft':<18}{'K':>3}{'measured':>10}{'simplified':>12}{'interval':>15}{'err':>7}{'Leviathan':>11}{'err':>7}"
+          "  cause of a large error")
     for c in comparisons:
-        print(f"{c.draft:<18}{c.k:>3}{c.measured_tokens_per_s:>10.1f}{c.simplified_tokens_per_s:>12.1f}"
-              f"{c.simplified_error:>7.1%}{c.leviathan_tokens_per_s:>11.1f}{c.leviathan_error:>7.1%}")
+        interval = f"{c.interval[0]:.1f}-{c.interval[1]:.1f}"
+        print(f"{c.draft:<18}{c.k:>3}{c.measured_tokens_per_s:>10.1f}{c.simplified_tokens_per_s:>12.1f}{interval:>15}"
+              f"{c.simplified_error:>7.1%}{c.leviathan_tokens_per_s:>11.1f}{c.leviathan_error:>7.1%}  {c.cause}")
     summary = error_summary(comparisons)
     print(f"simplified model: mean error {summary['simplified_mean_error']:.1%}, max {summary['simplified_max_error']:.1%}; "
           f"Leviathan: mean {summary['leviathan_mean_error']:.1%}, max {summary['leviathan_max_error']:.1%} "
-          f"({summary['cells']} cells, decode throughput, prefill excluded)")
+          f"({summary['cells']} cells, decode throughput, prefill excluded); measured inside the predicted interval "
+          f"in {summary['inside_interval']:.0%} of cells")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -116,22 +134,30 @@ def cmd_validate(args) -> None:
 
 
 def cmd_tune(args) -> None:
-    """Recommend a draft and K, with predicted and measured speed and how to use it."""
-    from draftlab.perf.tuner import format_predictions, tune, usage
+    """Recommend a draft and K, raced and measured, with how to use it."""
+    from draftlab.perf.tuner import TuneSettings, format_predictions, tune, usage
 
+    tune_settings = TuneSettings(budget_s=args.budget)
     target, drafts, prompts, settings = _calibration_inputs(args)
-    rec, profile, preds = tune(target, drafts, prompts, settings, confirm=True, progress=not args.no_progress)
+    rec, profile, preds = tune(target, drafts, prompts, settings, tune_settings, progress=not args.no_progress)
     print(format_predictions(preds, profile.target.autoregressive_tokens_per_s))
-    measured = (f"measured {rec.measured_tokens_per_s:.1f} tokens/s ({rec.measured_speedup:.2f}x)"
-                if rec.measured_tokens_per_s else "not measured")
-    print(f"\nrecommendation: drafter={rec.draft} K={rec.k}: predicted {rec.predicted_tokens_per_s:.1f} tokens/s "
-          f"({rec.predicted_speedup:.2f}x), {measured}; tuning took {rec.seconds:.0f}s")
-    if args.budget and rec.seconds > args.budget:
-        print(f"note: tuning took {rec.seconds:.0f}s, over the budget of {args.budget:.0f}s; lower --limit or --repeats")
+    for number, round_ in enumerate(rec.race, start=1):
+        ranked = ", ".join(f"{name} {speedup:.2f}x" for name, speedup in
+                           sorted(round_["speedups"].items(), key=lambda item: -item[1]))
+        print(f"race round {number} ({round_['prompts']} prompt(s)): {ranked}")
+    if rec.measured_tokens_per_s:
+        low, high = rec.speedup_spread
+        measured = (f"measured {rec.measured_tokens_per_s:.1f} tokens/s ({rec.measured_speedup:.2f}x, per prompt "
+                    f"{low:.2f}-{high:.2f}x)")
+    else:
+        measured = "not measured"
+    print(f"\nrecommendation: drafter={rec.draft} K={rec.k}: {measured}; predicted "
+          f"{rec.predicted_tokens_per_s:.1f} tokens/s ({rec.predicted_speedup:.2f}x); tuning took {rec.seconds:.0f}s")
+    for note in rec.notes:
+        print(f"note: {note}")
     for line in usage(args.target, rec.draft, rec.k):
         print("  " + line)
     print(json.dumps({"draft": rec.draft, "k": rec.k, "predicted_tokens_per_s": rec.predicted_tokens_per_s,
                       "predicted_speedup": rec.predicted_speedup, "measured_tokens_per_s": rec.measured_tokens_per_s,
-                      "measured_speedup": rec.measured_speedup, "seconds": rec.seconds}))
-
-
+                      "measured_speedup": rec.measured_speedup, "speedup_spread": list(rec.speedup_spread),
+                      "seconds": rec.seconds, "race": list(rec.race), "notes": list(rec.notes)}))

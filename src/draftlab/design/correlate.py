@@ -102,6 +102,8 @@ def perplexity(model, vocab_map, vocab_size: int, sequences: list[list[int]]) ->
 @torch.inference_mode()
 def mmlu_accuracy(model, vocab_map, tokenizer, vocab_size: int, items: list[tuple[Prompt, str]]) -> float:
     """Share of questions where the answer letter is the most likely of ' A'..' D' after 'Answer:'."""
+    if not items:
+        return 0.0
     letters = {c: tokenizer(" " + c, add_special_tokens=False)["input_ids"][-1] for c in "ABCD"}
     correct = 0
     for prompt, answer in items:

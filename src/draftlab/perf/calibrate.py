@@ -1,7 +1,8 @@
 """Cheap measurements that feed the performance model.
 
 - target: time to score blocks of 1..K_max+1 tokens at the prompts' typical
-  context length (median of repeats; the cache is rolled back after each);
+  context length: every size measured (no interpolation), in interleaved rounds
+  so that drift hits every size alike; the median, its spread, and the drift;
 - each draft, whatever its type, the same way: its acceptance and drafting
   cost from short runs of our engine. A run at K_max over the calibration
   prompts gives P(accepted >= j) and P(drafted >= j) for j = 1..K_max, from
@@ -25,6 +26,7 @@ from draftlab.api import SpeculativeDecoder, build_drafter, encode_prompt
 from draftlab.policy import FixedK
 from draftlab.backends.base import Backend
 from draftlab.datasets import Prompt
+from draftlab.defaults import DEFAULT_BACKEND, SHORT_RUN_TOKENS
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel
 from draftlab.perf.model import DraftProfile, TargetProfile, accepted_at_least, at_least
@@ -35,9 +37,9 @@ class CalibrationSettings:
     """How much to measure: more repeats and tokens are slower and steadier."""
 
     k_max: int = 7
-    max_new_tokens: int = 48
+    max_new_tokens: int = SHORT_RUN_TOKENS
     repeats: int = 5
-    backend: str = "auto"
+    backend: str = DEFAULT_BACKEND
 
 
 @dataclass
@@ -58,7 +60,9 @@ class Profile:
         """Read a profile written by `save`."""
         try:
             data = json.loads(Path(path).read_text())
-            target = TargetProfile(**{**data["target"], "score_s": {int(k): v for k, v in data["target"]["score_s"].items()}})
+            fields = data["target"]
+            target = TargetProfile(**{**fields, **{name: {int(k): v for k, v in fields.get(name, {}).items()}
+                                                   for name in ("score_s", "score_spread")}})
             drafts = [DraftProfile(**d) for d in data["drafts"]]
         except FileNotFoundError as exc:
             raise DraftlabError(f"profile not found: {path}; run `draftlab calibrate` first") from exc
@@ -67,33 +71,60 @@ class Profile:
         return cls(target, drafts, data.get("context_tokens", 0), data.get("seconds", 0.0))
 
 
-def median_time(action, repeats: int) -> float:
-    """Median wall seconds of `action()` over `repeats` runs, after one untimed run."""
-    action()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        action()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+@dataclass(frozen=True)
+class BlockTimes:
+    """Target block timings: medians, their spread, and the drift of the machine while they were taken."""
+
+    median_s: dict[int, float]  # block size -> median seconds
+    spread: dict[int, float]  # block size -> half the interquartile range, relative to the median
+    drift: float  # relative change of speed from the first to the last third of the rounds
 
 
-def time_blocks(backend: Backend, context: list[int], sizes: range, repeats: int) -> dict[int, float]:
-    """Seconds to score a block of each size on top of `context` (rolled back after each)."""
+def time_blocks(backend: Backend, context: list[int], sizes: range, repeats: int) -> BlockTimes:
+    """Seconds to score a block of each size on top of `context` (rolled back after each).
+
+    Interleaved: each round times every size once, in an order rotated from round to round, so that
+    a machine that speeds up or slows down during calibration shifts every size alike.
+    """
     backend.reset()
     backend.score(context[:-1], last_only=True)
     base = backend.cache_len
     block = (context * (max(sizes) // max(len(context), 1) + 2))[: max(sizes)]
+    sizes = list(sizes)
 
-    def score(n: int):
-        backend.score(block[:n])
-        backend.rollback(base)
-
-    out = {}
-    for n in sizes:
-        out[n] = median_time(lambda: score(n), repeats)
+    def score(n: int) -> float:
         backend.synchronize()
-    return out
+        start = time.perf_counter()
+        backend.score(block[:n])
+        backend.synchronize()
+        elapsed = time.perf_counter() - start
+        backend.rollback(base)
+        return elapsed
+
+    for n in sizes:  # untimed: first calls pay one-off costs
+        score(n)
+    rounds = []
+    for r in range(max(repeats, 1)):
+        order = sizes[r % len(sizes):] + sizes[: r % len(sizes)]
+        rounds.append({n: score(n) for n in order})
+    median = {n: statistics.median(t[n] for t in rounds) for n in sizes}
+    return BlockTimes(median, {n: _half_iqr([t[n] for t in rounds]) / median[n] for n in sizes},
+                      _drift([statistics.mean(t[n] / median[n] for n in sizes) for t in rounds]))
+
+
+def _half_iqr(values: list[float]) -> float:
+    """Half the interquartile range (0 for fewer than 4 values' worth of spread: the range / 4)."""
+    if len(values) < 4:
+        return (max(values) - min(values)) / 4
+    q1, _, q3 = statistics.quantiles(values, n=4)
+    return (q3 - q1) / 2
+
+
+def _drift(relative_round_times: list[float]) -> float:
+    """Relative speed change between the first and the last third of the rounds (> 0: slower at the end)."""
+    third = max(len(relative_round_times) // 3, 1)
+    first = statistics.mean(relative_round_times[:third])
+    return statistics.mean(relative_round_times[-third:]) / first - 1.0
 
 
 def calibrate(
@@ -106,8 +137,8 @@ def calibrate(
     context_len = int(statistics.mean(len(e) for e in encoded)) + settings.max_new_tokens // 2
     context = _context_of_length(encoded, context_len)
     ar = SpeculativeDecoder.from_names(target, drafter="none", k=1, backend=settings.backend)
-    score_s = time_blocks(ar.engine.target, context, range(1, settings.k_max + 2), settings.repeats)
-    target_profile = TargetProfile(_name(target), score_s)
+    blocks = time_blocks(ar.engine.target, context, range(1, settings.k_max + 2), settings.repeats)
+    target_profile = TargetProfile(_name(target), blocks.median_s, score_spread=blocks.spread, drift=blocks.drift)
     drafts = []
     for spec in tqdm(drafters, desc="calibrate", unit="draft", disable=not progress):
         built = build_drafter(spec, target, settings.backend)
@@ -137,7 +168,15 @@ def _profile_draft(spec, decoder: SpeculativeDecoder, encoded, settings) -> Draf
     short_runs = [short.generate(ids, max_new_tokens=max(settings.max_new_tokens // 2, 2)).stats for ids in encoded[:2]]
     per_step, per_token = draft_cost(_cost_point(short_runs), _cost_point(runs))
     return DraftProfile(spec, per_token, accepted_at_least(accepted, drafted, settings.k_max), per_step,
-                        at_least(drafted, settings.k_max))
+                        at_least(drafted, settings.k_max), steps=len(accepted), cost_spread=_cost_spread(runs))
+
+
+def _cost_spread(runs) -> float:
+    """Relative half-IQR of the drafting seconds per step across prompts."""
+    per_prompt = [s.draft_s / s.steps for s in runs if s.steps]
+    if len(per_prompt) < 2 or statistics.median(per_prompt) <= 0:
+        return 0.0
+    return _half_iqr(per_prompt) / statistics.median(per_prompt)
 
 
 def _cost_point(runs) -> tuple[float, float]:

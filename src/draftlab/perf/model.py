@@ -15,6 +15,12 @@ Two formulas, with the inputs they need:
   c = t_draft(1 token) / t_target(1 token). It assumes the target's time does
   not grow with K, which the simplified model does not.
 
+Uncertainty: TAR's standard error comes from the number of steps measured
+(the variance of min(accepted, K) follows from P(accepted >= j)); block and
+drafting times carry the relative spread of their repeated timings plus the
+machine's drift measured during calibration. `predict` turns them into an
+interval of tokens/s (TAR +- 2 standard errors, times +- their spread).
+
 For sampling the same identity holds for a drafter whose first K proposals do
 not depend on K (all of draftlab's): the accepted prefix at K_max, cut at K, is
 distributed as the accepted prefix at K, since the verifier's decisions at
@@ -75,6 +81,17 @@ class DraftProfile:
     accepted_at_least: list[float]  # P(accepted >= j), j = 1..K_max
     per_step_draft_s: float = 0.0  # a fixed cost per step (n-gram lookup), on top of per-token time
     drafted_at_least: list[float] = field(default_factory=list)  # P(drafted >= j); empty: always K
+    steps: int = 0  # steps the acceptance was measured over (0: unknown, no interval)
+    cost_spread: float = 0.0  # relative spread of the drafting time per step across prompts
+
+    def tar_standard_error(self, k: int) -> float:
+        """Standard error of TAR at K: sqrt(Var[min(accepted, K)] / steps)."""
+        if self.steps <= 0:
+            return 0.0
+        at_least = self.accepted_at_least[:k]
+        mean = sum(at_least)
+        second = sum((2 * j - 1) * p for j, p in enumerate(at_least, start=1))  # E[min(A, K)^2]
+        return max(second - mean * mean, 0.0) ** 0.5 / self.steps**0.5
 
     @property
     def k_max(self) -> int:
@@ -107,8 +124,15 @@ class TargetProfile:
     """Target scoring time by block size (1..K_max+1 tokens), at the context length it was measured at."""
 
     name: str
-    score_s: dict[int, float] = field(default_factory=dict)  # block size -> seconds
+    score_s: dict[int, float] = field(default_factory=dict)  # block size -> seconds (median of interleaved repeats)
     overhead_s_per_step: float = 0.0  # engine bookkeeping per step
+    score_spread: dict[int, float] = field(default_factory=dict)  # block size -> relative half-IQR of its timings
+    drift: float = 0.0  # relative change of the machine's speed from the first to the last calibration round
+
+    def relative_uncertainty(self, blocks: list[tuple[int, float]]) -> float:
+        """Relative half-width of the target's time for blocks of 1 + d tokens, d distributed as given."""
+        spread = sum(p * self.score_spread.get(1 + d, 0.0) for d, p in blocks)
+        return spread + abs(self.drift)
 
     def t_target(self, block: float) -> float:
         """Seconds to score a block of `block` tokens, interpolated linearly between measured sizes."""
@@ -140,6 +164,8 @@ class Prediction:
     t_draft: float
     tokens_per_s: float  # simplified model
     speedup: float  # simplified model, over the target's autoregressive throughput
+    tokens_per_s_low: float  # the simplified model's interval, from the profile's uncertainty
+    tokens_per_s_high: float
     leviathan_acceptance: float
     leviathan_c: float
     leviathan_speedup: float
@@ -152,9 +178,21 @@ def predict(target: TargetProfile, draft: DraftProfile, k: int) -> Prediction:
     t_target = target.expected_t_target(draft.drafted_distribution(k)) + target.overhead_s_per_step
     t_draft = draft.t_draft(k)
     tokens_per_s = simplified_throughput(tar, t_target, t_draft)
+    low, high = _interval(target, draft, k, tar, t_target, t_draft)
     ar = target.autoregressive_tokens_per_s
     acceptance = draft.acceptance_rate
     c = draft.t_draft(1) / (target.score_s[1] + target.overhead_s_per_step)
     lev = leviathan_speedup(acceptance, k, c)
-    return Prediction(draft.name, k, tar, t_target, t_draft, tokens_per_s, tokens_per_s / ar, acceptance, c, lev,
-                      lev * ar)
+    return Prediction(draft.name, k, tar, t_target, t_draft, tokens_per_s, tokens_per_s / ar, low, high, acceptance, c,
+                      lev, lev * ar)
+
+
+def _interval(target: TargetProfile, draft: DraftProfile, k: int, tar: float, t_target: float,
+              t_draft: float) -> tuple[float, float]:
+    """Tokens/s interval: TAR +- 2 standard errors over step times +- their relative spread."""
+    se = draft.tar_standard_error(k)
+    h_target = target.relative_uncertainty(draft.drafted_distribution(k))
+    h_draft = draft.cost_spread + abs(target.drift)
+    slow = t_target * (1 + h_target) + t_draft * (1 + h_draft)
+    fast = max(t_target * (1 - h_target) + t_draft * (1 - h_draft), 1e-9)
+    return max(tar - 2 * se, 1.0) / slow, max(tar + 2 * se, 1.0) / fast

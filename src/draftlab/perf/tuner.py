@@ -3,8 +3,11 @@
 `validate` compares each formula's predicted decode throughput with the
 throughput measured in a study database (decode only: new tokens over wall
 time minus prefill, since neither formula models prefill). `tune` calibrates,
-predicts every (draft, K), confirms the best with a short measured run, and
-prints how to use it in draftlab, HF transformers, vLLM and llama.cpp.
+predicts every (draft, K) with an interval, races the configurations whose
+interval could hold the best against plain decoding (successive halving on
+short interleaved runs), recommends the measured best with its speed and
+spread, honours a time budget, and prints how to use the pick in draftlab,
+HF transformers, vLLM and llama.cpp.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from draftlab.api import parse_drafter_spec
@@ -35,26 +38,29 @@ def predictions(profile: Profile, k_max: int | None = None) -> list[Prediction]:
 def format_predictions(preds: list[Prediction], ar_tokens_per_s: float) -> str:
     """A table of predicted tokens/s and speedup per draft and K, with the inputs."""
     lines = [f"autoregressive (predicted): {ar_tokens_per_s:.1f} tokens/s",
-             f"{'draft':<18}{'K':>3}{'TAR':>6}{'t_target ms':>12}{'t_draft ms':>11}{'tok/s':>8}{'speedup':>9}"
-             f"{'a':>7}{'c':>7}{'Leviathan':>11}"]
+             f"{'draft':<18}{'K':>3}{'TAR':>6}{'t_target ms':>12}{'t_draft ms':>11}{'tok/s':>8}{'interval':>14}"
+             f"{'speedup':>9}{'a':>7}{'c':>7}{'Leviathan':>11}"]
     for p in preds:
+        interval = f"{p.tokens_per_s_low:.1f}-{p.tokens_per_s_high:.1f}"
         lines.append(
             f"{p.draft:<18}{p.k:>3}{p.tokens_per_step:>6.2f}{1000 * p.t_target:>12.1f}{1000 * p.t_draft:>11.1f}"
-            f"{p.tokens_per_s:>8.1f}{p.speedup:>8.2f}x{p.leviathan_acceptance:>7.2f}{p.leviathan_c:>7.3f}"
-            f"{p.leviathan_speedup:>10.2f}x"
+            f"{p.tokens_per_s:>8.1f}{interval:>14}{p.speedup:>8.2f}x{p.leviathan_acceptance:>7.2f}"
+            f"{p.leviathan_c:>7.3f}{p.leviathan_speedup:>10.2f}x"
         )
     return "\n".join(lines)
 
 
 @dataclass(frozen=True)
 class Comparison:
-    """One sweep cell: measured decode throughput against both formulas."""
+    """One sweep cell: measured decode throughput against both formulas, and why they differ."""
 
     draft: str
     k: int
     measured_tokens_per_s: float
     simplified_tokens_per_s: float
     leviathan_tokens_per_s: float
+    interval: tuple[float, float] = (0.0, float("inf"))  # the simplified model's predicted interval
+    cause: str = ""  # the input whose misprediction moved the time per token most (large errors only)
 
     @property
     def simplified_error(self) -> float:
@@ -64,39 +70,82 @@ class Comparison:
     def leviathan_error(self) -> float:
         return abs(self.leviathan_tokens_per_s - self.measured_tokens_per_s) / self.measured_tokens_per_s
 
+    @property
+    def inside_interval(self) -> bool:
+        """True when the measured throughput falls inside the predicted interval."""
+        return self.interval[0] <= self.measured_tokens_per_s <= self.interval[1]
+
+
+@dataclass(frozen=True)
+class MeasuredCell:
+    """A sweep cell's decode throughput and its per-step parts, summed over its records."""
+
+    tokens_per_s: float
+    tokens_per_step: float
+    target_s: float  # per step
+    draft_s: float  # per step
+    overhead_s: float  # per step
+
+
+def measured_cells(rows: list[dict]) -> dict[tuple[str, int], MeasuredCell]:
+    """Decode throughput (prefill excluded) and its parts for every sps cell, over all its datasets."""
+    sums: dict[tuple, list[float]] = defaultdict(lambda: [0.0] * 6)
+    for r in rows:
+        if r["method"] == "sps":
+            acc = sums[(r["drafter"], r["k"])]
+            for i, value in enumerate((r["new_tokens"], r["wall_s"] - r["prefill_s"], r["steps"], r["target_s"],
+                                       r["draft_s"], r["overhead_s"])):
+                acc[i] += value
+    return {key: MeasuredCell(tokens / seconds, tokens / steps, target / steps, draft / steps, overhead / steps)
+            for key, (tokens, seconds, steps, target, draft, overhead) in sums.items() if seconds > 0 and steps > 0}
+
 
 def measured_decode_throughput(rows: list[dict]) -> dict[tuple[str, int], float]:
     """Decode tokens/s (prefill excluded) of every sps cell, over all its datasets."""
-    tokens: dict[tuple, int] = defaultdict(int)
-    seconds: dict[tuple, float] = defaultdict(float)
-    for r in rows:
-        if r["method"] == "sps":
-            tokens[(r["drafter"], r["k"])] += r["new_tokens"]
-            seconds[(r["drafter"], r["k"])] += r["wall_s"] - r["prefill_s"]
-    return {key: tokens[key] / seconds[key] for key in tokens if seconds[key] > 0}
+    return {key: cell.tokens_per_s for key, cell in measured_cells(rows).items()}
+
+
+def explain(p: Prediction, cell: MeasuredCell, overhead_s: float) -> str:
+    """Which input's misprediction moved the time per token most: TAR, block time, draft cost or overhead."""
+    predicted_step = p.t_target + p.t_draft
+    effects = {
+        "acceptance (TAR)": predicted_step / cell.tokens_per_step - predicted_step / p.tokens_per_step,
+        "target block time": (cell.target_s - (p.t_target - overhead_s)) / cell.tokens_per_step,
+        "draft cost": (cell.draft_s - p.t_draft) / cell.tokens_per_step,
+        "engine overhead": (cell.overhead_s - overhead_s) / cell.tokens_per_step,
+    }
+    cause, effect = max(effects.items(), key=lambda item: abs(item[1]))
+    direction = "slower" if effect > 0 else "faster"
+    return f"{cause} ({direction} than predicted by {1000 * abs(effect):.1f} ms/token)"
 
 
 def compare(profile: Profile, rows: list[dict]) -> list[Comparison]:
-    """Predicted vs measured for every sps cell whose draft the profile knows."""
+    """Predicted vs measured for every sps cell whose draft the profile knows; large errors get a cause."""
     drafts = {d.name: d for d in profile.drafts}
     out = []
-    for (draft, k), measured in sorted(measured_decode_throughput(rows).items()):
+    for (draft, k), cell in sorted(measured_cells(rows).items()):
         if draft in drafts and k <= drafts[draft].k_max:
             p = predict(profile.target, drafts[draft], k)
-            out.append(Comparison(draft, k, measured, p.tokens_per_s, p.leviathan_tokens_per_s))
+            error = abs(p.tokens_per_s - cell.tokens_per_s) / cell.tokens_per_s
+            cause = explain(p, cell, profile.target.overhead_s_per_step) if error > 0.10 else ""
+            out.append(Comparison(draft, k, cell.tokens_per_s, p.tokens_per_s, p.leviathan_tokens_per_s,
+                                  (p.tokens_per_s_low, p.tokens_per_s_high), cause))
     if not out:
         raise DraftlabError("no sps cell of the study matches a draft of the profile; calibrate the same drafts")
     return out
 
 
 def error_summary(comparisons: list[Comparison]) -> dict:
-    """Mean and maximum relative error of each formula."""
+    """Mean and maximum relative error of each formula, and how often the interval held the measurement."""
     simple = [c.simplified_error for c in comparisons]
     lev = [c.leviathan_error for c in comparisons]
+    large = [c for c in comparisons if c.simplified_error > 0.10]
     return {
         "cells": len(comparisons),
         "simplified_mean_error": statistics.mean(simple), "simplified_max_error": max(simple),
         "leviathan_mean_error": statistics.mean(lev), "leviathan_max_error": max(lev),
+        "inside_interval": sum(c.inside_interval for c in comparisons) / len(comparisons),
+        "large_errors_inside_interval": sum(c.inside_interval for c in large) / len(large) if large else 1.0,
     }
 
 
@@ -164,7 +213,7 @@ def format_what_if(preds: list[Prediction]) -> str:
 
 @dataclass(frozen=True)
 class Recommendation:
-    """The tuner's choice, its predicted and measured speed, and how long tuning took."""
+    """The tuner's choice: measured in a race, with its prediction, spread and what the budget left out."""
 
     draft: str
     k: int
@@ -173,6 +222,9 @@ class Recommendation:
     measured_tokens_per_s: float | None
     measured_speedup: float | None
     seconds: float
+    speedup_spread: tuple[float, float] = (0.0, 0.0)  # min and max per-prompt speedup in the race
+    race: tuple[dict, ...] = ()  # every round: candidates, prompts, measured speedups
+    notes: tuple[str, ...] = ()  # what the budget could not afford
 
 
 def choose(preds: list[Prediction]) -> Prediction | None:
@@ -181,29 +233,153 @@ def choose(preds: list[Prediction]) -> Prediction | None:
     return best if best is not None and best.speedup > 1.0 else None
 
 
-def tune(target: LoadedModel, drafters: list[str], prompts: list[Prompt], settings: CalibrationSettings,
-         confirm: bool = True, progress: bool = True) -> tuple[Recommendation, Profile, list[Prediction]]:
-    """Calibrate, predict, choose, and confirm on the same prompts with a short measured run."""
-    from draftlab.api import SpeculativeDecoder
-    from draftlab.bench import BenchSettings, run_bench
+def contenders(preds: list[Prediction], limit: int) -> list[Prediction]:
+    """Configurations whose predicted interval could hold the best: high end above the best low end."""
+    if not preds:
+        return []
+    floor = max(p.tokens_per_s_low for p in preds)
+    able = sorted((p for p in preds if p.tokens_per_s_high >= floor), key=lambda p: -p.tokens_per_s)
+    return able[:limit]
 
+
+@dataclass(frozen=True)
+class TuneSettings:
+    """How the tuner spends its time."""
+
+    budget_s: float | None = None  # the whole tune, calibration included; None: no limit
+    calibration_share: float = 0.5  # of the budget, at most, for calibration
+    max_contenders: int = 4  # configurations that enter the race (plain decoding always runs beside them)
+
+    def __post_init__(self) -> None:
+        if self.budget_s is not None and self.budget_s <= 0:
+            raise DraftlabError(f"the tuning budget must be > 0 seconds, got {self.budget_s}")
+
+
+def tune(target: LoadedModel, drafters: list[str], prompts: list[Prompt], settings: CalibrationSettings,
+         tune_settings: TuneSettings = TuneSettings(), progress: bool = True
+         ) -> tuple[Recommendation, Profile, list[Prediction]]:
+    """Calibrate, predict, then race the contenders against plain decoding and recommend the measured best."""
     start = time.perf_counter()
+    deadline = start + tune_settings.budget_s if tune_settings.budget_s else float("inf")
+    settings, prompts, notes = _fit_calibration(target, prompts, settings, tune_settings, progress)
     profile = calibrate(target, drafters, prompts, settings, progress)
     preds = predictions(profile)
-    best = choose(preds)
-    if best is None:
-        return Recommendation("none", 0, profile.target.autoregressive_tokens_per_s, 1.0, None, None,
-                              time.perf_counter() - start), profile, preds
-    measured = None
-    if confirm:
-        decoder = SpeculativeDecoder.from_names(target, drafter=best.draft, k=best.k, backend=settings.backend)
-        measured = run_bench(decoder, prompts, BenchSettings(max_new_tokens=settings.max_new_tokens, warmup=0),
-                             progress=progress).summary()
+    entrants = contenders(preds, tune_settings.max_contenders)
+    outcome = race(target, entrants, prompts, settings, deadline, progress)
+    notes = notes + outcome.notes
+    best = outcome.winner
+    predicted = next((p for p in preds if (p.draft, p.k) == best), None)
+    ar = profile.target.autoregressive_tokens_per_s
     return Recommendation(
-        best.draft, best.k, best.tokens_per_s, best.speedup,
-        measured["tokens_per_s"] if measured else None, measured["speedup"] if measured else None,
-        time.perf_counter() - start,
+        best[0], best[1], predicted.tokens_per_s if predicted else ar, predicted.speedup if predicted else 1.0,
+        outcome.tokens_per_s.get(best), outcome.speedups.get(best), time.perf_counter() - start,
+        outcome.spreads.get(best, (1.0, 1.0)), tuple(outcome.rounds), tuple(notes),
     ), profile, preds
+
+
+def _fit_calibration(target, prompts, settings, tune_settings, progress):
+    """Fewer calibration prompts and tokens when a budget says so; notes on what was left out."""
+    if not tune_settings.budget_s:
+        return settings, prompts, []
+    from draftlab.api import SpeculativeDecoder, encode_prompt
+
+    plain = SpeculativeDecoder.from_names(target, drafter="none", k=1, backend=settings.backend)
+    ids = encode_prompt(target.tokenizer, prompts[0].text, prompts[0].chat)
+    plain.generate(ids, max_new_tokens=4)
+    pilot = plain.generate(ids, max_new_tokens=settings.max_new_tokens).stats.wall_s  # one plain generation
+    allowed = tune_settings.budget_s * tune_settings.calibration_share
+    # calibration ~ (1.5 generations per draft and prompt + block timings), the race ~ the same again
+    per_prompt = pilot * 1.5 * 4
+    fit = max(1, min(len(prompts), int(allowed / max(per_prompt, 1e-9))))
+    notes = []
+    if fit < len(prompts):
+        notes.append(f"calibrated on {fit} of {len(prompts)} prompts to fit the budget")
+    tokens = settings.max_new_tokens
+    if per_prompt * fit > allowed:
+        tokens = max(8, int(tokens * allowed / (per_prompt * fit)))
+        notes.append(f"calibration runs shortened to {tokens} new tokens to fit the budget")
+    from dataclasses import replace
+
+    return replace(settings, max_new_tokens=tokens), prompts[:fit], notes
+
+
+@dataclass
+class RaceOutcome:
+    """Measured decode speed of every configuration that ran, and the winner."""
+
+    winner: tuple[str, int]
+    tokens_per_s: dict = field(default_factory=dict)  # (draft, K) -> decode tokens/s over its rounds
+    speedups: dict = field(default_factory=dict)  # (draft, K) -> over plain decoding on the same prompts
+    spreads: dict = field(default_factory=dict)  # (draft, K) -> (min, max) per-prompt speedup
+    rounds: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+
+
+PLAIN = ("none", 0)
+
+
+def race(target: LoadedModel, entrants: list[Prediction], prompts: list[Prompt], settings: CalibrationSettings,
+         deadline: float = float("inf"), progress: bool = True) -> RaceOutcome:
+    """Successive halving: short interleaved runs, the slower half out each round, prompts doubled.
+
+    Plain decoding runs in every round beside the candidates (on the same prompts, interleaved), so each
+    candidate's speedup is measured against a baseline taken at the same time.
+    """
+    from draftlab.api import SpeculativeDecoder, encode_prompt
+
+    plain = SpeculativeDecoder.from_names(target, drafter="none", k=1, backend=settings.backend)
+    decoders = {PLAIN: plain}
+    for p in entrants:
+        decoders[(p.draft, p.k)] = SpeculativeDecoder.from_names(target, drafter=p.draft, k=p.k,
+                                                                 backend=settings.backend)
+    encoded = [encode_prompt(target.tokenizer, p.text, p.chat) for p in prompts]
+    alive = [key for key in decoders if key != PLAIN]
+    totals = {key: [0, 0.0] for key in decoders}  # new tokens, decode seconds
+    per_prompt: dict = {key: [] for key in decoders}  # decode tokens/s per prompt, aligned across keys
+    outcome = RaceOutcome(PLAIN)
+    count, offset, round_s = 1, 0, 0.0
+    while alive:
+        round_prompts = [encoded[(offset + i) % len(encoded)] for i in range(count)]
+        expected = round_s * 2 if round_s else 0.0
+        if time.perf_counter() + expected > deadline:
+            outcome.notes.append(f"race stopped before round {len(outcome.rounds) + 1} to fit the budget; "
+                                 f"{len(alive)} candidate(s) left")
+            break
+        started = time.perf_counter()
+        _run_round(decoders, [PLAIN, *alive], round_prompts, settings.max_new_tokens, totals, per_prompt)
+        round_s = time.perf_counter() - started
+        speed = {key: totals[key][0] / totals[key][1] for key in [PLAIN, *alive] if totals[key][1] > 0}
+        outcome.rounds.append({"prompts": count, "speedups": {f"{d} K={k}": speed[(d, k)] / speed[PLAIN]
+                                                              for d, k in alive}})
+        if progress:
+            print(f"tune: race round {len(outcome.rounds)}: {len(alive)} candidate(s) on {count} prompt(s)")
+        offset += count
+        if len(alive) == 1 and len(outcome.rounds) >= 2:
+            break
+        alive = sorted(alive, key=lambda key: -speed[key])[: max(1, (len(alive) + 1) // 2)]
+        count *= 2
+    speed = {key: totals[key][0] / totals[key][1] for key in totals if totals[key][1] > 0}
+    for key in speed:
+        outcome.tokens_per_s[key] = speed[key]
+        outcome.speedups[key] = speed[key] / speed[PLAIN]
+        ratios = [a / b for a, b in zip(per_prompt[key], per_prompt[PLAIN])]
+        outcome.spreads[key] = (min(ratios), max(ratios)) if ratios else (1.0, 1.0)
+    finalists = [key for key in alive if key in speed] or [PLAIN]
+    best = max(finalists, key=lambda key: speed.get(key, 0.0))
+    outcome.winner = best if speed.get(best, 0.0) > speed[PLAIN] else PLAIN
+    return outcome
+
+
+def _run_round(decoders, keys, prompts, max_new_tokens, totals, per_prompt) -> None:
+    """Every key on every prompt, the order rotated per prompt so that drift hits all alike."""
+    for i, ids in enumerate(prompts):
+        order = keys[i % len(keys):] + keys[: i % len(keys)]
+        for key in order:
+            stats = decoders[key].generate(ids, max_new_tokens=max_new_tokens).stats
+            seconds = max(stats.wall_s - stats.prefill_s, 1e-9)
+            totals[key][0] += stats.new_tokens
+            totals[key][1] += seconds
+            per_prompt[key].append(stats.new_tokens / seconds)
 
 
 def usage(target: str, draft: str, k: int) -> list[str]:

@@ -240,10 +240,20 @@ def _model_section(profile_path, rows: list[dict], out: Path) -> str:
         f"<p>Decode throughput (prefill excluded) of {errors['cells']} SpS cells against the calibration profile "
         f"<code>{html.escape(str(profile_path))}</code>. TAR / (t_target + t_draft): mean error "
         f"{errors['simplified_mean_error']:.1%}, max {errors['simplified_max_error']:.1%}. Leviathan et al.: mean "
-        f"{errors['leviathan_mean_error']:.1%}, max {errors['leviathan_max_error']:.1%}.</p>"
+        f"{errors['leviathan_mean_error']:.1%}, max {errors['leviathan_max_error']:.1%}. The measured throughput "
+        f"falls inside the predicted interval in {errors['inside_interval']:.0%} of cells.</p>"
+        f"{_large_errors(comparisons)}"
         "<img src='predicted_vs_measured.png' alt='predicted vs measured throughput'>"
         f"<h3>Predictions</h3><pre>{table}</pre><h3>What-if</h3><pre>{what_if}</pre>"
     )
+
+
+def _large_errors(comparisons) -> str:
+    """A list of the cells the model missed by more than 10%, each with its cause."""
+    items = "".join(f"<li>{html.escape(c.draft)} K={c.k}: {c.simplified_error:.0%} off "
+                    f"(interval {c.interval[0]:.1f}-{c.interval[1]:.1f}, measured {c.measured_tokens_per_s:.1f}): "
+                    f"{html.escape(c.cause)}</li>" for c in comparisons if c.cause)
+    return f"<p>Cells missed by more than 10%:</p><ul>{items}</ul>" if items else ""
 
 
 def _html(db, summaries: list[CellSummary], optimal: list[OptimalRow], figures: list[tuple[str, str]], envs) -> str:

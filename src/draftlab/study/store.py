@@ -38,7 +38,10 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
+from draftlab.defaults import DEFAULT_BACKEND
+from draftlab.engine import GenerationConfig
 from draftlab.errors import DraftlabError
+from draftlab.models import ModelSpec
 
 APP = "draftlab-study"
 SCHEMA_VERSION = "2"
@@ -77,10 +80,10 @@ class Cell:
     dataset: str
     temperature: float
     max_new_tokens: int
-    seed: int = 0
+    seed: int = GenerationConfig.seed
     dtype: str = "fp32"  # resolved, never 'auto'
-    backend: str = "auto"
-    device: str = "cpu"
+    backend: str = DEFAULT_BACKEND
+    device: str = ModelSpec.device
     skip: int = 0
 
     @property

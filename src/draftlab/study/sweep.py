@@ -23,9 +23,11 @@ from draftlab.backends import check_backend_name
 from draftlab.api import SpeculativeDecoder, build_drafter, encode_prompt, eos_ids, parse_drafter_spec
 from draftlab.policy import FixedK
 from draftlab.datasets import Prompt, load_prompts
+from draftlab.defaults import DEFAULT_BACKEND, SHORT_RUN_TOKENS
+from draftlab.engine import GenerationConfig
 from draftlab.errors import DraftlabError
 from draftlab.hf_reference import assisted_kwargs, hf_generate
-from draftlab.models import LoadedModel, check_device, load_model, resolve_dtype_name
+from draftlab.models import LoadedModel, ModelSpec, check_device, load_model, resolve_dtype_name
 from draftlab.sampling import SamplingConfig
 from draftlab.study.store import Cell, Record, ResultsStore
 
@@ -44,12 +46,12 @@ class SweepConfig:
     temperatures: tuple[float, ...] = (0.0,)
     limit: int = 3  # prompts per dataset, spread over its categories
     skip: int = 0  # prompts passed over first (e.g. those a designed draft was trained on)
-    max_new_tokens: int = 48
+    max_new_tokens: int = SHORT_RUN_TOKENS
     warmup: int = 1
-    seed: int = 0
-    device: str = "cpu"
-    dtype: str = "auto"
-    backend: str = "auto"
+    seed: int = GenerationConfig.seed
+    device: str = ModelSpec.device
+    dtype: str = ModelSpec.dtype
+    backend: str = DEFAULT_BACKEND
 
     def __post_init__(self) -> None:
         if not self.ks or min(self.ks) < 1:

@@ -1,0 +1,81 @@
+"""The racing tuner: contenders from predicted intervals, successive halving, a budget that holds."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from draftlab.datasets import Prompt
+from draftlab.models import load_model
+from draftlab.perf.calibrate import CalibrationSettings
+from draftlab.perf.model import DraftProfile, TargetProfile, predict
+from draftlab.perf.tuner import TuneSettings, contenders, tune
+from tests.conftest import tiny_model_dir
+
+DRAFTS = ["ngram", "ngram:2-4", "layers:0-1", "layers:0-2"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return load_model(str(tiny_model_dir(tmp_path_factory.mktemp("tune") / "tiny")))
+
+
+def prompts(n):
+    return [Prompt(f"p{i}", "chat", " ".join(f"w{(i * 11 + j * j) % 60}" for j in range(24)), chat=False)
+            for i in range(n)]
+
+
+def test_intervals_widen_with_fewer_steps_and_contenders_overlap_the_best():
+    target = TargetProfile("t", {1: 0.010, 2: 0.011, 3: 0.012}, score_spread={1: 0.02, 2: 0.02, 3: 0.02})
+    sure = DraftProfile("a", 0.001, [0.6, 0.3], steps=10_000)
+    unsure = DraftProfile("a", 0.001, [0.6, 0.3], steps=10)
+    p_sure, p_unsure = predict(target, sure, 2), predict(target, unsure, 2)
+    assert p_sure.tokens_per_s == pytest.approx(p_unsure.tokens_per_s)
+    assert p_unsure.tokens_per_s_low < p_sure.tokens_per_s_low < p_sure.tokens_per_s < p_sure.tokens_per_s_high
+    far_behind = predict(target, DraftProfile("b", 0.02, [0.05, 0.0], steps=10_000), 1)
+    picked = contenders([p_sure, far_behind], limit=4)
+    assert p_sure in picked and far_behind not in picked
+
+
+def test_tune_races_and_recommends_a_measured_configuration(tiny):
+    settings = CalibrationSettings(k_max=3, max_new_tokens=24, repeats=3)
+    rec, profile, preds = tune(tiny, DRAFTS[:2], prompts(3), settings, progress=False)
+    assert rec.race and rec.measured_tokens_per_s and rec.measured_tokens_per_s > 0
+    assert (rec.draft, rec.k) in {(p.draft, p.k) for p in preds} | {("none", 0)}
+    sizes = [len(r["speedups"]) for r in rec.race]
+    assert sizes == sorted(sizes, reverse=True)  # the field only shrinks
+
+
+@pytest.mark.parametrize("budget", [3.0, 6.0])
+def test_tune_finishes_within_its_budget(tiny, budget):
+    settings = CalibrationSettings(k_max=4, max_new_tokens=48, repeats=5)
+    start = time.perf_counter()
+    rec, _, _ = tune(tiny, DRAFTS, prompts(24), settings, TuneSettings(budget_s=budget), progress=False)
+    assert time.perf_counter() - start <= 1.1 * budget
+    assert rec.notes  # it says what the budget left out
+
+
+def test_tune_and_sweep_read_a_users_mt_bench_file(tmp_path, capsys):
+    """`tune --prompts FILE --json` and `sweep --prompts FILE` on a user's MT-Bench-format questions."""
+    import json
+
+    from draftlab.cli import main
+    from draftlab.study.store import ResultsStore
+
+    model = tiny_model_dir(tmp_path / "tiny")
+    questions = tmp_path / "question.jsonl"
+    questions.write_text("".join(json.dumps({"question_id": 80 + i, "category": c, "turns": [
+        " ".join(f"w{(i * 13 + j) % 60}" for j in range(20)), "a second turn"]}) + "\n"
+        for i, c in enumerate(["writing", "coding", "math"])))
+    assert main(["tune", "--target", str(model), "--prompts", str(questions), "--drafts", "ngram", "--k-max", "2",
+                 "--max-new-tokens", "16", "--repeats", "2", "--no-progress", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["draft"] in ("ngram", "none") and result["race"]
+    db = tmp_path / "s.sqlite"
+    assert main(["sweep", "--db", str(db), "--targets", str(model), "--prompts", str(questions), "--drafters", "ngram",
+                 "--ks", "1", "--methods", "sps", "--limit", "3", "--max-new-tokens", "8", "--warmup", "0",
+                 "--no-progress"]) == 0
+    store = ResultsStore(db)
+    assert {r["prompt_id"] for r in store.rows()} == {"80", "81", "82"}
+    store.close()
