@@ -93,6 +93,11 @@ class AuditReport:
                 "methods": [asdict(m) for m in self.methods]}
 
 
+# The reference draws from seeds disjoint from the methods': with shared seeds the samples are dependent
+# (the same uniform draws decide both), and the two-sample test, which assumes independence, is invalid.
+REFERENCE_SEEDS = 10**7
+
+
 def run_audit(reference: Sampler, methods: dict[str, Sampler], exact_first: torch.Tensor | None,
               settings: AuditSettings, progress: Callable[[str], None] = lambda _: None) -> AuditReport:
     """Draw from the reference and every method, sized to the budget, and test each position."""
@@ -103,7 +108,7 @@ def run_audit(reference: Sampler, methods: dict[str, Sampler], exact_first: torc
     tests = len(methods) * settings.positions + (len(methods) if exact_first is not None else 0)
     level = settings.alpha / max(tests, 1)
     progress(f"audit: {samples} samples per method, {len(methods) + 1} methods")
-    ref = _draw(reference, samples, settings.positions)
+    ref = _draw(reference, samples, settings.positions, first_seed=REFERENCE_SEEDS)
     audits = []
     for name, sampler in methods.items():
         start = time.perf_counter()
@@ -134,12 +139,12 @@ def _pilot_seconds(samplers: dict[str, Sampler]) -> dict[str, float]:
     return out
 
 
-def _draw(sampler: Sampler, samples: int, positions: int) -> np.ndarray:
-    """[samples, positions] token ids; END past an early end of sequence."""
+def _draw(sampler: Sampler, samples: int, positions: int, first_seed: int = 0) -> np.ndarray:
+    """[samples, positions] token ids from seeds first_seed.. ; END past an early end of sequence."""
     out = np.full((samples, positions), END, dtype=np.int64)
-    for seed in range(samples):
-        tokens = sampler(seed)[:positions]
-        out[seed, : len(tokens)] = tokens
+    for row in range(samples):
+        tokens = sampler(first_seed + row)[:positions]
+        out[row, : len(tokens)] = tokens
     return out
 
 

@@ -125,12 +125,14 @@ def _build_model(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDra
 
 
 def _model_draft(draft: LoadedModel, backend: str) -> BuiltDraft:
-    return BuiltDraft(ModelDrafter(make_backend(draft.model, draft.device, backend), name=draft.name), draft)
+    drafter = ModelDrafter(make_backend(draft.model, draft.device, backend, batch_invariant=False), name=draft.name)
+    return BuiltDraft(drafter, draft)
 
 
 def _load_pruned(path: str, target: LoadedModel, backend: str) -> BuiltDraft:
     designed = pruned.load_draft(path, target)
-    drafter = ModelDrafter(make_backend(designed.model.model, target.device, backend), designed.model.name,
+    drafter = ModelDrafter(make_backend(designed.model.model, target.device, backend, batch_invariant=False),
+                           designed.model.name,
                            designed.vocab_map, target.vocab_size)
     return BuiltDraft(drafter, designed.model)
 

@@ -16,7 +16,7 @@ from draftlab.backends.hf import HFBackend
 from draftlab.defaults import DEFAULT_BACKEND
 from draftlab.errors import DraftlabError
 
-BACKENDS: dict[str, Callable[[torch.nn.Module, torch.device | str], Backend]] = {
+BACKENDS: dict[str, Callable[..., Backend]] = {  # (model, device, batch_invariant) -> Backend
     "fast": FastLlamaBackend,
     "hf": HFBackend,
 }
@@ -30,8 +30,17 @@ def check_backend_name(kind: str) -> str:
     return kind
 
 
-def make_backend(model: torch.nn.Module, device: torch.device | str = "cpu", kind: str = DEFAULT_BACKEND) -> Backend:
-    """A backend for `model`: 'fast' (draftlab's forward), 'hf' (transformers) or 'auto' (fast where supported)."""
+def make_backend(
+    model: torch.nn.Module,
+    device: torch.device | str = "cpu",
+    kind: str = DEFAULT_BACKEND,
+    batch_invariant: bool | None = None,
+) -> Backend:
+    """A backend for `model`: 'fast' (draftlab's forward), 'hf' (transformers) or 'auto' (fast where supported).
+
+    `batch_invariant`: score every block row bitwise as if alone (None: the backend's default, on in bf16/fp16
+    for the fast backend); drafts pass False, since their rounding never affects what is committed.
+    """
     check_backend_name(kind)
     supported = getattr(model.config, "model_type", None) in SUPPORTED_MODEL_TYPES
     if kind == "fast" and not supported:
@@ -41,7 +50,9 @@ def make_backend(model: torch.nn.Module, device: torch.device | str = "cpu", kin
         )
     if kind == "auto":
         kind = "fast" if supported else "hf"
-    return BACKENDS[kind](model, device)
+    if batch_invariant and kind == "hf":
+        raise DraftlabError("the hf backend cannot score blocks batch-invariantly; use --backend fast")
+    return BACKENDS[kind](model, device, batch_invariant=batch_invariant)
 
 
 __all__ = ["BACKENDS", "BACKEND_NAMES", "Backend", "FastLlamaBackend", "HFBackend", "Stopwatch", "check_backend_name",

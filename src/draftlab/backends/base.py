@@ -28,6 +28,7 @@ class Backend(Protocol):
 
     vocab_size: int
     provides_hidden: bool  # score_block(..., with_hidden=True) returns the final hidden states
+    batch_invariant: bool  # each block row is bitwise the row scoring its token alone would give
 
     @property
     def cache_len(self) -> int:

@@ -17,6 +17,12 @@ through plain tensor code:
 - SDPA with grouped-query attention; a causal mask only when more than one
   token is scored, a tree mask (cache + ancestors) for tree-shaped blocks;
   `keep` compacts an accepted tree path in place.
+- Batch-invariant mode (the default in bf16/fp16, where low precision makes a
+  block's rounding flip near-ties): every row of a scored block is bitwise the
+  row that scoring its token alone after the same prefix gives. Matrix products
+  run on fixed-size row chunks (`invariant_linear`), norms and RoPE are per row
+  already, and attention runs one query row at a time over exactly the keys it
+  sees (the cache prefix, or for a tree its ancestors gathered in order).
 
 It implements the `Backend` protocol; the registry (`draftlab.backends`) picks
 it for the model types in `SUPPORTED_MODEL_TYPES`.
@@ -25,13 +31,13 @@ it for the model types in `SUPPORTED_MODEL_TYPES`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from draftlab.backends.base import is_prefix
-from draftlab.backends.numerics import causal_mask, rms_norm, rope, tree_mask
+from draftlab.backends.numerics import causal_mask, invariant_linear, rms_norm, rope, tree_mask
 from draftlab.errors import DraftlabError
 from draftlab.step import Block, Scores
 
@@ -43,7 +49,14 @@ class FastLlamaBackend:
 
     provides_hidden = True  # score_block(..., with_hidden=True) also returns the final hidden states
 
-    def __init__(self, model: torch.nn.Module, device: torch.device | str = "cpu", capacity: int = 1024) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        device: torch.device | str = "cpu",
+        capacity: int = 1024,
+        batch_invariant: bool | None = None,
+    ) -> None:
+        """`batch_invariant`: score each block row bitwise as if alone (None: on unless the weights are fp32)."""
         config = model.config
         self.model = model
         self.device = torch.device(device)
@@ -55,6 +68,8 @@ class FastLlamaBackend:
         self.max_positions = config.max_position_embeddings
         self.dtype = model.model.embed_tokens.weight.dtype
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.batch_invariant = self.dtype != torch.float32 if batch_invariant is None else batch_invariant
+        self._project = invariant_linear if self.batch_invariant else F.linear
         self._keys: list[torch.Tensor] = []  # per layer [kv_heads, capacity, head_dim]
         self._values: list[torch.Tensor] = []
         self._cos = self._sin = torch.empty(0)  # [capacity, head_dim]
@@ -87,21 +102,21 @@ class FastLlamaBackend:
         """Append consecutive tokens to the cache; logits [n, V] (or [1, V] if last_only), fp32 on the CPU."""
         start, n = self._len, len(token_ids)
         positions = torch.arange(start, start + n, device=self.device)  # [n]
-        hidden = self._forward(token_ids, positions, causal_mask(start, n, self.device))  # [n, D]
+        hidden = self._forward(token_ids, positions, None)  # [n, D]
         return self._logits(hidden[-1:] if last_only else hidden)
 
     @torch.inference_mode()
     def score_block(self, block: Block, with_hidden: bool = False, last_only: bool = False) -> Scores:
         """Append a tree-shaped block in one pass; logits [n, V] ([1, V] if last_only), final hidden states [n, D] if asked."""
         start, n = self._len, len(block.tokens)
-        if block.is_chain:  # the chain's own code path: no tree bookkeeping, causal mask
+        if block.is_chain:  # the chain's own code path: no tree bookkeeping, causal attention
             positions = torch.arange(start, start + n, device=self.device)  # [n]
-            mask = causal_mask(start, n, self.device)
+            ancestors = None
         else:
             layout = block.layout()
             positions = (start + layout.depths).to(self.device)  # [n]
-            mask = tree_mask(start, layout.ancestors, self.device)  # [n, start + n]
-        hidden = self._forward(block.tokens, positions, mask)
+            ancestors = layout.ancestors
+        hidden = self._forward(block.tokens, positions, ancestors)
         return Scores(self._logits(hidden[-1:] if last_only else hidden), hidden if with_hidden else None)
 
     def keep(self, indices: Sequence[int]) -> None:
@@ -114,45 +129,49 @@ class FastLlamaBackend:
                 values[:, start : start + len(indices)] = values[:, rows]
         self._len = start + len(indices)
 
-    def _forward(self, token_ids: Sequence[int], positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """Run the layers on new tokens at `positions` [n], appended to the cache; final hidden states [n, D]."""
+    def _forward(self, token_ids: Sequence[int], positions: torch.Tensor, ancestors: torch.Tensor | None) -> torch.Tensor:
+        """Run the layers on new tokens at `positions` [n], appended to the cache; final hidden states [n, D].
+
+        `ancestors` [n, n] is the block's tree (row i sees i and its ancestors); None for a causal chain.
+        """
         n = len(token_ids)
         start, end = self._len, self._len + n
         if end > self._keys[0].shape[1]:
             self._allocate(min(max(2 * end, 256), self.max_positions))
+        attend = self._attention(start, ancestors)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)  # [n]
         hidden = F.embedding(ids, self.model.model.embed_tokens.weight)  # [n, D]
         cos, sin = self._cos[positions], self._sin[positions]  # [n, head_dim]
         for index, layer in enumerate(self.layers):
-            hidden = self._layer(index, layer, hidden, cos, sin, mask, start, end)
+            hidden = self._layer(index, layer, hidden, cos, sin, attend, start, end)
         self._block_start, self._len = start, end
         return rms_norm(hidden, self.model.model.norm.weight, self.eps)  # [n, D]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM-head logits [n, V], fp32 on the CPU, from final hidden states [n, D]."""
-        return F.linear(hidden, self.model.get_output_embeddings().weight).float().cpu()
+        return self._project(hidden, self.model.get_output_embeddings().weight).float().cpu()
 
-    def _layer(self, index, layer, hidden, cos, sin, mask, start, end) -> torch.Tensor:
+    def _layer(self, index, layer, hidden, cos, sin, attend, start, end) -> torch.Tensor:
         weights = self._weights[index]
         n = hidden.shape[0]
         normed = rms_norm(hidden, layer.input_layernorm.weight, self.eps)  # [n, D]
-        qkv = F.linear(normed, weights.qkv, weights.qkv_bias)  # [n, (H + 2 Hkv) hd]
+        qkv = self._project(normed, weights.qkv, weights.qkv_bias)  # [n, (H + 2 Hkv) hd]
         query, key, value = qkv.view(n, -1, self.head_dim).transpose(0, 1).split(self._head_split)  # [heads, n, hd]
         query, key = rope(query, cos, sin), rope(key, cos, sin)
         self._keys[index][:, start:end] = key
         self._values[index][:, start:end] = value
-        out = F.scaled_dot_product_attention(
-            query.unsqueeze(0),  # [1, H, n, hd]
-            self._keys[index][:, :end].unsqueeze(0),  # [1, Hkv, end, hd]
-            self._values[index][:, :end].unsqueeze(0),
-            attn_mask=mask,
-            scale=layer.self_attn.scaling,
-            enable_gqa=True,
-        )[0]  # [H, n, hd]
-        hidden = hidden + _linear(out.transpose(0, 1).reshape(n, -1), layer.self_attn.o_proj)
+        out = attend(query, self._keys[index], self._values[index], layer.self_attn.scaling)  # [H, n, hd]
+        o_proj, down_proj = layer.self_attn.o_proj, layer.mlp.down_proj
+        hidden = hidden + self._project(out.transpose(0, 1).reshape(n, -1), o_proj.weight, o_proj.bias)
         normed = rms_norm(hidden, layer.post_attention_layernorm.weight, self.eps)
-        gate, up = F.linear(normed, weights.gate_up).chunk(2, dim=-1)  # [n, I] each
-        return hidden + _linear(F.silu(gate) * up, layer.mlp.down_proj)
+        gate, up = self._project(normed, weights.gate_up).chunk(2, dim=-1)  # [n, I] each
+        return hidden + self._project(F.silu(gate) * up, down_proj.weight, down_proj.bias)
+
+    def _attention(self, start: int, ancestors: torch.Tensor | None) -> Callable:
+        """attend(query [H, n, hd], keys, values [Hkv, capacity, hd], scale) -> [H, n, hd] for this block's shape."""
+        if self.batch_invariant:
+            return _RowAttention(start, _gathered_keys(start, ancestors, self.device))
+        return _BlockAttention(start, ancestors, self.device)
 
     def _allocate(self, capacity: int) -> None:
         """(Re)allocate cache buffers and RoPE tables for `capacity` positions, keeping cached entries."""
@@ -199,7 +218,51 @@ def _fuse(layer) -> _FusedWeights:
     )
 
 
-def _linear(x: torch.Tensor, module: torch.nn.Linear) -> torch.Tensor:
-    return F.linear(x, module.weight, module.bias)
+def _gathered_keys(start: int, ancestors: torch.Tensor | None, device: torch.device) -> list[torch.Tensor] | None:
+    """Per tree row, the cache entries it sees in order: the prefix, then its ancestors and itself. None for a chain."""
+    if ancestors is None:
+        return None
+    prefix = torch.arange(start, device=device)  # [start]
+    return [torch.cat([prefix, start + row.nonzero()[:, 0].to(device)]) for row in ancestors]
 
 
+class _BlockAttention:
+    """All rows of a block in one SDPA call, with a causal or tree mask (fast, rounding depends on the block)."""
+
+    def __init__(self, start: int, ancestors: torch.Tensor | None, device: torch.device) -> None:
+        self.start, self.device = start, device
+        self.mask = None if ancestors is None else tree_mask(start, ancestors, device)  # [n, start + n]
+
+    def __call__(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+        rows = query.shape[1]
+        end = self.start + rows
+        mask = self.mask if self.mask is not None else causal_mask(self.start, rows, self.device)
+        return F.scaled_dot_product_attention(
+            query.unsqueeze(0),  # [1, H, n, hd]
+            keys[:, :end].unsqueeze(0),  # [1, Hkv, end, hd]
+            values[:, :end].unsqueeze(0),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=True,
+        )[0]  # [H, n, hd]
+
+
+class _RowAttention:
+    """One query row at a time over exactly the keys that row sees: bitwise what scoring it alone computes."""
+
+    def __init__(self, start: int, gathered: list[torch.Tensor] | None) -> None:
+        self.start, self.gathered = start, gathered  # gathered: per tree row its key indices; None for a chain
+
+    def __call__(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+        rows = [self._row(query[:, i : i + 1], keys, values, scale, i) for i in range(query.shape[1])]
+        return torch.cat(rows, dim=1)  # [H, n, hd]
+
+    def _row(self, query, keys, values, scale, i) -> torch.Tensor:
+        if self.gathered is None:  # a chain: row i sees the cache and the block up to itself
+            seen = self.start + i + 1
+            keys, values = keys[:, :seen], values[:, :seen]  # [Hkv, seen, hd]
+        else:
+            keys, values = keys[:, self.gathered[i]], values[:, self.gathered[i]]
+        return F.scaled_dot_product_attention(
+            query.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), scale=scale, enable_gqa=True
+        )[0]  # [H, 1, hd]

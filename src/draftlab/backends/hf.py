@@ -20,8 +20,11 @@ class HFBackend:
 
     provides_hidden = True  # from output_hidden_states: the last entry is after the final norm
 
-    def __init__(self, model: torch.nn.Module, device: torch.device | str = "cpu") -> None:
+    def __init__(self, model: torch.nn.Module, device: torch.device | str = "cpu",
+                 batch_invariant: bool | None = None) -> None:
+        """`batch_invariant` is accepted for the registry's sake; transformers' forward is never batch-invariant."""
         self.model = model
+        self.batch_invariant = False
         self.device = torch.device(device)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self._cache = None

@@ -6,6 +6,9 @@ Written once so that every module computes them the same way, bit for bit.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+INVARIANT_ROWS = 16  # in batch-invariant mode every matrix product runs on chunks of exactly this many rows
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -38,3 +41,17 @@ def tree_mask(start: int, ancestors: torch.Tensor, device: torch.device | str = 
 def scatter_vocab(probs: torch.Tensor, vocab_map: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Probabilities over a cut vocabulary [V'] placed at their target ids in a [V] vector."""
     return torch.zeros(vocab_size, dtype=probs.dtype).index_copy_(0, vocab_map, probs)
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` on [n, D] whose every output row is bitwise independent of n and of the other rows.
+
+    GEMM kernels pick their blocking (and so their rounding) from the number of
+    rows: a 1-row product (a GEMV) and row j of an 8-row product differ in the
+    last bits. Here every product sees exactly `INVARIANT_ROWS` rows, zero padded,
+    so a token's row is computed the same way alone or inside a block.
+    """
+    n, rows = x.shape[0], INVARIANT_ROWS
+    padded = x.new_zeros(-(-n // rows) * rows, x.shape[1])  # [ceil(n / R) R, D]
+    padded[:n] = x
+    return torch.cat([F.linear(chunk, weight, bias) for chunk in padded.split(rows)])[:n]  # [n, out]

@@ -27,7 +27,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", type=int, default=DraftSettings.k, help="draft tokens per step (>= 1)")
     parser.add_argument("--dynamic-k", action="store_true", help="grow K after full acceptance, shrink after a rejection")
     parser.add_argument("--device", default=ModelSpec.device, help="cpu, cuda, cuda:1, ...")
-    parser.add_argument("--dtype", default=ModelSpec.dtype, help="auto (fp32 on CPU, bf16 on CUDA), fp32, bf16, fp16")
+    parser.add_argument("--dtype", default=ModelSpec.dtype, help="auto (bf16 on CUDA and on CPUs with AVX-512 BF16 or AMX, else fp32), fp32, bf16, fp16")
     parser.add_argument("--backend", default=DEFAULT_BACKEND, help="auto | fast (draftlab's Llama forward) | hf (transformers)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--max-new-tokens", type=int, default=GenerationConfig.max_new_tokens)

@@ -27,7 +27,7 @@ from draftlab.defaults import DEFAULT_BACKEND, SHORT_RUN_TOKENS
 from draftlab.engine import GenerationConfig
 from draftlab.errors import DraftlabError
 from draftlab.hf_reference import assisted_kwargs, hf_generate
-from draftlab.models import LoadedModel, ModelSpec, check_device, load_model, resolve_dtype_name
+from draftlab.models import LoadedModel, ModelSpec, auto_dtype, check_device, load_model, resolve_dtype_name
 from draftlab.sampling import SamplingConfig
 from draftlab.study.store import Cell, Record, ResultsStore
 
@@ -141,7 +141,16 @@ def environment(config: SweepConfig, target: LoadedModel | None = None) -> dict:
         "python": platform.python_version(), "platform": platform.platform(), "machine": platform.machine(),
         "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": config.device,
         "dtype": str(target.dtype).removeprefix("torch.") if target else config.dtype, "backend": config.backend,
+        "dtype_reason": dtype_reason(config.dtype, config.device),
     }
+
+
+def dtype_reason(dtype: str, device: str) -> str:
+    """Why the run uses its dtype: asked for, or what 'auto' chose on this hardware and why."""
+    if dtype != "auto":
+        return f"asked for {dtype}"
+    name, reason = auto_dtype(device)
+    return f"auto chose {name}: {reason}"
 
 
 class CellRunner:
