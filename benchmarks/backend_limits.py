@@ -36,14 +36,15 @@ PROMPT = [1, 504, 3458, 282, 4125, 28, 357, 253, 2641, 30, 378, 1028, 314, 253, 
 
 @dataclass
 class Mode:
-    """One way of running the target: a dtype and whether block scoring is batch-invariant."""
+    """One way of running the target: a dtype, whether block scoring is batch-invariant, and its row chunk."""
 
     dtype: str
     invariant: bool
+    rows: int | None = None  # invariant products' row chunk (None: the backend's choice for this hardware)
 
     @property
     def label(self) -> str:
-        return f"{self.dtype} {'invariant' if self.invariant else 'fast'}"
+        return f"{self.dtype} {'invariant/' + str(self.rows) if self.invariant else 'fast'}"
 
 
 def read_bandwidth(gib: float = 0.5, repeats: int = 5) -> float:
@@ -150,17 +151,17 @@ def main() -> None:
         target = load_model(args.target, dtype=dtype)
         per_token = weight_bytes(target.model)
         limit = bandwidth / per_token
-        for mode in (Mode(dtype, False), Mode(dtype, True)):
-            backend = FastLlamaBackend(target.model, batch_invariant=mode.invariant)
+        for mode in (Mode(dtype, False), Mode(dtype, True, 1), Mode(dtype, True, 16)):
+            backend = FastLlamaBackend(target.model, batch_invariant=mode.invariant, invariant_rows=mode.rows)
             seconds = decode_seconds(backend, args.tokens)
             curve = block_curve(backend, sizes, args.rounds)
             same = identical_rows(backend, sizes[1:])
             rows.append((mode, per_token, limit, seconds, curve, same))
-    print(f"\n{'mode':<16}{'MB/token':>9}{'limit tok/s':>12}{'AR tok/s':>9}{'% limit':>8}{'same rows':>10}  "
+    print(f"\n{'mode':<19}{'MB/token':>9}{'limit tok/s':>12}{'AR tok/s':>9}{'% limit':>8}{'same rows':>10}  "
           "block cost / one token (n = " + " ".join(str(n) for n in sizes) + ")")
     for mode, per_token, limit, seconds, curve, same in rows:
         ratios = " ".join(f"{curve[n] / curve[1]:.2f}" for n in sizes)
-        print(f"{mode.label:<16}{per_token / 1e6:>9.0f}{limit:>12.1f}{1 / seconds:>9.1f}{100 / seconds / limit:>7.0f}%"
+        print(f"{mode.label:<19}{per_token / 1e6:>9.0f}{limit:>12.1f}{1 / seconds:>9.1f}{100 / seconds / limit:>7.0f}%"
               f"{100 * same:>9.0f}%  {ratios}")
     fastest = max(rows, key=lambda r: 1 / r[3])
     print(f"\nfastest plain decoding: {fastest[0].label} at {1 / fastest[3]:.1f} tok/s")

@@ -25,20 +25,21 @@ def model_in(dtype: torch.dtype):
     return model.to(dtype)
 
 
-def alone(model, prefix: list[int], tokens: list[int]) -> torch.Tensor:
+def alone(model, prefix: list[int], tokens: list[int], rows: int | None = None) -> torch.Tensor:
     """Logits [n, V] of `tokens` scored one at a time after `prefix`."""
-    backend = FastLlamaBackend(model, batch_invariant=True)
+    backend = FastLlamaBackend(model, batch_invariant=True, invariant_rows=rows)
     backend.score(prefix)
     return torch.cat([backend.score([token]) for token in tokens])
 
 
+@pytest.mark.parametrize("rows", [1, INVARIANT_ROWS], ids=["rows1", "rows16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_every_block_row_is_bitwise_the_row_scored_alone(dtype):
+def test_every_block_row_is_bitwise_the_row_scored_alone(dtype, rows):
     model = model_in(dtype)
     tokens = [(7 * i + 5) % 256 for i in range(16)]
-    expected = alone(model, PREFIX, tokens)  # [16, V]
+    expected = alone(model, PREFIX, tokens, rows)  # [16, V]
     for n in range(1, 17):
-        backend = FastLlamaBackend(model, batch_invariant=True)
+        backend = FastLlamaBackend(model, batch_invariant=True, invariant_rows=rows)
         backend.score(PREFIX)
         block = backend.score_block(Block.chain(tokens[:n])).logits  # [n, V]
         assert torch.equal(block, expected[:n]), f"block of {n} differs from one-token scoring"
@@ -82,6 +83,15 @@ def test_invariant_products_match_rows_alone_and_pad_to_fixed_chunks():
     rows = torch.cat([invariant_linear(x[i : i + 1], weight) for i in range(x.shape[0])])
     assert torch.equal(invariant_linear(x, weight), rows)
     assert torch.allclose(rows, x @ weight.T, atol=1e-4)
+
+
+def test_row_chunk_follows_the_hardware():
+    from draftlab.models import native_block_products
+
+    backend = FastLlamaBackend(model_in(torch.bfloat16))
+    assert backend.invariant_rows == (INVARIANT_ROWS if native_block_products(torch.bfloat16, "cpu") else 1)
+    assert FastLlamaBackend(model_in(torch.float32), batch_invariant=True).invariant_rows == 1  # fp32: no CPU block is free
+    assert FastLlamaBackend(model_in(torch.float32), batch_invariant=True, invariant_rows=16).invariant_rows == 16
 
 
 def test_default_is_invariant_in_low_precision_only_and_hf_refuses_it():

@@ -78,6 +78,14 @@ def auto_dtype(device: str) -> tuple[str, str]:
     return "fp32", "CPU lacks AVX-512 BF16 and AMX: bf16 products would be emulated, slower than fp32"
 
 
+def native_block_products(dtype: torch.dtype, device: str) -> bool:
+    """True where a 16-row matrix product in `dtype` costs about one row: CUDA, or bf16 on a CPU that has
+    AVX-512 BF16 or AMX. Elsewhere (fp32 on CPUs, bf16 emulated) a block costs more rows than one."""
+    if device.startswith("cuda"):
+        return True
+    return device == "cpu" and dtype == torch.bfloat16 and bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
 def cpu_flags() -> frozenset[str]:
     """The CPU feature flags Linux reports (empty elsewhere)."""
     try:

@@ -1,4 +1,4 @@
-"""A lean forward pass for Llama-family models, with a static KV cache.
+"""A lean forward pass for Llama-family models (Llama, Qwen2), with a static KV cache.
 
 Why: on a CPU a 135M model is memory bound; its matrix products take ~21 ms a
 token, but transformers' eager forward adds ~14 ms of per-module overhead
@@ -20,7 +20,8 @@ through plain tensor code:
 - Batch-invariant mode (the default in bf16/fp16, where low precision makes a
   block's rounding flip near-ties): every row of a scored block is bitwise the
   row that scoring its token alone after the same prefix gives. Matrix products
-  run on fixed-size row chunks (`invariant_linear`), norms and RoPE are per row
+  run on fixed-size row chunks (`invariant_linear`: 16 rows where such a product
+  costs about one row, else one row at a time), norms and RoPE are per row
   already, and attention runs one query row at a time over exactly the keys it
   sees (the cache prefix, or for a tree its ancestors gathered in order).
 
@@ -31,17 +32,19 @@ it for the model types in `SUPPORTED_MODEL_TYPES`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from draftlab.backends.base import is_prefix
-from draftlab.backends.numerics import causal_mask, invariant_linear, rms_norm, rope, tree_mask
+from draftlab.backends.numerics import INVARIANT_ROWS, causal_mask, invariant_linear, rms_norm, rope, tree_mask
 from draftlab.errors import DraftlabError
+from draftlab.models import native_block_products
 from draftlab.step import Block, Scores
 
-SUPPORTED_MODEL_TYPES = ("llama",)
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")  # qwen2: Llama with q/k/v biases
 
 
 class FastLlamaBackend:
@@ -55,8 +58,13 @@ class FastLlamaBackend:
         device: torch.device | str = "cpu",
         capacity: int = 1024,
         batch_invariant: bool | None = None,
+        invariant_rows: int | None = None,
     ) -> None:
-        """`batch_invariant`: score each block row bitwise as if alone (None: on unless the weights are fp32)."""
+        """`batch_invariant`: score each block row bitwise as if alone (None: on unless the weights are fp32).
+
+        `invariant_rows`: the row chunk of batch-invariant products (None: 16 where such a product costs about
+        one row, see `native_block_products`, else 1).
+        """
         config = model.config
         self.model = model
         self.device = torch.device(device)
@@ -69,7 +77,9 @@ class FastLlamaBackend:
         self.dtype = model.model.embed_tokens.weight.dtype
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.batch_invariant = self.dtype != torch.float32 if batch_invariant is None else batch_invariant
-        self._project = invariant_linear if self.batch_invariant else F.linear
+        native = native_block_products(self.dtype, self.device.type)
+        self.invariant_rows = invariant_rows or (INVARIANT_ROWS if native else 1)
+        self._project = partial(invariant_linear, rows=self.invariant_rows) if self.batch_invariant else F.linear
         self._keys: list[torch.Tensor] = []  # per layer [kv_heads, capacity, head_dim]
         self._values: list[torch.Tensor] = []
         self._cos = self._sin = torch.empty(0)  # [capacity, head_dim]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-INVARIANT_ROWS = 16  # in batch-invariant mode every matrix product runs on chunks of exactly this many rows
+INVARIANT_ROWS = 16  # batch-invariant products run on chunks of exactly this many rows where blocks are cheap
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -43,15 +43,20 @@ def scatter_vocab(probs: torch.Tensor, vocab_map: torch.Tensor, vocab_size: int)
     return torch.zeros(vocab_size, dtype=probs.dtype).index_copy_(0, vocab_map, probs)
 
 
-def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def invariant_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, rows: int = INVARIANT_ROWS
+) -> torch.Tensor:
     """`F.linear` on [n, D] whose every output row is bitwise independent of n and of the other rows.
 
     GEMM kernels pick their blocking (and so their rounding) from the number of
     rows: a 1-row product (a GEMV) and row j of an 8-row product differ in the
-    last bits. Here every product sees exactly `INVARIANT_ROWS` rows, zero padded,
-    so a token's row is computed the same way alone or inside a block.
+    last bits. Here every product sees exactly `rows` rows, zero padded, so a
+    token's row is computed the same way alone or inside a block. `rows`=16 suits
+    hardware whose 16-row products cost about one row (native bf16, GPUs);
+    `rows`=1 runs every row as its own GEMV, the fastest single-token product
+    where blocks cost n rows anyway (bf16 emulated on CPUs without AVX-512 BF16).
     """
-    n, rows = x.shape[0], INVARIANT_ROWS
+    n = x.shape[0]
     padded = x.new_zeros(-(-n // rows) * rows, x.shape[1])  # [ceil(n / R) R, D]
     padded[:n] = x
     return torch.cat([F.linear(chunk, weight, bias) for chunk in padded.split(rows)])[:n]  # [n, out]
