@@ -12,6 +12,7 @@ The last line of stdout is one JSON document.
 
     python benchmarks/tune_vs_sweep.py --drafts ngram ngram:2-4 layers:0-3 --limit 2
     python benchmarks/tune_vs_sweep.py --drafts ngram layers:0-3 --dataset my_prompts.jsonl --limit 4
+    python benchmarks/tune_vs_sweep.py --drafts ngram ngram:2-4 layers:0-3 --limit 2 --budget-share 0.2
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ def main() -> None:
     parser.add_argument("--k-max", type=int, default=7)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--budget", type=float, default=None, help="tune's time budget in seconds")
+    parser.add_argument("--budget-share", type=float, default=None,
+                        help="tune's budget as a share of the sweep's measured time (e.g. 0.2); --budget wins")
     parser.add_argument("--db", default=None, help="keep the sweep database here (default: a temporary file)")
     args = parser.parse_args()
     from transformers.utils import logging as hf_logging
@@ -50,7 +53,8 @@ def main() -> None:
     db = Path(args.db) if args.db else Path(tempfile.mkdtemp()) / "sweep.sqlite"
     config = SweepConfig(targets=(args.target,), drafters=tuple(args.drafts), ks=tuple(range(1, args.k_max + 1)),
                          methods=("sps",), datasets=(args.dataset,), limit=args.limit,
-                         max_new_tokens=args.max_new_tokens)
+                         max_new_tokens=args.max_new_tokens,
+                         baseline_every=0)  # the exhaustive sweep as it was measured against tune: no re-checks
     store = ResultsStore(db)
     start = time.perf_counter()
     run_sweep(config, store)
@@ -63,7 +67,8 @@ def main() -> None:
     prompts = load_prompts(args.dataset, args.limit)
     settings = CalibrationSettings(k_max=args.k_max, max_new_tokens=args.max_new_tokens)
     start = time.perf_counter()
-    rec, profile, _ = tune(target, args.drafts, prompts, settings, TuneSettings(budget_s=args.budget))
+    budget = args.budget or (args.budget_share * sweep_s if args.budget_share else None)
+    rec, profile, _ = tune(target, args.drafts, prompts, settings, TuneSettings(budget_s=budget))
     tune_s = time.perf_counter() - start
 
     cells = {(s.drafter, s.k): s for s in summarize(rows) if s.method == "sps" and s.dataset == "all"}
@@ -77,7 +82,7 @@ def main() -> None:
     print(f"exhaustive sweep: {len(cells)} cells in {sweep_s:.0f}s; best {best.drafter} K={best.k}: "
           f"{best.tokens_per_s:.1f} tok/s ({best.speedup:.2f}x over AR {ar.tokens_per_s:.1f})")
     raced = f"{rec.measured_speedup:.2f}x in its race" if rec.measured_speedup else "not raced"
-    print(f"tune: picked {rec.draft} K={rec.k} in {tune_s:.0f}s (predicted {rec.predicted_tokens_per_s:.1f} tok/s, "
+    print(f"tune: budget {'none' if budget is None else f'{budget:.0f}s'}; picked {rec.draft} K={rec.k} in {tune_s:.0f}s (predicted {rec.predicted_tokens_per_s:.1f} tok/s, "
           f"{raced}); that cell measured {picked_tps:.1f} tok/s in the sweep")
     for note in rec.notes:
         print(f"tune note: {note}")

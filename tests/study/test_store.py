@@ -84,7 +84,7 @@ def test_version_1_database_is_migrated_with_its_settings_in_the_key(tmp_path):
     store = ResultsStore(path)
     migrated = Cell("t", "ngram", 2, "sps", "d", 0.0, 16, seed=3, dtype="fp32", backend="auto", device="cpu", skip=2)
     assert store.done() == {(migrated.key, "p1")}
-    assert store.get_meta("schema_version") == "2"
+    assert store.get_meta("schema_version") == "3"
     run = store.start_run({})
     bf16 = Cell("t", "ngram", 2, "sps", "d", 0.0, 16, seed=3, dtype="bf16", skip=2)
     store.add(Record(bf16, "p1", "code", 16, 8, 16, 8), run)

@@ -45,6 +45,8 @@ def _add_sweep_args(parser: argparse.ArgumentParser, db_required: bool = True) -
     parser.add_argument("--skip", type=int, help="prompts passed over first (round-robin order)")
     parser.add_argument("--max-new-tokens", type=int)
     parser.add_argument("--warmup", type=int)
+    parser.add_argument("--baseline-every", type=int,
+                        help="re-time the baseline after this many cells of a prompt (0: never; default 6)")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--device")
     parser.add_argument("--dtype")
@@ -63,7 +65,7 @@ def _sweep_config(args):
         args.preset, args.config, targets=tuple_or_none(args.targets), drafters=tuple_or_none(args.drafters), ks=ks,
         methods=tuple_or_none(args.methods), datasets=tuple_or_none([*(args.datasets or []), *([args.prompts] if args.prompts else [])]),
         temperatures=tuple_or_none(args.temperatures), limit=args.limit, skip=args.skip, max_new_tokens=args.max_new_tokens,
-        warmup=args.warmup, seed=args.seed, device=args.device, dtype=args.dtype, backend=args.backend,
+        warmup=args.warmup, baseline_every=args.baseline_every, seed=args.seed, device=args.device, dtype=args.dtype, backend=args.backend,
     )
 
 
@@ -87,14 +89,17 @@ def cmd_sweep(args) -> None:
 
 def cmd_study(args) -> None:
     """Sweep into OUT/study.sqlite, write OUT/report, print the optimal table."""
-    from draftlab.study.report import build_report, format_optimal, load_study, optimal_table, summarize
+    from draftlab.study.report import (baseline_drift, build_report, format_optimal, load_checks, load_study,
+                                       optimal_table, summarize)
 
     out = Path(args.out)
     db = args.db or str(out / "study.sqlite")
     _run_sweep(args, db)
     page = build_report(db, out / "report")
     rows, params, _ = load_study(db)
-    print(format_optimal(optimal_table(summarize(rows), params)))
+    checks = load_checks(db)
+    print(format_optimal(optimal_table(summarize(rows, checks), params)))
+    print(baseline_drift(rows, checks).describe())
     print(f"report: {page}")
 
 

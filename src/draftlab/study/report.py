@@ -12,11 +12,13 @@ import statistics
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from draftlab.errors import DraftlabError
 from draftlab.study.store import ResultsStore
 
 ALL = "all"
+NOISY_DRIFT = 0.10  # a baseline that moved more than this (relative) during the study makes it noisy
 
 
 @dataclass
@@ -51,15 +53,81 @@ class CellSummary:
         return (self.target, self.method, self.drafter, self.k, self.temperature)
 
 
-def summarize(rows: list[dict]) -> list[CellSummary]:
-    """One summary per (cell) and per (configuration, dataset='all')."""
+def summarize(rows: list[dict], checks: list[dict] = ()) -> list[CellSummary]:
+    """One summary per (cell) and per (configuration, dataset='all').
+
+    `checks`: re-timings of the baseline (`ResultsStore.baseline_checks`); each record is then compared with
+    the baseline measured closest in time on its prompt, so that drift during the study cancels.
+    """
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for row in rows:
         config = (row["target"], row["method"], row["drafter"], row["k"], row["temperature"])
         groups[config + (row["dataset"],)].append(row)
         groups[config + (ALL,)].append(row)
-    baseline_speed = _baseline_speeds(rows)
+    baseline_speed = _nearest_baseline(rows, checks)
     return [_summarize_group(key, group, baseline_speed) for key, group in sorted(groups.items(), key=_sort_key)]
+
+
+def _prompt_key(row: dict) -> tuple:
+    return (row["target"], row["dataset"], row["temperature"], row["prompt_id"])
+
+
+def _baseline_timings(rows: list[dict], checks: list[dict]) -> dict[tuple, list[tuple[float | None, float]]]:
+    """Per prompt, every (finished_at, tokens/s) of its baseline: the ar record and its re-checks."""
+    timings: dict[tuple, list[tuple[float | None, float]]] = defaultdict(list)
+    for r in [*(r for r in rows if r["method"] == "ar"), *checks]:
+        if r["wall_s"] > 0:
+            timings[_prompt_key(r)].append((r.get("finished_at"), r["new_tokens"] / r["wall_s"]))
+    return timings
+
+
+def _nearest_baseline(rows: list[dict], checks: list[dict]) -> Callable[[dict], float | None]:
+    """record -> the baseline's tokens/s on its prompt measured closest in time (the ar record if times are unknown)."""
+    timings = _baseline_timings(rows, checks)
+
+    def speed(row: dict) -> float | None:
+        known = timings.get(_prompt_key(row))
+        if not known:
+            return None
+        at = row.get("finished_at")
+        timed = [(t, v) for t, v in known if t is not None]
+        if at is None or not timed:
+            return known[0][1]
+        return min(timed, key=lambda tv: abs(tv[0] - at))[1]
+
+    return speed
+
+
+@dataclass(frozen=True)
+class Drift:
+    """How much the baseline moved during a study: the largest relative spread of one prompt's re-timings."""
+
+    prompts: int  # prompts whose baseline was timed more than once
+    spread: float  # max over prompts of (fastest - slowest) / median baseline tokens/s
+
+    @property
+    def noisy(self) -> bool:
+        """True when the machine's speed moved enough to shift ratios measured against one baseline."""
+        return self.spread > NOISY_DRIFT
+
+    def describe(self) -> str:
+        """One sentence for the terminal and the report."""
+        if not self.prompts:
+            return "baseline drift: not measured (no baseline re-checks in this study)"
+        verdict = ("NOISY: the machine's speed moved during the study; each speedup is against the baseline "
+                   "measured closest in time, but treat differences below the drift as noise"
+                   if self.noisy else "quiet")
+        return f"baseline drift: {self.spread:.1%} over {self.prompts} prompt(s) ({verdict})"
+
+
+def baseline_drift(rows: list[dict], checks: list[dict]) -> Drift:
+    """The study's drift from its baseline re-checks."""
+    spreads = [
+        (max(speeds) - min(speeds)) / statistics.median(speeds)
+        for speeds in ([v for _, v in timings] for timings in _baseline_timings(rows, checks).values())
+        if len(speeds) > 1
+    ]
+    return Drift(len(spreads), max(spreads, default=0.0))
 
 
 def _sort_key(item):
@@ -67,15 +135,7 @@ def _sort_key(item):
     return (target, dataset, temperature, {"ar": 0, "sps": 1, "asg": 2}.get(method, 3), drafter, k)
 
 
-def _baseline_speeds(rows: list[dict]) -> dict[tuple, float]:
-    """tokens/s of each ar record, keyed by (target, dataset, temperature, prompt)."""
-    return {
-        (r["target"], r["dataset"], r["temperature"], r["prompt_id"]): r["new_tokens"] / r["wall_s"]
-        for r in rows if r["method"] == "ar" and r["wall_s"] > 0
-    }
-
-
-def _summarize_group(key: tuple, rows: list[dict], baseline_speed: dict[tuple, float]) -> CellSummary:
+def _summarize_group(key: tuple, rows: list[dict], baseline_speed: Callable[[dict], float | None]) -> CellSummary:
     target, method, drafter, k, temperature, dataset = key
     new_tokens = sum(r["new_tokens"] for r in rows)
     wall = sum(r["wall_s"] for r in rows)
@@ -99,9 +159,9 @@ def _summarize_group(key: tuple, rows: list[dict], baseline_speed: dict[tuple, f
     return summary
 
 
-def _add_speedups(summary: CellSummary, rows: list[dict], baseline_speed: dict[tuple, float]) -> None:
+def _add_speedups(summary: CellSummary, rows: list[dict], baseline_speed: Callable[[dict], float | None]) -> None:
     """Overall speedup (total tokens/s over the baseline's on the same prompts) and its spread over prompts."""
-    matched = [(r, baseline_speed.get((r["target"], r["dataset"], r["temperature"], r["prompt_id"]))) for r in rows]
+    matched = [(r, baseline_speed(r)) for r in rows]
     matched = [(r, base) for r, base in matched if base and r["wall_s"] > 0]
     if not matched:
         return
@@ -190,6 +250,15 @@ def load_study(db: str | Path) -> tuple[list[dict], dict[str, int], list[dict]]:
     return rows, params, envs
 
 
+def load_checks(db: str | Path) -> list[dict]:
+    """The baseline re-checks of a study database (empty for studies made before they existed)."""
+    store = ResultsStore(db)
+    try:
+        return store.baseline_checks()
+    finally:
+        store.close()
+
+
 def write_csv(path: Path, items: list) -> None:
     """Dataclass instances (or dicts) to CSV."""
     dicts = [asdict(i) if not isinstance(i, dict) else i for i in items]
@@ -210,15 +279,16 @@ def build_report(db: str | Path, out: str | Path, profile_path: str | Path | Non
     from draftlab.study import plots
 
     rows, params, envs = load_study(db)
+    checks = load_checks(db)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    summaries = summarize(rows)
+    summaries = summarize(rows, checks)
     optimal = optimal_table(summaries, params)
     write_csv(out / "cells.csv", summaries)
     write_csv(out / "optimal.csv", optimal)
     figures = plots.draw_all(summaries, out)
     model_section = _model_section(profile_path, rows, out) if profile_path else ""
-    page = _html(db, summaries, optimal, figures, envs).replace("<h2>Every cell</h2>", model_section + "<h2>Every cell</h2>")
+    page = _html(db, summaries, optimal, figures, envs, baseline_drift(rows, checks)).replace("<h2>Every cell</h2>", model_section + "<h2>Every cell</h2>")
     (out / "index.html").write_text(page, encoding="utf-8")
     return out / "index.html"
 
@@ -256,7 +326,8 @@ def _large_errors(comparisons) -> str:
     return f"<p>Cells missed by more than 10%:</p><ul>{items}</ul>" if items else ""
 
 
-def _html(db, summaries: list[CellSummary], optimal: list[OptimalRow], figures: list[tuple[str, str]], envs) -> str:
+def _html(db, summaries: list[CellSummary], optimal: list[OptimalRow], figures: list[tuple[str, str]], envs,
+          drift: Drift) -> str:
     esc = html.escape
     opt_rows = "".join(
         f"<tr><td>{esc(r.target)}</td><td>{esc(r.dataset)}</td><td>{r.temperature:g}</td><td>{r.method.upper()}</td>"
@@ -279,12 +350,13 @@ def _html(db, summaries: list[CellSummary], optimal: list[OptimalRow], figures: 
     env = "".join(f"<li><code>{esc(str(e))}</code></li>" for e in envs)
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>draftlab study report</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:1400px}}table{{border-collapse:collapse;font-size:13px}}
-td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}}th{{background:#eee}}tr.lossy{{background:#fcc}}
+td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}}th{{background:#eee}}tr.lossy{{background:#fcc}}p.noisy{{background:#fcc;padding:4px}}
 img{{max-width:100%;border:1px solid #ddd;margin-bottom:1em}}</style></head><body>
 <h1>draftlab study report</h1><p>Database: <code>{esc(str(db))}</code>. Speedups are tokens/s over the autoregressive
 baseline on the same prompts in the same study; the range is min - max over prompts. Scaling = target parameters / draft
 parameters ("-" for drafts without parameters, such as n-gram lookup). SpS = draftlab's engine, AsG = Hugging Face
 assisted generation with the same draft and K.</p>
+<p class='{'noisy' if drift.noisy else ''}'>{esc(drift.describe())}.</p>
 <h2>Optimal configuration</h2><table><tr><th>target</th><th>dataset</th><th>temp</th><th>method</th><th>draft</th><th>K</th>
 <th>speedup</th><th>min - max</th><th>tok/s</th><th>scaling</th></tr>{opt_rows}</table>
 <h2>Figures</h2>{images}

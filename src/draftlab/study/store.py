@@ -1,9 +1,9 @@
 """The results store: one SQLite database per study, one row per prompt per cell.
 
-Schema (version 2), readable with `sqlite3` or `pandas.read_sql`:
+Schema (version 3), readable with `sqlite3` or `pandas.read_sql`:
 
     meta(key TEXT PRIMARY KEY, value TEXT)
-        app = 'draftlab-study', schema_version = '2', config = the sweep's JSON
+        app = 'draftlab-study', schema_version = '3', config = the sweep's JSON
     models(name TEXT PRIMARY KEY, params INTEGER)
         parameter counts of targets and model drafts ("target" or "target::drafter"),
         for the report's scaling ratio (target params / draft params)
@@ -19,13 +19,19 @@ Schema (version 2), readable with `sqlite3` or `pandas.read_sql`:
         prefill_s, draft_s, target_s, overhead_s, wall_s,
         output_sha TEXT,                       -- SHA256 of the generated token ids
         identical INTEGER,                     -- 1/0 vs the 'ar' record of the same prompt; NULL if unknown
-        created_at TEXT)
+        created_at TEXT,
+        finished_at REAL)                      -- Unix time the measurement ended (NULL in migrated records)
+    baseline_checks(
+        target, dataset, temperature, prompt_id, run_id, new_tokens, wall_s,
+        finished_at REAL)                      -- the 'ar' cell re-timed on the same prompt between other cells,
+                                               -- so each cell is compared with the baseline closest in time
 
 `method` is 'ar' (our autoregressive loop), 'sps' (our speculative engine) or
 'asg' (Hugging Face assisted generation). `dtype` is resolved ('fp32', not
-'auto'). A version-1 database (whose cell key lacked seed, dtype, backend,
-device and skip) is migrated in place when opened: those settings are filled
-in from the run's recorded environment and the stored sweep config. Each record is committed on its own,
+'auto'). Older databases are migrated in place when opened: version 1 (whose cell key
+lacked seed, dtype, backend, device and skip) gets those settings from the
+run's recorded environment and the stored sweep config; version 2 gets the
+`finished_at` column and the `baseline_checks` table. Each record is committed on its own,
 so a killed sweep loses at most the record in flight; resuming skips every
 (cell, prompt) already present.
 """
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -44,12 +51,12 @@ from draftlab.errors import DraftlabError
 from draftlab.models import ModelSpec
 
 APP = "draftlab-study"
-SCHEMA_VERSION = "2"
+SCHEMA_VERSION = "3"
 SETTINGS = ("seed", "dtype", "backend", "device", "skip")
 RECORD_COLUMNS = (
     "cell", "prompt_id", "target", "drafter", "k", "method", "dataset", "temperature", "max_new_tokens", *SETTINGS,
     "category", "run_id", "new_tokens", "steps", "drafted", "accepted", "accepted_per_step", "drafted_per_step",
-    "prefill_s", "draft_s", "target_s", "overhead_s", "wall_s", "output_sha", "identical", "created_at",
+    "prefill_s", "draft_s", "target_s", "overhead_s", "wall_s", "output_sha", "identical", "created_at", "finished_at",
 )
 
 SCHEMA = """
@@ -63,8 +70,15 @@ CREATE TABLE IF NOT EXISTS records (
     category TEXT, run_id INTEGER, new_tokens INTEGER, steps INTEGER, drafted INTEGER, accepted INTEGER,
     accepted_per_step TEXT, drafted_per_step TEXT,
     prefill_s REAL, draft_s REAL, target_s REAL, overhead_s REAL, wall_s REAL,
-    output_sha TEXT, identical INTEGER, created_at TEXT,
+    output_sha TEXT, identical INTEGER, created_at TEXT, finished_at REAL,
     PRIMARY KEY (cell, prompt_id)
+);
+"""
+
+CHECKS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS baseline_checks (
+    target TEXT, dataset TEXT, temperature REAL, prompt_id TEXT, run_id INTEGER,
+    new_tokens INTEGER, wall_s REAL, finished_at REAL
 );
 """
 
@@ -147,7 +161,7 @@ class ResultsStore:
 
     def _create(self) -> None:
         with self.conn:
-            self.conn.executescript(SCHEMA)
+            self.conn.executescript(SCHEMA + CHECKS_SCHEMA)
             self.conn.executemany(
                 "INSERT INTO meta VALUES (?, ?)", [("app", APP), ("schema_version", SCHEMA_VERSION)]
             )
@@ -167,9 +181,12 @@ class ResultsStore:
         version = meta.get("schema_version")
         if version == "1":
             self._migrate_from_1(json.loads(meta.get("config") or "{}"))
+            version = "2"
+        if version == "2":
+            self._migrate_from_2()
         elif version != SCHEMA_VERSION:
             raise DraftlabError(
-                f"{self.path} has schema version {version}, this draftlab reads {SCHEMA_VERSION} (and migrates 1); "
+                f"{self.path} has schema version {version}, this draftlab reads {SCHEMA_VERSION} (and migrates 1-2); "
                 "upgrade draftlab to read it; the file was left untouched"
             )
 
@@ -188,6 +205,13 @@ class ResultsStore:
                             skip=int(config.get("skip", 0)))
                 self.conn.execute("UPDATE records SET cell = ?, seed = ?, dtype = ?, backend = ?, device = ?, skip = ? "
                                   "WHERE rowid = ?", (cell.key, *(getattr(cell, c) for c in SETTINGS), rowid))
+            self.conn.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")
+
+    def _migrate_from_2(self) -> None:
+        """Add the records' finish time (unknown for old records) and the baseline re-checks table."""
+        with self.conn:
+            self.conn.execute("ALTER TABLE records ADD COLUMN finished_at REAL")
+            self.conn.executescript(CHECKS_SCHEMA)
             self.conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (SCHEMA_VERSION,))
 
     def close(self) -> None:
@@ -240,11 +264,25 @@ class ResultsStore:
             c.seed, c.dtype, c.backend, c.device, c.skip, record.category, run_id, record.new_tokens, record.steps, record.drafted, record.accepted,
             json.dumps(record.accepted_per_step), json.dumps(record.drafted_per_step),
             record.prefill_s, record.draft_s, record.target_s, record.overhead_s, record.wall_s,
-            record.output_sha, None if record.identical is None else int(record.identical), _now(),
+            record.output_sha, None if record.identical is None else int(record.identical), _now(), time.time(),
         )
         with self.conn:  # columns named: a migrated table has the settings columns at its end
             self.conn.execute(f"INSERT INTO records ({', '.join(RECORD_COLUMNS)}) VALUES ({', '.join('?' * len(row))})",
                               row)
+
+    def add_baseline_check(self, record: Record, run_id: int) -> None:
+        """Store a re-timing of the 'ar' cell on one prompt, taken between other cells."""
+        c = record.cell
+        with self.conn:
+            self.conn.execute("INSERT INTO baseline_checks VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                              (c.target, c.dataset, c.temperature, record.prompt_id, run_id, record.new_tokens,
+                               record.wall_s, time.time()))
+
+    def baseline_checks(self) -> list[dict]:
+        """Every re-timing of the baseline, oldest first."""
+        cursor = self.conn.execute("SELECT * FROM baseline_checks ORDER BY rowid")
+        names = [d[0] for d in cursor.description]
+        return [dict(zip(names, values)) for values in cursor.fetchall()]
 
     def rows(self) -> list[dict]:
         """Every record as a dict (JSON lists decoded)."""

@@ -2,7 +2,10 @@
 
 For every target and prompt, the autoregressive cell runs first; then every
 (method, drafter, K) cell runs on the same prompt, so that all cells of a
-prompt are measured close together in time. Finished (cell, prompt) pairs in
+prompt are measured close together in time. The autoregressive cell is
+re-timed every `baseline_every` cells and after the prompt's last cell (the
+baseline checks): the report compares each cell with the baseline measured
+closest in time and flags the study as noisy when the baseline drifted. Finished (cell, prompt) pairs in
 the database are skipped, which makes a killed sweep resume where it stopped
 and a finished sweep a no-op.
 """
@@ -48,6 +51,7 @@ class SweepConfig:
     skip: int = 0  # prompts passed over first (e.g. those a designed draft was trained on)
     max_new_tokens: int = SHORT_RUN_TOKENS
     warmup: int = 1
+    baseline_every: int = 6  # re-time the baseline after this many cells of a prompt (0: never)
     seed: int = GenerationConfig.seed
     device: str = ModelSpec.device
     dtype: str = ModelSpec.dtype
@@ -61,8 +65,8 @@ class SweepConfig:
             raise DraftlabError(f"unknown method(s) {sorted(unknown)}; use {', '.join(METHODS)}")
         if self.limit < 1 or self.max_new_tokens < 1:
             raise DraftlabError("limit and max_new_tokens must be >= 1")
-        if self.skip < 0 or self.warmup < 0:
-            raise DraftlabError("skip and warmup must be >= 0")
+        if self.skip < 0 or self.warmup < 0 or self.baseline_every < 0:
+            raise DraftlabError("skip, warmup and baseline_every must be >= 0")
         resolve_dtype_name(self.dtype, self.device)
         check_device(self.device)
         check_backend_name(self.backend)
@@ -237,13 +241,19 @@ def run_sweep(config: SweepConfig, store: ResultsStore, progress: bool = True) -
             pending = [(c, p) for p in prompts for c in cells if (c.key, p.id) not in done]
             if pending and config.warmup:
                 runner.warm_up(cells, prompts[0], encoded[prompts[0].id])
-            for cell, prompt in pending:
+            since_check = 0
+            for index, (cell, prompt) in enumerate(pending):
                 bar.set_postfix_str(f"{cell.method} {cell.drafter} k={cell.k}", refresh=False)
                 record = runner.run(cell, prompt, encoded[prompt.id])
                 record.identical = _identical(store, cell, prompt.id, record.output_sha)
                 store.add(record, run_id)
                 added += 1
                 bar.update()
+                since_check = 0 if cell.method == "ar" else since_check + 1
+                last_of_prompt = index + 1 == len(pending) or pending[index + 1][1].id != prompt.id
+                if config.baseline_every and since_check and (since_check >= config.baseline_every or last_of_prompt):
+                    store.add_baseline_check(runner.run(cell.baseline(), prompt, encoded[prompt.id]), run_id)
+                    since_check = 0
     bar.close()
     return added
 

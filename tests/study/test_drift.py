@@ -1,0 +1,77 @@
+"""Ratios that hold on a noisy machine: each cell against the baseline measured closest in time, drift flagged."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+from draftlab.study.report import baseline_drift, load_checks, load_study, summarize
+from draftlab.study.store import Cell, Record, ResultsStore
+from draftlab.study.sweep import SweepConfig, run_sweep
+from tests.conftest import tiny_model_dir
+
+
+def row(method: str, tokens_per_s: float, at: float | None, prompt: str = "p1", k: int = 0) -> dict:
+    return {"target": "t", "dataset": "d", "temperature": 0.0, "prompt_id": prompt, "method": method,
+            "drafter": "none" if method == "ar" else "ngram", "k": k, "new_tokens": 100, "wall_s": 100 / tokens_per_s,
+            "steps": 50, "drafted": 60, "accepted": 50, "prefill_s": 0.0, "draft_s": 0.0, "target_s": 0.0,
+            "overhead_s": 0.0, "accepted_per_step": [], "drafted_per_step": [], "identical": 1, "finished_at": at}
+
+
+def sps(summaries, k):
+    return next(s for s in summaries if s.method == "sps" and s.k == k and s.dataset == "d")
+
+
+def test_each_cell_is_compared_with_the_baseline_closest_in_time():
+    # The machine halves its speed halfway: the baseline ran at 10 tok/s first, 5 tok/s at its re-check.
+    rows = [row("ar", 10.0, 0.0), row("sps", 12.0, 10.0, k=1), row("sps", 6.0, 95.0, k=2)]
+    checks = [row("ar", 5.0, 100.0)]
+    summaries = summarize(rows, checks)
+    assert abs(sps(summaries, 1).speedup - 1.2) < 1e-9  # against the first timing (10 tok/s)
+    assert abs(sps(summaries, 2).speedup - 1.2) < 1e-9  # against the re-check (5 tok/s), not 0.6x
+    without = summarize(rows)  # the old way: one baseline for the whole study
+    assert abs(sps(without, 2).speedup - 0.6) < 1e-9
+    drift = baseline_drift(rows, checks)
+    assert drift.noisy and drift.prompts == 1 and "NOISY" in drift.describe()
+
+
+def test_a_quiet_machine_is_not_flagged_and_old_records_fall_back_to_the_ar_record():
+    rows = [row("ar", 10.0, 0.0), row("sps", 12.0, 10.0, k=1)]
+    assert not baseline_drift(rows, [row("ar", 10.3, 50.0)]).noisy
+    legacy = [row("ar", 10.0, None), row("sps", 12.0, None, k=1)]
+    assert abs(sps(summarize(legacy, [row("ar", 5.0, 100.0)]), 1).speedup - 1.2) < 1e-9
+    assert "not measured" in baseline_drift(legacy, []).describe()
+
+
+def test_sweep_rechecks_the_baseline_every_n_cells_and_after_each_prompt(tmp_path):
+    model = tiny_model_dir(tmp_path / "tiny")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(f"w{(i * 5 + j) % 60}" for j in range(10)),
+                                           "category": "chat", "id": f"q{i}"}) + "\n" for i in range(2)))
+    config = SweepConfig(targets=(str(model),), drafters=("ngram",), ks=(1, 2, 3, 4, 5), methods=("sps",),
+                         datasets=(str(prompts),), limit=2, max_new_tokens=12, warmup=0, baseline_every=2)
+    store = ResultsStore(tmp_path / "s.sqlite")
+    run_sweep(config, store, progress=False)
+    store.close()
+    checks = load_checks(tmp_path / "s.sqlite")
+    # per prompt: 5 cells -> re-checks after cells 2, 4 and 5 (the last)
+    assert sorted(c["prompt_id"] for c in checks) == ["q0"] * 3 + ["q1"] * 3
+    rows, _, _ = load_study(tmp_path / "s.sqlite")
+    assert all(r["finished_at"] for r in rows)
+    assert baseline_drift(rows, checks).prompts == 2
+
+
+def test_version_2_database_gains_finish_times_and_the_checks_table(tmp_path):
+    path = tmp_path / "v2.sqlite"
+    store = ResultsStore(path)
+    store.add(Record(Cell("t", "none", 0, "ar", "d", 0.0, 16), "p1", "code", 16, 16, 0, 0, wall_s=1.0),
+              store.start_run({}))
+    store.close()
+    conn = sqlite3.connect(path)  # make it a version-2 file, as draftlab 0.2.0's first cut wrote them
+    conn.executescript("ALTER TABLE records DROP COLUMN finished_at; DROP TABLE baseline_checks; "
+                       "UPDATE meta SET value = '2' WHERE key = 'schema_version';")
+    conn.close()
+    store = ResultsStore(path)
+    assert store.get_meta("schema_version") == "3"
+    assert store.rows()[0]["finished_at"] is None and store.baseline_checks() == []
+    store.close()
