@@ -79,3 +79,17 @@ def test_tune_and_sweep_read_a_users_mt_bench_file(tmp_path, capsys):
     store = ResultsStore(db)
     assert {r["prompt_id"] for r in store.rows()} == {"80", "81", "82"}
     store.close()
+
+
+def test_first_race_round_is_trimmed_to_the_time_left():
+    import time as clock
+
+    from draftlab.perf.tuner import _fit_first_round
+
+    alive, now = [("a", 1), ("b", 2), ("c", 3)], clock.perf_counter()
+    notes: list[str] = []
+    assert _fit_first_round(alive, 1.0, now + 100, notes) == alive and not notes
+    assert _fit_first_round(alive, 1.0, now + 3.5, notes) == alive[:2]  # plain + 2 runs fit in 3.5 s
+    assert _fit_first_round(alive, 1.0, now + 1.5, notes) == []
+    assert len(notes) == 2 and "plain decoding" in notes[1]
+    assert _fit_first_round(alive, 0.0, now + 1.0, []) == alive  # no estimate: nothing trimmed

@@ -265,7 +265,8 @@ def tune(target: LoadedModel, drafters: list[str], prompts: list[Prompt], settin
     profile = calibrate(target, drafters, prompts, settings, progress)
     preds = predictions(profile)
     entrants = contenders(preds, tune_settings.max_contenders)
-    outcome = race(target, entrants, prompts, settings, deadline, progress)
+    per_run_s = settings.max_new_tokens / max(profile.target.autoregressive_tokens_per_s, 1e-9)
+    outcome = race(target, entrants, prompts, settings, deadline, progress, per_run_s)
     notes = notes + outcome.notes
     best = outcome.winner
     predicted = next((p for p in preds if (p.draft, p.k) == best), None)
@@ -319,11 +320,12 @@ PLAIN = ("none", 0)
 
 
 def race(target: LoadedModel, entrants: list[Prediction], prompts: list[Prompt], settings: CalibrationSettings,
-         deadline: float = float("inf"), progress: bool = True) -> RaceOutcome:
+         deadline: float = float("inf"), progress: bool = True, per_run_s: float = 0.0) -> RaceOutcome:
     """Successive halving: short interleaved runs, the slower half out each round, prompts doubled.
 
     Plain decoding runs in every round beside the candidates (on the same prompts, interleaved), so each
-    candidate's speedup is measured against a baseline taken at the same time.
+    candidate's speedup is measured against a baseline taken at the same time. `per_run_s` (one plain
+    generation, from calibration) sizes the first round to the deadline: entrants that do not fit are left out.
     """
     from draftlab.api import SpeculativeDecoder, encode_prompt
 
@@ -334,9 +336,10 @@ def race(target: LoadedModel, entrants: list[Prediction], prompts: list[Prompt],
                                                                  backend=settings.backend)
     encoded = [encode_prompt(target.tokenizer, p.text, p.chat) for p in prompts]
     alive = [key for key in decoders if key != PLAIN]
+    outcome = RaceOutcome(PLAIN)
+    alive = _fit_first_round(alive, per_run_s, deadline, outcome.notes)
     totals = {key: [0, 0.0] for key in decoders}  # new tokens, decode seconds
     per_prompt: dict = {key: [] for key in decoders}  # decode tokens/s per prompt, aligned across keys
-    outcome = RaceOutcome(PLAIN)
     count, offset, round_s = 1, 0, 0.0
     while alive:
         round_prompts = [encoded[(offset + i) % len(encoded)] for i in range(count)]
@@ -368,6 +371,21 @@ def race(target: LoadedModel, entrants: list[Prediction], prompts: list[Prompt],
     best = max(finalists, key=lambda key: speed.get(key, 0.0))
     outcome.winner = best if speed.get(best, 0.0) > speed[PLAIN] else PLAIN
     return outcome
+
+
+def _fit_first_round(alive: list, per_run_s: float, deadline: float, notes: list) -> list:
+    """The entrants (best predicted first) whose first round, beside plain decoding, fits before the deadline."""
+    left = deadline - time.perf_counter()
+    if per_run_s <= 0 or left == float("inf"):
+        return alive
+    fit = int(left / per_run_s) - 1  # one run is plain decoding's
+    if fit >= len(alive):
+        return alive
+    if fit < 1:
+        notes.append("the budget left no time to race; recommending plain decoding unmeasured against the drafts")
+        return []
+    notes.append(f"raced {fit} of {len(alive)} contenders to fit the budget")
+    return alive[:fit]
 
 
 def _run_round(decoders, keys, prompts, max_new_tokens, totals, per_prompt) -> None:

@@ -5,8 +5,8 @@ For every target and prompt, the autoregressive cell runs first; then every
 prompt are measured close together in time. The autoregressive cell is
 re-timed every `baseline_every` cells and after the prompt's last cell (the
 baseline checks): the report compares each cell with the baseline measured
-closest in time and flags the study as noisy when the baseline drifted. Finished (cell, prompt) pairs in
-the database are skipped, which makes a killed sweep resume where it stopped
+closest in time and flags the study as noisy when the baseline drifted.
+Finished (cell, prompt) pairs in the database are skipped, which makes a killed sweep resume where it stopped
 and a finished sweep a no-op.
 """
 
@@ -250,12 +250,18 @@ def run_sweep(config: SweepConfig, store: ResultsStore, progress: bool = True) -
                 added += 1
                 bar.update()
                 since_check = 0 if cell.method == "ar" else since_check + 1
-                last_of_prompt = index + 1 == len(pending) or pending[index + 1][1].id != prompt.id
-                if config.baseline_every and since_check and (since_check >= config.baseline_every or last_of_prompt):
+                if config.baseline_every and since_check and _check_due(since_check, config.baseline_every,
+                                                                       pending, index):
                     store.add_baseline_check(runner.run(cell.baseline(), prompt, encoded[prompt.id]), run_id)
                     since_check = 0
     bar.close()
     return added
+
+
+def _check_due(since_check: int, every: int, pending: list[tuple[Cell, Prompt]], index: int) -> bool:
+    """Re-time the baseline after pending[index]? Every `every` cells, and after the last cell of a prompt."""
+    last_of_prompt = index + 1 == len(pending) or pending[index + 1][1].id != pending[index][1].id
+    return since_check >= every or last_of_prompt
 
 
 def _record_params(store: ResultsStore, runner: CellRunner, config: SweepConfig, target_name: str) -> None:
