@@ -7,7 +7,8 @@ study), hellaswag (sentence completion), math (ASDiv word problems) and
 questions (open chat questions: FiQA, HealthSearchQA, MedicationQA, LiveQA,
 TruthfulQA, NQ-open), which serves as training text for designed drafts.
 `mixed` interleaves all of them (code, summarization, chat, math, mmlu,
-commonsense). A user file holds one JSON object per line with `prompt` and optional
+commonsense); `heldout` interleaves code, summarization, chat and math prompts
+beyond those the shipped designed draft was trained on (the quick study's set). A user file holds one JSON object per line with `prompt` and optional
 `category` and `id`.
 """
 
@@ -113,8 +114,21 @@ def _mixed() -> list[Prompt]:
     return [p for group in zip_longest(*groups) for p in group if p is not None]
 
 
+# The prompts `scripts/build-draft.sh` trains the shipped designed draft on: the first N of each set.
+TRAINED_ON = (("humaneval", 60), ("xsum", 40), ("mt-bench", 40), ("math", 100))
+
+
+def _heldout() -> list[Prompt]:
+    """Code, summarization, chat (MT-Bench) and math prompts that the shipped designed draft never saw."""
+    groups = [load_prompts(name, skip=skip) for name, skip in TRAINED_ON]
+    groups = [[Prompt(p.id, "chat", p.text, p.chat) if name == "mt-bench" else p for p in group]
+              for (name, _), group in zip(TRAINED_ON, groups)]
+    return [p for group in zip_longest(*groups) for p in group if p is not None]
+
+
 DATASETS: dict[str, Callable[[], list[Prompt]]] = {
     "mixed": _mixed,
+    "heldout": _heldout,
     "mt-bench": _mt_bench,
     "humaneval": _humaneval,
     "xsum": _xsum,
@@ -169,11 +183,11 @@ def _prompt_of(row: dict, default_id: str) -> Prompt:
 
 
 def balanced(prompts: list[Prompt], limit: int | None) -> list[Prompt]:
-    """The first `limit` prompts taken round-robin over categories (all when limit is None)."""
-    if limit is None or limit >= len(prompts):
-        return prompts
+    """The first `limit` prompts taken round-robin over categories (all of them, in that order, when None).
+
+    The order never depends on `limit`, so `skip` after a limit and `skip` without one agree."""
     by_category: dict[str, list[Prompt]] = {}
     for prompt in prompts:
         by_category.setdefault(prompt.category, []).append(prompt)
     interleaved = [p for group in zip_longest(*by_category.values()) for p in group if p is not None]
-    return interleaved[:limit]
+    return interleaved if limit is None else interleaved[:limit]

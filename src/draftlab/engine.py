@@ -144,7 +144,7 @@ class SpeculativeEngine:
         budget = min(self.policy.next_k(), self._room(tokens, config))
         with watch.time("draft"):
             proposal = self.drafter.propose(tokens, budget, config.sampling, generator) if budget > 0 else Proposal([])
-        proposal = proposal.first(budget)
+        proposal = proposal.within(budget)  # K is the depth: a chain's length, a tree's levels
         block = Block.of(tokens[-1], proposal)
         with watch.time("target"):
             scores = self.target.score_block(block, with_hidden=self.reads_hidden)  # logits [n, V], hidden [n, D]
@@ -157,7 +157,7 @@ class SpeculativeEngine:
         return verdict.committed(proposal), len(proposal), verdict.num_accepted
 
     def _room(self, tokens, config) -> int:
-        """Most draft tokens worth proposing: a step commits at most k+1 tokens."""
+        """Deepest draft worth proposing: a step commits at most depth + 1 tokens."""
         generated = len(tokens) - self._prompt_len
         return max(0, min(config.max_new_tokens - generated, self.context_length - len(tokens)) - 1)
 

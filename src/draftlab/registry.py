@@ -9,6 +9,10 @@ HF reference runs alike. Spec grammar:
                               indices, ranges a-b and strided ranges a-b:s (0-3, 0-29:2, 0-3,26-29)
   model:NAME_OR_PATH          a separate draft model with the target's tokenizer, or a draft
                               directory (pruned or feature draft: its record names the format)
+  designed                    the designed draft shipped for the target (`drafters/shipped.py`), SHA256-checked
+  tree:SHAPE:SPEC             a token tree grown by drafter SPEC (one with logits: layers, model,
+                              designed); SHAPE is BxBx...[-N] (static) or dyn-T-N (dynamic), see
+                              `draftlab.drafters.tree`; K is then the tree's depth
 
 Adding a draft source is one file in `draftlab/drafters/` plus one entry in
 `DRAFTERS` (a spec kind) or `DRAFT_FORMATS` (a draft directory format).
@@ -27,10 +31,13 @@ from draftlab.drafters.files import draft_format
 from draftlab.drafters.layers import build_layer_draft
 from draftlab.drafters.model import ModelDrafter, check_compatible
 from draftlab.drafters.ngram import NGramDrafter
+from draftlab.drafters.shipped import shipped_draft
+from draftlab.drafters.tree import TreeDrafter, TreeShape
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel, ModelSpec, load_model
 
-SPEC_HELP = "none | ngram[:N|:A-B] | layers:0-3 (or 0,2,4 / 0-29:2) | model:NAME_OR_PATH"
+SPEC_HELP = ("none | ngram[:N|:A-B] | layers:0-3 (or 0,2,4 / 0-29:2) | model:NAME_OR_PATH | designed | "
+             "tree:SHAPE:SPEC")
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,8 @@ class DraftPlan:
     ngram: tuple[int, int] = (1, 3)  # (min_n, max_n)
     layers: tuple[int, ...] = ()
     model: str = ""
+    tree: TreeShape | None = None  # kind "tree": the shape, grown by `inner`
+    inner: "DraftPlan | None" = None
 
 
 @dataclass
@@ -62,6 +71,11 @@ def parse_drafter_spec(spec: str, num_layers: int | None = None) -> DraftPlan:
         return DraftPlan("layers", layers=tuple(parse_layers(arg, num_layers)))
     if kind == "model" and arg:
         return DraftPlan("model", model=arg)
+    if kind == "designed" and not arg:
+        return DraftPlan("designed")
+    if kind == "tree" and ":" in arg:
+        shape, _, inner = arg.partition(":")
+        return DraftPlan("tree", tree=TreeShape.parse(shape), inner=parse_drafter_spec(inner, num_layers))
     raise DraftlabError(f"unknown drafter {spec!r}: use {SPEC_HELP}")
 
 
@@ -124,6 +138,20 @@ def _build_model(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDra
     return _model_draft(draft, backend)
 
 
+def _build_designed(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
+    built = _build_model(DraftPlan("model", model=str(shipped_draft(target.name))), target, backend)
+    built.drafter.name = "designed"
+    return built
+
+
+def _build_tree(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
+    inner = build_drafter(plan.inner, target, backend)
+    if not hasattr(inner.drafter, "tree_logits"):
+        raise DraftlabError(f"drafter {inner.drafter.name} has no logits to grow a tree from; "
+                            "use a model, layer or designed draft inside tree:SHAPE:SPEC")
+    return BuiltDraft(TreeDrafter(inner.drafter, plan.tree, target.vocab_size), inner.model)
+
+
 def _model_draft(draft: LoadedModel, backend: str) -> BuiltDraft:
     drafter = ModelDrafter(make_backend(draft.model, draft.device, backend, batch_invariant=False), name=draft.name)
     return BuiltDraft(drafter, draft)
@@ -146,6 +174,8 @@ DRAFTERS: dict[str, Callable[[DraftPlan, LoadedModel, str], BuiltDraft]] = {
     "ngram": _build_ngram,
     "layers": _build_layers,
     "model": _build_model,
+    "designed": _build_designed,
+    "tree": _build_tree,
 }
 DRAFT_FORMATS: dict[str, Callable[[str, LoadedModel, str], BuiltDraft]] = {
     pruned.FORMAT: _load_pruned,

@@ -53,6 +53,18 @@ class Proposal:
         """True when the tokens form one path."""
         return self.parents is None or self.parents == chain_parents(len(self.tokens))
 
+    def within(self, depth: int) -> "Proposal":
+        """The tokens at most `depth` levels deep (a chain's first `depth`): a step then commits at most depth + 1."""
+        if self.parents is None:
+            return self.first(depth)
+        kept = [i for i, level in enumerate(node_depths(self.parents)) if level <= depth]
+        if len(kept) == len(self.tokens):
+            return self
+        index = {old: new for new, old in enumerate(kept)}
+        parents = tuple(ROOT if self.parents[i] == ROOT else index[self.parents[i]] for i in kept)
+        probs = self.draft_probs[kept] if self.draft_probs is not None else None  # [m, V]
+        return Proposal([self.tokens[i] for i in kept], parents, probs)
+
     def first(self, budget: int) -> "Proposal":
         """The first `budget` tokens: still a tree, since parents come before their children."""
         if budget >= len(self.tokens):
@@ -104,6 +116,14 @@ class TreeLayout:
     depths: torch.Tensor  # [n] distance from the root; a token's position is cache_len + depth
     ancestors: torch.Tensor  # [n, n] bool: row i sees column j iff j is i or an ancestor of i
     children: tuple[tuple[int, ...], ...]  # [n] block indices of each token's children, in block order
+
+
+def node_depths(parents: tuple[int, ...]) -> list[int]:
+    """Each drafted token's level (1 for the children of the root) from its parents."""
+    levels: list[int] = []
+    for parent in parents:
+        levels.append(1 if parent == ROOT else levels[parent] + 1)
+    return levels
 
 
 def chain_parents(n: int) -> tuple[int, ...]:

@@ -43,6 +43,20 @@ def test_greedy_equals_autoregressive_fp32(target, baseline, drafter):
             assert result.token_ids == expected, f"{drafter} k={k}"
 
 
+@pytest.mark.parametrize("drafter", ["designed", "tree:2x2:designed", "tree:dyn-2-6@0.05:designed",
+                                     "tree:2:layers:0-3"])
+def test_designed_draft_and_trees_are_lossless(target, baseline, drafter):
+    """The shipped feature draft, chains and trees of it (and a tree of a layer draft): plain decoding's output."""
+    accepted = 0
+    for k in (1, 2, 4):
+        decoder = SpeculativeDecoder.from_names(target, drafter=drafter, k=k)
+        for prompt, expected in zip(PROMPTS, baseline):
+            result = decoder.generate(prompt, max_new_tokens=32)
+            assert result.token_ids == expected, f"{drafter} k={k}"
+            accepted += result.stats.accepted
+    assert accepted > 0
+
+
 def test_transformers_backend_gives_the_same_output(target, baseline):
     decoder = SpeculativeDecoder.from_names(target, drafter="ngram", k=4, backend="hf")
     assert decoder.generate(PROMPTS[0], max_new_tokens=32).token_ids == baseline[0]
@@ -56,7 +70,7 @@ def test_self_draft_accepts_everything(target):
     assert stats.acceptance_rate == 1.0 and stats.tokens_per_step == 5.0
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "layers:0-3"])
+@pytest.mark.parametrize("drafter", ["ngram", "layers:0-3", "designed", "tree:2x2:designed"])
 def test_greedy_equals_autoregressive_bf16_bit_for_bit(drafter):
     """In bf16 the fast backend scores blocks batch-invariantly: greedy output equals plain decoding exactly.
 
@@ -76,8 +90,8 @@ def test_greedy_equals_autoregressive_bf16_bit_for_bit(drafter):
             assert result.token_ids == reference, f"{drafter} k={k}"
             drafted, accepted = drafted + result.stats.drafted, accepted + result.stats.accepted
         assert drafted > 0, f"{drafter} k={k}: no multi-token block was scored"
-    if drafter == "ngram":
-        assert accepted > 0, "n-gram lookup accepted nothing: later block rows went unchecked"
+    if drafter in ("ngram", "designed", "tree:2x2:designed"):
+        assert accepted > 0, f"{drafter} accepted nothing: later block rows went unchecked"
 
 
 @pytest.mark.parametrize("dtype, expected", [("auto", DTYPES[auto_dtype("cpu")[0]]), ("fp32", torch.float32),

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from draftlab.api import encode_prompt, eos_ids
 from draftlab.datasets import load_prompts
 from draftlab.errors import DraftlabError
-from draftlab.models import LoadedModel
+from draftlab.models import DTYPES, LoadedModel, resolve_dtype_name
 
 TEXT = "text.pt"
 
@@ -53,13 +53,16 @@ def _selection(entry: str, limit: int | None) -> tuple[str, int, int | None]:
 
 
 def batched_generations(target: LoadedModel, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 24,
-                        dtype: torch.dtype = torch.bfloat16, progress: bool = True) -> list[list[int]]:
+                        dtype: torch.dtype | None = None, progress: bool = True) -> list[list[int]]:
     """Each prompt followed by the target's greedy continuation, generated in padded batches.
 
-    For training text only: batches run in `dtype` (bf16 uses the CPU's matrix units), so a
-    continuation may differ from batch-1 fp32 decoding at near-ties. The target is not touched
-    (a converted copy runs). Prompts are grouped by length to keep padding small.
+    For training text only: batches run in `dtype` (default: what `auto` picks on the target's
+    device, bf16 where the hardware multiplies it natively, else fp32), so a continuation may differ
+    from batch-1 decoding at near-ties. The target is not touched (a converted copy runs). Prompts are
+    grouped by length to keep padding small.
     """
+    if dtype is None:
+        dtype = DTYPES[resolve_dtype_name("auto", str(target.device))]
     model = copy.deepcopy(target.model).to(dtype).eval()
     pad = target.tokenizer.pad_token_id
     pad = pad if pad is not None else 0

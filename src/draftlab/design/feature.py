@@ -1,7 +1,7 @@
 """Training a feature draft (EAGLE-style) on the target's hidden states.
 
-The target runs once over the training text (in bf16 on a CPU with matrix
-units: ~2x fp32 here) and its final hidden states and greedy next tokens are
+The target runs once over the training text (in the dtype `auto` picks: bf16
+where the hardware multiplies it natively, else fp32) and its final hidden states and greedy next tokens are
 cached on disk (`features.pt`); training never runs the target again. For a
 pair window the draft sees real features f_0..f_{T-2} and tokens x_1..x_{T-1}
 and is trained on both of EAGLE's terms:
@@ -29,7 +29,7 @@ from draftlab.design.distill import windows
 from draftlab.design.training import LoopSettings, train
 from draftlab.errors import DraftlabError
 from draftlab.drafters.feature import FeatureDraft, save_feature_draft
-from draftlab.models import LoadedModel
+from draftlab.models import DTYPES, LoadedModel, resolve_dtype_name
 
 FEATURES = "features.pt"
 LOG = "train_log.jsonl"
@@ -50,15 +50,15 @@ class FeatureSettings:
     regression_weight: float = 1.0
     noise: float = 0.1  # uniform input-feature noise, as a fraction of the features' RMS
     held_out_fraction: float = 0.03
-    feature_dtype: str = "bf16"
+    feature_dtype: str = "auto"  # the target pass: auto (bf16 where native, else fp32), bf16 or fp32
 
     def __post_init__(self) -> None:
         if self.budget_s <= 0 or self.checkpoint_every_s <= 0:
             raise DraftlabError("budget and checkpoint interval must be positive")
         if self.seq_len < 3 or self.batch_size < 1:
             raise DraftlabError("seq_len >= 3 and batch_size >= 1 are required")
-        if self.feature_dtype not in ("bf16", "fp32"):
-            raise DraftlabError(f"feature dtype must be bf16 or fp32, not {self.feature_dtype!r}")
+        if self.feature_dtype not in ("auto", "bf16", "fp32"):
+            raise DraftlabError(f"feature dtype must be auto, bf16 or fp32, not {self.feature_dtype!r}")
 
 
 @torch.inference_mode()
@@ -90,7 +90,7 @@ def load_or_make_features(out: Path, target: LoadedModel, sequences: list[list[i
             return torch.load(path)
         except Exception as exc:
             raise DraftlabError(f"cannot read {path} ({exc}); delete it to recompute") from exc
-    dtype = torch.bfloat16 if settings.feature_dtype == "bf16" else torch.float32
+    dtype = DTYPES[resolve_dtype_name(settings.feature_dtype, str(target.device))]
     data = target_features(target, windows(sequences, settings.seq_len), dtype=dtype, progress=progress)
     tmp = path.with_suffix(".tmp")
     torch.save(data, tmp)

@@ -41,7 +41,7 @@ from torch import nn
 from draftlab.backends.numerics import causal_mask, rms_norm, rope, scatter_vocab
 from draftlab.drafters.base import draft_chain
 from draftlab.drafters.files import RECORD, WEIGHTS, check_target_vocab, draft_format, load_strict, read_draft_files
-from draftlab.step import Proposal
+from draftlab.step import Proposal, tree_layout
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel
 from draftlab.sampling import SamplingConfig, choose
@@ -88,11 +88,12 @@ class FeatureLayer(nn.Module):
         self.out_norm = nn.Parameter(torch.ones(d))
 
     def forward(self, features: torch.Tensor, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: "KVCache | None" = None) -> torch.Tensor:
+                cache: "KVCache | None" = None, visible: torch.Tensor | None = None) -> torch.Tensor:
         """Predicted next features [B, T, D] (normed) from features and embeddings [B, T, D].
 
         Without a cache the T positions attend causally among themselves (training);
-        with one, they are appended to it and attend to everything cached before them.
+        with one, they are appended to it and attend to everything cached before them,
+        or, given `visible` [T, cached + T] (a draft tree's mask), to exactly what it marks.
         """
         s = self.shape
         hidden = self.fc(torch.cat([features, embeds], dim=-1))  # [B, T, D]
@@ -105,7 +106,7 @@ class FeatureLayer(nn.Module):
         if cache is None:
             out = F.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True)
         else:
-            key, value, mask = cache.append(key, value)
+            key, value, mask = cache.append(key, value, visible)
             out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True)
         hidden = hidden + self.o_proj(out.transpose(1, 2).reshape(b, t, -1))  # [B, T, D]
         normed = rms_norm(hidden, self.post_norm, s.rms_norm_eps)
@@ -122,8 +123,8 @@ class KVCache:
         self.values = torch.zeros(size, dtype=dtype, device=device)
         self.length = 0
 
-    def append(self, key: torch.Tensor, value: torch.Tensor):
-        """Store [1, Hkv, n, hd] after the cached entries; all keys, values and the causal mask."""
+    def append(self, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor | None = None):
+        """Store [1, Hkv, n, hd] after the cached entries; all keys, values and the mask (`visible`, else causal)."""
         n = key.shape[2]
         start, end = self.length, self.length + n
         if end > self.keys.shape[2]:
@@ -131,7 +132,7 @@ class KVCache:
         self.keys[:, :, start:end] = key
         self.values[:, :, start:end] = value
         self.length = end
-        mask = causal_mask(start, n, key.device)
+        mask = causal_mask(start, n, key.device) if visible is None else visible.to(key.device)
         return self.keys[:, :, :end], self.values[:, :, :end], mask
 
 
@@ -157,6 +158,12 @@ class FeatureDraft:
         t = next_ids.shape[-1]
         embeds = F.embedding(next_ids, self.embed).to(features.dtype)
         return self.layer(features, embeds, self.cos[start : start + t], self.sin[start : start + t], cache)
+
+    def predict_tree(self, features: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
+                     cache: KVCache, visible: torch.Tensor) -> torch.Tensor:
+        """Predicted features [1, T, D] for tree pairs at `positions` [T], appended to `cache`, seeing `visible`."""
+        embeds = F.embedding(next_ids, self.embed).to(features.dtype)
+        return self.layer(features, embeds, self.cos[positions], self.sin[positions], cache, visible)
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """Draft logits over the cut vocabulary [..., V'] from (predicted or real) features [..., D]."""
@@ -210,8 +217,8 @@ def save_feature_draft(draft: FeatureDraft, out: str | Path, target_name: str,
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to(dtype).contiguous() for k, v in draft.layer.state_dict().items()}
-    state["vocab_map"] = draft.vocab_map.to(torch.int64)
+    state = {k: v.detach().to(dtype).cpu().contiguous() for k, v in draft.layer.state_dict().items()}
+    state["vocab_map"] = draft.vocab_map.to(torch.int64).cpu()
     tmp = out / (WEIGHTS + ".tmp")
     save_file(state, str(tmp))
     tmp.replace(out / WEIGHTS)
@@ -291,6 +298,46 @@ class FeatureDrafter:
         self._last = features[-1:]  # [1, D]
         pick = lambda logits: self._choose(logits, sampling, generator)  # noqa: E731
         return draft_chain(self.draft.logits(self._last[-1]), k, pick, self._advance)
+
+    @property
+    def vocab_map(self) -> torch.Tensor:
+        """[V'] target token id of each draft logit row."""
+        return self.draft.vocab_map
+
+    @torch.inference_mode()
+    def root_logits(self, context: Sequence[int]) -> torch.Tensor | None:
+        """Tree drafting: anchor on the newest real features; draft logits [V'] after `context`, or None."""
+        features = self._anchor(context)  # [n, D]
+        if features is None:
+            return None
+        self._root = features[-1]  # [D]
+        self._tree_slots: dict[int, int] = {}  # tree node -> cache slot
+        self._tree_features: dict[int, torch.Tensor] = {}  # tree node -> its predicted features [D]
+        return self.draft.logits(self._root)
+
+    @torch.inference_mode()
+    def tree_logits(self, tokens: list[int], parents: tuple[int, ...], rows: list[int]) -> torch.Tensor:
+        """Tree drafting: feed the pairs of nodes `rows` (each after its parent's predicted features).
+
+        Each row goes into the draft cache at position anchored + depth and sees
+        the anchored pairs, its ancestors' pairs and its own; logits [len(rows), V'].
+        """
+        layout = tree_layout(tuple(parents))
+        start = self._cache.length
+        for offset, row in enumerate(rows):
+            self._tree_slots[row] = start + offset
+        features = torch.stack([self._tree_features.get(parents[r], self._root) for r in rows])[None]  # [1, T, D]
+        ids = torch.tensor([[tokens[r] for r in rows]], device=features.device)  # [1, T]
+        positions = (self._anchored + layout.depths[rows]).to(features.device)  # [T]
+        visible = torch.zeros(len(rows), start + len(rows), dtype=torch.bool)  # [T, cached + T]
+        visible[:, : self._anchored] = True
+        for i, row in enumerate(rows):
+            seen = layout.ancestors[row].nonzero()[:, 0].tolist()  # the row and its ancestors
+            visible[i, [self._tree_slots[j] for j in seen]] = True
+        predicted = self.draft.predict_tree(features, ids, positions, self._cache, visible)[0]  # [T, D]
+        for i, row in enumerate(rows):
+            self._tree_features[row] = predicted[i]
+        return self.draft.logits(predicted)
 
     def _advance(self, token: int) -> torch.Tensor:
         """Feed (last predicted features, drafted token) as a speculative pair; draft logits [V'] after it."""

@@ -12,7 +12,7 @@ from draftlab.drafters.base import BlindDrafter, draft_chain
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel
 from draftlab.sampling import choose
-from draftlab.step import Proposal
+from draftlab.step import Block, Proposal
 
 
 class ModelDrafter(BlindDrafter):
@@ -46,6 +46,23 @@ class ModelDrafter(BlindDrafter):
         proposal = draft_chain(logits, k, lambda row: self._choose(row, sampling, generator), self._advance)
         self._stable = len(context)
         return proposal
+
+    def root_logits(self, context: Sequence[int]) -> torch.Tensor:
+        """Tree drafting: catch up with `context`; draft logits [V'] after it."""
+        logits = self._catch_up(context)  # [V']
+        self._stable = len(context)
+        return logits
+
+    def tree_logits(self, tokens: list[int], parents: tuple[int, ...], rows: list[int]) -> torch.Tensor:
+        """Tree drafting: score the tree so far after the context in one pass; logits [len(rows), V'].
+
+        The whole tree is re-scored (a tree mask over the cache) and then rolled
+        back, so the draft cache again holds exactly the context.
+        """
+        base = self.backend.cache_len
+        scores = self.backend.score_block(Block(list(tokens), tuple(parents)))  # logits [n, V']
+        self.backend.rollback(base)
+        return scores.logits[rows]
 
     def _advance(self, token: int) -> torch.Tensor:
         """Feed one drafted token; the draft's logits [V] after it."""

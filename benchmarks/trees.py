@@ -1,0 +1,76 @@
+"""Chains against token trees and the confidence stop, for one draft, on the same prompts in one run.
+
+Runs the sweep (our engine, baseline re-timed between cells) over the draft as
+a chain at K = 1..K_max and over each tree spec at each depth, then prints per
+configuration: tok/s, speedup against the baseline closest in time, tokens per
+step, drafted tokens per step (a tree's node count), and identical outputs.
+Last line: JSON.
+
+    python benchmarks/trees.py --draft designed --trees 2 3x1 2x2 dyn-2-6 1@0.3 --depths 1 2 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from draftlab.study.report import summarize
+from draftlab.study.store import ResultsStore
+from draftlab.study.sweep import SweepConfig, run_sweep
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--draft", default="designed", help="a drafter spec with logits (designed, layers:..., model:...)")
+    parser.add_argument("--trees", nargs="+", default=["2", "3x1", "2x2", "dyn-2-6", "1@0.3"])
+    parser.add_argument("--depths", nargs="+", type=int, default=[1, 2, 3])
+    parser.add_argument("--dataset", default="heldout")
+    parser.add_argument("--limit", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--db", default=None)
+    args = parser.parse_args()
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    specs = [args.draft] + [f"tree:{shape}:{args.draft}" for shape in args.trees]
+    db = Path(args.db) if args.db else Path(tempfile.mkdtemp()) / "trees.sqlite"
+    config = SweepConfig(targets=(args.target,), drafters=tuple(specs), ks=tuple(args.depths), methods=("sps",),
+                         datasets=(args.dataset,), limit=args.limit, max_new_tokens=args.max_new_tokens,
+                         dtype=args.dtype)
+    store = ResultsStore(db)
+    run_sweep(config, store)
+    rows, checks = store.rows(), store.baseline_checks()
+    store.close()
+    cells = [s for s in summarize(rows, checks) if s.method == "sps"]
+    ar = next(s for s in summarize(rows, checks) if s.method == "ar")
+    print(f"target={args.target} dtype={args.dtype} dataset={args.dataset} prompts={args.limit} "
+          f"max_new_tokens={args.max_new_tokens}; autoregressive {ar.tokens_per_s:.1f} tok/s")
+    print(f"{'drafter':<34}{'K':>3}{'tok/s':>8}{'speedup':>9}{'tokens/step':>12}{'drafted/step':>13}{'identical':>10}")
+    results = []
+    for s in sorted(cells, key=lambda s: (specs.index(s.drafter), s.k)):
+        drafted = _drafted_per_step(rows, s.drafter, s.k)
+        print(f"{s.drafter:<34}{s.k:>3}{s.tokens_per_s:>8.1f}{s.speedup:>8.2f}x{s.tokens_per_step:>12.2f}"
+              f"{drafted:>13.2f}{s.identical:>7}/{s.prompts}")
+        results.append({"drafter": s.drafter, "k": s.k, "tokens_per_s": s.tokens_per_s, "speedup": s.speedup,
+                        "tokens_per_step": s.tokens_per_step, "drafted_per_step": drafted,
+                        "identical": s.identical, "prompts": s.prompts})
+    best = max(results, key=lambda r: r["speedup"])
+    print(f"best: {best['drafter']} K={best['k']} at {best['speedup']:.2f}x plain decoding")
+    print("reproduce: python " + " ".join(sys.argv))
+    print(json.dumps({"autoregressive_tokens_per_s": ar.tokens_per_s, "cells": results, "db": str(db)}))
+
+
+def _drafted_per_step(rows: list[dict], drafter: str, k: int) -> float:
+    """Tokens drafted per step (a tree's node count) over the records of one configuration."""
+    mine = [r for r in rows if r["drafter"] == drafter and r["k"] == k and r["method"] == "sps"]
+    return sum(r["drafted"] for r in mine) / max(1, sum(r["steps"] for r in mine))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,282 @@
+"""Token trees: any drafter with logits proposes several branches, verified by the target in one pass.
+
+When the draft's first guess is wrong its second is often right; a tree
+drafts both and the target's single pass (tree attention mask, `draftlab.step`)
+scores every branch. `TreeDrafter` wraps a `TreeSource` (a drafter that can
+give its logits after any node of a tree: `ModelDrafter`, `FeatureDrafter`)
+and grows the tree level by level; K is the tree's depth.
+
+Shapes (`TreeShape.parse`):
+
+  B1xB2x...   static: every node at depth d gets B_d children (the last B
+              repeats for deeper levels), e.g. `3x2x1`: 3 first tokens, 2
+              continuations of each, then chains.
+  dyn-T-N     dynamic (EAGLE-2's expansion): at each depth the T nodes of the
+              newest level with the highest cumulative draft probability get
+              T children each, until the tree holds N nodes.
+
+A static shape may end in `-N` too (`3x2x1-10`): the node budget, filled in
+order of cumulative draft probability. Any shape may end in `@P`: the
+confidence stop; a node whose cumulative draft probability is below P is
+drafted but not expanded (`1@0.3` is a chain that stops once the drafted
+sequence's likelihood falls below 0.3, up to K tokens). `@auto` moves the
+threshold with what the target accepts (`AdaptiveStop`): down after a step
+whose deepest drafted path was accepted whole, up after a rejection.
+
+Lossless in both modes. Greedy verification follows the target's argmax
+through any tree, so children are the draft's top tokens. Under sampling a
+node's children are drawn from the draft's distribution *without
+replacement* and each carries the distribution it was drawn from (the draft's,
+with the earlier siblings removed): the verifier's multi-candidate rejection
+sampling over those rows is recursive rejection sampling without replacement,
+which keeps the target's distribution exactly. The number of children of a
+node is decided before they are drawn (from the shape, the budget and the
+cumulative probability of the node and its ancestors), never from the drawn
+children's own values; pruning after drawing would bias the output.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+from draftlab.backends.numerics import scatter_vocab
+from draftlab.errors import DraftlabError
+from draftlab.sampling import SamplingConfig, logits_to_probs
+from draftlab.step import ROOT, Proposal, node_depths
+
+SHAPE_HELP = ("BxBx... (static branching per depth, optional -N node budget) or dyn-T-N (dynamic, EAGLE-2), "
+              "either optionally with @P (confidence stop)")
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """How a tree grows: static branching per depth, or dynamic expansion of the most probable nodes."""
+
+    branching: tuple[int, ...] = (2,)  # children per node at depth 0, 1, ... (the last repeats); static shapes
+    expand: int = 0  # dynamic shapes: nodes expanded per level, each with `expand` children; 0: static
+    nodes: int = 0  # node budget; 0: no budget
+    min_prob: float = 0.0  # confidence stop: nodes less likely than this (cumulatively) are not expanded
+    adaptive: bool = False  # the stop moves with acceptance, starting at min_prob
+
+    def __post_init__(self) -> None:
+        if self.expand < 0 or self.nodes < 0 or not self.branching or min(self.branching) < 1:
+            raise DraftlabError(f"bad tree shape {self}: branching >= 1, expand and nodes >= 0")
+        if not 0.0 <= self.min_prob < 1.0:
+            raise DraftlabError(f"a tree's confidence stop must be in [0, 1), got {self.min_prob}")
+        if self.expand and not self.nodes:
+            raise DraftlabError("a dynamic tree needs a node budget (dyn-T-N)")
+
+    @classmethod
+    def parse(cls, text: str) -> "TreeShape":
+        """'3x2x1', '3x2x1-10', 'dyn-2-8', each optionally with '@P' (see the module docstring)."""
+        try:
+            text, _, stop = text.partition("@")
+            adaptive = stop == "auto"
+            min_prob = AdaptiveStop.START if adaptive else float(stop) if stop else 0.0
+            if text.startswith("dyn-"):
+                expand, nodes = (int(x) for x in text.removeprefix("dyn-").split("-"))
+                return cls((expand,), expand, nodes, min_prob, adaptive)
+            shape, _, budget = text.partition("-")
+            return cls(tuple(int(b) for b in shape.split("x")), 0, int(budget) if budget else 0, min_prob, adaptive)
+        except ValueError as exc:
+            raise DraftlabError(f"bad tree shape {text!r}: use {SHAPE_HELP}") from exc
+
+    def __str__(self) -> str:
+        if self.expand:
+            text = f"dyn-{self.expand}-{self.nodes}"
+        else:
+            shape = "x".join(map(str, self.branching))
+            text = f"{shape}-{self.nodes}" if self.nodes else shape
+        if self.adaptive:
+            return f"{text}@auto"
+        return f"{text}@{self.min_prob:g}" if self.min_prob else text
+
+    def children(self, depth: int) -> int:
+        """Children of each expanded node at this depth (0: the root)."""
+        return self.expand or self.branching[min(depth, len(self.branching) - 1)]
+
+
+class TreeSource(Protocol):
+    """A drafter that can give its logits after any node of a draft tree."""
+
+    name: str
+    reads_target_hidden: bool
+    vocab_map: torch.Tensor | None  # [V'] target id of each draft logit row; None: the target's vocabulary
+
+    def begin(self, prompt_ids: Sequence[int]) -> None: ...
+
+    def observe(self, target_hidden: torch.Tensor) -> None: ...
+
+    def root_logits(self, context: Sequence[int]) -> torch.Tensor | None:
+        """Draft logits [V'] for the token after `context`; None when there is nothing to draft from."""
+        ...
+
+    def tree_logits(self, tokens: list[int], parents: tuple[int, ...], rows: list[int]) -> torch.Tensor:
+        """Draft logits [len(rows), V'] after tree nodes `rows`; tokens (target ids) and parents: the tree so far."""
+        ...
+
+
+@dataclass
+class _Node:
+    token: int  # target token id
+    parent: int  # index into the node list, ROOT for the first level
+    logprob: float  # cumulative draft log-probability from the root
+    depth: int  # 0 for the first level
+    probs: torch.Tensor | None  # [V'] the distribution this token was drawn from (sampling); None: greedy
+
+
+class AdaptiveStop:
+    """A confidence stop that moves with acceptance: lower after a step whose deepest drafted path the
+    target accepted whole (draft further), higher after a rejection (stop sooner). The threshold of a
+    step depends only on earlier steps' outcomes, so verification stays lossless."""
+
+    START, DOWN, UP, LOW, HIGH = 0.3, 0.7, 1.25, 0.01, 0.9
+
+    def __init__(self, start: float) -> None:
+        self.start = start
+        self.begin()
+
+    def begin(self) -> None:
+        """A new sequence: the starting threshold, no pending proposal."""
+        self.threshold = self.start
+        self._pending: tuple[int, list[int], tuple[int, ...]] | None = None  # context length, tokens, parents
+
+    def proposed(self, context_len: int, proposal: Proposal) -> None:
+        """Remember the tree just proposed after `context_len` committed tokens."""
+        self._pending = (context_len, proposal.tokens, proposal.tree) if len(proposal) else None
+
+    def update(self, context: Sequence[int]) -> None:
+        """Read what the target kept of the pending tree from the new context, and move the threshold."""
+        if self._pending is None:
+            return
+        start, tokens, parents = self._pending
+        committed = list(context[start:])
+        node, accepted = ROOT, 0
+        while accepted < len(committed):
+            node = next((i for i, p in enumerate(parents) if p == node and tokens[i] == committed[accepted]), None)
+            if node is None:
+                break
+            accepted += 1
+        deepest = max(node_depths(parents))
+        factor = self.DOWN if accepted >= deepest else self.UP
+        self.threshold = min(self.HIGH, max(self.LOW, self.threshold * factor))
+        self._pending = None
+
+
+class TreeDrafter:
+    """Wraps a `TreeSource`: proposes a tree of the given shape whose depth is K."""
+
+    def __init__(self, source: TreeSource, shape: TreeShape, target_vocab_size: int) -> None:
+        self.source, self.shape, self.target_vocab_size = source, shape, target_vocab_size
+        self.name = f"tree:{shape}:{source.name}"
+        self.reads_target_hidden = source.reads_target_hidden
+        self.stop = AdaptiveStop(shape.min_prob) if shape.adaptive else None
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        """Start the source on a new sequence."""
+        self.source.begin(prompt_ids)
+        if self.stop is not None:
+            self.stop.begin()
+
+    @property
+    def min_prob(self) -> float:
+        """The confidence stop in force for the next proposal."""
+        return self.stop.threshold if self.stop is not None else self.shape.min_prob
+
+    def observe(self, target_hidden: torch.Tensor) -> None:
+        """Pass the target's hidden states on to the source."""
+        self.source.observe(target_hidden)
+
+    @torch.inference_mode()
+    def propose(self, context, k, sampling: SamplingConfig, generator) -> Proposal:
+        """A tree of depth <= k grown from the source's logits."""
+        if self.stop is not None:
+            self.stop.update(context)
+        proposal = self._grow(context, k, sampling, generator)
+        if self.stop is not None:
+            self.stop.proposed(len(context), proposal.within(k))
+        return proposal
+
+    def _grow(self, context, k, sampling, generator) -> Proposal:
+        logits = self.source.root_logits(context)  # [V']
+        if logits is None or k < 1:
+            return Proposal([])
+        nodes: list[_Node] = []
+        frontier, frontier_logits = [ROOT], logits[None]  # [1, V']
+        for depth in range(k):
+            new = self._grow_level(nodes, frontier, frontier_logits, depth, sampling, generator)
+            frontier = self._to_expand(nodes, new)
+            if not frontier or depth + 1 == k:
+                break
+            tokens, parents = [n.token for n in nodes], tuple(n.parent for n in nodes)
+            frontier_logits = self.source.tree_logits(tokens, parents, frontier)  # [f, V']
+        return self._proposal(nodes)
+
+    def _grow_level(self, nodes, frontier, frontier_logits, depth, sampling, generator) -> list[int]:
+        """Draw the children of each frontier node (most probable parents first, within the budget)."""
+        new: list[int] = []
+        for index, logits in zip(frontier, frontier_logits):
+            count = min(self.shape.children(depth), self._room(nodes))
+            if count <= 0:
+                break
+            base = nodes[index].logprob if index != ROOT else 0.0
+            for row, logprob, probs in draw_children(logits.float(), count, sampling, generator):
+                nodes.append(_Node(self._target_id(row), index, base + logprob, depth, probs))
+                new.append(len(nodes) - 1)
+        return new
+
+    def _target_id(self, row: int) -> int:
+        """The target token id of draft logit row `row`."""
+        vocab_map = self.source.vocab_map
+        return row if vocab_map is None else int(vocab_map[row])
+
+    def _room(self, nodes: list[_Node]) -> int:
+        return self.shape.nodes - len(nodes) if self.shape.nodes else 1 << 30
+
+    def _to_expand(self, nodes: list[_Node], level: list[int]) -> list[int]:
+        """The newest level's nodes to expand, most probable first: those above the confidence stop
+        (dynamic shapes keep the best `expand` of them)."""
+        floor = math.log(self.min_prob) if self.min_prob else -math.inf
+        ranked = sorted((i for i in level if nodes[i].logprob >= floor), key=lambda i: (-nodes[i].logprob, i))
+        return ranked[: self.shape.expand] if self.shape.expand else ranked
+
+    def _proposal(self, nodes: list[_Node]) -> Proposal:
+        """Nodes in topological order as a proposal in target token ids."""
+        vocab_map = self.source.vocab_map
+        tokens = [n.token for n in nodes]
+        parents = tuple(n.parent for n in nodes)
+        if not nodes or nodes[0].probs is None:  # greedy: one-hot drafts
+            return Proposal(tokens, parents)
+        rows = [n.probs if vocab_map is None else scatter_vocab(n.probs, vocab_map, self.target_vocab_size)
+                for n in nodes]
+        return Proposal(tokens, parents, torch.stack(rows))  # draft_probs [n, V]
+
+
+def draw_children(logits: torch.Tensor, count: int, sampling: SamplingConfig,
+                  generator: torch.Generator | None) -> list[tuple[int, float, torch.Tensor | None]]:
+    """Up to `count` distinct tokens from draft logits [V']: (token, log-probability, drawn-from row or None).
+
+    Greedy: the top tokens. Sampling: drawn one after another without
+    replacement; each row is the distribution its token was drawn from.
+    """
+    if sampling.greedy:
+        logprobs = torch.log_softmax(logits, dim=-1)  # [V']
+        top = torch.topk(logprobs, min(count, logprobs.shape[-1]))
+        return [(int(t), float(lp), None) for t, lp in zip(top.indices, top.values)]
+    probs = logits_to_probs(logits, sampling)  # [V']
+    drawn: list[tuple[int, float, torch.Tensor | None]] = []
+    remaining = probs
+    for _ in range(count):
+        total = float(remaining.sum())
+        if total <= 0:
+            break
+        row = remaining / total  # [V'] what this child is drawn from
+        token = int(torch.multinomial(row, 1, generator=generator))
+        drawn.append((token, math.log(max(float(probs[token]), 1e-30)), row))
+        remaining = remaining.clone()
+        remaining[token] = 0.0
+    return drawn
