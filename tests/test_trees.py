@@ -36,7 +36,7 @@ def test_shapes_parse_and_print():
     assert TreeShape.parse("2@auto") == TreeShape((2,), min_prob=0.3, adaptive=True)
     for text in ("3x2x1", "3x2x1-10", "dyn-2-8", "1", "1@0.3", "dyn-2-8@0.05", "2@auto"):
         assert str(TreeShape.parse(text)) == text
-    assert TreeShape.parse("3x2").children(5) == 2  # the last branching repeats
+    assert TreeShape.parse("3x2").children(1) == 2 and TreeShape.parse("3x2").children(5) == 1  # then chains
     for bad in ("", "3x", "dyn-2", "0x2", "dyn-x-3", "a", "1@1.5", "2@x"):
         with pytest.raises(DraftlabError):
             TreeShape.parse(bad)

@@ -8,8 +8,8 @@ and grows the tree level by level; K is the tree's depth.
 
 Shapes (`TreeShape.parse`):
 
-  B1xB2x...   static: every node at depth d gets B_d children (the last B
-              repeats for deeper levels), e.g. `3x2x1`: 3 first tokens, 2
+  B1xB2x...   static: every node at depth d gets B_d children (deeper levels
+              continue as chains), e.g. `3x2x1`: 3 first tokens, 2
               continuations of each, then chains.
   dyn-T-N     dynamic (EAGLE-2's expansion): at each depth the T nodes of the
               newest level with the highest cumulative draft probability get
@@ -56,7 +56,7 @@ SHAPE_HELP = ("BxBx... (static branching per depth, optional -N node budget) or 
 class TreeShape:
     """How a tree grows: static branching per depth, or dynamic expansion of the most probable nodes."""
 
-    branching: tuple[int, ...] = (2,)  # children per node at depth 0, 1, ... (the last repeats); static shapes
+    branching: tuple[int, ...] = (2,)  # children per node at depth 0, 1, ... (then 1: chains); static shapes
     expand: int = 0  # dynamic shapes: nodes expanded per level, each with `expand` children; 0: static
     nodes: int = 0  # node budget; 0: no budget
     min_prob: float = 0.0  # confidence stop: nodes less likely than this (cumulatively) are not expanded
@@ -97,7 +97,7 @@ class TreeShape:
 
     def children(self, depth: int) -> int:
         """Children of each expanded node at this depth (0: the root)."""
-        return self.expand or self.branching[min(depth, len(self.branching) - 1)]
+        return self.expand or (self.branching[depth] if depth < len(self.branching) else 1)
 
 
 class TreeSource(Protocol):
