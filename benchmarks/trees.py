@@ -47,8 +47,9 @@ def main() -> None:
     run_sweep(config, store)
     rows, checks = store.rows(), store.baseline_checks()
     store.close()
-    cells = [s for s in summarize(rows, checks) if s.method == "sps"]
-    ar = next(s for s in summarize(rows, checks) if s.method == "ar")
+    summaries = [s for s in summarize(rows, checks) if s.dataset == args.dataset]  # not the 'all' duplicates
+    cells = [s for s in summaries if s.method == "sps"]
+    ar = next(s for s in summaries if s.method == "ar")
     print(f"target={args.target} dtype={args.dtype} dataset={args.dataset} prompts={args.limit} "
           f"max_new_tokens={args.max_new_tokens}; autoregressive {ar.tokens_per_s:.1f} tok/s")
     print(f"{'drafter':<34}{'K':>3}{'tok/s':>8}{'speedup':>9}{'tokens/step':>12}{'drafted/step':>13}{'identical':>10}")
