@@ -120,10 +120,7 @@ class TreeLayout:
 
 def node_depths(parents: tuple[int, ...]) -> list[int]:
     """Each drafted token's level (1 for the children of the root) from its parents."""
-    levels: list[int] = []
-    for parent in parents:
-        levels.append(1 if parent == ROOT else levels[parent] + 1)
-    return levels
+    return (tree_layout(tuple(parents)).depths + 1).tolist()
 
 
 def chain_parents(n: int) -> tuple[int, ...]:

@@ -60,7 +60,7 @@ class ModelDrafter(BlindDrafter):
         back, so the draft cache again holds exactly the context.
         """
         base = self.backend.cache_len
-        scores = self.backend.score_block(Block(list(tokens), tuple(parents)))  # logits [n, V']
+        scores = self.backend.score_block(Block(list(tokens), parents))  # logits [n, V']
         self.backend.rollback(base)
         return scores.logits[rows]
 

@@ -125,7 +125,6 @@ class _Node:
     token: int  # target token id
     parent: int  # index into the node list, ROOT for the first level
     logprob: float  # cumulative draft log-probability from the root
-    depth: int  # 0 for the first level
     probs: torch.Tensor | None  # [V'] the distribution this token was drawn from (sampling); None: greedy
 
 
@@ -225,7 +224,7 @@ class TreeDrafter:
                 break
             base = nodes[index].logprob if index != ROOT else 0.0
             for row, logprob, probs in draw_children(logits.float(), count, sampling, generator):
-                nodes.append(_Node(self._target_id(row), index, base + logprob, depth, probs))
+                nodes.append(_Node(self._target_id(row), index, base + logprob, probs))
                 new.append(len(nodes) - 1)
         return new
 
