@@ -8,11 +8,15 @@ Runs, on the same prompts and in one process:
 then prints the best cell of the sweep, the cell the tuner picked, the regret
 (how much slower the pick measured in the sweep than the best cell), the
 ratio of wall times, and the model's errors against the sweep.
+  3. when the pick is not the sweep's best, a head-to-head check: both cells and
+     plain decoding re-run interleaved on the same prompts (`--confirm` rounds),
+     since the best of many single-shot cells is biased upward by their noise
+     (the winner's curse); the confirmed regret is printed beside the sweep's.
 The last line of stdout is one JSON document.
 
     python benchmarks/tune_vs_sweep.py --drafts ngram ngram:2-4 layers:0-3 --limit 2
     python benchmarks/tune_vs_sweep.py --drafts ngram layers:0-3 --dataset my_prompts.jsonl --limit 4
-    python benchmarks/tune_vs_sweep.py --drafts ngram ngram:2-4 layers:0-3 --limit 2 --budget-share 0.2
+    python benchmarks/tune_vs_sweep.py --drafts ngram ngram:2-4 layers:0-3 --limit 2 --budget-share 0  # no budget
 """
 
 from __future__ import annotations
@@ -42,8 +46,11 @@ def main() -> None:
     parser.add_argument("--k-max", type=int, default=7)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--budget", type=float, default=None, help="tune's time budget in seconds")
-    parser.add_argument("--budget-share", type=float, default=None,
-                        help="tune's budget as a share of the sweep's measured time (e.g. 0.2); --budget wins")
+    parser.add_argument("--budget-share", type=float, default=0.2,
+                        help="tune's budget as a share of the sweep's measured time (default 0.2, inside the 25%% "
+                             "target; 0: no budget); --budget wins")
+    parser.add_argument("--confirm", type=int, default=2,
+                        help="interleaved rounds of the head-to-head check of pick vs sweep best (0: none)")
     parser.add_argument("--db", default=None, help="keep the sweep database here (default: a temporary file)")
     args = parser.parse_args()
     from transformers.utils import logging as hf_logging
@@ -71,15 +78,20 @@ def main() -> None:
     rec, profile, _ = tune(target, args.drafts, prompts, settings, TuneSettings(budget_s=budget))
     tune_s = time.perf_counter() - start
 
-    cells = {(s.drafter, s.k): s for s in summarize(rows) if s.method == "sps" and s.dataset == "all"}
+    summaries = [s for s in summarize(rows) if s.dataset == "all"]
+    ar = next(s for s in summaries if s.method == "ar")
+    cells = {(s.drafter, s.k): s for s in summaries if s.method == "sps"}
+    cells[("none", 0)] = ar  # plain decoding is a configuration too: the best when no draft pays
     best = max(cells.values(), key=lambda s: s.tokens_per_s)
-    ar = next(s for s in summarize(rows) if s.method == "ar" and s.dataset == "all")
     picked = cells.get((rec.draft, rec.k))
     picked_tps = picked.tokens_per_s if picked else ar.tokens_per_s
     regret = best.tokens_per_s / picked_tps - 1.0
     errors = error_summary(compare(profile, rows))
+    confirmed = None
+    if args.confirm and (best.drafter, best.k) != (rec.draft, rec.k):
+        confirmed = head_to_head(target, (best.drafter, best.k), (rec.draft, rec.k), prompts, settings, args.confirm)
     print(f"target={args.target} dataset={args.dataset} prompts={args.limit} K=1..{args.k_max} drafts={' '.join(args.drafts)}")
-    print(f"exhaustive sweep: {len(cells)} cells in {sweep_s:.0f}s; best {best.drafter} K={best.k}: "
+    print(f"exhaustive sweep: {len(cells) - 1} cells in {sweep_s:.0f}s; best {best.drafter} K={best.k}: "
           f"{best.tokens_per_s:.1f} tok/s ({best.speedup:.2f}x over AR {ar.tokens_per_s:.1f})")
     raced = f"{rec.measured_speedup:.2f}x in its race" if rec.measured_speedup else "not raced"
     print(f"tune: budget {'none' if budget is None else f'{budget:.0f}s'}; picked {rec.draft} K={rec.k} in {tune_s:.0f}s (predicted {rec.predicted_tokens_per_s:.1f} tok/s, "
@@ -87,6 +99,12 @@ def main() -> None:
     for note in rec.notes:
         print(f"tune note: {note}")
     print(f"regret {regret:.1%} (target <= 5%), tune time / sweep time {tune_s / sweep_s:.1%} (target <= 25%)")
+    if confirmed is not None:
+        print(f"head-to-head ({args.confirm} interleaved rounds on the same prompts): sweep best "
+              f"{confirmed['best_speedup']:.3f}x, pick {confirmed['picked_speedup']:.3f}x plain decoding; "
+              f"confirmed regret {confirmed['regret']:.1%}")
+    else:
+        print("head-to-head: not needed (the pick is the sweep's best)" if args.confirm else "head-to-head: skipped")
     print(f"model vs sweep (decode tok/s): simplified mean {errors['simplified_mean_error']:.1%} max "
           f"{errors['simplified_max_error']:.1%}; Leviathan mean {errors['leviathan_mean_error']:.1%} max "
           f"{errors['leviathan_max_error']:.1%}; measured inside the predicted interval in "
@@ -94,7 +112,25 @@ def main() -> None:
     print("reproduce: python " + " ".join(sys.argv))
     print(json.dumps({"sweep_s": sweep_s, "tune_s": tune_s, "best": [best.drafter, best.k, best.tokens_per_s],
                       "picked": [rec.draft, rec.k, picked_tps], "regret": regret, "time_ratio": tune_s / sweep_s,
-                      "errors": errors, "db": str(db)}))
+                      "confirmed": confirmed, "errors": errors, "db": str(db)}))
+
+
+def head_to_head(target, best: tuple[str, int], picked: tuple[str, int], prompts, settings, rounds: int) -> dict:
+    """Re-measure the sweep's best and the pick beside plain decoding, interleaved, on the same prompts."""
+    from draftlab.api import SpeculativeDecoder, encode_prompt
+    from draftlab.perf.tuner import PLAIN, run_interleaved
+
+    keys = list(dict.fromkeys([PLAIN, best, picked]))
+    decoders = {key: SpeculativeDecoder.from_names(target, drafter=key[0], k=max(key[1], 1), backend=settings.backend)
+                for key in keys}
+    encoded = [encode_prompt(target.tokenizer, p.text, p.chat) for p in prompts]
+    totals = {key: [0, 0.0] for key in keys}
+    per_prompt = {key: [] for key in keys}
+    for _ in range(rounds):
+        run_interleaved(decoders, keys, encoded, settings.max_new_tokens, totals, per_prompt)
+    speed = {key: tokens / seconds for key, (tokens, seconds) in totals.items()}
+    return {"best_speedup": speed[best] / speed[PLAIN], "picked_speedup": speed[picked] / speed[PLAIN],
+            "regret": speed[best] / speed[picked] - 1.0, "rounds": rounds}
 
 
 if __name__ == "__main__":

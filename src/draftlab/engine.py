@@ -124,10 +124,10 @@ class SpeculativeEngine:
         self._prefill(tokens, watch)
         new: list[int] = []
         while not stats.stop_reason:
-            committed, num_drafted, num_accepted = self._step(tokens, config, generator, watch)
+            committed, levels, num_accepted = self._step(tokens, config, generator, watch)
             kept, stats.stop_reason = self._commit(committed, new, stop)
             # A stop inside the block drops what follows it: count only accepted tokens that were kept.
-            stats.record_step(num_drafted, min(num_accepted, len(kept)))
+            stats.record_step(levels, min(num_accepted, len(kept)))
             tokens.extend(kept)
             if on_tokens is not None:
                 on_tokens(kept)
@@ -139,8 +139,8 @@ class SpeculativeEngine:
         text = self.decode(new) if self.decode is not None else ""
         return GenerationResult(new, text, stats)
 
-    def _step(self, tokens, config, generator, watch) -> tuple[list[int], int, int]:
-        """One draft-verify step: the tokens it commits (accepted + recovered/bonus), drafted and accepted counts."""
+    def _step(self, tokens, config, generator, watch) -> tuple[list[int], list[int], int]:
+        """One draft-verify step: the tokens it commits (accepted + recovered/bonus), drafted tokens per level, accepted count."""
         budget = min(self.policy.next_k(), self._room(tokens, config))
         with watch.time("draft"):
             proposal = self.drafter.propose(tokens, budget, config.sampling, generator) if budget > 0 else Proposal([])
@@ -153,8 +153,9 @@ class SpeculativeEngine:
         self.target.keep(kept)
         if scores.hidden is not None:  # rows of the tokens now committed and cached
             self.drafter.observe(scores.hidden[kept])
-        self.policy.observe(len(proposal), verdict.num_accepted)
-        return verdict.committed(proposal), len(proposal), verdict.num_accepted
+        levels = proposal.levels
+        self.policy.observe(len(levels), verdict.num_accepted)  # K is the depth: a full path is all accepted
+        return verdict.committed(proposal), levels, verdict.num_accepted
 
     def _room(self, tokens, config) -> int:
         """Deepest draft worth proposing: a step commits at most depth + 1 tokens."""

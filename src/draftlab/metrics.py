@@ -25,19 +25,32 @@ class GenerationStats:
     accepted: int = 0
     accepted_per_step_list: list[int] = field(default_factory=list)
     drafted_per_step_list: list[int] = field(default_factory=list)
+    levels_per_step_list: list[list[int]] = field(default_factory=list)  # drafted tokens per level, each step
     prefill_s: float = 0.0
     draft_s: float = 0.0
     target_s: float = 0.0
     wall_s: float = 0.0
     stop_reason: str = ""
 
-    def record_step(self, num_drafted: int, num_accepted: int) -> None:
-        """Count one draft-verify step."""
+    def record_step(self, levels: list[int], num_accepted: int) -> None:
+        """Count one draft-verify step: its drafted tokens per level (a chain of d tokens: [1] * d), accepted count."""
+        num_drafted = sum(levels)
         self.steps += 1
         self.drafted += num_drafted
         self.accepted += num_accepted
         self.drafted_per_step_list.append(num_drafted)
         self.accepted_per_step_list.append(num_accepted)
+        self.levels_per_step_list.append(list(levels))
+
+    @property
+    def depth_per_step_list(self) -> list[int]:
+        """The drafted depth of every step: a chain's length, a tree's number of levels."""
+        return [len(levels) for levels in self.levels_per_step_list]
+
+    @property
+    def has_trees(self) -> bool:
+        """True when some step drafted a tree with more than one token on a level."""
+        return any(max(levels, default=1) > 1 for levels in self.levels_per_step_list)
 
     @property
     def acceptance_rate(self) -> float:
@@ -65,11 +78,11 @@ class GenerationStats:
         return self.new_tokens / self.wall_s if self.wall_s else 0.0
 
     def per_position_acceptance(self) -> list[float]:
-        """P(position i accepted | drafted) for i = 0 .. max drafted - 1."""
-        longest = max(self.drafted_per_step_list, default=0)
+        """P(position i accepted | drafted) for i = 0 .. max depth - 1 (a tree's positions are its levels)."""
+        depths = self.depth_per_step_list
         rates = []
-        for i in range(longest):
-            drafted = sum(1 for d in self.drafted_per_step_list if d > i)
+        for i in range(max(depths, default=0)):
+            drafted = sum(1 for d in depths if d > i)
             accepted = sum(1 for a in self.accepted_per_step_list if a > i)
             rates.append(accepted / drafted if drafted else 0.0)
         return rates

@@ -24,7 +24,7 @@ class DraftLengthPolicy(Protocol):
         ...
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
-        """Outcome of the step just verified."""
+        """Outcome of the step just verified: the depth drafted (a chain's length, a tree's levels), tokens accepted."""
         ...
 
 

@@ -53,6 +53,14 @@ class Proposal:
         """True when the tokens form one path."""
         return self.parents is None or self.parents == chain_parents(len(self.tokens))
 
+    @property
+    def levels(self) -> list[int]:
+        """Drafted tokens per level, from the root's children down (a chain's: [1] * n); its length is the depth."""
+        if self.parents is None:
+            return [1] * len(self.tokens)
+        depths = node_depths(self.parents)
+        return [depths.count(level) for level in range(1, max(depths, default=0) + 1)]
+
     def within(self, depth: int) -> "Proposal":
         """The tokens at most `depth` levels deep (a chain's first `depth`): a step then commits at most depth + 1."""
         if self.parents is None:

@@ -93,3 +93,40 @@ def test_report_with_profile_checks_the_model(study, tmp_path):
     page = build_report(study, tmp_path / "report", tmp_path / "profile.json").read_text()
     assert "Performance model" in page and "predicted_vs_measured.png" in page and "What-if" in page
     assert (tmp_path / "report" / "predicted_vs_measured.png").exists()
+
+
+def test_recommendation_names_the_measured_best_lossless_configuration(study, tmp_path):
+    from draftlab.study.report import Drift, recommend
+
+    rows, _, _ = load_study(study)
+    sentences = recommend(summarize(rows), Drift(2, 0.02))
+    assert len(sentences) == 1
+    # ngram K=4 measured 1.67x but one output differed: never recommended; ngram K=2 is the best lossless one
+    assert sentences[0].startswith("Use ngram at K=2 (SpS) for tgt on this machine: 2.00x plain decoding")
+    assert "every output identical to plain decoding (2/2)" in sentences[0]
+    assert "1 configuration(s) produced output different" in sentences[0]
+    assert sentences[0] in build_report(study, tmp_path / "report").read_text().replace("&#x27;", "'")
+
+
+def _summary(method, drafter, k, speedup, identical=2):
+    from draftlab.study.report import ALL, CellSummary
+
+    return CellSummary("tgt", method, drafter, k, ALL, 0.0, 2, 200, 10.0, 20.0, 50.0, None, None, None, None, None,
+                       speedup=speedup, speedup_min=speedup - 0.1, speedup_max=speedup + 0.1, identical=identical)
+
+
+def test_recommendation_says_plain_decoding_when_nothing_wins():
+    from draftlab.study.report import Drift, recommend
+
+    cells = [_summary("ar", "none", 0, 1.0), _summary("sps", "ngram", 3, 0.9), _summary("asg", "ngram", 3, 0.8)]
+    (sentence,) = recommend(cells, Drift(2, 0.03))
+    assert sentence.startswith("Use plain decoding for tgt on this machine: no configuration beat it")
+    assert "ngram at K=3 (SpS), ran at 0.90x" in sentence
+
+
+def test_recommendation_flags_a_gain_within_the_drift():
+    from draftlab.study.report import Drift, recommend
+
+    cells = [_summary("sps", "designed", 1, 1.08)]
+    assert "within the machine's drift" in recommend(cells, Drift(2, 0.2))[0]
+    assert "drift" not in recommend(cells, Drift(2, 0.05))[0]

@@ -88,9 +88,9 @@ def cmd_sweep(args) -> None:
 
 
 def cmd_study(args) -> None:
-    """Sweep into OUT/study.sqlite, write OUT/report, print the optimal table."""
+    """Sweep into OUT/study.sqlite, write OUT/report, print the recommendation and the optimal table."""
     from draftlab.study.report import (baseline_drift, build_report, format_optimal, load_checks, load_study,
-                                       optimal_table, summarize)
+                                       optimal_table, recommend, summarize)
 
     out = Path(args.out)
     db = args.db or str(out / "study.sqlite")
@@ -98,9 +98,12 @@ def cmd_study(args) -> None:
     page = build_report(db, out / "report")
     rows, params, _ = load_study(db)
     checks = load_checks(db)
-    print(format_optimal(optimal_table(summarize(rows, checks), params)))
-    print(baseline_drift(rows, checks).describe())
+    summaries = summarize(rows, checks)
+    drift = baseline_drift(rows, checks)
     print(f"report: {page}")
+    print(drift.describe())
+    print("\n".join(recommend(summaries, drift)))
+    print(format_optimal(optimal_table(summaries, params)))
 
 
 def cmd_report(args) -> None:

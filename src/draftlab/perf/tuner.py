@@ -349,7 +349,7 @@ def race(target: LoadedModel, entrants: list[Prediction], prompts: list[Prompt],
                                  f"{len(alive)} candidate(s) left")
             break
         started = time.perf_counter()
-        _run_round(decoders, [PLAIN, *alive], round_prompts, settings.max_new_tokens, totals, per_prompt)
+        run_interleaved(decoders, [PLAIN, *alive], round_prompts, settings.max_new_tokens, totals, per_prompt)
         round_s = time.perf_counter() - started
         speed = {key: totals[key][0] / totals[key][1] for key in [PLAIN, *alive] if totals[key][1] > 0}
         outcome.rounds.append({"prompts": count, "speedups": {f"{d} K={k}": speed[(d, k)] / speed[PLAIN]
@@ -388,8 +388,12 @@ def _fit_first_round(alive: list, per_run_s: float, deadline: float, notes: list
     return alive[:fit]
 
 
-def _run_round(decoders, keys, prompts, max_new_tokens, totals, per_prompt) -> None:
-    """Every key on every prompt, the order rotated per prompt so that drift hits all alike."""
+def run_interleaved(decoders: dict, keys: list, prompts: list, max_new_tokens: int, totals: dict,
+                    per_prompt: dict) -> None:
+    """Every key on every prompt, the order rotated per prompt so that drift hits all alike.
+
+    Adds (new tokens, decode seconds) to `totals[key]` and each run's decode tokens/s to `per_prompt[key]`.
+    """
     for i, ids in enumerate(prompts):
         order = keys[i % len(keys):] + keys[: i % len(keys)]
         for key in order:

@@ -236,6 +236,57 @@ def format_optimal(rows: list[OptimalRow]) -> str:
     return "\n".join(lines)
 
 
+def _identical_text(s: CellSummary) -> str:
+    if s.identical is None:
+        return "outputs sampled, so not compared token by token"
+    if s.identical == s.prompts:
+        return f"every output identical to plain decoding ({s.identical}/{s.prompts})"
+    return f"only {s.identical}/{s.prompts} outputs identical to plain decoding"
+
+
+def _lossy(s: CellSummary) -> bool:
+    return s.identical is not None and s.identical < s.prompts
+
+
+def recommend(summaries: list[CellSummary], drift: Drift) -> list[str]:
+    """One sentence per target and temperature: which draft and K to use here, or plain decoding.
+
+    Judged on each configuration's speedup over all the study's prompts (dataset 'all'); configurations
+    whose greedy output differed from plain decoding are never recommended. A gain smaller than the
+    baseline's drift on a noisy machine is said to be within the noise.
+    """
+    groups: dict[tuple, list[CellSummary]] = defaultdict(list)
+    for s in summaries:
+        if s.dataset == ALL and s.method != "ar" and s.speedup > 0:
+            groups[(s.target, s.temperature)].append(s)
+    temperatures = defaultdict(set)
+    for target, temperature in groups:
+        temperatures[target].add(temperature)
+    sentences = []
+    for (target, temperature), cells in sorted(groups.items()):
+        where = target + (f" at temperature {temperature:g}" if len(temperatures[target]) > 1 else "")
+        lossless = [s for s in cells if not _lossy(s)]
+        lossy = len(cells) - len(lossless)
+        warning = (f" ({lossy} configuration(s) produced output different from plain decoding and were not "
+                   "considered: see the report)") if lossy else ""
+        if not lossless:
+            sentences.append(f"Use plain decoding for {where}: every configuration measured differed from it{warning}.")
+            continue
+        best = max(lossless, key=lambda s: s.speedup)
+        measured = (f"{best.speedup:.2f}x plain decoding, {best.speedup_min:.2f}-{best.speedup_max:.2f}x over "
+                    f"{best.prompts} prompts, {best.tokens_per_s:.1f} tok/s")
+        name = f"{best.drafter} at K={best.k} ({'SpS' if best.method == 'sps' else 'AsG'})"
+        if best.speedup <= 1.0:
+            sentences.append(f"Use plain decoding for {where} on this machine: no configuration beat it "
+                             f"(the best, {name}, ran at {measured}; {_identical_text(best)}){warning}.")
+            continue
+        noise = (f"; the gain is within the machine's drift during the study ({drift.spread:.0%}), so confirm it "
+                 "on a quiet machine" if drift.noisy and best.speedup - 1.0 <= drift.spread else "")
+        sentences.append(f"Use {name} for {where} on this machine: {measured}; {_identical_text(best)}"
+                         f"{noise}{warning}.")
+    return sentences
+
+
 def load_study(db: str | Path) -> tuple[list[dict], dict[str, int], list[dict]]:
     """Records, parameter counts and environments of a study database."""
     if not Path(db).exists():
@@ -288,7 +339,8 @@ def build_report(db: str | Path, out: str | Path, profile_path: str | Path | Non
     write_csv(out / "optimal.csv", optimal)
     figures = plots.draw_all(summaries, out)
     model_section = _model_section(profile_path, rows, out) if profile_path else ""
-    page = _html(db, summaries, optimal, figures, envs, baseline_drift(rows, checks)).replace("<h2>Every cell</h2>", model_section + "<h2>Every cell</h2>")
+    drift = baseline_drift(rows, checks)
+    page = _html(db, summaries, optimal, figures, envs, drift, recommend(summaries, drift)).replace("<h2>Every cell</h2>", model_section + "<h2>Every cell</h2>")
     (out / "index.html").write_text(page, encoding="utf-8")
     return out / "index.html"
 
@@ -327,8 +379,9 @@ def _large_errors(comparisons) -> str:
 
 
 def _html(db, summaries: list[CellSummary], optimal: list[OptimalRow], figures: list[tuple[str, str]], envs,
-          drift: Drift) -> str:
+          drift: Drift, sentences: list[str]) -> str:
     esc = html.escape
+    answer = "".join(f"<p class='answer'>{esc(sentence)}</p>" for sentence in sentences)
     opt_rows = "".join(
         f"<tr><td>{esc(r.target)}</td><td>{esc(r.dataset)}</td><td>{r.temperature:g}</td><td>{r.method.upper()}</td>"
         f"<td>{esc(r.drafter)}</td><td>{r.k}</td><td>{r.speedup:.3f}x</td><td>{r.speedup_min:.2f} - {r.speedup_max:.2f}</td>"
@@ -350,14 +403,15 @@ def _html(db, summaries: list[CellSummary], optimal: list[OptimalRow], figures: 
     env = "".join(f"<li><code>{esc(str(e))}</code></li>" for e in envs)
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>draftlab study report</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:1400px}}table{{border-collapse:collapse;font-size:13px}}
-td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}}th{{background:#eee}}tr.lossy{{background:#fcc}}p.noisy{{background:#fcc;padding:4px}}
+td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}}th{{background:#eee}}tr.lossy{{background:#fcc}}p.noisy{{background:#fcc;padding:4px}}p.answer{{font-size:16px;font-weight:bold}}
 img{{max-width:100%;border:1px solid #ddd;margin-bottom:1em}}</style></head><body>
 <h1>draftlab study report</h1><p>Database: <code>{esc(str(db))}</code>. Speedups are tokens/s over the autoregressive
 baseline on the same prompts in the same study; the range is min - max over prompts. Scaling = target parameters / draft
 parameters ("-" for drafts without parameters, such as n-gram lookup). SpS = draftlab's engine, AsG = Hugging Face
 assisted generation with the same draft and K.</p>
+<h2>Recommendation</h2>{answer}
 <p class='{'noisy' if drift.noisy else ''}'>{esc(drift.describe())}.</p>
-<h2>Optimal configuration</h2><table><tr><th>target</th><th>dataset</th><th>temp</th><th>method</th><th>draft</th><th>K</th>
+<h2>Optimal configuration per category</h2><table><tr><th>target</th><th>dataset</th><th>temp</th><th>method</th><th>draft</th><th>K</th>
 <th>speedup</th><th>min - max</th><th>tok/s</th><th>scaling</th></tr>{opt_rows}</table>
 <h2>Figures</h2>{images}
 <h2>Every cell</h2><p>Rows in red produced output different from the baseline (greedy only; "-" when not defined).
