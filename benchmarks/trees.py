@@ -4,9 +4,13 @@ Runs the sweep (our engine, baseline re-timed between cells) over the draft as
 a chain at K = 1..K_max and over each tree spec at each depth, then prints per
 configuration: tok/s, speedup against the baseline closest in time, tokens per
 step, drafted tokens per step (a tree's node count), and identical outputs.
+Then (unless --no-predict) calibrates every spec at the deepest K on the same
+prompts and prints the performance model's decode throughput beside the
+measured one (prefill excluded, as the model does), with the error.
 Last line: JSON.
 
     python benchmarks/trees.py --draft designed --trees 2 3x1 2x2 dyn-2-6 1@0.3 --depths 1 2 3
+    python benchmarks/trees.py --trees 2 2x2 --depths 1 2 --limit 4   # about 10 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--db", default=None)
+    parser.add_argument("--no-predict", action="store_true", help="skip the calibration and the model's check")
     args = parser.parse_args()
     from transformers.utils import logging as hf_logging
 
@@ -63,8 +68,36 @@ def main() -> None:
                         "identical": s.identical, "prompts": s.prompts})
     best = max(results, key=lambda r: r["speedup"])
     print(f"best: {best['drafter']} K={best['k']} at {best['speedup']:.2f}x plain decoding")
+    model = None if args.no_predict else check_model(args, specs, rows)
     print("reproduce: python " + " ".join(sys.argv))
-    print(json.dumps({"autoregressive_tokens_per_s": ar.tokens_per_s, "cells": results, "db": str(db)}))
+    print(json.dumps({"autoregressive_tokens_per_s": ar.tokens_per_s, "cells": results, "model": model,
+                      "db": str(db)}))
+
+
+def check_model(args, specs: list[str], rows: list[dict]) -> dict:
+    """Calibrate every spec at the deepest K on the benchmark's prompts; predicted vs measured decode tok/s."""
+    from draftlab.datasets import load_prompts
+    from draftlab.models import load_model
+    from draftlab.perf.calibrate import CalibrationSettings, calibrate
+    from draftlab.perf.tuner import compare, error_summary
+
+    target = load_model(args.target, dtype=args.dtype)
+    target.name = args.target
+    settings = CalibrationSettings(k_max=max(args.depths), max_new_tokens=args.max_new_tokens)
+    profile = calibrate(target, specs, load_prompts(args.dataset, args.limit), settings)
+    comparisons = [c for c in compare(profile, rows) if c.k in args.depths]
+    print(f"performance model (calibrated at K={settings.k_max} in {profile.seconds:.0f}s), decode tok/s:")
+    print(f"{'drafter':<34}{'K':>3}{'measured':>10}{'predicted':>11}{'interval':>14}{'error':>8}")
+    for c in comparisons:
+        interval = f"{c.interval[0]:.1f}-{c.interval[1]:.1f}"
+        print(f"{c.draft:<34}{c.k:>3}{c.measured_tokens_per_s:>10.1f}{c.simplified_tokens_per_s:>11.1f}"
+              f"{interval:>14}{c.simplified_error:>7.1%}" + (f"  {c.cause}" if c.cause else ""))
+    errors = error_summary(comparisons)
+    trees = [c.simplified_error for c in comparisons if c.draft.startswith("tree:")]
+    print(f"model error: all cells mean {errors['simplified_mean_error']:.1%} max {errors['simplified_max_error']:.1%}"
+          + (f"; trees mean {sum(trees) / len(trees):.1%} max {max(trees):.1%}" if trees else "")
+          + f" (target <= 10%); inside the interval {errors['inside_interval']:.0%}")
+    return {**errors, "tree_max_error": max(trees, default=0.0)}
 
 
 def _drafted_per_step(rows: list[dict], drafter: str, k: int) -> float:

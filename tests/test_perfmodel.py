@@ -99,3 +99,39 @@ def test_extra_tar_and_what_if_table():
 
     text = format_what_if(predictions(Profile(target, [fast, slow])))
     assert "best draft (fast" in text and "slow" in text
+
+
+def test_a_tree_is_predicted_with_the_block_of_its_nodes():
+    # a 2x2 tree: 2 nodes at depth 1, 6 within depth 2; the target was timed for blocks 1..3 and 7
+    target = TargetProfile("t", {1: 0.030, 2: 0.040, 3: 0.050, 7: 0.090})
+    tree = DraftProfile("tree:2x2:d", 0.002, [0.8, 0.5], tree_nodes=[[[2, 1.0]], [[6, 1.0]]])
+    p = predict(target, tree, 2)
+    assert p.tokens_per_step == pytest.approx(2.3)  # the accepted path, as for a chain
+    assert p.t_target == pytest.approx(0.090)  # 1 + 6 rows, not 1 + K
+    assert p.t_draft == pytest.approx(6 * 0.002)
+    assert predict(target, tree, 1).t_target == pytest.approx(0.050)
+    assert target.t_target(5) == pytest.approx(0.070)  # between measured sizes 3 and 7
+    assert target.t_target(9) == pytest.approx(0.110)  # past the largest: the last slope
+
+
+def test_calibration_times_every_block_a_tree_produces(tmp_path):
+    from draftlab.datasets import Prompt
+    from draftlab.models import load_model
+    from draftlab.perf.calibrate import CalibrationSettings, Profile, calibrate
+    from tests.conftest import tiny_model_dir
+
+    tiny = load_model(str(tiny_model_dir(tmp_path / "tiny")))
+    prompts = [Prompt(f"p{i}", "chat", " ".join(f"w{(i * 7 + j * j) % 40}" for j in range(20)), chat=False)
+               for i in range(2)]
+    profile = calibrate(tiny, ["tree:2x2:layers:0-1", "layers:0-1"], prompts,
+                        CalibrationSettings(k_max=2, max_new_tokens=12, repeats=2), progress=False)
+    tree, chain = profile.drafts
+    assert chain.tree_nodes == []
+    depth_1, depth_2 = (dict(map(tuple, within)) for within in tree.tree_nodes)
+    # near the end a step has room for one level (2 nodes) or none (the last token needs no draft)
+    assert set(depth_1) <= {0, 2} and depth_1[2] > 0.8
+    assert set(depth_2) <= {0, 2, 6} and depth_2[6] > 0.5
+    assert {1, 2, 3, 7} <= set(profile.target.score_s)
+    assert predict(profile.target, tree, 2).t_target >= profile.target.score_s[7]
+    profile.save(tmp_path / "profile.json")
+    assert Profile.load(tmp_path / "profile.json").drafts[0].tree_nodes == tree.tree_nodes

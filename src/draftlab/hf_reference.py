@@ -28,6 +28,8 @@ def assisted_kwargs(plan: DraftPlan, draft: LoadedModel | None, k: int) -> dict:
         return {"prompt_lookup_num_tokens": k, "max_matching_ngram_size": plan.ngram[1]}
     if plan.kind == "tree":
         raise DraftlabError("HF assisted generation drafts chains only; a token tree has no counterpart there")
+    if plan.kind == "staged":
+        raise DraftlabError("HF assisted generation has no staged drafting; run the inner draft alone there")
     if draft is None or draft.vocab_size != draft.model.config.vocab_size:
         raise DraftlabError(
             f"{plan.kind} draft {draft.name if draft else ''} has no HF assisted-generation counterpart "

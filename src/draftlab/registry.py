@@ -13,6 +13,9 @@ HF reference runs alike. Spec grammar:
   tree:SHAPE:SPEC             a token tree grown by drafter SPEC (one with logits: layers, model,
                               designed); SHAPE is BxBx...[-N] (static) or dyn-T-N (dynamic), see
                               `draftlab.drafters.tree`; K is then the tree's depth
+  staged:HELPER/SPEC          model draft SPEC (layers, model, a pruned draft) whose own drafting
+                              is speculated by HELPER (ngram[:...] or layers:...), see
+                              `draftlab.drafters.staged`
 
 Adding a draft source is one file in `draftlab/drafters/` plus one entry in
 `DRAFTERS` (a spec kind) or `DRAFT_FORMATS` (a draft directory format).
@@ -32,12 +35,13 @@ from draftlab.drafters.layers import build_layer_draft
 from draftlab.drafters.model import ModelDrafter, check_compatible
 from draftlab.drafters.ngram import NGramDrafter
 from draftlab.drafters.shipped import shipped_draft
+from draftlab.drafters.staged import StagedDrafter
 from draftlab.drafters.tree import TreeDrafter, TreeShape
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel, ModelSpec, load_model
 
 SPEC_HELP = ("none | ngram[:N|:A-B] | layers:0-3 (or 0,2,4 / 0-29:2) | model:NAME_OR_PATH | designed | "
-             "tree:SHAPE:SPEC")
+             "tree:SHAPE:SPEC | staged:HELPER/SPEC")
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,8 @@ class DraftPlan:
     layers: tuple[int, ...] = ()
     model: str = ""
     tree: TreeShape | None = None  # kind "tree": the shape, grown by `inner`
-    inner: "DraftPlan | None" = None
+    inner: "DraftPlan | None" = None  # kinds "tree" and "staged": the drafter they wrap
+    helper: "DraftPlan | None" = None  # kind "staged": the cheaper drafter that guesses for `inner`
 
 
 @dataclass
@@ -76,6 +81,10 @@ def parse_drafter_spec(spec: str, num_layers: int | None = None) -> DraftPlan:
     if kind == "tree" and ":" in arg:
         shape, _, inner = arg.partition(":")
         return DraftPlan("tree", tree=TreeShape.parse(shape), inner=parse_drafter_spec(inner, num_layers))
+    if kind == "staged" and "/" in arg:
+        helper, _, inner = arg.partition("/")
+        return DraftPlan("staged", inner=parse_drafter_spec(inner, num_layers),
+                         helper=parse_drafter_spec(helper, num_layers))
     raise DraftlabError(f"unknown drafter {spec!r}: use {SPEC_HELP}")
 
 
@@ -152,6 +161,18 @@ def _build_tree(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraf
     return BuiltDraft(TreeDrafter(inner.drafter, plan.tree, target.vocab_size), inner.model)
 
 
+def _build_staged(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
+    inner = build_drafter(plan.inner, target, backend)
+    if not isinstance(inner.drafter, ModelDrafter):
+        raise DraftlabError(f"staged drafting speculates a model draft's own drafting; {inner.drafter.name} is not "
+                            "one: use layers:..., model:... or a pruned draft after the '/'")
+    helper = build_drafter(plan.helper, target, backend)
+    if helper.drafter.reads_target_hidden or isinstance(helper.drafter, StagedDrafter):
+        raise DraftlabError(f"the helper of a staged draft must be n-gram lookup or a layer/model draft, "
+                            f"got {helper.drafter.name}")
+    return BuiltDraft(StagedDrafter(inner.drafter, helper.drafter), inner.model)
+
+
 def _model_draft(draft: LoadedModel, backend: str) -> BuiltDraft:
     drafter = ModelDrafter(make_backend(draft.model, draft.device, backend, batch_invariant=False), name=draft.name)
     return BuiltDraft(drafter, draft)
@@ -176,6 +197,7 @@ DRAFTERS: dict[str, Callable[[DraftPlan, LoadedModel, str], BuiltDraft]] = {
     "model": _build_model,
     "designed": _build_designed,
     "tree": _build_tree,
+    "staged": _build_staged,
 }
 DRAFT_FORMATS: dict[str, Callable[[str, LoadedModel, str], BuiltDraft]] = {
     pruned.FORMAT: _load_pruned,

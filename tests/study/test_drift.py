@@ -68,10 +68,12 @@ def test_version_2_database_gains_finish_times_and_the_checks_table(tmp_path):
               store.start_run({}))
     store.close()
     conn = sqlite3.connect(path)  # make it a version-2 file, as draftlab 0.2.0's first cut wrote them
-    conn.executescript("ALTER TABLE records DROP COLUMN finished_at; DROP TABLE baseline_checks; "
+    conn.executescript("ALTER TABLE records DROP COLUMN finished_at; ALTER TABLE records DROP COLUMN levels_per_step; "
+                       "DROP TABLE baseline_checks; "
                        "UPDATE meta SET value = '2' WHERE key = 'schema_version';")
     conn.close()
     store = ResultsStore(path)
-    assert store.get_meta("schema_version") == "3"
+    assert store.get_meta("schema_version") == "4"
     assert store.rows()[0]["finished_at"] is None and store.baseline_checks() == []
+    assert store.rows()[0]["levels_per_step"] == []
     store.close()

@@ -130,3 +130,17 @@ def test_recommendation_flags_a_gain_within_the_drift():
     cells = [_summary("sps", "designed", 1, 1.08)]
     assert "within the machine's drift" in recommend(cells, Drift(2, 0.2))[0]
     assert "drift" not in recommend(cells, Drift(2, 0.05))[0]
+
+
+def test_per_position_acceptance_of_a_tree_counts_levels_not_nodes(tmp_path):
+    store = ResultsStore(tmp_path / "study.sqlite")
+    run = store.start_run({})
+    tree = cell("sps", "tree:2x2:ngram", 2)
+    # 10 steps of a 2x2 tree (6 nodes on 2 levels): the path accepted 2, 1, 0 levels deep
+    accepted = [2] * 5 + [1] * 3 + [0] * 2
+    store.add(Record(tree, "p1", "code", 100, 10, 60, sum(accepted), accepted, [6] * 10, wall_s=1.0,
+                     levels_per_step=[[2, 4]] * 10), run)
+    store.close()
+    rows, _, _ = load_study(tmp_path / "study.sqlite")
+    (summary,) = [s for s in summarize(rows) if s.dataset == "code"]
+    assert summary.per_position_acceptance == [pytest.approx(0.8), pytest.approx(0.5)]

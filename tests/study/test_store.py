@@ -84,7 +84,7 @@ def test_version_1_database_is_migrated_with_its_settings_in_the_key(tmp_path):
     store = ResultsStore(path)
     migrated = Cell("t", "ngram", 2, "sps", "d", 0.0, 16, seed=3, dtype="fp32", backend="auto", device="cpu", skip=2)
     assert store.done() == {(migrated.key, "p1")}
-    assert store.get_meta("schema_version") == "3"
+    assert store.get_meta("schema_version") == "4"
     run = store.start_run({})
     bf16 = Cell("t", "ngram", 2, "sps", "d", 0.0, 16, seed=3, dtype="bf16", skip=2)
     store.add(Record(bf16, "p1", "code", 16, 8, 16, 8), run)
@@ -114,3 +114,22 @@ def test_every_setting_that_changes_a_record_is_in_the_cell_key():
         other = replace(SweepConfig(), **change).cells("t", "d", 0.0)[1]
         assert other.key != base.key, change
     assert SweepConfig(dtype="auto").cells("t", "d", 0.0)[0].key == SweepConfig(dtype="fp32").cells("t", "d", 0.0)[0].key
+
+
+def test_version_3_database_gains_tree_levels_and_keeps_its_records(tmp_path):
+    path = tmp_path / "v3.sqlite"
+    store = ResultsStore(path)
+    cell = Cell("t", "ngram", 2, "sps", "d", 0.0, 16)
+    store.add(Record(cell, "p1", "code", 16, 8, 16, 8, [1] * 8, [2] * 8), store.start_run({}))
+    store.close()
+    conn = sqlite3.connect(path)  # make it a version-3 file, as draftlab 0.3.0 wrote them
+    conn.executescript("ALTER TABLE records DROP COLUMN levels_per_step; "
+                       "UPDATE meta SET value = '3' WHERE key = 'schema_version';")
+    conn.close()
+    store = ResultsStore(path)
+    assert store.get_meta("schema_version") == "4"
+    (row,) = store.rows()
+    assert row["levels_per_step"] == [] and row["drafted_per_step"] == [2] * 8
+    tree = Cell("t", "tree:2:ngram", 2, "sps", "d", 0.0, 16)
+    store.add(Record(tree, "p1", "code", 16, 8, 24, 8, [1] * 8, [3] * 8, levels_per_step=[[2, 1]] * 8), 1)
+    assert store.rows()[1]["levels_per_step"] == [[2, 1]] * 8

@@ -64,6 +64,26 @@ class ModelDrafter(BlindDrafter):
         self.backend.rollback(base)
         return scores.logits[rows]
 
+    def feed(self, tokens: list[int]) -> torch.Tensor:
+        """Append tokens to the draft cache in one pass; the draft's logits [n, V'] after each (staged drafting)."""
+        if not tokens:
+            return torch.empty(0)
+        self._fed.extend(tokens)
+        return self.backend.score(tokens)  # [n, V']
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` tokens of the draft cache (staged drafting drops rejected guesses)."""
+        self.backend.rollback(length)
+        del self._fed[length:]
+
+    def unsettle(self, length: int) -> None:
+        """Tokens after `length` were proposed, not committed: the next catch-up checks them (staged helpers)."""
+        self._stable = min(self._stable, length)
+
+    def pick(self, logits: torch.Tensor, sampling, generator) -> tuple[int, torch.Tensor | None]:
+        """Pick a token from the draft's logits [V'] and express it (and its probabilities [V]) in target ids."""
+        return self._choose(logits, sampling, generator)
+
     def _advance(self, token: int) -> torch.Tensor:
         """Feed one drafted token; the draft's logits [V] after it."""
         self._fed.append(token)

@@ -1,7 +1,8 @@
 """Cheap measurements that feed the performance model.
 
 - target: time to score blocks of 1..K_max+1 tokens at the prompts' typical
-  context length: every size measured (no interpolation), in interleaved rounds
+  context length, and every larger block the drafts' trees produced: every size
+  measured (no interpolation between the sizes drafted), in interleaved rounds
   so that drift hits every size alike; the median, its spread, and the drift;
 - each draft, whatever its type, the same way: its acceptance and drafting
   cost from short runs of our engine. A run at K_max over the calibration
@@ -9,6 +10,7 @@
   which the model derives TAR at every K <= K_max; a shorter run at K = 1
   gives a second drafting cost per step, and the two fix the cost per step
   and per drafted token (cost = per_step + per_token x drafted);
+- a tree draft also gets the distribution of its node count within each depth K;
 - the engine's bookkeeping overhead per step, from the same runs.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -80,7 +83,7 @@ class BlockTimes:
     drift: float  # relative change of speed from the first to the last third of the rounds
 
 
-def time_blocks(backend: Backend, context: list[int], sizes: range, repeats: int) -> BlockTimes:
+def time_blocks(backend: Backend, context: list[int], sizes: list[int] | range, repeats: int) -> BlockTimes:
     """Seconds to score a block of each size on top of `context` (rolled back after each).
 
     Interleaved: each round times every size once, in an order rotated from round to round, so that
@@ -137,17 +140,25 @@ def calibrate(
     context_len = int(statistics.mean(len(e) for e in encoded)) + settings.max_new_tokens // 2
     context = _context_of_length(encoded, context_len)
     ar = SpeculativeDecoder.from_names(target, drafter="none", k=1, backend=settings.backend)
-    blocks = time_blocks(ar.engine.target, context, range(1, settings.k_max + 2), settings.repeats)
-    target_profile = TargetProfile(_name(target), blocks.median_s, score_spread=blocks.spread, drift=blocks.drift)
-    drafts = []
+    drafts, overhead = [], 0.0
     for spec in tqdm(drafters, desc="calibrate", unit="draft", disable=not progress):
         built = build_drafter(spec, target, settings.backend)
         decoder = SpeculativeDecoder(target, built.drafter, FixedK(settings.k_max), built.model, settings.backend,
                                      ar.target_backend)
         drafts.append(_profile_draft(spec, decoder, encoded, settings))
         if spec == drafters[0]:
-            target_profile.overhead_s_per_step = _overhead_per_step(decoder, encoded, settings)
+            overhead = _overhead_per_step(decoder, encoded, settings)
+    blocks = time_blocks(ar.engine.target, context, block_sizes(settings.k_max, drafts), settings.repeats)
+    target_profile = TargetProfile(_name(target), blocks.median_s, overhead, blocks.spread, blocks.drift)
     return Profile(target_profile, drafts, context_len, time.perf_counter() - start)
+
+
+def block_sizes(k_max: int, drafts: list[DraftProfile]) -> list[int]:
+    """Blocks of 1..K_max+1 tokens, and 1 + every node count a tree draft produced within some depth."""
+    sizes = set(range(1, k_max + 2))
+    for draft in drafts:
+        sizes.update(1 + int(n) for within_k in draft.tree_nodes for n, _ in within_k)
+    return sorted(sizes)
 
 
 def _name(model: LoadedModel) -> str:
@@ -168,7 +179,20 @@ def _profile_draft(spec, decoder: SpeculativeDecoder, encoded, settings) -> Draf
     short_runs = [short.generate(ids, max_new_tokens=max(settings.max_new_tokens // 2, 2)).stats for ids in encoded[:2]]
     per_step, per_token = draft_cost(_cost_point(short_runs), _cost_point(runs))
     return DraftProfile(spec, per_token, accepted_at_least(accepted, drafted, settings.k_max), per_step,
-                        at_least(drafted, settings.k_max), steps=len(accepted), cost_spread=_cost_spread(runs))
+                        at_least(drafted, settings.k_max), steps=len(accepted), cost_spread=_cost_spread(runs),
+                        tree_nodes=tree_nodes(runs, settings.k_max))
+
+
+def tree_nodes(runs, k_max: int) -> list[list[list[float]]]:
+    """For K = 1..K_max: (nodes within depth K, probability) over every step; empty when no step drafted a tree."""
+    levels = [step for s in runs for step in s.levels_per_step_list]
+    if not any(max(step, default=1) > 1 for step in levels):
+        return []
+    out = []
+    for k in range(1, k_max + 1):
+        counts = Counter(sum(step[:k]) for step in levels)
+        out.append([[n, c / len(levels)] for n, c in sorted(counts.items())])
+    return out
 
 
 def _cost_spread(runs) -> float:

@@ -21,6 +21,14 @@ drafting times carry the relative spread of their repeated timings plus the
 machine's drift measured during calibration. `predict` turns them into an
 interval of tokens/s (TAR +- 2 standard errors, times +- their spread).
 
+Token trees: K is the tree's depth, the accepted path plays the part of the
+accepted prefix (so TAR(K) comes from P(path >= j) the same way), and the
+block holds 1 + the nodes of the first K levels, a distribution measured at
+K_max and cut at depth K (`DraftProfile.tree_nodes`); calibration times every
+block size those trees produce. A static shape's first K levels do not depend
+on K; a dynamic tree with a node budget spends it on fewer levels when K is
+smaller, so calibrate it at the depth you will run.
+
 For sampling the same identity holds for a drafter whose first K proposals do
 not depend on K (all of draftlab's): the accepted prefix at K_max, cut at K, is
 distributed as the accepted prefix at K, since the verifier's decisions at
@@ -83,6 +91,7 @@ class DraftProfile:
     drafted_at_least: list[float] = field(default_factory=list)  # P(drafted >= j); empty: always K
     steps: int = 0  # steps the acceptance was measured over (0: unknown, no interval)
     cost_spread: float = 0.0  # relative spread of the drafting time per step across prompts
+    tree_nodes: list[list[list[float]]] = field(default_factory=list)  # [K-1]: (nodes, probability) within depth K; empty: a chain
 
     def tar_standard_error(self, k: int) -> float:
         """Standard error of TAR at K: sqrt(Var[min(accepted, K)] / steps)."""
@@ -104,11 +113,18 @@ class DraftProfile:
         return expected_accepted / self.k_max if self.k_max else 0.0
 
     def expected_drafted(self, k: int) -> float:
-        """Mean tokens drafted per step at K: sum_{j<=K} P(drafted >= j) (K for a model draft)."""
+        """Mean tokens drafted per step at K: sum_{j<=K} P(drafted >= j) (K for a model draft, its nodes for a tree)."""
+        if self.tree_nodes:
+            return sum(n * p for n, p in self.tree_nodes[k - 1])
         return sum(self.drafted_at_least[:k]) if self.drafted_at_least else float(k)
 
     def drafted_distribution(self, k: int) -> list[tuple[int, float]]:
-        """(d, P(d tokens drafted)) at K, from P(drafted >= j) at K_max; a model draft always drafts K."""
+        """(d, P(d tokens drafted)) at K, from P(drafted >= j) at K_max; a model draft always drafts K.
+
+        A tree drafts the nodes of its first K levels: the distribution measured at K_max, cut at depth K.
+        """
+        if self.tree_nodes:
+            return [(int(n), p) for n, p in self.tree_nodes[k - 1]]
         if not self.drafted_at_least:
             return [(k, 1.0)]
         at_least = [1.0, *self.drafted_at_least[:k]]  # P(drafted >= 0..K)
@@ -135,10 +151,16 @@ class TargetProfile:
         return spread + abs(self.drift)
 
     def t_target(self, block: float) -> float:
-        """Seconds to score a block of `block` tokens, interpolated linearly between measured sizes."""
-        low = max(1, min(int(block), max(self.score_s) - 1))
-        fraction = block - low
-        return self.score_s[low] + fraction * (self.score_s[low + 1] - self.score_s[low])
+        """Seconds to score a block of `block` tokens: measured, or linear between the nearest measured sizes."""
+        if block in self.score_s:
+            return self.score_s[block]
+        sizes = sorted(self.score_s)
+        if len(sizes) == 1:
+            return self.score_s[sizes[0]]
+        below = [n for n in sizes if n < block][-1:] or sizes[:1]
+        above = [n for n in sizes if n > block][:1] or sizes[-1:]
+        low, high = (below[0], above[0]) if below[0] != above[0] else (sizes[-2], sizes[-1])  # past the ends: extend
+        return self.score_s[low] + (block - low) * (self.score_s[high] - self.score_s[low]) / (high - low)
 
     def expected_t_target(self, drafted: list[tuple[int, float]]) -> float:
         """Mean seconds per step to score blocks of 1 + d tokens, d distributed as `drafted`.

@@ -426,6 +426,15 @@ def usage(target: str, draft: str, k: int) -> list[str]:
             f'vLLM:         speculative_config={{"model": "{plan.model}", "num_speculative_tokens": {k}}}',
             f"llama.cpp:    llama-speculative -m TARGET.gguf -md DRAFT.gguf --draft {k}",
         ]
+    elif plan.kind == "tree":
+        lines += ["transformers / llama.cpp: no token trees (the chain of the same draft runs there); "
+                  "vLLM: tree attention only for its EAGLE drafts"]
+    elif plan.kind == "staged":
+        lines += ["transformers / vLLM / llama.cpp: no staged drafting; the inner draft alone drafts the same "
+                  "tokens (greedy) there, one pass per token"]
+    elif plan.kind == "designed":
+        lines += ["transformers / llama.cpp: no feature drafts that read the target's hidden states; "
+                  "vLLM: its EAGLE method, with the draft converted to EAGLE's checkpoint format"]
     else:
         lines += [
             "transformers: build the layer draft with draftlab.build_layer_draft(target, layers) and pass it as "

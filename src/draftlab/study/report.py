@@ -172,12 +172,18 @@ def _add_speedups(summary: CellSummary, rows: list[dict], baseline_speed: Callab
     summary.speedup_median = statistics.median(per_prompt)
 
 
+def _depths(row: dict) -> list[int]:
+    """Each step's drafted depth: its number of tree levels, or its drafted count for a chain."""
+    return [len(levels) for levels in row.get("levels_per_step") or []] or row["drafted_per_step"]
+
+
 def _per_position(rows: list[dict]) -> list[float]:
+    """P(depth i accepted | drafted to depth i): a tree's positions are its levels."""
     drafted_at: dict[int, int] = defaultdict(int)
     accepted_at: dict[int, int] = defaultdict(int)
     for row in rows:
-        for drafted, accepted in zip(row["drafted_per_step"], row["accepted_per_step"]):
-            for i in range(drafted):
+        for depth, accepted in zip(_depths(row), row["accepted_per_step"]):
+            for i in range(depth):
                 drafted_at[i] += 1
                 accepted_at[i] += i < accepted
     return [accepted_at[i] / drafted_at[i] for i in range(len(drafted_at))]

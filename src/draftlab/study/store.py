@@ -1,9 +1,9 @@
 """The results store: one SQLite database per study, one row per prompt per cell.
 
-Schema (version 3), readable with `sqlite3` or `pandas.read_sql`:
+Schema (version 4), readable with `sqlite3` or `pandas.read_sql`:
 
     meta(key TEXT PRIMARY KEY, value TEXT)
-        app = 'draftlab-study', schema_version = '3', config = the sweep's JSON
+        app = 'draftlab-study', schema_version = '4', config = the sweep's JSON
     models(name TEXT PRIMARY KEY, params INTEGER)
         parameter counts of targets and model drafts ("target" or "target::drafter"),
         for the report's scaling ratio (target params / draft params)
@@ -20,7 +20,10 @@ Schema (version 3), readable with `sqlite3` or `pandas.read_sql`:
         output_sha TEXT,                       -- SHA256 of the generated token ids
         identical INTEGER,                     -- 1/0 vs the 'ar' record of the same prompt; NULL if unknown
         created_at TEXT,
-        finished_at REAL)                      -- Unix time the measurement ended (NULL in migrated records)
+        finished_at REAL,                      -- Unix time the measurement ended (NULL in migrated records)
+        levels_per_step TEXT)                  -- JSON list of lists: drafted tokens per tree level, each step;
+                                               -- '[]' when every step drafted a chain (then a step's depth
+                                               -- is its drafted count)
     baseline_checks(
         target, dataset, temperature, prompt_id, run_id, new_tokens, wall_s,
         finished_at REAL)                      -- the 'ar' cell re-timed on the same prompt between other cells,
@@ -31,7 +34,7 @@ Schema (version 3), readable with `sqlite3` or `pandas.read_sql`:
 'auto'). Older databases are migrated in place when opened: version 1 (whose cell key
 lacked seed, dtype, backend, device and skip) gets those settings from the
 run's recorded environment and the stored sweep config; version 2 gets the
-`finished_at` column and the `baseline_checks` table. Each record is committed on its own,
+`finished_at` column and the `baseline_checks` table; version 3 gets `levels_per_step`. Each record is committed on its own,
 so a killed sweep loses at most the record in flight; resuming skips every
 (cell, prompt) already present.
 """
@@ -51,12 +54,13 @@ from draftlab.errors import DraftlabError
 from draftlab.models import ModelSpec
 
 APP = "draftlab-study"
-SCHEMA_VERSION = "3"
+SCHEMA_VERSION = "4"
 SETTINGS = ("seed", "dtype", "backend", "device", "skip")
 RECORD_COLUMNS = (
     "cell", "prompt_id", "target", "drafter", "k", "method", "dataset", "temperature", "max_new_tokens", *SETTINGS,
     "category", "run_id", "new_tokens", "steps", "drafted", "accepted", "accepted_per_step", "drafted_per_step",
     "prefill_s", "draft_s", "target_s", "overhead_s", "wall_s", "output_sha", "identical", "created_at", "finished_at",
+    "levels_per_step",
 )
 
 SCHEMA = """
@@ -70,7 +74,7 @@ CREATE TABLE IF NOT EXISTS records (
     category TEXT, run_id INTEGER, new_tokens INTEGER, steps INTEGER, drafted INTEGER, accepted INTEGER,
     accepted_per_step TEXT, drafted_per_step TEXT,
     prefill_s REAL, draft_s REAL, target_s REAL, overhead_s REAL, wall_s REAL,
-    output_sha TEXT, identical INTEGER, created_at TEXT, finished_at REAL,
+    output_sha TEXT, identical INTEGER, created_at TEXT, finished_at REAL, levels_per_step TEXT,
     PRIMARY KEY (cell, prompt_id)
 );
 """
@@ -131,6 +135,7 @@ class Record:
     wall_s: float = 0.0
     output_sha: str = ""
     identical: bool | None = None
+    levels_per_step: list[list[int]] = field(default_factory=list)  # drafted tokens per tree level; [] for chains
 
 
 class ResultsStore:
@@ -184,6 +189,9 @@ class ResultsStore:
             version = "2"
         if version == "2":
             self._migrate_from_2()
+            version = "3"
+        if version == "3":
+            self._migrate_from_3()
         elif version != SCHEMA_VERSION:
             raise DraftlabError(
                 f"{self.path} has schema version {version}, this draftlab reads {SCHEMA_VERSION} (and migrates 1-2); "
@@ -212,6 +220,12 @@ class ResultsStore:
         with self.conn:
             self.conn.execute("ALTER TABLE records ADD COLUMN finished_at REAL")
             self.conn.executescript(CHECKS_SCHEMA)
+            self.conn.execute("UPDATE meta SET value = '3' WHERE key = 'schema_version'")
+
+    def _migrate_from_3(self) -> None:
+        """Add the drafted tokens per tree level (unknown, so '[]': chains, for old records)."""
+        with self.conn:
+            self.conn.execute("ALTER TABLE records ADD COLUMN levels_per_step TEXT")
             self.conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (SCHEMA_VERSION,))
 
     def close(self) -> None:
@@ -265,6 +279,7 @@ class ResultsStore:
             json.dumps(record.accepted_per_step), json.dumps(record.drafted_per_step),
             record.prefill_s, record.draft_s, record.target_s, record.overhead_s, record.wall_s,
             record.output_sha, None if record.identical is None else int(record.identical), _now(), time.time(),
+            json.dumps(record.levels_per_step),
         )
         with self.conn:  # columns named: a migrated table has the settings columns at its end
             self.conn.execute(f"INSERT INTO records ({', '.join(RECORD_COLUMNS)}) VALUES ({', '.join('?' * len(row))})",
@@ -293,6 +308,7 @@ class ResultsStore:
             row = dict(zip(names, values))
             row["accepted_per_step"] = json.loads(row["accepted_per_step"] or "[]")
             row["drafted_per_step"] = json.loads(row["drafted_per_step"] or "[]")
+            row["levels_per_step"] = json.loads(row["levels_per_step"] or "[]")
             out.append(row)
         return out
 

@@ -199,7 +199,7 @@ class CellRunner:
         return Record(
             cell, prompt.id, prompt.category, s.new_tokens, s.steps, s.drafted, s.accepted,
             s.accepted_per_step_list, s.drafted_per_step_list, s.prefill_s, s.draft_s, s.target_s, s.overhead_s,
-            s.wall_s, token_sha(result.token_ids),
+            s.wall_s, token_sha(result.token_ids), levels_per_step=s.levels_per_step_list if s.has_trees else [],
         )
 
     def asg_supported(self, drafter: str) -> bool:
