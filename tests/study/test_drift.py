@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
+import subprocess
+import sys
 
-from draftlab.study.report import baseline_drift, load_checks, load_study, summarize
+from draftlab.study.report import baseline_drift, build_report, load_checks, load_study, summarize
 from draftlab.study.store import Cell, Record, ResultsStore
 from draftlab.study.sweep import SweepConfig, run_sweep
 from tests.conftest import tiny_model_dir
@@ -77,3 +80,43 @@ def test_version_2_database_gains_finish_times_and_the_checks_table(tmp_path):
     assert store.rows()[0]["finished_at"] is None and store.baseline_checks() == []
     assert store.rows()[0]["levels_per_step"] == []
     store.close()
+
+
+class HogHalfway(ResultsStore):
+    """A real study store that starts CPU hogs once `after` records are stored: a machine that gets busy."""
+
+    def __init__(self, path, after: int) -> None:
+        super().__init__(path)
+        self.after, self.stored, self.hogs = after, 0, []
+
+    def add(self, record, run_id) -> None:
+        super().add(record, run_id)
+        self.stored += 1
+        if self.stored == self.after:
+            busy = [sys.executable, "-c", "while True: pass"]
+            self.hogs = [subprocess.Popen(busy) for _ in range(2 * (os.cpu_count() or 1))]
+
+    def stop_hogs(self) -> None:
+        for hog in self.hogs:
+            hog.kill()
+            hog.wait()
+
+
+def test_a_cpu_hog_started_halfway_flags_the_study_as_noisy(tmp_path):
+    model = tiny_model_dir(tmp_path / "tiny")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": " ".join(f"w{j % 60}" for j in range(10)), "category": "chat",
+                                   "id": "q0"}) + "\n")
+    config = SweepConfig(targets=(str(model),), drafters=("ngram",), ks=(1, 2, 3, 4), methods=("sps",),
+                         datasets=(str(prompts),), limit=1, max_new_tokens=48, warmup=1, baseline_every=2)
+    store = HogHalfway(tmp_path / "s.sqlite", after=3)  # the baseline and 2 cells on a quiet machine
+    try:
+        run_sweep(config, store, progress=False)
+    finally:
+        store.stop_hogs()
+        store.close()
+    rows, _, _ = load_study(tmp_path / "s.sqlite")
+    drift = baseline_drift(rows, load_checks(tmp_path / "s.sqlite"))
+    # quiet runs of this sweep drift 10-30% (its timings are short); the hogs slow the re-checks several-fold
+    assert drift.prompts == 1 and drift.noisy and drift.spread > 1.0, drift.describe()
+    assert "NOISY" in build_report(tmp_path / "s.sqlite", tmp_path / "report").read_text()

@@ -144,3 +144,11 @@ def test_per_position_acceptance_of_a_tree_counts_levels_not_nodes(tmp_path):
     rows, _, _ = load_study(tmp_path / "study.sqlite")
     (summary,) = [s for s in summarize(rows) if s.dataset == "code"]
     assert summary.per_position_acceptance == [pytest.approx(0.8), pytest.approx(0.5)]
+
+
+def test_report_command_prints_the_recommendation(study, tmp_path, capsys):
+    from draftlab.cli import main
+
+    assert main(["report", "--db", str(study), "--out", str(tmp_path / "r")]) in (0, None)
+    out = capsys.readouterr().out
+    assert "report: " in out and "Use ngram at K=2 (SpS) for tgt on this machine" in out

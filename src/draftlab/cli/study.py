@@ -108,9 +108,12 @@ def cmd_study(args) -> None:
 
 def cmd_report(args) -> None:
     """Write the HTML report of a study database."""
-    from draftlab.study.report import build_report
+    from draftlab.study.report import baseline_drift, build_report, load_checks, load_study, recommend, summarize
 
     print(f"report: {build_report(args.db, args.out, args.profile)}")
+    rows, _, _ = load_study(args.db)
+    checks = load_checks(args.db)
+    print("\n".join(recommend(summarize(rows, checks), baseline_drift(rows, checks))))
 
 
 def cmd_export(args) -> None:
