@@ -8,10 +8,11 @@ HF reference runs alike. Spec grammar:
   layers:SPEC                 self-draft from target layers; SPEC is a comma list of
                               indices, ranges a-b and strided ranges a-b:s (0-3, 0-29:2, 0-3,26-29)
   model:NAME_OR_PATH          a separate draft model with the target's tokenizer, or a draft
-                              directory (pruned or feature draft: its record names the format)
+                              directory (pruned draft, feature draft or decoder heads: its record
+                              names the format)
   designed                    the designed draft shipped for the target (`drafters/shipped.py`), SHA256-checked
   tree:SHAPE:SPEC             a token tree grown by drafter SPEC (one with logits: layers, model,
-                              designed); SHAPE is BxBx...[-N] (static) or dyn-T-N (dynamic), see
+                              designed, decoder heads); SHAPE is BxBx...[-N] (static) or dyn-T-N (dynamic), see
                               `draftlab.drafters.tree`; K is then the tree's depth
   staged:HELPER/SPEC          model draft SPEC (layers, model, a pruned draft) whose own drafting
                               is speculated by HELPER (ngram[:...] or layers:...), see
@@ -28,7 +29,7 @@ from typing import Callable
 
 from draftlab.backends import make_backend
 from draftlab.defaults import DEFAULT_BACKEND
-from draftlab.drafters import feature, pruned
+from draftlab.drafters import feature, heads, pruned
 from draftlab.drafters.base import Drafter, NoDrafter
 from draftlab.drafters.files import draft_format
 from draftlab.drafters.layers import build_layer_draft
@@ -190,6 +191,10 @@ def _load_feature(path: str, target: LoadedModel, backend: str) -> BuiltDraft:
     return BuiltDraft(feature.FeatureDrafter(feature.load_feature_draft(path, target), name=f"feature:{path}"))
 
 
+def _load_heads(path: str, target: LoadedModel, backend: str) -> BuiltDraft:
+    return BuiltDraft(heads.HeadsDrafter(heads.load_heads_draft(path, target), name=f"heads:{path}"))
+
+
 DRAFTERS: dict[str, Callable[[DraftPlan, LoadedModel, str], BuiltDraft]] = {
     "none": _build_none,
     "ngram": _build_ngram,
@@ -202,4 +207,5 @@ DRAFTERS: dict[str, Callable[[DraftPlan, LoadedModel, str], BuiltDraft]] = {
 DRAFT_FORMATS: dict[str, Callable[[str, LoadedModel, str], BuiltDraft]] = {
     pruned.FORMAT: _load_pruned,
     feature.FORMAT: _load_feature,
+    heads.FORMAT: _load_heads,
 }

@@ -1,4 +1,4 @@
-"""`draftlab design ...`: microbench, prune, distill, correlate."""
+"""`draftlab design ...`: microbench, prune, distill, feature, heads, correlate."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from draftlab.models import DEFAULT_TARGET
 
 def add_design_commands(sub) -> None:
     """Register the design subcommands on the top-level subparsers."""
-    design = sub.add_parser("design", help="draft design: microbench, prune, distill, feature, correlate")
+    design = sub.add_parser("design", help="draft design: microbench, prune, distill, feature, heads, correlate")
     commands = design.add_subparsers(dest="design", required=True)
 
     micro = commands.add_parser("microbench", help="decode latency vs depth and width in the target's family")
@@ -60,6 +60,20 @@ def add_design_commands(sub) -> None:
                          help="earlier draft directories (or text.pt files) whose training text is added")
     feature.set_defaults(run=cmd_feature)
 
+    heads = commands.add_parser("heads", help="train Medusa-style decoder heads on the target's hidden states")
+    _add_text_args(heads)
+    heads.add_argument("--heads", type=int, default=4, help="number of heads: the deepest chain or tree they draft")
+    heads.add_argument("--vocab", type=int, default=8192, help="draft output rows: the target's most frequent tokens")
+    heads.add_argument("--features", help="a feature draft directory (or its features.pt) whose cached target "
+                                          "features to train on, instead of running the target over new text")
+    heads.add_argument("--out", required=True, help="draft directory; holds features, checkpoints; resumes")
+    heads.add_argument("--budget", type=float, default=600.0, help="training seconds (excluding the target pass)")
+    heads.add_argument("--checkpoint-every", type=float, default=60.0, help="seconds between checkpoints")
+    heads.add_argument("--seq-len", type=int, default=256)
+    heads.add_argument("--batch-size", type=int, default=8)
+    heads.add_argument("--lr", type=float, default=1e-3)
+    heads.set_defaults(run=cmd_heads)
+
     correlate = commands.add_parser("correlate", help="draft LM quality (perplexity, MMLU) against TAR")
     correlate.add_argument("--target", default=DEFAULT_TARGET)
     correlate.add_argument("--drafts", nargs="+", required=True, help="drafter specs: layers:..., model:DIR")
@@ -72,7 +86,7 @@ def add_design_commands(sub) -> None:
     correlate.add_argument("--out", required=True)
     correlate.set_defaults(run=cmd_correlate)
 
-    for parser in (micro, prune, distill, feature, correlate):
+    for parser in (micro, prune, distill, feature, heads, correlate):
         parser.add_argument("--threads", type=int, default=None)
         parser.add_argument("--no-progress", action="store_true")
 
@@ -183,11 +197,6 @@ def cmd_distill(args) -> None:
 
 def cmd_feature(args) -> None:
     """Train a feature draft within the budget; resumes from --out."""
-    from collections import Counter
-
-    import torch
-
-    from draftlab.api import eos_ids
     from draftlab.design.corpus import cached_text
     from draftlab.design.feature import FeatureSettings, load_or_make_features, train_feature_draft
     from draftlab.design.training import CHECKPOINT
@@ -209,11 +218,7 @@ def cmd_feature(args) -> None:
         draft = load_feature_draft(args.init, target)
         draft.made = {**draft.made, "init": f"feature draft {args.init}", "text": _text_record(args, data)}
     else:
-        counts = Counter(data["top1"].flatten().tolist())  # what the draft must predict
-        chosen = sorted({*eos_ids(target), *[t for t, _ in counts.most_common(args.vocab)]})[: max(args.vocab, 1)]
-        vocab_map = torch.tensor(chosen, dtype=torch.long)
-        covered = sum(counts[t] for t in chosen) / max(1, sum(counts.values()))
-        print(f"feature: {len(vocab_map)} output rows cover {covered:.1%} of the target's greedy tokens on this text")
+        vocab_map = _frequent_greedy_tokens(target, data, args.vocab)  # what the draft must predict
         draft = new_feature_draft(target, vocab_map, init_layer=None if args.random_init else -1)
         draft.made = {"method": "feature (EAGLE-style)", "init": "random" if args.random_init else "last target layer",
                       "text": _text_record(args, data)}
@@ -221,6 +226,81 @@ def cmd_feature(args) -> None:
     if history:
         print(f"feature: {history[-1]['tokens']} tokens in {history[-1]['elapsed_s']:.0f}s, held-out agreement "
               f"{history[0]['held_out_agreement']:.1%} -> {history[-1]['held_out_agreement']:.1%} -> {out}")
+
+
+def cmd_heads(args) -> None:
+    """Train decoder heads within the budget; resumes from --out."""
+    from draftlab.design.corpus import cached_text
+    from draftlab.design.feature import FEATURES, load_or_make_features
+    from draftlab.design.heads import HeadsSettings, train_heads
+    from draftlab.design.training import CHECKPOINT
+    from draftlab.drafters.heads import is_heads_draft, load_heads_draft, new_heads_draft
+    from draftlab.models import load_model
+
+    settings = HeadsSettings(budget_s=args.budget, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
+                             checkpoint_every_s=args.checkpoint_every)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    target = load_model(args.target)
+    if args.features:
+        _link_features(Path(args.features), out / FEATURES)
+        sequences: list[list[int]] = []
+    else:
+        sequences = cached_text(out, target, args.datasets, args.limit, args.generate, args.max_new_tokens,
+                                args.corpus, [], progress=not args.no_progress)
+    data = load_or_make_features(out, target, sequences, settings.features(), progress=not args.no_progress)
+    if (out / CHECKPOINT).exists() and is_heads_draft(out):
+        draft = load_heads_draft(out, target)
+    else:
+        vocab_map = _frequent_greedy_tokens(target, data, args.vocab)
+        draft = new_heads_draft(target, vocab_map, args.heads)
+        draft.made = {"method": "decoder heads (Medusa-style)", "heads": args.heads,
+                      "text": {"features": args.features, "tokens": int(data["tokens"].numel())}
+                      if args.features else _text_record(args, data)}
+    history = train_heads(target, draft, sequences, out, settings, args.target, progress=not args.no_progress)
+    if history:
+        per_head = ", ".join(f"{a:.1%}" for a in draft.made.get("held_out_agreement_per_head", []))
+        print(f"heads: {history[-1]['tokens']} tokens in {history[-1]['elapsed_s']:.0f}s, held-out agreement of "
+              f"head 1 {history[0]['held_out_agreement']:.1%} -> {history[-1]['held_out_agreement']:.1%} "
+              f"(heads 1..{draft.heads.count}: {per_head}) -> {out} (use --drafter model:{out})")
+
+
+def _link_features(source: Path, destination: Path) -> None:
+    """Share another draft's cached target features (a hard link where possible, else a copy)."""
+    import os
+    import shutil
+
+    from draftlab.design.feature import FEATURES
+
+    source = source / FEATURES if source.is_dir() else source
+    if not source.is_file():
+        raise DraftlabError(f"--features {source}: no cached target features there (a feature draft directory "
+                            f"made by `draftlab design feature` holds {FEATURES})")
+    if destination.exists():
+        if destination.stat().st_size != source.stat().st_size:
+            raise DraftlabError(f"{destination} holds other features than {source}; delete it or choose another --out")
+        return
+    try:
+        os.link(source, destination)
+    except OSError:
+        shutil.copyfile(source, destination)
+
+
+def _frequent_greedy_tokens(target, data: dict, size: int):
+    """The draft vocabulary: end-of-sequence ids and the target's most frequent greedy tokens on the text."""
+    from collections import Counter
+
+    import torch
+
+    from draftlab.api import eos_ids
+
+    if size < 1:
+        raise DraftlabError(f"--vocab must be at least 1, got {size}")
+    counts = Counter(data["top1"].flatten().tolist())
+    chosen = sorted({*eos_ids(target), *[t for t, _ in counts.most_common(size)]})[:size]
+    covered = sum(counts[t] for t in chosen) / max(1, sum(counts.values()))
+    print(f"{len(chosen)} output rows cover {covered:.1%} of the target's greedy tokens on this text")
+    return torch.tensor(chosen, dtype=torch.long)
 
 
 def _text_record(args, data) -> dict:

@@ -15,7 +15,8 @@ for drafters that do not read them).
 Draft sources, one file each: `ngram.py` (prompt lookup), `model.py` (a
 separate causal LM), `layers.py` (a self-draft of the target's layers),
 `pruned.py` (designed layer drafts and their file format), `feature.py`
-(EAGLE-style feature drafts and their file format); wrappers: `tree.py` (token
+(EAGLE-style feature drafts and their file format), `heads.py` (Medusa-style
+decoder heads and their file format); wrappers: `tree.py` (token
 trees grown by a drafter with logits), `staged.py` (a model draft whose own
 drafting a cheaper drafter speculates). `draftlab.registry` builds them from
 spec strings.

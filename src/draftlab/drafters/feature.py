@@ -268,6 +268,7 @@ class FeatureDrafter:
     """
 
     reads_target_hidden = True
+    max_depth = None  # trees of any depth
 
     def __init__(self, draft: FeatureDraft, name: str = "feature") -> None:
         self.draft = draft

@@ -23,6 +23,8 @@ class ModelDrafter(BlindDrafter):
     can disagree with the new one; that part is rolled back and re-fed.
     """
 
+    max_depth = None  # trees of any depth
+
     def __init__(self, backend: Backend, name: str = "model", vocab_map: torch.Tensor | None = None,
                  target_vocab_size: int | None = None) -> None:
         """vocab_map [V']: target token id of each draft output row, for drafts with a cut vocabulary."""

@@ -3,7 +3,8 @@
 When the draft's first guess is wrong its second is often right; a tree
 drafts both and the target's single pass (tree attention mask, `draftlab.step`)
 scores every branch. `TreeDrafter` wraps a `TreeSource` (a drafter that can
-give its logits after any node of a tree: `ModelDrafter`, `FeatureDrafter`)
+give its logits after any node of a tree: `ModelDrafter`, `FeatureDrafter`,
+`HeadsDrafter`)
 and grows the tree level by level; K is the tree's depth.
 
 Shapes (`TreeShape.parse`):
@@ -106,6 +107,7 @@ class TreeSource(Protocol):
     name: str
     reads_target_hidden: bool
     vocab_map: torch.Tensor | None  # [V'] target id of each draft logit row; None: the target's vocabulary
+    max_depth: int | None  # the deepest tree it can draft (decoder heads: one level per head); None: any
 
     def begin(self, prompt_ids: Sequence[int]) -> None: ...
 
@@ -201,6 +203,8 @@ class TreeDrafter:
         return proposal
 
     def _grow(self, context, k, sampling, generator) -> Proposal:
+        if self.source.max_depth is not None:
+            k = min(k, self.source.max_depth)
         logits = self.source.root_logits(context)  # [V']
         if logits is None or k < 1:
             return Proposal([])
