@@ -1,9 +1,10 @@
-"""Chains against token trees and the confidence stop, for one draft, on the same prompts in one run.
+"""Chains against token trees and the confidence stop, for one draft or several, on the same prompts in one run.
 
-Runs the sweep (our engine, baseline re-timed between cells) over the draft as
+Runs the sweep (our engine, baseline re-timed between cells) over each draft as
 a chain at K = 1..K_max and over each tree spec at each depth, then prints per
 configuration: tok/s, speedup against the baseline closest in time, tokens per
-step, drafted tokens per step (a tree's node count), and identical outputs.
+step, drafted tokens per step (a tree's node count), and identical outputs,
+then each draft's best chain against its best tree.
 Then (unless --no-predict) calibrates every spec at the deepest K on the same
 prompts and prints the performance model's decode throughput beside the
 measured one (prefill excluded, as the model does), with the error.
@@ -11,6 +12,7 @@ Last line: JSON.
 
     python benchmarks/trees.py --draft designed --trees 2 3x1 2x2 dyn-2-6 1@0.3 --depths 1 2 3
     python benchmarks/trees.py --trees 2 2x2 --depths 1 2 --limit 4   # about 10 minutes on 2 cores
+    python benchmarks/trees.py --drafts designed model:HEADS_DIR --trees 2 2x2 --depths 1 2 3 --limit 4
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from draftlab.study.sweep import SweepConfig, run_sweep
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="smollm2-135m")
-    parser.add_argument("--draft", default="designed", help="a drafter spec with logits (designed, layers:..., model:...)")
+    parser.add_argument("--drafts", "--draft", nargs="+", default=["designed"],
+                        help="drafter specs with logits (designed, layers:..., model:DIR of a draft or heads)")
     parser.add_argument("--trees", nargs="+", default=["2", "3x1", "2x2", "dyn-2-6", "1@0.3"])
     parser.add_argument("--depths", nargs="+", type=int, default=[1, 2, 3])
     parser.add_argument("--dataset", default="heldout")
@@ -43,7 +46,7 @@ def main() -> None:
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    specs = [args.draft] + [f"tree:{shape}:{args.draft}" for shape in args.trees]
+    specs = [spec for draft in args.drafts for spec in [draft, *(f"tree:{shape}:{draft}" for shape in args.trees)]]
     db = Path(args.db) if args.db else Path(tempfile.mkdtemp()) / "trees.sqlite"
     config = SweepConfig(targets=(args.target,), drafters=tuple(specs), ks=tuple(args.depths), methods=("sps",),
                          datasets=(args.dataset,), limit=args.limit, max_new_tokens=args.max_new_tokens,
@@ -67,6 +70,8 @@ def main() -> None:
                         "tokens_per_step": s.tokens_per_step, "drafted_per_step": drafted,
                         "identical": s.identical, "prompts": s.prompts})
     best = max(results, key=lambda r: r["speedup"])
+    for draft in args.drafts:
+        print(_chain_vs_tree(draft, results))
     print(f"best: {best['drafter']} K={best['k']} at {best['speedup']:.2f}x plain decoding")
     model = None if args.no_predict else check_model(args, specs, rows)
     print("reproduce: python " + " ".join(sys.argv))
@@ -98,6 +103,17 @@ def check_model(args, specs: list[str], rows: list[dict]) -> dict:
           + (f"; trees mean {sum(trees) / len(trees):.1%} max {max(trees):.1%}" if trees else "")
           + f" (target <= 10%); inside the interval {errors['inside_interval']:.0%}")
     return {**errors, "tree_max_error": max(trees, default=0.0)}
+
+
+def _chain_vs_tree(draft: str, results: list[dict]) -> str:
+    """One line: the draft's best chain, its best tree, and their throughput ratio."""
+    chains = [r for r in results if r["drafter"] == draft]
+    trees = [r for r in results if r["drafter"].startswith("tree:") and r["drafter"].endswith(":" + draft)]
+    if not chains or not trees:
+        return f"{draft}: no chain or no tree ran"
+    chain, tree = max(chains, key=lambda r: r["speedup"]), max(trees, key=lambda r: r["speedup"])
+    return (f"{draft}: best chain K={chain['k']} {chain['speedup']:.2f}x, best tree {tree['drafter']} K={tree['k']} "
+            f"{tree['speedup']:.2f}x: the tree is {tree['tokens_per_s'] / chain['tokens_per_s']:.2f}x the chain")
 
 
 def _drafted_per_step(rows: list[dict], drafter: str, k: int) -> float:

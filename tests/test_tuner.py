@@ -93,3 +93,32 @@ def test_first_race_round_is_trimmed_to_the_time_left():
     assert _fit_first_round(alive, 1.0, now + 1.5, notes) == []
     assert len(notes) == 2 and "plain decoding" in notes[1]
     assert _fit_first_round(alive, 0.0, now + 1.0, []) == alive  # no estimate: nothing trimmed
+
+
+def test_tune_searches_the_dtype_and_races_the_picks(tmp_path, capsys):
+    """Each dtype tuned, the picks and reference plain decoding raced head to head; outputs compared."""
+    import json
+
+    from draftlab.cli import main
+    from draftlab.perf.tuner import tune_dtypes
+
+    model = tiny_model_dir(tmp_path / "tiny")
+    settings = CalibrationSettings(k_max=2, max_new_tokens=16, repeats=2)
+    start = time.perf_counter()
+    choice = tune_dtypes(lambda dtype: load_model(str(model), dtype=dtype), ["fp32", "bf16"], DRAFTS[:1], prompts(3),
+                         settings, TuneSettings(budget_s=12.0), progress=False)
+    assert time.perf_counter() - start <= 1.1 * 12.0
+    assert list(choice.per_dtype) == ["fp32", "bf16"] and choice.dtype in ("fp32", "bf16")
+    assert "fp32 plain decoding" in choice.head_to_head and len(choice.head_to_head) >= 2
+    same, total = choice.identical
+    assert total >= 1 and choice.speedup > 0
+    if choice.dtype == "fp32":
+        assert same == total  # speculation in the reference dtype is lossless against its plain decoding
+    assert main(["tune", "--target", str(model), "--dtypes", "fp32", "bf16", "--drafts", "ngram", "--k-max", "2",
+                 "--max-new-tokens", "12", "--repeats", "2", "--limit", "2", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["dtype"] in ("fp32", "bf16") and result["reference_dtype"] == "fp32"
+    assert set(result["per_dtype"]) == {"fp32", "bf16"} and "head to head:" in out
+    with pytest.raises(Exception, match="distinct dtypes"):
+        tune_dtypes(lambda dtype: None, ["bf16", "bf16"], DRAFTS[:1], prompts(1), settings)

@@ -22,6 +22,8 @@ def add_study_commands(sub) -> None:
     report.add_argument("--db", required=True)
     report.add_argument("--out", required=True, help="output folder")
     report.add_argument("--profile", help="calibration profile: adds the performance model's check and what-ifs")
+    report.add_argument("--microbench", help="microbench.json of `draftlab design microbench`: depth vs width beside the seeds")
+    report.add_argument("--correlate", help="correlate.json of `draftlab design correlate`: accuracy vs TAR beside the seeds")
     report.set_defaults(run=cmd_report)
     export = sub.add_parser("export", help="export a study's records as CSV or JSONL")
     export.add_argument("--db", required=True)
@@ -107,13 +109,18 @@ def cmd_study(args) -> None:
 
 
 def cmd_report(args) -> None:
-    """Write the HTML report of a study database."""
+    """Write the HTML report of a study database; print the recommendation and the seeds' findings beside ours."""
+    from draftlab.study.findings import format_findings, gather_evidence, seeds_findings
     from draftlab.study.report import baseline_drift, build_report, load_checks, load_study, recommend, summarize
 
-    print(f"report: {build_report(args.db, args.out, args.profile)}")
-    rows, _, _ = load_study(args.db)
+    print(f"report: {build_report(args.db, args.out, args.profile, args.microbench, args.correlate)}")
+    rows, params, _ = load_study(args.db)
     checks = load_checks(args.db)
-    print("\n".join(recommend(summarize(rows, checks), baseline_drift(rows, checks))))
+    summaries = summarize(rows, checks)
+    print("\n".join(recommend(summaries, baseline_drift(rows, checks))))
+    evidence = gather_evidence(summaries, params, rows, args.profile, args.microbench, args.correlate)
+    print("The seeds' findings beside this study:")
+    print(format_findings(seeds_findings(evidence)))
 
 
 def cmd_export(args) -> None:

@@ -34,6 +34,9 @@ def add_tune_commands(sub) -> None:
     _add_tune_args(tune)
     tune.add_argument("--budget", type=float, default=None,
                       help="seconds for the whole tune; calibration and the race are sized to fit it")
+    tune.add_argument("--dtypes", nargs="+", default=None,
+                      help="search the target's dtype too (e.g. fp32 bf16): each is tuned, then the picks race head "
+                           "to head; the first is the reference for speedups and output equality (replaces --dtype)")
     tune.add_argument("--json", action="store_true", help="stdout ends with one JSON object (tune always does)")
     tune.set_defaults(run=cmd_tune)
 
@@ -60,17 +63,27 @@ DEFAULT_DRAFTS = ["ngram", "ngram:2-4", "layers:0-3", "layers:0-7"]
 
 
 def _calibration_inputs(args):
+    """The target (in --dtype), drafts, prompts and calibration settings of a command."""
+    drafts, prompts, settings = _search_inputs(args)
+    return _load_target(args, args.dtype), drafts, prompts, settings
+
+
+def _search_inputs(args):
     from draftlab.perf.calibrate import CalibrationSettings
     from draftlab.datasets import load_prompts
-    from draftlab.models import load_model
 
     settings = CalibrationSettings(args.k_max, args.max_new_tokens, args.repeats, args.backend)
     if settings.k_max < 1:
         raise DraftlabError(f"--k-max must be >= 1, got {settings.k_max}")
-    prompts = load_prompts(args.prompts or args.dataset, args.limit)
-    target = load_model(args.target, device=args.device, dtype=args.dtype)
+    return args.drafts or DEFAULT_DRAFTS, load_prompts(args.prompts or args.dataset, args.limit), settings
+
+
+def _load_target(args, dtype: str):
+    from draftlab.models import load_model
+
+    target = load_model(args.target, device=args.device, dtype=dtype)
     target.name = args.target
-    return target, args.drafts or DEFAULT_DRAFTS, prompts, settings
+    return target
 
 
 def cmd_calibrate(args) -> None:
@@ -134,13 +147,23 @@ def cmd_validate(args) -> None:
 
 
 def cmd_tune(args) -> None:
-    """Recommend a draft and K, raced and measured, with how to use it."""
-    from draftlab.perf.tuner import TuneSettings, format_predictions, tune, usage
+    """Recommend a draft and K (and a dtype, with --dtypes), raced and measured, with how to use it."""
+    from draftlab.perf.tuner import TuneSettings, format_predictions, tune
 
     tune_settings = TuneSettings(budget_s=args.budget)
+    if args.dtypes:
+        _tune_dtypes(args, tune_settings)
+        return
     target, drafts, prompts, settings = _calibration_inputs(args)
     rec, profile, preds = tune(target, drafts, prompts, settings, tune_settings, progress=not args.no_progress)
     print(format_predictions(preds, profile.target.autoregressive_tokens_per_s))
+    _print_recommendation(args.target, rec)
+    print(json.dumps(_recommendation_json(rec)))
+
+
+def _print_recommendation(target: str, rec, dtype: str | None = None) -> None:
+    from draftlab.perf.tuner import usage
+
     for number, round_ in enumerate(rec.race, start=1):
         ranked = ", ".join(f"{name} {speedup:.2f}x" for name, speedup in
                            sorted(round_["speedups"].items(), key=lambda item: -item[1]))
@@ -155,9 +178,38 @@ def cmd_tune(args) -> None:
           f"{rec.predicted_tokens_per_s:.1f} tokens/s ({rec.predicted_speedup:.2f}x); tuning took {rec.seconds:.0f}s")
     for note in rec.notes:
         print(f"note: {note}")
-    for line in usage(args.target, rec.draft, rec.k):
-        print("  " + line)
-    print(json.dumps({"draft": rec.draft, "k": rec.k, "predicted_tokens_per_s": rec.predicted_tokens_per_s,
-                      "predicted_speedup": rec.predicted_speedup, "measured_tokens_per_s": rec.measured_tokens_per_s,
-                      "measured_speedup": rec.measured_speedup, "speedup_spread": list(rec.speedup_spread),
-                      "seconds": rec.seconds, "race": list(rec.race), "notes": list(rec.notes)}))
+    for line in usage(target, rec.draft, rec.k):
+        print("  " + (line.replace(" --drafter", f" --dtype {dtype} --drafter") if dtype else line))
+
+
+def _recommendation_json(rec) -> dict:
+    return {"draft": rec.draft, "k": rec.k, "predicted_tokens_per_s": rec.predicted_tokens_per_s,
+            "predicted_speedup": rec.predicted_speedup, "measured_tokens_per_s": rec.measured_tokens_per_s,
+            "measured_speedup": rec.measured_speedup, "speedup_spread": list(rec.speedup_spread),
+            "seconds": rec.seconds, "race": list(rec.race), "notes": list(rec.notes)}
+
+
+def _tune_dtypes(args, tune_settings) -> None:
+    """`tune --dtypes ...`: each dtype tuned, the picks raced head to head, the fastest recommended."""
+    from draftlab.perf.tuner import tune_dtypes
+
+    drafts, prompts, settings = _search_inputs(args)
+    choice = tune_dtypes(lambda dtype: _load_target(args, dtype), args.dtypes, drafts, prompts, settings,
+                         tune_settings, progress=not args.no_progress)
+    for dtype, rec in choice.per_dtype.items():
+        print(f"{dtype}: drafter={rec.draft} K={rec.k}, {rec.measured_speedup or 1.0:.2f}x plain decoding in {dtype}")
+    reference = choice.head_to_head[f"{args.dtypes[0]} plain decoding"]
+    print("head to head: " + ", ".join(f"{label} {speed:.1f} tok/s ({speed / reference:.2f}x)"
+                                       for label, speed in sorted(choice.head_to_head.items(), key=lambda i: -i[1])))
+    same, total = choice.identical
+    print(f"\nrecommendation: dtype={choice.dtype} drafter={choice.recommendation.draft} K={choice.recommendation.k}: "
+          f"{choice.speedup:.2f}x plain decoding in {args.dtypes[0]}; {same}/{total} outputs identical to it; "
+          f"tuning took {choice.seconds:.0f}s")
+    for note in choice.notes:
+        print(f"note: {note}")
+    _print_recommendation(args.target, choice.recommendation, choice.dtype)
+    print(json.dumps({"dtype": choice.dtype, **_recommendation_json(choice.recommendation),
+                      "speedup_over_reference": choice.speedup, "reference_dtype": args.dtypes[0],
+                      "identical_to_reference": list(choice.identical), "head_to_head": choice.head_to_head,
+                      "per_dtype": {d: _recommendation_json(r) for d, r in choice.per_dtype.items()},
+                      "dtype_notes": list(choice.notes), "seconds": choice.seconds}))

@@ -7,7 +7,10 @@ predicts every (draft, K) with an interval, races the configurations whose
 interval could hold the best against plain decoding (successive halving on
 short interleaved runs), recommends the measured best with its speed and
 spread, honours a time budget, and prints how to use the pick in draftlab,
-HF transformers, vLLM and llama.cpp.
+HF transformers, vLLM and llama.cpp. `tune_dtypes` makes the target's dtype
+part of the search: each dtype is tuned on its own, then the picks (and plain
+decoding in the first dtype, the reference) race head to head on the same
+prompts, and the answer says whether its outputs equal the reference's.
 """
 
 from __future__ import annotations
@@ -15,10 +18,13 @@ from __future__ import annotations
 import statistics
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 from draftlab.api import parse_drafter_spec
+from draftlab.drafters import feature, heads
+from draftlab.drafters.files import draft_format
 from draftlab.perf.calibrate import CalibrationSettings, Profile, calibrate
 from draftlab.datasets import Prompt
 from draftlab.errors import DraftlabError
@@ -389,19 +395,106 @@ def _fit_first_round(alive: list, per_run_s: float, deadline: float, notes: list
 
 
 def run_interleaved(decoders: dict, keys: list, prompts: list, max_new_tokens: int, totals: dict,
-                    per_prompt: dict) -> None:
+                    per_prompt: dict, outputs: dict | None = None) -> None:
     """Every key on every prompt, the order rotated per prompt so that drift hits all alike.
 
-    Adds (new tokens, decode seconds) to `totals[key]` and each run's decode tokens/s to `per_prompt[key]`.
+    Adds (new tokens, decode seconds) to `totals[key]` and each run's decode tokens/s to `per_prompt[key]`;
+    with `outputs`, each run's token ids to `outputs[key]` (in prompt order).
     """
     for i, ids in enumerate(prompts):
         order = keys[i % len(keys):] + keys[: i % len(keys)]
         for key in order:
-            stats = decoders[key].generate(ids, max_new_tokens=max_new_tokens).stats
+            result = decoders[key].generate(ids, max_new_tokens=max_new_tokens)
+            stats = result.stats
             seconds = max(stats.wall_s - stats.prefill_s, 1e-9)
             totals[key][0] += stats.new_tokens
             totals[key][1] += seconds
             per_prompt[key].append(stats.new_tokens / seconds)
+            if outputs is not None:
+                outputs.setdefault(key, []).append(result.token_ids)
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    """The tuner's answer across dtypes: each dtype's own pick, then the picks raced head to head."""
+
+    dtype: str  # the winning dtype
+    recommendation: Recommendation  # the winning dtype's own tune
+    per_dtype: dict  # dtype -> Recommendation
+    head_to_head: dict  # "dtype draft K=k" -> decode tokens/s, on the same prompts, interleaved
+    speedup: float  # the winner over plain decoding in the reference dtype (the first), head to head
+    identical: tuple[int, int]  # the winner's outputs equal to reference plain decoding (greedy), of prompts run
+    seconds: float
+    notes: tuple[str, ...] = ()
+
+
+def tune_dtypes(load: Callable[[str], LoadedModel], dtypes: list[str], drafters: list[str], prompts: list[Prompt],
+                settings: CalibrationSettings, tune_settings: TuneSettings = TuneSettings(),
+                progress: bool = True) -> DtypeChoice:
+    """Tune the target in each dtype (`load(dtype)`), then race the picks and reference plain decoding.
+
+    The first dtype is the reference: the winner's speedup is over plain decoding in it, and its outputs are
+    compared with that plain decoding's (another dtype rounds differently, so its greedy text may differ:
+    lossless against plain decoding in its own dtype, not in the reference's). A budget is shared: 80% split
+    evenly between the dtypes' tunes, the rest for the head-to-head, which runs as many prompts as fit.
+    """
+    if not dtypes or len(set(dtypes)) != len(dtypes):
+        raise DraftlabError(f"give distinct dtypes to compare, got {dtypes}")
+    start = time.perf_counter()
+    budget = tune_settings.budget_s
+    deadline = start + budget if budget else float("inf")
+    each = replace(tune_settings, budget_s=budget * 0.8 / len(dtypes)) if budget else tune_settings
+    targets, picks = {}, {}
+    for dtype in dtypes:
+        targets[dtype] = load(dtype)
+        picks[dtype], _, _ = tune(targets[dtype], drafters, prompts, settings, each, progress)
+        if progress:
+            print(f"tune: {dtype}: {picks[dtype].draft} K={picks[dtype].k}")
+    reference = (dtypes[0], *PLAIN)
+    keys = [reference] + [(d, r.draft, r.k) for d, r in picks.items() if (d, r.draft, r.k) != reference]
+    decoders = {key: _decoder(targets[key[0]], key[1], key[2], settings.backend) for key in keys}
+    tokens_per_s, outputs, notes = _head_to_head(decoders, keys, targets[dtypes[0]], prompts, settings, deadline)
+    winner = max(keys, key=lambda key: tokens_per_s[key])
+    same = sum(a == b for a, b in zip(outputs[winner], outputs[reference]))
+    if winner[0] != dtypes[0] and same < len(outputs[winner]):
+        notes.append(f"{winner[0]} output differs from {dtypes[0]} plain decoding on {len(outputs[winner]) - same} of "
+                     f"{len(outputs[winner])} prompts: another rounding of the same model (speculation in {winner[0]} "
+                     f"is lossless against {winner[0]} plain decoding)")
+    return DtypeChoice(winner[0], picks[winner[0]], picks, {_label(k): v for k, v in tokens_per_s.items()},
+                       tokens_per_s[winner] / tokens_per_s[reference], (same, len(outputs[winner])),
+                       time.perf_counter() - start, tuple(notes))
+
+
+def _decoder(target: LoadedModel, draft: str, k: int, backend: str):
+    from draftlab.api import SpeculativeDecoder
+
+    return SpeculativeDecoder.from_names(target, drafter=draft, k=max(k, 1), backend=backend)
+
+
+def _label(key: tuple[str, str, int]) -> str:
+    dtype, draft, k = key
+    return f"{dtype} plain decoding" if draft == "none" else f"{dtype} {draft} K={k}"
+
+
+def _head_to_head(decoders: dict, keys: list, target: LoadedModel, prompts: list[Prompt],
+                  settings: CalibrationSettings, deadline: float) -> tuple[dict, dict, list[str]]:
+    """Decode tokens/s and outputs of every key on as many prompts as fit before the deadline (at least one)."""
+    from draftlab.api import encode_prompt
+
+    totals = {key: [0, 0.0] for key in keys}
+    per_prompt: dict = {key: [] for key in keys}
+    outputs: dict = {}
+    round_s, done = 0.0, 0
+    for prompt in prompts:
+        if done and time.perf_counter() + round_s > deadline:
+            break
+        started = time.perf_counter()
+        ids = encode_prompt(target.tokenizer, prompt.text, prompt.chat)
+        run_interleaved(decoders, keys[done % len(keys):] + keys[: done % len(keys)], [ids],
+                        settings.max_new_tokens, totals, per_prompt, outputs)
+        round_s, done = time.perf_counter() - started, done + 1
+    notes = [f"head-to-head on {done} of {len(prompts)} prompts to fit the budget"] if done < len(prompts) else []
+    return {key: totals[key][0] / totals[key][1] for key in keys}, outputs, notes
 
 
 def usage(target: str, draft: str, k: int) -> list[str]:
@@ -418,6 +511,12 @@ def usage(target: str, draft: str, k: int) -> list[str]:
             f'"prompt_lookup_max": {high}, "prompt_lookup_min": {low}}}',
             f"llama.cpp:    llama-lookup -m TARGET.gguf --draft {k}  (prompt-lookup decoding)",
         ]
+    elif plan.kind == "model" and draft_format(plan.model) == heads.FORMAT:
+        lines += ["transformers / llama.cpp: no decoder heads; vLLM: its Medusa method, with the heads converted "
+                  "to Medusa's checkpoint format"]
+    elif plan.kind == "designed" or (plan.kind == "model" and draft_format(plan.model) == feature.FORMAT):
+        lines += ["transformers / llama.cpp: no feature drafts that read the target's hidden states; "
+                  "vLLM: its EAGLE method, with the draft converted to EAGLE's checkpoint format"]
     elif plan.kind == "model":
         lines += [
             f"transformers: draft.generation_config.num_assistant_tokens = {k}; "
@@ -432,9 +531,6 @@ def usage(target: str, draft: str, k: int) -> list[str]:
     elif plan.kind == "staged":
         lines += ["transformers / vLLM / llama.cpp: no staged drafting; the inner draft alone drafts the same "
                   "tokens (greedy) there, one pass per token"]
-    elif plan.kind == "designed":
-        lines += ["transformers / llama.cpp: no feature drafts that read the target's hidden states; "
-                  "vLLM: its EAGLE method, with the draft converted to EAGLE's checkpoint format"]
     else:
         lines += [
             "transformers: build the layer draft with draftlab.build_layer_draft(target, layers) and pass it as "

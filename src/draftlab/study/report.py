@@ -327,13 +327,18 @@ def write_csv(path: Path, items: list) -> None:
         writer.writerows(dicts)
 
 
-def build_report(db: str | Path, out: str | Path, profile_path: str | Path | None = None) -> Path:
+def build_report(db: str | Path, out: str | Path, profile_path: str | Path | None = None,
+                 microbench_path: str | Path | None = None, correlate_path: str | Path | None = None) -> Path:
     """Write index.html, the PNGs and CSVs it shows, into `out`; return the HTML path.
 
     With a calibration profile, the page also checks the performance model against the
     records (predicted vs measured, errors of both formulas) and shows the what-if tables.
+    The seeds' findings are set beside the study's cells, and beside the microbenchmark
+    (`design microbench`'s microbench.json) and the correlation (`design correlate`'s
+    correlate.json) when given.
     """
     from draftlab.study import plots
+    from draftlab.study.findings import gather_evidence, seeds_findings
 
     rows, params, envs = load_study(db)
     checks = load_checks(db)
@@ -344,20 +349,45 @@ def build_report(db: str | Path, out: str | Path, profile_path: str | Path | Non
     write_csv(out / "cells.csv", summaries)
     write_csv(out / "optimal.csv", optimal)
     figures = plots.draw_all(summaries, out)
-    model_section = _model_section(profile_path, rows, out) if profile_path else ""
+    evidence = gather_evidence(summaries, params, rows, profile_path, microbench_path, correlate_path)
+    model_section = _model_section(profile_path, evidence.comparisons, out) if profile_path else ""
+    findings = seeds_findings(evidence)
     drift = baseline_drift(rows, checks)
-    page = _html(db, summaries, optimal, figures, envs, drift, recommend(summaries, drift)).replace("<h2>Every cell</h2>", model_section + "<h2>Every cell</h2>")
+    page = _html(db, summaries, optimal, figures, envs, drift, recommend(summaries, drift))
+    page = page.replace("<h2>Figures</h2>", _findings_section(findings) + "<h2>Figures</h2>")
+    page = page.replace("<h2>Every cell</h2>", model_section + "<h2>Every cell</h2>")
     (out / "index.html").write_text(page, encoding="utf-8")
     return out / "index.html"
 
 
-def _model_section(profile_path, rows: list[dict], out: Path) -> str:
+def comparisons_of(profile_path, rows: list[dict]) -> list:
+    """The performance model's predictions (from a calibration profile) beside the measured records."""
+    from draftlab.perf.calibrate import Profile
+    from draftlab.perf.tuner import compare
+
+    return compare(Profile.load(profile_path), rows)
+
+
+def _findings_section(findings) -> str:
+    """The seeds' findings beside this study's measurements, as an HTML table."""
+    esc = html.escape
+    rows = "".join(
+        f"<tr class='{f.verdict.replace(' ', '-')}'><td style='text-align:left'>{esc(f.claim)}<br><small>{esc(f.source)}"
+        f"</small></td><td>{esc(f.verdict)}</td><td style='text-align:left'>{esc(f.measured)}"
+        + (f"<details><summary>{len(f.evidence)} cells</summary>{'<br>'.join(esc(e) for e in f.evidence)}</details>"
+           if f.evidence else "") + "</td></tr>"
+        for f in findings)
+    return ("<h2>The seeds' findings beside ours</h2><p>Each finding of the two studies behind draftlab (GPUs, "
+            "models of 70M-65B parameters) against what this study measured on this machine.</p>"
+            f"<table><tr><th>finding</th><th>here</th><th>measured</th></tr>{rows}</table>")
+
+
+def _model_section(profile_path, comparisons: list, out: Path) -> str:
     """Performance model vs measurement, and what-if analyses, as HTML."""
     from draftlab.perf.calibrate import Profile
-    from draftlab.perf.tuner import compare, error_summary, format_predictions, format_what_if, plot_comparison, predictions
+    from draftlab.perf.tuner import error_summary, format_predictions, format_what_if, plot_comparison, predictions
 
     profile = Profile.load(profile_path)
-    comparisons = compare(profile, rows)
     errors = error_summary(comparisons)
     plot_comparison(comparisons, out / "predicted_vs_measured.png")
     preds = predictions(profile)
@@ -409,7 +439,7 @@ def _html(db, summaries: list[CellSummary], optimal: list[OptimalRow], figures: 
     env = "".join(f"<li><code>{esc(str(e))}</code></li>" for e in envs)
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>draftlab study report</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:1400px}}table{{border-collapse:collapse;font-size:13px}}
-td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}}th{{background:#eee}}tr.lossy{{background:#fcc}}p.noisy{{background:#fcc;padding:4px}}p.answer{{font-size:16px;font-weight:bold}}
+td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}}th{{background:#eee}}tr.lossy{{background:#fcc}}tr.disagrees{{background:#fde}}tr.agrees{{background:#efe}}p.noisy{{background:#fcc;padding:4px}}p.answer{{font-size:16px;font-weight:bold}}
 img{{max-width:100%;border:1px solid #ddd;margin-bottom:1em}}</style></head><body>
 <h1>draftlab study report</h1><p>Database: <code>{esc(str(db))}</code>. Speedups are tokens/s over the autoregressive
 baseline on the same prompts in the same study; the range is min - max over prompts. Scaling = target parameters / draft
