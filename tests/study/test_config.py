@@ -34,3 +34,12 @@ def test_bad_grids_are_refused(tmp_path):
     for kwargs in ({"ks": (0,)}, {"methods": ("fast",)}, {"drafters": ("bogus",)}, {"temperatures": (-1.0,)}):
         with pytest.raises(DraftlabError):
             SweepConfig(**kwargs)
+
+
+def test_family_preset_is_the_seeds_grid_on_the_qwen_pair():
+    """The second family's study: the 0.5B stand-alone draft, two layer self-drafts and n-gram, SpS and AsG, K 1..7."""
+    config = make_config("family")
+    assert config.targets == ("qwen2.5-coder-1.5b",) and "model:qwen2.5-coder-0.5b" in config.drafters
+    assert config.ks == tuple(range(1, 8)) and set(config.methods) == {"sps", "asg"}
+    assert {"humaneval", "mt-bench", "math", "xsum"} == set(config.datasets)
+    assert len(config.cells("t", "d", 0.0)) == 1 + 2 * 4 * 7

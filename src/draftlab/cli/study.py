@@ -33,7 +33,8 @@ def add_study_commands(sub) -> None:
 
 def _add_sweep_args(parser: argparse.ArgumentParser, db_required: bool = True) -> None:
     parser.add_argument("--db", required=db_required, help="study database (SQLite); resumes if it exists")
-    parser.add_argument("--preset", default="quick", help="quick (a few minutes on a CPU) or full")
+    parser.add_argument("--preset", default="quick", help="quick (the main job: ~15 minutes on 2 CPU cores), full, or family "
+                                                          "(the Qwen2.5-Coder pair: hours on a CPU)")
     parser.add_argument("--config", help="TOML file with the grid (keys as the flags, in a [sweep] table)")
     parser.add_argument("--targets", nargs="+")
     parser.add_argument("--drafters", nargs="+")
