@@ -13,6 +13,10 @@ Last line: JSON.
     python benchmarks/trees.py --draft designed --trees 2 3x1 2x2 dyn-2-6 1@0.3 --depths 1 2 3
     python benchmarks/trees.py --trees 2 2x2 --depths 1 2 --limit 4   # about 10 minutes on 2 cores
     python benchmarks/trees.py --drafts designed model:HEADS_DIR --trees 2 2x2 --depths 1 2 3 --limit 4
+    python benchmarks/trees.py --trees 1 2 --guide ngram --depths 1 2 3 --dataset humaneval --limit 4
+
+`--guide ngram` adds each tree merged with n-gram lookup (`merged:ngram/tree:SHAPE:DRAFT`): the
+n-gram continuation is one branch, the draft's tokens the others.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ def main() -> None:
                         help="drafter specs with logits (designed, layers:..., model:DIR of a draft or heads)")
     parser.add_argument("--trees", nargs="+", default=["2", "3x1", "2x2", "dyn-2-6", "1@0.3"])
     parser.add_argument("--depths", nargs="+", type=int, default=[1, 2, 3])
+    parser.add_argument("--guide", default=None, help="also run every tree merged with this n-gram guide (ngram[:A-B])")
     parser.add_argument("--dataset", default="heldout")
     parser.add_argument("--limit", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=48)
@@ -46,7 +51,7 @@ def main() -> None:
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    specs = [spec for draft in args.drafts for spec in [draft, *(f"tree:{shape}:{draft}" for shape in args.trees)]]
+    specs = [spec for draft in args.drafts for spec in [draft, *tree_specs(draft, args.trees, args.guide)]]
     db = Path(args.db) if args.db else Path(tempfile.mkdtemp()) / "trees.sqlite"
     config = SweepConfig(targets=(args.target,), drafters=tuple(specs), ks=tuple(args.depths), methods=("sps",),
                          datasets=(args.dataset,), limit=args.limit, max_new_tokens=args.max_new_tokens,
@@ -79,6 +84,12 @@ def main() -> None:
                       "db": str(db)}))
 
 
+def tree_specs(draft: str, shapes: list[str], guide: str | None) -> list[str]:
+    """The tree of each shape grown by `draft`, then (with a guide) each merged with it."""
+    trees = [f"tree:{shape}:{draft}" for shape in shapes]
+    return trees + ([f"merged:{guide}/{tree}" for tree in trees] if guide else [])
+
+
 def check_model(args, specs: list[str], rows: list[dict]) -> dict:
     """Calibrate every spec at the deepest K on the benchmark's prompts; predicted vs measured decode tok/s."""
     from draftlab.datasets import load_prompts
@@ -98,7 +109,7 @@ def check_model(args, specs: list[str], rows: list[dict]) -> dict:
         print(f"{c.draft:<34}{c.k:>3}{c.measured_tokens_per_s:>10.1f}{c.simplified_tokens_per_s:>11.1f}"
               f"{interval:>14}{c.simplified_error:>7.1%}" + (f"  {c.cause}" if c.cause else ""))
     errors = error_summary(comparisons)
-    trees = [c.simplified_error for c in comparisons if c.draft.startswith("tree:")]
+    trees = [c.simplified_error for c in comparisons if c.draft.startswith(("tree:", "merged:"))]
     print(f"model error: all cells mean {errors['simplified_mean_error']:.1%} max {errors['simplified_max_error']:.1%}"
           + (f"; trees mean {sum(trees) / len(trees):.1%} max {max(trees):.1%}" if trees else "")
           + f" (target <= 10%); inside the interval {errors['inside_interval']:.0%}")
@@ -108,7 +119,7 @@ def check_model(args, specs: list[str], rows: list[dict]) -> dict:
 def _chain_vs_tree(draft: str, results: list[dict]) -> str:
     """One line: the draft's best chain, its best tree, and their throughput ratio."""
     chains = [r for r in results if r["drafter"] == draft]
-    trees = [r for r in results if r["drafter"].startswith("tree:") and r["drafter"].endswith(":" + draft)]
+    trees = [r for r in results if r["drafter"].startswith(("tree:", "merged:")) and r["drafter"].endswith(":" + draft)]
     if not chains or not trees:
         return f"{draft}: no chain or no tree ran"
     chain, tree = max(chains, key=lambda r: r["speedup"]), max(trees, key=lambda r: r["speedup"])

@@ -198,3 +198,87 @@ def test_feature_tree_sampling_keeps_the_joint_distribution(toy, name):
     engine = SpeculativeEngine(FastLlamaBackend(toy.model), drafter, FixedK(K), context_length=512)
     counts, _ = empirical_joint(engine, SAMPLINGS[name])
     assert_joint_matches(counts, exact_joint(toy.model, SAMPLINGS[name]))
+
+
+# Merged trees: an n-gram guide's chain is one branch, the draft's tokens the others.
+
+MERGED = [("noisy", "1"), ("noisy", "2"), ("noisy", "dyn-2-6@0.05"), ("feature", "2x2-6"), ("layers", "2@auto")]
+
+
+def _merged(make, shape, guide=None):
+    from draftlab.drafters.ngram import NGramDrafter
+
+    return TreeDrafter(make(), TreeShape.parse(shape), 64, guide or NGramDrafter(3, 1))
+
+
+@pytest.mark.parametrize("name, shape", MERGED)
+def test_greedy_merged_tree_output_equals_autoregressive(tiny_target, baselines, name, shape):
+    make = _drafters(tiny_target)[name]
+    for k in (1, 4):
+        for prompt, expected in zip(PROMPTS, baselines):
+            result = run(tiny_target, _merged(make, shape), k, prompt)
+            assert result.token_ids == expected, f"{name} {shape} k={k} prompt={prompt}"
+
+
+def test_merged_tree_puts_the_guide_chain_first_and_keeps_its_token_out_of_the_siblings(tiny_target):
+    from tests.test_staged import ConstantGuess
+
+    make = _drafters(tiny_target)["noisy"]
+    alone = make()
+    alone.begin(PROMPTS[0])
+    top = int(torch.argmax(alone.root_logits(PROMPTS[0])))
+    for greedy in (True, False):
+        sampling = SamplingConfig(0.0 if greedy else 1.0)
+        drafter = _merged(make, "2", ConstantGuess(top))
+        drafter.begin(PROMPTS[0])
+        proposal = drafter.propose(PROMPTS[0], 3, sampling, torch.Generator().manual_seed(0))
+        root = [i for i, p in enumerate(proposal.parents) if p == ROOT]
+        assert len(root) == 3 and proposal.tokens[root[0]] == top  # the guide's token, then two of the draft's
+        assert top not in [proposal.tokens[i] for i in root[1:]]
+        assert [proposal.tokens[i] for i, p in enumerate(proposal.parents) if p == root[0]][0] == top  # its chain
+        if not greedy:
+            assert proposal.draft_probs[root[0], top] == 1.0  # a one-hot draft
+            assert all(float(proposal.draft_probs[i, top]) == 0.0 for i in root[1:])  # drawn without the guide's
+
+
+def test_merged_tree_accepts_the_guide_where_the_draft_is_wrong(tiny_target):
+    """On a repetitive sequence a weak draft's tree gains from the n-gram branch; outputs stay equal."""
+    make = _drafters(tiny_target)["feature"]
+    prompt = [5, 6, 7, 8, 9] * 6
+    tree = run(tiny_target, TreeDrafter(make(), TreeShape.parse("2"), 64), 4, prompt, max_new_tokens=60)
+    merged = run(tiny_target, _merged(make, "2"), 4, prompt, max_new_tokens=60)
+    assert merged.token_ids == tree.token_ids
+    assert merged.stats.steps < tree.stats.steps
+
+
+def test_merged_specs_in_the_registry(tiny_target):
+    plan = parse_drafter_spec("merged:ngram:2-4/tree:2:layers:0-1", 4)
+    assert plan.kind == "merged" and plan.helper.ngram == (2, 4) and plan.inner.tree == TreeShape((2,))
+    built = build_drafter("merged:ngram/layers:0-1", tiny_target)
+    assert built.drafter.name.startswith("merged:ngram:1-3/tree:1:") and built.drafter.shape == TreeShape((1,))
+    with pytest.raises(DraftlabError, match="looks its tokens up"):
+        build_drafter("merged:layers:0/tree:2:layers:0-1", tiny_target)
+    with pytest.raises(DraftlabError, match="no logits"):
+        build_drafter("merged:ngram/ngram", tiny_target)
+    from draftlab.hf_reference import assisted_kwargs
+
+    with pytest.raises(DraftlabError, match="chains only"):
+        assisted_kwargs(plan, built.model, 2)
+
+
+@pytest.mark.parametrize("shape", ["1", "2x2"])
+@pytest.mark.parametrize("guide", ["ngram", "constant"])
+@pytest.mark.parametrize("draft", ["noisy", "adversarial"])
+def test_merged_tree_sampling_keeps_the_joint_distribution(toy, draft, guide, shape):
+    """One-hot guide nodes, then the draft's siblings without the guide's token: the target's exact law."""
+    from draftlab.drafters.ngram import NGramDrafter
+    from tests.test_staged import ConstantGuess
+
+    sampling = SAMPLINGS["t1"] if shape == "1" else SAMPLINGS["t0.8-top3"]
+    draft_model = noisy_copy(toy, 0.8, seed=2) if draft == "noisy" else adversarial(toy)
+    helper = NGramDrafter(3, 1) if guide == "ngram" else ConstantGuess(0)
+    drafter = TreeDrafter(ModelDrafter(FastLlamaBackend(draft_model.model)), TreeShape.parse(shape), VOCAB, helper)
+    engine = SpeculativeEngine(FastLlamaBackend(toy.model), drafter, FixedK(K), context_length=512)
+    counts, first_drafted = empirical_joint(engine, sampling)
+    assert min(first_drafted) > K  # the guide's branch beside the draft's
+    assert_joint_matches(counts, exact_joint(toy.model, sampling))

@@ -26,7 +26,7 @@ def assisted_kwargs(plan: DraftPlan, draft: LoadedModel | None, k: int) -> dict:
 
     if plan.kind == "ngram":
         return {"prompt_lookup_num_tokens": k, "max_matching_ngram_size": plan.ngram[1]}
-    if plan.kind == "tree":
+    if plan.kind in ("tree", "merged"):
         raise DraftlabError("HF assisted generation drafts chains only; a token tree has no counterpart there")
     if plan.kind == "staged":
         raise DraftlabError("HF assisted generation has no staged drafting; run the inner draft alone there")

@@ -17,6 +17,9 @@ HF reference runs alike. Spec grammar:
   staged:HELPER/SPEC          model draft SPEC (layers, model, a pruned draft) whose own drafting
                               is speculated by HELPER (ngram[:...] or layers:...), see
                               `draftlab.drafters.staged`
+  merged:GUIDE/SPEC           n-gram lookup GUIDE (ngram[:...]) merged into the tree (or chain) of SPEC
+                              (tree:SHAPE:... or a drafter with logits): the guide's continuation
+                              is one branch, the draft's tokens the others, see `draftlab.drafters.tree`
 
 Adding a draft source is one file in `draftlab/drafters/` plus one entry in
 `DRAFTERS` (a spec kind) or `DRAFT_FORMATS` (a draft directory format).
@@ -42,7 +45,7 @@ from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel, ModelSpec, load_model
 
 SPEC_HELP = ("none | ngram[:N|:A-B] | layers:0-3 (or 0,2,4 / 0-29:2) | model:NAME_OR_PATH | designed | "
-             "tree:SHAPE:SPEC | staged:HELPER/SPEC")
+             "tree:SHAPE:SPEC | staged:HELPER/SPEC | merged:GUIDE/SPEC")
 
 
 @dataclass(frozen=True)
@@ -54,8 +57,8 @@ class DraftPlan:
     layers: tuple[int, ...] = ()
     model: str = ""
     tree: TreeShape | None = None  # kind "tree": the shape, grown by `inner`
-    inner: "DraftPlan | None" = None  # kinds "tree" and "staged": the drafter they wrap
-    helper: "DraftPlan | None" = None  # kind "staged": the cheaper drafter that guesses for `inner`
+    inner: "DraftPlan | None" = None  # kinds "tree", "staged" and "merged": the drafter they wrap
+    helper: "DraftPlan | None" = None  # kinds "staged" and "merged": the cheaper drafter (guesses, or the guide)
 
 
 @dataclass
@@ -86,6 +89,10 @@ def parse_drafter_spec(spec: str, num_layers: int | None = None) -> DraftPlan:
         helper, _, inner = arg.partition("/")
         return DraftPlan("staged", inner=parse_drafter_spec(inner, num_layers),
                          helper=parse_drafter_spec(helper, num_layers))
+    if kind == "merged" and "/" in arg:
+        guide, _, inner = arg.partition("/")
+        return DraftPlan("merged", inner=parse_drafter_spec(inner, num_layers),
+                         helper=parse_drafter_spec(guide, num_layers))
     raise DraftlabError(f"unknown drafter {spec!r}: use {SPEC_HELP}")
 
 
@@ -174,6 +181,16 @@ def _build_staged(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDr
     return BuiltDraft(StagedDrafter(inner.drafter, helper.drafter), inner.model)
 
 
+def _build_merged(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
+    if plan.helper.kind != "ngram":
+        raise DraftlabError(f"the guide of a merged tree looks its tokens up: use ngram[:...] before the '/', "
+                            f"got {plan.helper.kind}")
+    inner_plan = plan.inner if plan.inner.kind == "tree" else DraftPlan("tree", tree=TreeShape((1,)), inner=plan.inner)
+    tree = _build_tree(inner_plan, target, backend)
+    guide = NGramDrafter(max_n=plan.helper.ngram[1], min_n=plan.helper.ngram[0])
+    return BuiltDraft(TreeDrafter(tree.drafter.source, inner_plan.tree, target.vocab_size, guide), tree.model)
+
+
 def _model_draft(draft: LoadedModel, backend: str) -> BuiltDraft:
     drafter = ModelDrafter(make_backend(draft.model, draft.device, backend, batch_invariant=False), name=draft.name)
     return BuiltDraft(drafter, draft)
@@ -203,6 +220,7 @@ DRAFTERS: dict[str, Callable[[DraftPlan, LoadedModel, str], BuiltDraft]] = {
     "designed": _build_designed,
     "tree": _build_tree,
     "staged": _build_staged,
+    "merged": _build_merged,
 }
 DRAFT_FORMATS: dict[str, Callable[[str, LoadedModel, str], BuiltDraft]] = {
     pruned.FORMAT: _load_pruned,

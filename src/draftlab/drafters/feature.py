@@ -59,13 +59,21 @@ class FeatureShape:
     head_dim: int
     intermediate_size: int
     rms_norm_eps: float
+    attention_bias: bool = False  # q/k/v projections with biases (Qwen2)
 
     @classmethod
     def of(cls, config) -> "FeatureShape":
-        """The shape of a Llama-family target's layers."""
+        """The shape of a Llama-family target's layers (Llama, Qwen2)."""
+        model_type = getattr(config, "model_type", None)
+        if model_type not in FEATURE_MODEL_TYPES:
+            raise DraftlabError(f"feature drafts support model types {FEATURE_MODEL_TYPES}, not {model_type!r}")
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        bias = model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
         return cls(config.hidden_size, config.num_attention_heads, config.num_key_value_heads, head_dim,
-                   config.intermediate_size, config.rms_norm_eps)
+                   config.intermediate_size, config.rms_norm_eps, bias)
+
+
+FEATURE_MODEL_TYPES = ("llama", "qwen2")  # qwen2: Llama with q/k/v biases
 
 
 class FeatureLayer(nn.Module):
@@ -77,9 +85,9 @@ class FeatureLayer(nn.Module):
         self.shape = shape
         self.fc = nn.Linear(2 * d, d, bias=False)
         self.input_norm = nn.Parameter(torch.ones(d))
-        self.q_proj = nn.Linear(d, shape.num_heads * hd, bias=False)
-        self.k_proj = nn.Linear(d, shape.num_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(d, shape.num_kv_heads * hd, bias=False)
+        self.q_proj = nn.Linear(d, shape.num_heads * hd, bias=shape.attention_bias)
+        self.k_proj = nn.Linear(d, shape.num_kv_heads * hd, bias=shape.attention_bias)
+        self.v_proj = nn.Linear(d, shape.num_kv_heads * hd, bias=shape.attention_bias)
         self.o_proj = nn.Linear(shape.num_heads * hd, d, bias=False)
         self.post_norm = nn.Parameter(torch.ones(d))
         self.gate_proj = nn.Linear(d, shape.intermediate_size, bias=False)
@@ -172,10 +180,7 @@ class FeatureDraft:
 
 def new_feature_draft(target: LoadedModel, vocab_map: torch.Tensor, init_layer: int | None = -1) -> FeatureDraft:
     """A feature draft for `target` whose layer copies the target's layer `init_layer` (None: random)."""
-    config = target.model.config
-    if getattr(config, "model_type", None) != "llama":
-        raise DraftlabError(f"feature drafts support Llama-family targets, not {config.model_type!r}")
-    shape = FeatureShape.of(config)
+    shape = FeatureShape.of(target.model.config)
     layer = FeatureLayer(shape).to(target.dtype)
     if init_layer is not None:
         _copy_target_layer(layer, target.model.model.layers[init_layer], target.model.model.norm.weight)
@@ -192,7 +197,10 @@ def _copy_target_layer(layer: FeatureLayer, source: nn.Module, final_norm: torch
         layer.post_norm.copy_(source.post_attention_layernorm.weight)
         layer.out_norm.copy_(final_norm)
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            getattr(layer, name).weight.copy_(getattr(source.self_attn, name).weight)
+            mine, theirs = getattr(layer, name), getattr(source.self_attn, name)
+            mine.weight.copy_(theirs.weight)
+            if mine.bias is not None:
+                mine.bias.copy_(theirs.bias)
         for name in ("gate_proj", "up_proj", "down_proj"):
             getattr(layer, name).weight.copy_(getattr(source.mlp, name).weight)
 

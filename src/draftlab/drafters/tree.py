@@ -34,6 +34,16 @@ which keeps the target's distribution exactly. The number of children of a
 node is decided before they are drawn (from the shape, the budget and the
 cumulative probability of the node and its ancestors), never from the drawn
 children's own values; pruning after drawing would bias the output.
+
+Merged trees (`merged:GUIDE/SPEC`): a guide drafter that looks tokens up (n-gram
+prompt lookup) puts its chain into the tree as the first child at every depth
+of its path, and the source's children at those nodes are drawn without the
+guide's token. The guide's nodes are one-hot drafts; the source's siblings are
+drawn from the source's distribution with the guide's token removed, which is
+the next step of the same recursive rejection sampling, so the tree stays
+lossless. When the context repeats itself the n-gram continuation is often
+right where the draft model is not, and where it finds nothing the tree is
+the source's alone.
 """
 
 from __future__ import annotations
@@ -128,6 +138,7 @@ class _Node:
     parent: int  # index into the node list, ROOT for the first level
     logprob: float  # cumulative draft log-probability from the root
     probs: torch.Tensor | None  # [V'] the distribution this token was drawn from (sampling); None: greedy
+    guided: bool = False  # a guide's token: a one-hot draft in the target's vocabulary (sampling)
 
 
 class AdaptiveStop:
@@ -168,18 +179,34 @@ class AdaptiveStop:
         self._pending = None
 
 
-class TreeDrafter:
-    """Wraps a `TreeSource`: proposes a tree of the given shape whose depth is K."""
+class ChainGuide(Protocol):
+    """A drafter that looks its chain up (n-gram prompt lookup): no probabilities, no hidden states."""
 
-    def __init__(self, source: TreeSource, shape: TreeShape, target_vocab_size: int) -> None:
-        self.source, self.shape, self.target_vocab_size = source, shape, target_vocab_size
+    name: str
+
+    def begin(self, prompt_ids: Sequence[int]) -> None: ...
+
+    def propose(self, context, k, sampling, generator) -> Proposal: ...
+
+
+class TreeDrafter:
+    """Wraps a `TreeSource`: proposes a tree of the given shape whose depth is K (with a guide's chain merged in)."""
+
+    def __init__(self, source: TreeSource, shape: TreeShape, target_vocab_size: int,
+                 guide: ChainGuide | None = None) -> None:
+        self.source, self.shape, self.target_vocab_size, self.guide = source, shape, target_vocab_size, guide
         self.name = f"tree:{shape}:{source.name}"
+        if guide is not None:
+            self.name = f"merged:{guide.name}/{self.name}"
         self.reads_target_hidden = source.reads_target_hidden
         self.stop = AdaptiveStop(shape.min_prob) if shape.adaptive else None
+        self._draft_rows = _draft_rows(source.vocab_map)
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
-        """Start the source on a new sequence."""
+        """Start the source (and the guide) on a new sequence."""
         self.source.begin(prompt_ids)
+        if self.guide is not None:
+            self.guide.begin(prompt_ids)
         if self.stop is not None:
             self.stop.begin()
 
@@ -208,10 +235,11 @@ class TreeDrafter:
         logits = self.source.root_logits(context)  # [V']
         if logits is None or k < 1:
             return Proposal([])
+        guide = self._guide_chain(context, k, sampling, generator)
         nodes: list[_Node] = []
         frontier, frontier_logits = [ROOT], logits[None]  # [1, V']
         for depth in range(k):
-            new = self._grow_level(nodes, frontier, frontier_logits, depth, sampling, generator)
+            new = self._grow_level(nodes, frontier, frontier_logits, depth, guide, sampling, generator)
             frontier = self._to_expand(nodes, new)
             if not frontier or depth + 1 == k:
                 break
@@ -219,18 +247,55 @@ class TreeDrafter:
             frontier_logits = self.source.tree_logits(tokens, parents, frontier)  # [f, V']
         return self._proposal(nodes)
 
-    def _grow_level(self, nodes, frontier, frontier_logits, depth, sampling, generator) -> list[int]:
-        """Draw the children of each frontier node (most probable parents first, within the budget)."""
+    def _guide_chain(self, context, k, sampling, generator) -> list[int]:
+        """The guide's chain (target ids, up to k), or [] without a guide."""
+        if self.guide is None:
+            return []
+        return list(self.guide.propose(context, k, sampling, generator).tokens[:k])
+
+    def _grow_level(self, nodes, frontier, frontier_logits, depth, guide, sampling, generator) -> list[int]:
+        """Draw the children of each frontier node (most probable parents first, within the budget); the
+        guide's node of the previous level gets the guide's next token first."""
         new: list[int] = []
         for index, logits in zip(frontier, frontier_logits):
-            count = min(self.shape.children(depth), self._room(nodes))
-            if count <= 0:
+            room = self._room(nodes)
+            if room <= 0:
                 break
             base = nodes[index].logprob if index != ROOT else 0.0
-            for row, logprob, probs in draw_children(logits.float(), count, sampling, generator):
+            exclude = None
+            if depth < len(guide) and self._on_guide_path(nodes, index, depth):
+                exclude = self._add_guide_node(nodes, guide[depth], index, base, logits, sampling)
+                new.append(len(nodes) - 1)
+                room -= 1
+            count = min(self.shape.children(depth), room)
+            for row, logprob, probs in draw_children(logits.float(), count, sampling, generator, exclude):
                 nodes.append(_Node(self._target_id(row), index, base + logprob, probs))
                 new.append(len(nodes) - 1)
         return new
+
+    @staticmethod
+    def _on_guide_path(nodes: list[_Node], index: int, depth: int) -> bool:
+        """Whether `index` is the guide's node at depth-1 (the root at depth 0)."""
+        return index == ROOT if depth == 0 else index != ROOT and nodes[index].guided
+
+    def _add_guide_node(self, nodes, token, parent, base, logits, sampling) -> int | None:
+        """Append the guide's token under `parent` (its draft log-probability from the parent's logits [V']);
+        returns its draft row (to keep out of the source's children), or None when the source lacks it."""
+        row = self._draft_rows.get(token) if self._draft_rows is not None else token
+        if row is not None and row >= logits.shape[-1]:
+            row = None
+        floor = math.log(1e-30)
+        logprob = float(torch.log_softmax(logits.float(), dim=-1)[row]) if row is not None else floor
+        one_hot = None
+        if not sampling.greedy:
+            one_hot = torch.zeros(self._proposal_width(logits.shape[-1]))  # [V]
+            one_hot[token] = 1.0
+        nodes.append(_Node(token, parent, base + max(logprob, floor), one_hot, guided=True))
+        return row
+
+    def _proposal_width(self, draft_width: int) -> int:
+        """The width of proposal rows: the target's vocabulary for cut-vocabulary sources, else the source's."""
+        return draft_width if self.source.vocab_map is None else self.target_vocab_size
 
     def _target_id(self, row: int) -> int:
         """The target token id of draft logit row `row`."""
@@ -244,8 +309,10 @@ class TreeDrafter:
         """The newest level's nodes to expand, most probable first: those above the confidence stop
         (dynamic shapes keep the best `expand` of them)."""
         floor = math.log(self.min_prob) if self.min_prob else -math.inf
-        ranked = sorted((i for i in level if nodes[i].logprob >= floor), key=lambda i: (-nodes[i].logprob, i))
-        return ranked[: self.shape.expand] if self.shape.expand else ranked
+        ranked = sorted((i for i in level if nodes[i].logprob >= floor and not nodes[i].guided),
+                        key=lambda i: (-nodes[i].logprob, i))
+        ranked = ranked[: self.shape.expand] if self.shape.expand else ranked
+        return [i for i in level if nodes[i].guided] + ranked  # the guide's path is always followed
 
     def _proposal(self, nodes: list[_Node]) -> Proposal:
         """Nodes in topological order as a proposal in target token ids."""
@@ -254,25 +321,41 @@ class TreeDrafter:
         parents = tuple(n.parent for n in nodes)
         if not nodes or nodes[0].probs is None:  # greedy: one-hot drafts
             return Proposal(tokens, parents)
-        rows = [n.probs if vocab_map is None else scatter_vocab(n.probs, vocab_map, self.target_vocab_size)
+        rows = [n.probs if vocab_map is None or n.guided else scatter_vocab(n.probs, vocab_map, self.target_vocab_size)
                 for n in nodes]
         return Proposal(tokens, parents, torch.stack(rows))  # draft_probs [n, V]
 
 
-def draw_children(logits: torch.Tensor, count: int, sampling: SamplingConfig,
-                  generator: torch.Generator | None) -> list[tuple[int, float, torch.Tensor | None]]:
+def _draft_rows(vocab_map: torch.Tensor | None) -> dict[int, int] | None:
+    """Target id -> draft logit row for a cut vocabulary; None when the source uses the target's."""
+    if vocab_map is None:
+        return None
+    return {int(token): row for row, token in enumerate(vocab_map.tolist())}
+
+
+def draw_children(logits: torch.Tensor, count: int, sampling: SamplingConfig, generator: torch.Generator | None,
+                  exclude: int | None = None) -> list[tuple[int, float, torch.Tensor | None]]:
     """Up to `count` distinct tokens from draft logits [V']: (token, log-probability, drawn-from row or None).
 
     Greedy: the top tokens. Sampling: drawn one after another without
     replacement; each row is the distribution its token was drawn from.
+    `exclude`: a row already drafted as an earlier sibling (a guide's token).
     """
+    if count <= 0:
+        return []
     if sampling.greedy:
         logprobs = torch.log_softmax(logits, dim=-1)  # [V']
-        top = torch.topk(logprobs, min(count, logprobs.shape[-1]))
+        if exclude is not None:
+            logprobs = logprobs.clone()
+            logprobs[exclude] = -math.inf
+        top = torch.topk(logprobs, min(count, logprobs.shape[-1] - (exclude is not None)))
         return [(int(t), float(lp), None) for t, lp in zip(top.indices, top.values)]
     probs = logits_to_probs(logits, sampling)  # [V']
     drawn: list[tuple[int, float, torch.Tensor | None]] = []
     remaining = probs
+    if exclude is not None:
+        remaining = probs.clone()
+        remaining[exclude] = 0.0
     for _ in range(count):
         total = float(remaining.sum())
         if total <= 0:

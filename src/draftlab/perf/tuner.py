@@ -525,7 +525,7 @@ def usage(target: str, draft: str, k: int) -> list[str]:
             f'vLLM:         speculative_config={{"model": "{plan.model}", "num_speculative_tokens": {k}}}',
             f"llama.cpp:    llama-speculative -m TARGET.gguf -md DRAFT.gguf --draft {k}",
         ]
-    elif plan.kind == "tree":
+    elif plan.kind in ("tree", "merged"):
         lines += ["transformers / llama.cpp: no token trees (the chain of the same draft runs there); "
                   "vLLM: tree attention only for its EAGLE drafts"]
     elif plan.kind == "staged":
