@@ -19,6 +19,14 @@ def test_toml_file_then_flags(tmp_path):
     assert len({c.key for c in cells}) == len(cells)
 
 
+def test_the_quick_study_runs_every_kind_of_draft():
+    """The main job has the shipped draft as a chain and as its best tree, n-gram lookup and a layer draft."""
+    from draftlab.registry import parse_drafter_spec
+
+    kinds = {parse_drafter_spec(spec, 30).kind for spec in make_config("quick").drafters}
+    assert kinds == {"designed", "merged", "ngram", "layers"}
+
+
 def test_bad_grids_are_refused(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("ks = [1, 2\n")

@@ -93,11 +93,12 @@ class SweepConfig:
 
 
 PRESETS = {
-    # The main job: the shipped designed draft, n-gram lookup and a layer self-draft on prompts the
+    # The main job: the shipped designed draft (as a chain, and as a tree with n-gram lookup's branch merged
+    # in: the best tree in `benchmarks/trees.py`), n-gram lookup and a layer self-draft on prompts the
     # designed draft never saw (2 each of code, summarization, chat, math). 3 prompts each at K = 1..5
-    # (`--limit 12 --ks 1-5`) takes about 50 minutes on 2 CPU cores; this takes about 16.
-    "quick": SweepConfig(drafters=("designed", "ngram", "layers:0-3"), ks=(1, 2, 3), datasets=("heldout",),
-                         limit=8),
+    # (`--limit 12 --ks 1-5`) takes about an hour on 2 CPU cores; this takes about 19 minutes.
+    "quick": SweepConfig(drafters=("designed", "merged:ngram/tree:1:designed", "ngram", "layers:0-3"),
+                         ks=(1, 2, 3), datasets=("heldout",), limit=8),
     # The seeds' study on a second family (the Qwen2.5-Coder pair, ~1.6 GB of downloads): the 0.5B stand-alone
     # draft, layer self-drafts of the 1.5B at two depths (it has 28 layers) and n-gram lookup, SpS and AsG, K 1..7,
     # on code, chat, math and summarization. In fp32 on 2 CPU cores the 1.5B decodes ~3 tokens/s, so this grid
