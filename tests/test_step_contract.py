@@ -55,6 +55,23 @@ def test_tree_rows_equal_scoring_each_path_alone(tiny_target, kind):
         torch.testing.assert_close(scores.hidden[node + 1], expected.hidden[-1], rtol=1e-5, atol=1e-5)
 
 
+def test_keep_after_the_cache_grew_inside_a_forward(tiny_target):
+    """A cache that grew during a forward holds inference tensors; keeping a side branch of the next block
+    must still work (it once crashed the quick study) and leave the cache of a fresh prefill."""
+    from draftlab.backends import FastLlamaBackend
+
+    backend = FastLlamaBackend(tiny_target.model, capacity=16)
+    prefix = [(i * 7) % 60 for i in range(40)]
+    backend.score(prefix)  # 40 > 16: the buffers are reallocated inside the forward
+    backend.score_block(Block.of(PROMPT[-1], Proposal(TREE_TOKENS, TREE_PARENTS)))
+    accepted = path_to(TREE_PARENTS, 5)
+    backend.keep([0, *(i + 1 for i in accepted)])
+    probe = [9, 10]
+    fresh = FastLlamaBackend(tiny_target.model)
+    fresh.score([*prefix, PROMPT[-1], *(TREE_TOKENS[i] for i in accepted)])
+    torch.testing.assert_close(backend.score(probe), fresh.score(probe), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["hf", "fast"])
 def test_keep_leaves_the_cache_of_a_fresh_prefill_of_the_path(tiny_target, kind):
     backend = make_backend(tiny_target.model, kind=kind)

@@ -129,6 +129,7 @@ class FastLlamaBackend:
         hidden = self._forward(block.tokens, positions, ancestors)
         return Scores(self._logits(hidden[-1:] if last_only else hidden), hidden if with_hidden else None)
 
+    @torch.inference_mode()  # the buffers may have been (re)allocated inside a forward, as inference tensors
     def keep(self, indices: Sequence[int]) -> None:
         """Keep the cache before the last block plus the block's entries at `indices`, compacted in order."""
         start = self._block_start
