@@ -24,7 +24,7 @@ import sys
 import torch
 
 from draftlab.api import SpeculativeDecoder, encode_prompt, eos_ids, parse_drafter_spec
-from draftlab.hf_reference import assisted_kwargs, hf_generate
+from draftlab.hf_reference import hf_assist, hf_generate
 from draftlab.datasets import load_prompts
 from draftlab.models import load_model
 
@@ -33,7 +33,7 @@ def bench_drafter(target, spec: str, k: int, encoded, max_new_tokens: int) -> di
     sps = SpeculativeDecoder.from_names(target, drafter=spec, k=k)
     ar = sps.autoregressive()
     eos = eos_ids(target)
-    assist = assisted_kwargs(parse_drafter_spec(spec), sps.draft_model, k)
+    assist = hf_assist(parse_drafter_spec(spec), sps.draft_model, k)
     totals = {m: [0, 0.0] for m in ("ar", "hf", "hf_asg", "sps")}
     busy = tar_steps = 0.0
     identical = 0
@@ -42,7 +42,7 @@ def bench_drafter(target, spec: str, k: int, encoded, max_new_tokens: int) -> di
         for _ in range(2 if warm else 1):
             r_ar = ar.generate(ids, max_new_tokens=max_new_tokens)
             hf_ids, hf_wall = hf_generate(target, ids, max_new_tokens, eos)
-            asg_ids, asg_wall = hf_generate(target, ids, max_new_tokens, eos, **assist)
+            asg_ids, asg_wall = hf_generate(target, ids, max_new_tokens, eos, assist=assist)
             r_sps = sps.generate(ids, max_new_tokens=max_new_tokens)
         identical += r_ar.token_ids == r_sps.token_ids
         for name, (tokens, wall) in {

@@ -129,7 +129,7 @@ def test_staged_specs_in_the_registry(tiny_target):
         build_drafter("staged:ngram/ngram", tiny_target)
     with pytest.raises(DraftlabError, match="unknown drafter"):
         parse_drafter_spec("staged:ngram", 4)
-    from draftlab.hf_reference import assisted_kwargs
+    from draftlab.hf_reference import hf_assist
 
     with pytest.raises(DraftlabError, match="no staged drafting"):
-        assisted_kwargs(plan, built.model, 2)
+        hf_assist(plan, built.model, 2)

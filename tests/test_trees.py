@@ -164,9 +164,9 @@ def test_tree_specs_in_the_registry(tiny_target):
     with pytest.raises(DraftlabError, match="tree shape"):
         parse_drafter_spec("tree:2y:layers:0-1", 4)
     with pytest.raises(DraftlabError, match="chains only"):
-        from draftlab.hf_reference import assisted_kwargs
+        from draftlab.hf_reference import hf_assist
 
-        assisted_kwargs(parse_drafter_spec("tree:2:layers:0-1", 4), built.model, 2)
+        hf_assist(parse_drafter_spec("tree:2:layers:0-1", 4), built.model, 2)
 
 
 @pytest.fixture(scope="module")
@@ -260,10 +260,10 @@ def test_merged_specs_in_the_registry(tiny_target):
         build_drafter("merged:layers:0/tree:2:layers:0-1", tiny_target)
     with pytest.raises(DraftlabError, match="no logits"):
         build_drafter("merged:ngram/ngram", tiny_target)
-    from draftlab.hf_reference import assisted_kwargs
+    from draftlab.hf_reference import hf_assist
 
     with pytest.raises(DraftlabError, match="chains only"):
-        assisted_kwargs(plan, built.model, 2)
+        hf_assist(plan, built.model, 2)
 
 
 @pytest.mark.parametrize("shape", ["1", "2x2"])

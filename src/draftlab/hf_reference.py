@@ -1,15 +1,18 @@
 """Hugging Face `generate` as a reference: plain greedy/sampling and assisted generation (AsG).
 
 HF reads the assistant's K from the assistant model's own generation config,
-so `assisted_kwargs` gives our draft module (built or loaded by draftlab for
-this purpose, never the user's target) a config with a constant K and no
-confidence cut-off: the same fixed-K drafting our engine does.
+so `hf_assist` describes the config that gives a constant K and no confidence
+cut-off (the same fixed-K drafting our engine does), and `hf_generate` lends it
+to the assistant model for that one call and then puts the model's own back:
+no loaded model keeps a changed config.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Sequence
 
 import torch
 
@@ -20,12 +23,32 @@ from draftlab.models import LoadedModel
 from draftlab.sampling import SamplingConfig
 
 
-def assisted_kwargs(plan: DraftPlan, draft: LoadedModel | None, k: int) -> dict:
-    """generate() arguments for HF's counterpart of a drafter: assistant model or prompt lookup."""
-    from transformers import GenerationConfig
+@dataclass(frozen=True)
+class HFAssist:
+    """HF's counterpart of a drafter at K: prompt lookup, or an assistant model drafting K tokens a step."""
 
+    k: int
+    ngram_max: int = 0  # prompt lookup's longest n-gram; 0: an assistant model drafts instead
+    assistant: torch.nn.Module | None = None
+
+    def generate_args(self) -> dict:
+        """The arguments `generate` takes for it."""
+        if self.assistant is None:
+            return {"prompt_lookup_num_tokens": self.k, "max_matching_ngram_size": self.ngram_max}
+        return {"assistant_model": self.assistant}
+
+    def assistant_config(self):
+        """The generation config HF reads from the assistant: K tokens a step, always, no confidence cut-off."""
+        from transformers import GenerationConfig as HFGenerationConfig
+
+        return HFGenerationConfig(num_assistant_tokens=self.k, num_assistant_tokens_schedule="constant",
+                                  assistant_confidence_threshold=0.0)
+
+
+def hf_assist(plan: DraftPlan, draft: LoadedModel | None, k: int) -> HFAssist:
+    """HF's counterpart of a drafter, or a clear error when HF has none (trees, staged, cut vocabularies)."""
     if plan.kind == "ngram":
-        return {"prompt_lookup_num_tokens": k, "max_matching_ngram_size": plan.ngram[1]}
+        return HFAssist(k, ngram_max=plan.ngram[1])
     if plan.kind in ("tree", "merged"):
         raise DraftlabError("HF assisted generation drafts chains only; a token tree has no counterpart there")
     if plan.kind == "staged":
@@ -35,10 +58,21 @@ def assisted_kwargs(plan: DraftPlan, draft: LoadedModel | None, k: int) -> dict:
             f"{plan.kind} draft {draft.name if draft else ''} has no HF assisted-generation counterpart "
             "(HF needs a draft with the target's full vocabulary)"
         )
-    draft.model.generation_config = GenerationConfig(
-        num_assistant_tokens=k, num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0,
-    )
-    return {"assistant_model": draft.model}
+    return HFAssist(k, assistant=draft.model)
+
+
+@contextmanager
+def lent_assistant_config(assist: HFAssist | None) -> Iterator[None]:
+    """Give the assistant model the config HF reads K from for the duration of one call, then restore its own."""
+    if assist is None or assist.assistant is None:
+        yield
+        return
+    own = assist.assistant.generation_config
+    assist.assistant.generation_config = assist.assistant_config()
+    try:
+        yield
+    finally:
+        assist.assistant.generation_config = own
 
 
 def hf_generate(
@@ -48,9 +82,9 @@ def hf_generate(
     eos: Sequence[int],
     sampling: SamplingConfig = SamplingConfig(),
     seed: int = GenerationConfig.seed,
-    **assist,
+    assist: HFAssist | None = None,
 ) -> tuple[list[int], float]:
-    """New token ids and wall seconds of one HF generate call (batch 1)."""
+    """New token ids and wall seconds of one HF generate call (batch 1); `assist`: assisted generation."""
     input_ids = torch.tensor([list(prompt_ids)], device=target.device)
     options = {"do_sample": False}
     if not sampling.greedy:
@@ -58,11 +92,12 @@ def hf_generate(
         options = {"do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k,
                    "top_p": sampling.top_p}
         torch.manual_seed(seed)  # HF samples from the global generator
+    assisted = assist.generate_args() if assist else {}
     start = time.perf_counter()
-    with torch.inference_mode():
+    with torch.inference_mode(), lent_assistant_config(assist):
         out = target.model.generate(
             input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-            eos_token_id=list(eos) or None, pad_token_id=eos[0] if eos else None, **options, **assist,
+            eos_token_id=list(eos) or None, pad_token_id=eos[0] if eos else None, **options, **assisted,
         )
     if target.device.type == "cuda":
         torch.cuda.synchronize(target.device)

@@ -38,7 +38,7 @@ def cmd_audit(args) -> None:
     """Run the audit, print the table (and JSON); exit status 1 when a draftlab configuration fails."""
     from draftlab.api import SpeculativeDecoder, eos_ids, encode_prompt
     from draftlab.audit import AuditSettings, exact_first_distribution, format_audit, run_audit
-    from draftlab.hf_reference import assisted_kwargs, hf_generate
+    from draftlab.hf_reference import hf_assist, hf_generate
     from draftlab.models import load_model
     from draftlab.registry import parse_drafter_spec
     from draftlab.sampling import SamplingConfig
@@ -62,12 +62,12 @@ def cmd_audit(args) -> None:
         methods[f"draftlab {spec} K={args.k}"] = ours(decoder)
         if not args.no_hf:
             try:
-                assist = assisted_kwargs(parse_drafter_spec(spec), decoder.draft_model, args.k)
+                assist = hf_assist(parse_drafter_spec(spec), decoder.draft_model, args.k)
             except DraftlabError:
                 continue
             methods[f"hf assisted {spec} K={args.k}"] = (
                 lambda seed, assist=assist: hf_generate(target, prompt_ids, settings.positions, eos, sampling, seed,
-                                                        **assist)[0])
+                                                        assist)[0])
     report = run_audit(ours(plain), methods, exact_first_distribution(target.model, prompt_ids, sampling), settings,
                        progress=print)
     print(format_audit(report))

@@ -29,7 +29,7 @@ from draftlab.datasets import Prompt, load_prompts
 from draftlab.defaults import DEFAULT_BACKEND, SHORT_RUN_TOKENS
 from draftlab.engine import GenerationConfig
 from draftlab.errors import DraftlabError
-from draftlab.hf_reference import assisted_kwargs, hf_generate
+from draftlab.hf_reference import hf_assist, hf_generate
 from draftlab.models import LoadedModel, ModelSpec, auto_dtype, check_device, load_model, resolve_dtype_name
 from draftlab.sampling import SamplingConfig
 from draftlab.study.store import Cell, Record, ResultsStore
@@ -199,9 +199,9 @@ class CellRunner:
         sampling = SamplingConfig(cell.temperature)
         if cell.method == "asg":
             decoder = self.decoder(cell.drafter, cell.k)
-            assist = assisted_kwargs(parse_drafter_spec(cell.drafter), decoder.draft_model, cell.k)
+            assist = hf_assist(parse_drafter_spec(cell.drafter), decoder.draft_model, cell.k)
             tokens, wall = hf_generate(self.target, prompt_ids, cell.max_new_tokens, self.eos, sampling,
-                                       self.config.seed, **assist)
+                                       self.config.seed, assist)
             return Record(cell, prompt.id, prompt.category, len(tokens), 0, 0, 0, wall_s=wall,
                           output_sha=token_sha(tokens))
         result = self.decoder(cell.drafter, cell.k).generate(
@@ -217,7 +217,7 @@ class CellRunner:
     def asg_supported(self, drafter: str) -> bool:
         """Whether HF assisted generation can run this drafter (n-gram, or a full-vocabulary model draft)."""
         try:
-            assisted_kwargs(parse_drafter_spec(drafter), self.decoder(drafter, 1).draft_model, 1)
+            hf_assist(parse_drafter_spec(drafter), self.decoder(drafter, 1).draft_model, 1)
         except DraftlabError:
             return False
         return True
