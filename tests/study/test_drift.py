@@ -46,6 +46,19 @@ def test_a_quiet_machine_is_not_flagged_and_old_records_fall_back_to_the_ar_reco
     assert "not measured" in baseline_drift(legacy, []).describe()
 
 
+def test_the_median_over_prompts_tells_one_disturbance_from_a_noisy_machine():
+    # Three prompts re-timed steadily (2%, 4%, 6% apart), one disturbed once (its re-check at half speed).
+    rows = [row("ar", 10.0, 0.0, prompt=p) for p in ("a", "b", "c", "d")]
+    checks = [row("ar", 10.2, 50.0, prompt="a"), row("ar", 10.4, 50.0, prompt="b"),
+              row("ar", 10.6, 50.0, prompt="c"), row("ar", 5.0, 50.0, prompt="d")]
+    drift = baseline_drift(rows, checks)
+    assert drift.noisy and drift.prompts == 4
+    assert abs(drift.spread - 5.0 / 7.5) < 1e-9  # the disturbed prompt: (10 - 5) / median(10, 5)
+    spreads = sorted([0.2 / 10.1, 0.4 / 10.2, 0.6 / 10.3, 5.0 / 7.5])
+    assert abs(drift.typical - (spreads[1] + spreads[2]) / 2) < 1e-9
+    assert "median 4.9%" in drift.describe() and "66.7%" in drift.describe()
+
+
 def test_sweep_rechecks_the_baseline_every_n_cells_and_after_each_prompt(tmp_path):
     model = tiny_model_dir(tmp_path / "tiny")
     prompts = tmp_path / "prompts.jsonl"

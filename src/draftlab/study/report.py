@@ -100,10 +100,15 @@ def _nearest_baseline(rows: list[dict], checks: list[dict]) -> Callable[[dict], 
 
 @dataclass(frozen=True)
 class Drift:
-    """How much the baseline moved during a study: the largest relative spread of one prompt's re-timings."""
+    """How much the baseline moved during a study: the largest relative spread of one prompt's re-timings.
+
+    The median over prompts beside it tells a machine that was noisy throughout (median close to the largest)
+    from one disturbed once (a small median under one large spread); the NOISY flag follows the largest.
+    """
 
     prompts: int  # prompts whose baseline was timed more than once
     spread: float  # max over prompts of (fastest - slowest) / median baseline tokens/s
+    typical: float = 0.0  # the median over prompts of the same spread
 
     @property
     def noisy(self) -> bool:
@@ -117,7 +122,8 @@ class Drift:
         verdict = ("NOISY: the machine's speed moved during the study; each speedup is against the baseline "
                    "measured closest in time, but treat differences below the drift as noise"
                    if self.noisy else "quiet")
-        return f"baseline drift: {self.spread:.1%} over {self.prompts} prompt(s) ({verdict})"
+        return (f"baseline drift: {self.spread:.1%} over {self.prompts} prompt(s), median {self.typical:.1%} "
+                f"({verdict})")
 
 
 def baseline_drift(rows: list[dict], checks: list[dict]) -> Drift:
@@ -127,7 +133,7 @@ def baseline_drift(rows: list[dict], checks: list[dict]) -> Drift:
         for speeds in ([v for _, v in timings] for timings in _baseline_timings(rows, checks).values())
         if len(speeds) > 1
     ]
-    return Drift(len(spreads), max(spreads, default=0.0))
+    return Drift(len(spreads), max(spreads, default=0.0), statistics.median(spreads) if spreads else 0.0)
 
 
 def _sort_key(item):
