@@ -81,18 +81,43 @@ def test_tune_and_sweep_read_a_users_mt_bench_file(tmp_path, capsys):
     store.close()
 
 
-def test_first_race_round_is_trimmed_to_the_time_left():
-    import time as clock
+def test_race_plan_keeps_every_prompt_and_fits_the_time_left():
+    from draftlab.perf.tuner import RACE_MARGIN, plan_race
 
-    from draftlab.perf.tuner import _fit_first_round
+    unlimited = plan_race(4, 3, 48, 0.0, float("inf"))
+    assert (unlimited.contenders, unlimited.prompts, unlimited.first_tokens) == (4, 3, 16)
+    assert unlimited.field_sizes() == [4, 2, 1] and [unlimited.tokens(r) for r in range(3)] == [16, 32, 48]
+    assert plan_race(1, 2, 48, 0.0, float("inf")).field_sizes() == [1, 1]  # one contender still gets two rounds
+    for seconds in (8.0, 15.0, 25.0, 40.0, 80.0):
+        plan = plan_race(4, 2, 48, 1.0, seconds)
+        assert plan.runs() * RACE_MARGIN <= seconds  # plain generations of 1 s each
+    short = plan_race(4, 2, 48, 1.0, 8.0)
+    assert short.prompts == 2 and short.contenders < 4  # every prompt before every contender
+    roomy = plan_race(4, 2, 48, 1.0, 80.0)
+    assert roomy.contenders == 4 and roomy.first_tokens == 48  # time to spare: full-length runs throughout
+    assert plan_race(4, 2, 48, 1.0, 2.0) is None  # not one contender on one prompt fits
 
-    alive, now = [("a", 1), ("b", 2), ("c", 3)], clock.perf_counter()
-    notes: list[str] = []
-    assert _fit_first_round(alive, 1.0, now + 100, notes) == alive and not notes
-    assert _fit_first_round(alive, 1.0, now + 3.5, notes) == alive[:2]  # plain + 2 runs fit in 3.5 s
-    assert _fit_first_round(alive, 1.0, now + 1.5, notes) == []
-    assert len(notes) == 2 and "plain decoding" in notes[1]
-    assert _fit_first_round(alive, 0.0, now + 1.0, []) == alive  # no estimate: nothing trimmed
+
+def test_calibration_keeps_every_prompt_with_shorter_runs_before_dropping_prompts():
+    from draftlab.perf.tuner import CalibrationCost, calibration_size
+
+    cost = CalibrationCost(pilot_s=1.0, max_new_tokens=48, drafts=3, k_max=7, repeats=3)
+    assert calibration_size(cost, 4, 1000.0) == (4, 48)
+    prompts, tokens = calibration_size(cost, 4, 12.0)
+    assert prompts == 4 and 16 <= tokens < 48 and cost.seconds(4, tokens) <= 12.0
+    prompts, tokens = calibration_size(cost, 4, 6.0)
+    assert prompts < 4 and tokens >= 16 and cost.seconds(prompts, tokens) <= 6.0
+    assert cost.seconds(2, 48) > 2 * CalibrationCost(1.0, 48, 1, 7, 3).seconds(2, 48) - 1  # cost grows with drafts
+    assert calibration_size(cost, 4, 0.1) == (1, 16)  # nothing fits: the smallest calibration
+
+
+def test_contenders_put_each_drafts_best_k_first():
+    target = TargetProfile("t", {n: 0.010 + 0.001 * n for n in range(1, 6)}, score_spread={n: 0.2 for n in range(1, 6)})
+    strong, weaker = DraftProfile("a", 0.0005, [0.7, 0.5, 0.4, 0.3], steps=50), DraftProfile("b", 0.0005, [0.6, 0.4, 0.3, 0.2], steps=50)
+    preds = [predict(target, d, k) for d in (strong, weaker) for k in range(1, 5)]
+    picked = contenders(preds, limit=2)
+    assert [p.draft for p in picked] == ["a", "b"]
+    assert picked[0].tokens_per_s == max(p.tokens_per_s for p in preds if p.draft == "a")
 
 
 def test_tune_searches_the_dtype_and_races_the_picks(tmp_path, capsys):

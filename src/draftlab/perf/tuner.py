@@ -240,12 +240,18 @@ def choose(preds: list[Prediction]) -> Prediction | None:
 
 
 def contenders(preds: list[Prediction], limit: int) -> list[Prediction]:
-    """Configurations whose predicted interval could hold the best: high end above the best low end."""
+    """Configurations whose predicted interval could hold the best: high end above the best low end.
+
+    Each draft's best predicted K comes first (best predicted first), then the other K's, so that a short
+    race compares drafts before it compares neighbouring K's of one draft.
+    """
     if not preds:
         return []
     floor = max(p.tokens_per_s_low for p in preds)
     able = sorted((p for p in preds if p.tokens_per_s_high >= floor), key=lambda p: -p.tokens_per_s)
-    return able[:limit]
+    leaders = list({p.draft: p for p in reversed(able)}.values())  # each draft's best, from the sorted list
+    leaders.sort(key=lambda p: -p.tokens_per_s)
+    return (leaders + [p for p in able if p not in leaders])[:limit]
 
 
 @dataclass(frozen=True)
@@ -267,7 +273,7 @@ def tune(target: LoadedModel, drafters: list[str], prompts: list[Prompt], settin
     """Calibrate, predict, then race the contenders against plain decoding and recommend the measured best."""
     start = time.perf_counter()
     deadline = start + tune_settings.budget_s if tune_settings.budget_s else float("inf")
-    settings, prompts, notes = _fit_calibration(target, prompts, settings, tune_settings, progress)
+    settings, prompts, notes = _fit_calibration(target, prompts, drafters, settings, tune_settings, progress)
     profile = calibrate(target, drafters, prompts, settings, progress)
     preds = predictions(profile)
     entrants = contenders(preds, tune_settings.max_contenders)
@@ -284,8 +290,19 @@ def tune(target: LoadedModel, drafters: list[str], prompts: list[Prompt], settin
     ), profile, preds
 
 
-def _fit_calibration(target, prompts, settings, tune_settings, progress):
-    """Fewer calibration prompts and tokens when a budget says so; notes on what was left out."""
+MIN_RUN_TOKENS = 16  # the shortest generation the tuner times when a budget makes it cut runs short
+# Calibration's cost in plain generations of full length (measured on 2 cores for SmolLM2-135M, K_max 7):
+RUNS_PER_DRAFT_AND_PROMPT = 1.5  # its run at K_max drafts and verifies blocks: slower than plain decoding
+SHORT_RUNS_PER_DRAFT = 0.6  # its K = 1 runs on the first two prompts, half as long
+BLOCK_ROUND_ROWS = 2.0  # a round of block timings costs about this many rows per block size
+
+
+def _fit_calibration(target, prompts, drafters, settings, tune_settings, progress):
+    """Shorter calibration runs (then fewer prompts) when a budget says so; notes on what was left out.
+
+    Every prompt is kept while runs of `MIN_RUN_TOKENS` fit: acceptance varies more between prompts than
+    within a generation, so a short run on each prompt says more than a long run on one.
+    """
     if not tune_settings.budget_s:
         return settings, prompts, []
     from draftlab.api import SpeculativeDecoder, encode_prompt
@@ -295,19 +312,45 @@ def _fit_calibration(target, prompts, settings, tune_settings, progress):
     plain.generate(ids, max_new_tokens=4)
     pilot = plain.generate(ids, max_new_tokens=settings.max_new_tokens).stats.wall_s  # one plain generation
     allowed = tune_settings.budget_s * tune_settings.calibration_share
-    # calibration ~ (1.5 generations per draft and prompt + block timings), the race ~ the same again
-    per_prompt = pilot * 1.5 * 4
-    fit = max(1, min(len(prompts), int(allowed / max(per_prompt, 1e-9))))
+    repeats = min(settings.repeats, 3)
+    fit, tokens = calibration_size(CalibrationCost(pilot, settings.max_new_tokens, len(drafters), settings.k_max,
+                                                   repeats), len(prompts), allowed)
     notes = []
     if fit < len(prompts):
         notes.append(f"calibrated on {fit} of {len(prompts)} prompts to fit the budget")
-    tokens = settings.max_new_tokens
-    if per_prompt * fit > allowed:
-        tokens = max(8, int(tokens * allowed / (per_prompt * fit)))
+    if tokens < settings.max_new_tokens:
         notes.append(f"calibration runs shortened to {tokens} new tokens to fit the budget")
-    from dataclasses import replace
+    return replace(settings, max_new_tokens=tokens, repeats=repeats), prompts[:fit], notes
 
-    return replace(settings, max_new_tokens=tokens), prompts[:fit], notes
+
+@dataclass(frozen=True)
+class CalibrationCost:
+    """What calibration's cost is estimated from: one plain generation's seconds and what calibration runs."""
+
+    pilot_s: float  # one plain generation of `max_new_tokens`
+    max_new_tokens: int
+    drafts: int
+    k_max: int
+    repeats: int
+
+    def seconds(self, prompts: int, tokens: int) -> float:
+        """Estimated calibration seconds on `prompts` prompts with runs of `tokens` new tokens."""
+        per_token = self.pilot_s / self.max_new_tokens
+        runs = self.drafts * (RUNS_PER_DRAFT_AND_PROMPT * prompts + SHORT_RUNS_PER_DRAFT * min(prompts, 2))
+        blocks = (self.repeats + 1) * (self.k_max + 1) * BLOCK_ROUND_ROWS
+        return per_token * (runs * tokens + blocks)
+
+
+def calibration_size(cost: CalibrationCost, prompts: int, allowed_s: float) -> tuple[int, int]:
+    """(prompts, new tokens per run) that fit `allowed_s`: full runs, else shorter runs, else fewer prompts."""
+    floor = min(MIN_RUN_TOKENS, cost.max_new_tokens)
+    for count in range(prompts, 0, -1):
+        if cost.seconds(count, floor) <= allowed_s:
+            tokens = cost.max_new_tokens
+            while tokens > floor and cost.seconds(count, tokens) > allowed_s:
+                tokens -= 1
+            return count, tokens
+    return 1, floor
 
 
 @dataclass
@@ -325,48 +368,126 @@ class RaceOutcome:
 PLAIN = ("none", 0)
 
 
+@dataclass(frozen=True)
+class RacePlan:
+    """How a race spends its time: how many contenders, on how many prompts, how long the first runs are."""
+
+    contenders: int
+    prompts: int
+    first_tokens: int  # new tokens per run in round 1; doubled each round up to the full length
+    max_new_tokens: int
+
+    def field_sizes(self) -> list[int]:
+        """Candidates alive in each round: halved (rounded up) until one is left, and at least two rounds."""
+        sizes = [self.contenders]
+        while sizes[-1] > 1:
+            sizes.append((sizes[-1] + 1) // 2)
+        return sizes if len(sizes) >= 2 else sizes + [1]
+
+    def tokens(self, round_index: int) -> int:
+        """New tokens per run in a round (from 0)."""
+        return min(self.max_new_tokens, self.first_tokens * 2 ** round_index)
+
+    def runs(self) -> float:
+        """The race's cost in plain generations of full length (plain decoding runs in every round)."""
+        return sum((alive + 1) * self.prompts * self.tokens(r) / self.max_new_tokens
+                   for r, alive in enumerate(self.field_sizes()))
+
+
+RACE_MARGIN = 1.15  # a candidate's run is rarely slower than this many plain runs, prefill included
+
+
+def plan_race(contenders: int, prompts: int, max_new_tokens: int, per_run_s: float, seconds: float) -> RacePlan | None:
+    """The race that fits `seconds`: every prompt, as many contenders as fit, then the longest first runs.
+
+    Without an estimate (`per_run_s` 0) or a limit, every contender runs on every prompt, the first round a
+    quarter of the full length. None when not even one contender on one prompt fits.
+    """
+    floor = min(MIN_RUN_TOKENS, max_new_tokens)
+    if per_run_s <= 0 or seconds == float("inf"):
+        return RacePlan(contenders, prompts, max(floor, max_new_tokens // 4), max_new_tokens)
+    budget_runs = seconds / (per_run_s * RACE_MARGIN)
+    for count in range(prompts, 0, -1):
+        for n in range(contenders, 0, -1):
+            plan = RacePlan(n, count, floor, max_new_tokens)
+            if plan.runs() <= budget_runs:
+                return _longest_first_round(plan, budget_runs)
+    return None
+
+
+def _longest_first_round(plan: RacePlan, budget_runs: float) -> RacePlan:
+    """The plan with the longest first-round runs whose race still costs at most `budget_runs`."""
+    while plan.first_tokens < plan.max_new_tokens:
+        longer = replace(plan, first_tokens=plan.first_tokens + 1)
+        if longer.runs() > budget_runs:
+            break
+        plan = longer
+    return plan
+
+
 def race(target: LoadedModel, entrants: list[Prediction], prompts: list[Prompt], settings: CalibrationSettings,
          deadline: float = float("inf"), progress: bool = True, per_run_s: float = 0.0) -> RaceOutcome:
-    """Successive halving: short interleaved runs, the slower half out each round, prompts doubled.
+    """Successive halving: interleaved runs on every prompt, the slower half out each round, runs doubled.
 
     Plain decoding runs in every round beside the candidates (on the same prompts, interleaved), so each
     candidate's speedup is measured against a baseline taken at the same time. `per_run_s` (one plain
-    generation, from calibration) sizes the first round to the deadline: entrants that do not fit are left out.
+    generation, from calibration) sizes the race to the deadline (`plan_race`): every prompt before every
+    contender, and the first round's runs as long as fit; what did not fit is noted.
     """
     from draftlab.api import SpeculativeDecoder, encode_prompt
 
-    plain = SpeculativeDecoder.from_names(target, drafter="none", k=1, backend=settings.backend)
-    decoders = {PLAIN: plain}
-    for p in entrants:
+    outcome = RaceOutcome(PLAIN)
+    plan = plan_race(len(entrants), len(prompts), settings.max_new_tokens, per_run_s, deadline - time.perf_counter())
+    if plan is None or not entrants:
+        if entrants:
+            outcome.notes.append("the budget left no time to race; recommending plain decoding unmeasured against "
+                                 "the drafts")
+        return outcome
+    outcome.notes.extend(_plan_notes(plan, len(entrants), len(prompts)))
+    decoders = {PLAIN: SpeculativeDecoder.from_names(target, drafter="none", k=1, backend=settings.backend)}
+    for p in entrants[: plan.contenders]:
         decoders[(p.draft, p.k)] = SpeculativeDecoder.from_names(target, drafter=p.draft, k=p.k,
                                                                  backend=settings.backend)
-    encoded = [encode_prompt(target.tokenizer, p.text, p.chat) for p in prompts]
+    encoded = [encode_prompt(target.tokenizer, p.text, p.chat) for p in prompts[: plan.prompts]]
     alive = [key for key in decoders if key != PLAIN]
-    outcome = RaceOutcome(PLAIN)
-    alive = _fit_first_round(alive, per_run_s, deadline, outcome.notes)
     totals = {key: [0, 0.0] for key in decoders}  # new tokens, decode seconds
     per_prompt: dict = {key: [] for key in decoders}  # decode tokens/s per prompt, aligned across keys
-    count, offset, round_s = 1, 0, 0.0
-    while alive:
-        round_prompts = [encoded[(offset + i) % len(encoded)] for i in range(count)]
-        expected = round_s * 2 if round_s else 0.0
-        if time.perf_counter() + expected > deadline:
-            outcome.notes.append(f"race stopped before round {len(outcome.rounds) + 1} to fit the budget; "
+    round_s, round_runs = 0.0, 0.0
+    for number, size in enumerate(plan.field_sizes()):
+        alive = alive[:size]
+        runs = (size + 1) * plan.tokens(number)  # this round's work, in new tokens per prompt
+        if round_s and time.perf_counter() + round_s * runs / round_runs > deadline:
+            outcome.notes.append(f"race stopped before round {number + 1} to fit the budget; "
                                  f"{len(alive)} candidate(s) left")
             break
         started = time.perf_counter()
-        run_interleaved(decoders, [PLAIN, *alive], round_prompts, settings.max_new_tokens, totals, per_prompt)
-        round_s = time.perf_counter() - started
-        speed = {key: totals[key][0] / totals[key][1] for key in [PLAIN, *alive] if totals[key][1] > 0}
-        outcome.rounds.append({"prompts": count, "speedups": {f"{d} K={k}": speed[(d, k)] / speed[PLAIN]
-                                                              for d, k in alive}})
+        keys = [PLAIN, *alive]
+        run_interleaved(decoders, keys[number % len(keys):] + keys[: number % len(keys)], encoded,
+                        plan.tokens(number), totals, per_prompt)
+        round_s, round_runs = time.perf_counter() - started, runs
+        speed = {key: totals[key][0] / totals[key][1] for key in keys if totals[key][1] > 0}
+        outcome.rounds.append({"prompts": len(encoded), "tokens": plan.tokens(number),
+                               "speedups": {f"{d} K={k}": speed[(d, k)] / speed[PLAIN] for d, k in alive}})
         if progress:
-            print(f"tune: race round {len(outcome.rounds)}: {len(alive)} candidate(s) on {count} prompt(s)")
-        offset += count
-        if len(alive) == 1 and len(outcome.rounds) >= 2:
-            break
-        alive = sorted(alive, key=lambda key: -speed[key])[: max(1, (len(alive) + 1) // 2)]
-        count *= 2
+            print(f"tune: race round {number + 1}: {len(alive)} candidate(s) on {len(encoded)} prompt(s), "
+                  f"{plan.tokens(number)} new tokens each")
+        alive = sorted(alive, key=lambda key: -speed[key])
+    _settle(outcome, totals, per_prompt, alive)
+    return outcome
+
+
+def _plan_notes(plan: RacePlan, contenders: int, prompts: int) -> list[str]:
+    """What the race plan left out to fit the budget."""
+    notes = []
+    if plan.contenders < contenders:
+        notes.append(f"raced {plan.contenders} of {contenders} contenders to fit the budget")
+    if plan.prompts < prompts:
+        notes.append(f"raced on {plan.prompts} of {prompts} prompts to fit the budget")
+    return notes
+
+
+def _settle(outcome: RaceOutcome, totals: dict, per_prompt: dict, alive: list) -> None:
+    """Every raced configuration's measured speed, speedup and spread; the winner among the last alive."""
     speed = {key: totals[key][0] / totals[key][1] for key in totals if totals[key][1] > 0}
     for key in speed:
         outcome.tokens_per_s[key] = speed[key]
@@ -375,23 +496,7 @@ def race(target: LoadedModel, entrants: list[Prediction], prompts: list[Prompt],
         outcome.spreads[key] = (min(ratios), max(ratios)) if ratios else (1.0, 1.0)
     finalists = [key for key in alive if key in speed] or [PLAIN]
     best = max(finalists, key=lambda key: speed.get(key, 0.0))
-    outcome.winner = best if speed.get(best, 0.0) > speed[PLAIN] else PLAIN
-    return outcome
-
-
-def _fit_first_round(alive: list, per_run_s: float, deadline: float, notes: list) -> list:
-    """The entrants (best predicted first) whose first round, beside plain decoding, fits before the deadline."""
-    left = deadline - time.perf_counter()
-    if per_run_s <= 0 or left == float("inf"):
-        return alive
-    fit = int(left / per_run_s) - 1  # one run is plain decoding's
-    if fit >= len(alive):
-        return alive
-    if fit < 1:
-        notes.append("the budget left no time to race; recommending plain decoding unmeasured against the drafts")
-        return []
-    notes.append(f"raced {fit} of {len(alive)} contenders to fit the budget")
-    return alive[:fit]
+    outcome.winner = best if PLAIN in speed and speed.get(best, 0.0) > speed[PLAIN] else PLAIN
 
 
 def run_interleaved(decoders: dict, keys: list, prompts: list, max_new_tokens: int, totals: dict,
