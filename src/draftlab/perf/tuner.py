@@ -273,12 +273,13 @@ def tune(target: LoadedModel, drafters: list[str], prompts: list[Prompt], settin
     """Calibrate, predict, then race the contenders against plain decoding and recommend the measured best."""
     start = time.perf_counter()
     deadline = start + tune_settings.budget_s if tune_settings.budget_s else float("inf")
-    settings, prompts, notes = _fit_calibration(target, prompts, drafters, settings, tune_settings, progress)
-    profile = calibrate(target, drafters, prompts, settings, progress)
+    fitted, calibration_prompts, notes = _fit_calibration(target, prompts, drafters, settings, tune_settings,
+                                                          progress)
+    profile = calibrate(target, drafters, calibration_prompts, fitted, progress)
     preds = predictions(profile)
     entrants = contenders(preds, tune_settings.max_contenders)
     per_run_s = settings.max_new_tokens / max(profile.target.autoregressive_tokens_per_s, 1e-9)
-    outcome = race(target, entrants, prompts, settings, deadline, progress, per_run_s)
+    outcome = race(target, entrants, prompts, settings, deadline, progress, per_run_s)  # full runs, every prompt
     notes = notes + outcome.notes
     best = outcome.winner
     predicted = next((p for p in preds if (p.draft, p.k) == best), None)
