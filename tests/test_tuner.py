@@ -82,32 +82,34 @@ def test_tune_and_sweep_read_a_users_mt_bench_file(tmp_path, capsys):
 
 
 def test_race_plan_keeps_every_prompt_and_fits_the_time_left():
-    from draftlab.perf.tuner import RACE_MARGIN, plan_race
+    from draftlab.perf.tuner import Pilot, plan_race
 
-    unlimited = plan_race(4, 3, 48, 0.0, float("inf"))
+    unlimited = plan_race(4, 3, 48, None, float("inf"))
     assert (unlimited.contenders, unlimited.prompts, unlimited.first_tokens) == (4, 3, 16)
     assert unlimited.field_sizes() == [4, 2, 1] and [unlimited.tokens(r) for r in range(3)] == [16, 32, 48]
-    assert plan_race(1, 2, 48, 0.0, float("inf")).field_sizes() == [1, 1]  # one contender still gets two rounds
+    assert plan_race(1, 2, 48, None, float("inf")).field_sizes() == [1, 1]  # one contender still gets two rounds
+    pilot = Pilot(per_token_s=1 / 48, prefill_s=0.1)  # a full plain generation takes 1.1 s
     for seconds in (8.0, 15.0, 25.0, 40.0, 80.0):
-        plan = plan_race(4, 2, 48, 1.0, seconds)
-        assert plan.runs() * RACE_MARGIN <= seconds  # plain generations of 1 s each
-    short = plan_race(4, 2, 48, 1.0, 8.0)
+        assert plan_race(4, 2, 48, pilot, seconds).seconds(pilot) <= seconds
+    short = plan_race(4, 2, 48, pilot, 8.0)
     assert short.prompts == 2 and short.contenders < 4  # every prompt before every contender
-    roomy = plan_race(4, 2, 48, 1.0, 80.0)
+    roomy = plan_race(4, 2, 48, pilot, 80.0)
     assert roomy.contenders == 4 and roomy.first_tokens == 48  # time to spare: full-length runs throughout
-    assert plan_race(4, 2, 48, 1.0, 2.0) is None  # not one contender on one prompt fits
+    assert plan_race(4, 2, 48, pilot, 2.0) is None  # not one contender on one prompt fits
 
 
 def test_calibration_keeps_every_prompt_with_shorter_runs_before_dropping_prompts():
-    from draftlab.perf.tuner import CalibrationCost, calibration_size
+    from draftlab.perf.tuner import CalibrationCost, Pilot, calibration_size
 
-    cost = CalibrationCost(pilot_s=1.0, max_new_tokens=48, drafts=3, k_max=7, repeats=3)
+    pilot = Pilot(per_token_s=1 / 48, prefill_s=0.1)
+    cost = CalibrationCost(pilot, max_new_tokens=48, drafts=3, k_max=7, repeats=3)
     assert calibration_size(cost, 4, 1000.0) == (4, 48)
+    prompts, tokens = calibration_size(cost, 4, 25.0)
+    assert prompts == 4 and 16 <= tokens < 48 and cost.seconds(4, tokens) <= 25.0
     prompts, tokens = calibration_size(cost, 4, 12.0)
-    assert prompts == 4 and 16 <= tokens < 48 and cost.seconds(4, tokens) <= 12.0
-    prompts, tokens = calibration_size(cost, 4, 6.0)
-    assert prompts < 4 and tokens >= 16 and cost.seconds(prompts, tokens) <= 6.0
-    assert cost.seconds(2, 48) > 2 * CalibrationCost(1.0, 48, 1, 7, 3).seconds(2, 48) - 1  # cost grows with drafts
+    assert prompts < 4 and tokens >= 16 and cost.seconds(prompts, tokens) <= 12.0
+    one_draft = CalibrationCost(pilot, 48, 1, 7, 3)
+    assert cost.seconds(2, 48) - one_draft.seconds(2, 48) > one_draft.seconds(2, 48)  # cost grows with drafts
     assert calibration_size(cost, 4, 0.1) == (1, 16)  # nothing fits: the smallest calibration
 
 

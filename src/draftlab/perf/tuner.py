@@ -259,7 +259,7 @@ class TuneSettings:
     """How the tuner spends its time."""
 
     budget_s: float | None = None  # the whole tune, calibration included; None: no limit
-    calibration_share: float = 0.5  # of the budget, at most, for calibration
+    calibration_share: float = 0.4  # of the budget, at most, for calibration (the race decides; it gets the rest)
     max_contenders: int = 4  # configurations that enter the race (plain decoding always runs beside them)
 
     def __post_init__(self) -> None:
@@ -273,13 +273,12 @@ def tune(target: LoadedModel, drafters: list[str], prompts: list[Prompt], settin
     """Calibrate, predict, then race the contenders against plain decoding and recommend the measured best."""
     start = time.perf_counter()
     deadline = start + tune_settings.budget_s if tune_settings.budget_s else float("inf")
-    fitted, calibration_prompts, notes = _fit_calibration(target, prompts, drafters, settings, tune_settings,
-                                                          progress)
+    pilot = run_pilot(target, prompts[0], settings) if tune_settings.budget_s else None
+    fitted, calibration_prompts, notes = _fit_calibration(pilot, prompts, drafters, settings, tune_settings)
     profile = calibrate(target, drafters, calibration_prompts, fitted, progress)
     preds = predictions(profile)
     entrants = contenders(preds, tune_settings.max_contenders)
-    per_run_s = settings.max_new_tokens / max(profile.target.autoregressive_tokens_per_s, 1e-9)
-    outcome = race(target, entrants, prompts, settings, deadline, progress, per_run_s)  # full runs, every prompt
+    outcome = race(target, entrants, prompts, settings, deadline, progress, pilot)  # full runs, every prompt
     notes = notes + outcome.notes
     best = outcome.winner
     predicted = next((p for p in preds if (p.draft, p.k) == best), None)
@@ -292,13 +291,34 @@ def tune(target: LoadedModel, drafters: list[str], prompts: list[Prompt], settin
 
 
 MIN_RUN_TOKENS = 16  # the shortest generation the tuner times when a budget makes it cut runs short
-# Calibration's cost in plain generations of full length (measured on 2 cores for SmolLM2-135M, K_max 7):
-RUNS_PER_DRAFT_AND_PROMPT = 1.5  # its run at K_max drafts and verifies blocks: slower than plain decoding
-SHORT_RUNS_PER_DRAFT = 0.6  # its K = 1 runs on the first two prompts, half as long
-BLOCK_ROUND_ROWS = 2.0  # a round of block timings costs about this many rows per block size
+# Calibration's cost, in plain decoding's seconds per new token (measured on 2 cores for SmolLM2-135M and its
+# n-gram and layer drafts at K_max 7, where a layer draft's run costs ~4x plain decoding and n-gram's ~1.3x):
+RUN_COST_PER_TOKEN = 2.5  # a draft's run at K_max drafts and verifies blocks: slower than plain decoding
+SHORT_RUN_COST_PER_TOKEN = 1.2  # its K = 1 runs, on the first two prompts, half as long
+DRAFT_SETUP_TOKENS = 15.0  # building and warming up a draft, in plain decoding's tokens
+BLOCK_COST_ROWS = 2.3  # one timed block, averaged over the sizes 1..K_max+1, in single rows
 
 
-def _fit_calibration(target, prompts, drafters, settings, tune_settings, progress):
+@dataclass(frozen=True)
+class Pilot:
+    """One plain generation timed before calibration: what the tuner's time estimates scale from."""
+
+    per_token_s: float  # decode seconds per new token
+    prefill_s: float  # the prompt's prefill
+
+
+def run_pilot(target: LoadedModel, prompt: Prompt, settings: CalibrationSettings) -> Pilot:
+    """Time one plain generation of `settings.max_new_tokens` on `prompt` (after an untimed warm-up)."""
+    from draftlab.api import SpeculativeDecoder, encode_prompt
+
+    plain = SpeculativeDecoder.from_names(target, drafter="none", k=1, backend=settings.backend)
+    ids = encode_prompt(target.tokenizer, prompt.text, prompt.chat)
+    plain.generate(ids, max_new_tokens=4)
+    stats = plain.generate(ids, max_new_tokens=settings.max_new_tokens).stats
+    return Pilot((stats.wall_s - stats.prefill_s) / max(stats.new_tokens, 1), stats.prefill_s)
+
+
+def _fit_calibration(pilot: Pilot, prompts, drafters, settings, tune_settings):
     """Shorter calibration runs (then fewer prompts) when a budget says so; notes on what was left out.
 
     Every prompt is kept while runs of `MIN_RUN_TOKENS` fit: acceptance varies more between prompts than
@@ -306,16 +326,10 @@ def _fit_calibration(target, prompts, drafters, settings, tune_settings, progres
     """
     if not tune_settings.budget_s:
         return settings, prompts, []
-    from draftlab.api import SpeculativeDecoder, encode_prompt
-
-    plain = SpeculativeDecoder.from_names(target, drafter="none", k=1, backend=settings.backend)
-    ids = encode_prompt(target.tokenizer, prompts[0].text, prompts[0].chat)
-    plain.generate(ids, max_new_tokens=4)
-    pilot = plain.generate(ids, max_new_tokens=settings.max_new_tokens).stats.wall_s  # one plain generation
     allowed = tune_settings.budget_s * tune_settings.calibration_share
     repeats = min(settings.repeats, 3)
-    fit, tokens = calibration_size(CalibrationCost(pilot, settings.max_new_tokens, len(drafters), settings.k_max,
-                                                   repeats), len(prompts), allowed)
+    cost = CalibrationCost(pilot, settings.max_new_tokens, len(drafters), settings.k_max, repeats)
+    fit, tokens = calibration_size(cost, len(prompts), allowed)
     notes = []
     if fit < len(prompts):
         notes.append(f"calibrated on {fit} of {len(prompts)} prompts to fit the budget")
@@ -326,9 +340,9 @@ def _fit_calibration(target, prompts, drafters, settings, tune_settings, progres
 
 @dataclass(frozen=True)
 class CalibrationCost:
-    """What calibration's cost is estimated from: one plain generation's seconds and what calibration runs."""
+    """What calibration's cost is estimated from: the pilot and what calibration runs."""
 
-    pilot_s: float  # one plain generation of `max_new_tokens`
+    pilot: Pilot
     max_new_tokens: int
     drafts: int
     k_max: int
@@ -336,10 +350,12 @@ class CalibrationCost:
 
     def seconds(self, prompts: int, tokens: int) -> float:
         """Estimated calibration seconds on `prompts` prompts with runs of `tokens` new tokens."""
-        per_token = self.pilot_s / self.max_new_tokens
-        runs = self.drafts * (RUNS_PER_DRAFT_AND_PROMPT * prompts + SHORT_RUNS_PER_DRAFT * min(prompts, 2))
-        blocks = (self.repeats + 1) * (self.k_max + 1) * BLOCK_ROUND_ROWS
-        return per_token * (runs * tokens + blocks)
+        per_token, prefill = self.pilot.per_token_s, self.pilot.prefill_s
+        runs = prompts * (RUN_COST_PER_TOKEN * tokens * per_token + prefill)
+        short_runs = min(prompts, 2) * (SHORT_RUN_COST_PER_TOKEN * (tokens // 2) * per_token + prefill)
+        setup = DRAFT_SETUP_TOKENS * per_token
+        blocks = (self.repeats + 1) * (self.k_max + 1) * BLOCK_COST_ROWS * per_token
+        return self.drafts * (runs + short_runs + setup) + blocks
 
 
 def calibration_size(cost: CalibrationCost, prompts: int, allowed_s: float) -> tuple[int, int]:
@@ -389,56 +405,58 @@ class RacePlan:
         """New tokens per run in a round (from 0)."""
         return min(self.max_new_tokens, self.first_tokens * 2 ** round_index)
 
-    def runs(self) -> float:
-        """The race's cost in plain generations of full length (plain decoding runs in every round)."""
-        return sum((alive + 1) * self.prompts * self.tokens(r) / self.max_new_tokens
-                   for r, alive in enumerate(self.field_sizes()))
+    def seconds(self, pilot: Pilot) -> float:
+        """The race's estimated seconds: building the contenders, then plain decoding and every alive
+        candidate on every prompt, each round."""
+        setup = self.contenders * DRAFT_SETUP_TOKENS * pilot.per_token_s
+        return setup + sum((alive + 1) * self.prompts * (pilot.prefill_s + RACE_MARGIN * self.tokens(r) * pilot.per_token_s)
+                           for r, alive in enumerate(self.field_sizes()))
 
 
-RACE_MARGIN = 1.15  # a candidate's run is rarely slower than this many plain runs, prefill included
+RACE_MARGIN = 1.15  # a contender's decoding is rarely slower than this many times plain decoding's
 
 
-def plan_race(contenders: int, prompts: int, max_new_tokens: int, per_run_s: float, seconds: float) -> RacePlan | None:
+def plan_race(contenders: int, prompts: int, max_new_tokens: int, pilot: Pilot | None, seconds: float
+              ) -> RacePlan | None:
     """The race that fits `seconds`: every prompt, as many contenders as fit, then the longest first runs.
 
-    Without an estimate (`per_run_s` 0) or a limit, every contender runs on every prompt, the first round a
-    quarter of the full length. None when not even one contender on one prompt fits.
+    Without a pilot or a limit, every contender runs on every prompt, the first round a quarter of the full
+    length. None when not even one contender on one prompt fits.
     """
     floor = min(MIN_RUN_TOKENS, max_new_tokens)
-    if per_run_s <= 0 or seconds == float("inf"):
+    if pilot is None or seconds == float("inf"):
         return RacePlan(contenders, prompts, max(floor, max_new_tokens // 4), max_new_tokens)
-    budget_runs = seconds / (per_run_s * RACE_MARGIN)
     for count in range(prompts, 0, -1):
         for n in range(contenders, 0, -1):
             plan = RacePlan(n, count, floor, max_new_tokens)
-            if plan.runs() <= budget_runs:
-                return _longest_first_round(plan, budget_runs)
+            if plan.seconds(pilot) <= seconds:
+                return _longest_first_round(plan, pilot, seconds)
     return None
 
 
-def _longest_first_round(plan: RacePlan, budget_runs: float) -> RacePlan:
-    """The plan with the longest first-round runs whose race still costs at most `budget_runs`."""
+def _longest_first_round(plan: RacePlan, pilot: Pilot, seconds: float) -> RacePlan:
+    """The plan with the longest first-round runs whose race still fits `seconds`."""
     while plan.first_tokens < plan.max_new_tokens:
         longer = replace(plan, first_tokens=plan.first_tokens + 1)
-        if longer.runs() > budget_runs:
+        if longer.seconds(pilot) > seconds:
             break
         plan = longer
     return plan
 
 
 def race(target: LoadedModel, entrants: list[Prediction], prompts: list[Prompt], settings: CalibrationSettings,
-         deadline: float = float("inf"), progress: bool = True, per_run_s: float = 0.0) -> RaceOutcome:
+         deadline: float = float("inf"), progress: bool = True, pilot: Pilot | None = None) -> RaceOutcome:
     """Successive halving: interleaved runs on every prompt, the slower half out each round, runs doubled.
 
     Plain decoding runs in every round beside the candidates (on the same prompts, interleaved), so each
-    candidate's speedup is measured against a baseline taken at the same time. `per_run_s` (one plain
-    generation, from calibration) sizes the race to the deadline (`plan_race`): every prompt before every
+    candidate's speedup is measured against a baseline taken at the same time. `pilot` (one plain
+    generation, timed before calibration) sizes the race to the deadline (`plan_race`): every prompt before every
     contender, and the first round's runs as long as fit; what did not fit is noted.
     """
     from draftlab.api import SpeculativeDecoder, encode_prompt
 
     outcome = RaceOutcome(PLAIN)
-    plan = plan_race(len(entrants), len(prompts), settings.max_new_tokens, per_run_s, deadline - time.perf_counter())
+    plan = plan_race(len(entrants), len(prompts), settings.max_new_tokens, pilot, deadline - time.perf_counter())
     if plan is None or not entrants:
         if entrants:
             outcome.notes.append("the budget left no time to race; recommending plain decoding unmeasured against "
