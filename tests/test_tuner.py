@@ -102,15 +102,16 @@ def test_calibration_keeps_every_prompt_with_shorter_runs_before_dropping_prompt
     from draftlab.perf.tuner import CalibrationCost, Pilot, calibration_size
 
     pilot = Pilot(per_token_s=1 / 48, prefill_s=0.1)
-    cost = CalibrationCost(pilot, max_new_tokens=48, drafts=3, k_max=7, repeats=3)
+    settings = CalibrationSettings(k_max=7, max_new_tokens=48, repeats=3, short_run_prompts=1)
+    cost = CalibrationCost(pilot, settings, drafts=3)
     assert calibration_size(cost, 4, 1000.0) == (4, 48)
-    prompts, tokens = calibration_size(cost, 4, 25.0)
-    assert prompts == 4 and 16 <= tokens < 48 and cost.seconds(4, tokens) <= 25.0
-    prompts, tokens = calibration_size(cost, 4, 12.0)
-    assert prompts < 4 and tokens >= 16 and cost.seconds(prompts, tokens) <= 12.0
-    one_draft = CalibrationCost(pilot, 48, 1, 7, 3)
+    prompts, tokens = calibration_size(cost, 4, 20.0)
+    assert prompts == 4 and 12 <= tokens < 48 and cost.seconds(4, tokens) <= 20.0
+    prompts, tokens = calibration_size(cost, 4, 8.0)
+    assert prompts < 4 and tokens >= 12 and cost.seconds(prompts, tokens) <= 8.0
+    one_draft = CalibrationCost(pilot, settings, 1)
     assert cost.seconds(2, 48) - one_draft.seconds(2, 48) > one_draft.seconds(2, 48)  # cost grows with drafts
-    assert calibration_size(cost, 4, 0.1) == (1, 16)  # nothing fits: the smallest calibration
+    assert calibration_size(cost, 4, 0.1) == (1, 12)  # nothing fits: the smallest calibration
 
 
 def test_contenders_put_each_drafts_best_k_first():

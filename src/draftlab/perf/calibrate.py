@@ -45,6 +45,7 @@ class CalibrationSettings:
     max_new_tokens: int = SHORT_RUN_TOKENS
     repeats: int = 5
     backend: str = DEFAULT_BACKEND
+    short_run_prompts: int = 2  # prompts of the K = 1 runs that separate per-step from per-token drafting cost
 
 
 @dataclass
@@ -182,7 +183,8 @@ def _profile_draft(spec, decoder: SpeculativeDecoder, encoded, settings) -> tupl
     accepted = [a for s in runs for a in s.accepted_per_step_list]
     drafted = [d for s in runs for d in s.drafted_per_step_list]
     short = decoder.with_policy(FixedK(1))
-    short_runs = [short.generate(ids, max_new_tokens=max(settings.max_new_tokens // 2, 2)).stats for ids in encoded[:2]]
+    short_runs = [short.generate(ids, max_new_tokens=max(settings.max_new_tokens // 2, 2)).stats
+                  for ids in encoded[: settings.short_run_prompts]]
     per_step, per_token = draft_cost(_cost_point(short_runs), _cost_point(runs))
     profile = DraftProfile(spec, per_token, accepted_at_least(accepted, drafted, settings.k_max), per_step,
                            at_least(drafted, settings.k_max), steps=len(accepted), cost_spread=_cost_spread(runs),

@@ -259,7 +259,7 @@ class TuneSettings:
     """How the tuner spends its time."""
 
     budget_s: float | None = None  # the whole tune, calibration included; None: no limit
-    calibration_share: float = 0.4  # of the budget, at most, for calibration (the race decides; it gets the rest)
+    calibration_share: float = 0.45  # of the budget, at most, for calibration (the race decides; it gets the rest)
     max_contenders: int = 4  # configurations that enter the race (plain decoding always runs beside them)
 
     def __post_init__(self) -> None:
@@ -290,7 +290,8 @@ def tune(target: LoadedModel, drafters: list[str], prompts: list[Prompt], settin
     ), profile, preds
 
 
-MIN_RUN_TOKENS = 16  # the shortest generation the tuner times when a budget makes it cut runs short
+MIN_RUN_TOKENS = 16  # the shortest race run the tuner times when a budget makes it cut runs short
+MIN_CALIBRATION_TOKENS = 12  # the shortest calibration run: a few steps on every prompt beat many on one
 # Calibration's cost, in plain decoding's seconds per new token (measured on 2 cores for SmolLM2-135M and its
 # n-gram and layer drafts at K_max 7, where a layer draft's run costs ~4x plain decoding and n-gram's ~1.3x):
 RUN_COST_PER_TOKEN = 2.5  # a draft's run at K_max drafts and verifies blocks: slower than plain decoding
@@ -327,15 +328,14 @@ def _fit_calibration(pilot: Pilot, prompts, drafters, settings, tune_settings):
     if not tune_settings.budget_s:
         return settings, prompts, []
     allowed = tune_settings.budget_s * tune_settings.calibration_share
-    repeats = min(settings.repeats, 3)
-    cost = CalibrationCost(pilot, settings.max_new_tokens, len(drafters), settings.k_max, repeats)
-    fit, tokens = calibration_size(cost, len(prompts), allowed)
+    settings = replace(settings, repeats=min(settings.repeats, 3), short_run_prompts=1)
+    fit, tokens = calibration_size(CalibrationCost(pilot, settings, len(drafters)), len(prompts), allowed)
     notes = []
     if fit < len(prompts):
         notes.append(f"calibrated on {fit} of {len(prompts)} prompts to fit the budget")
     if tokens < settings.max_new_tokens:
         notes.append(f"calibration runs shortened to {tokens} new tokens to fit the budget")
-    return replace(settings, max_new_tokens=tokens, repeats=repeats), prompts[:fit], notes
+    return replace(settings, max_new_tokens=tokens), prompts[:fit], notes
 
 
 @dataclass(frozen=True)
@@ -343,27 +343,27 @@ class CalibrationCost:
     """What calibration's cost is estimated from: the pilot and what calibration runs."""
 
     pilot: Pilot
-    max_new_tokens: int
+    settings: CalibrationSettings  # its max_new_tokens is the longest run considered
     drafts: int
-    k_max: int
-    repeats: int
 
     def seconds(self, prompts: int, tokens: int) -> float:
         """Estimated calibration seconds on `prompts` prompts with runs of `tokens` new tokens."""
         per_token, prefill = self.pilot.per_token_s, self.pilot.prefill_s
         runs = prompts * (RUN_COST_PER_TOKEN * tokens * per_token + prefill)
-        short_runs = min(prompts, 2) * (SHORT_RUN_COST_PER_TOKEN * (tokens // 2) * per_token + prefill)
+        short_runs = min(prompts, self.settings.short_run_prompts) * (
+            SHORT_RUN_COST_PER_TOKEN * (tokens // 2) * per_token + prefill)
         setup = DRAFT_SETUP_TOKENS * per_token
-        blocks = (self.repeats + 1) * (self.k_max + 1) * BLOCK_COST_ROWS * per_token
+        blocks = (self.settings.repeats + 1) * (self.settings.k_max + 1) * BLOCK_COST_ROWS * per_token
         return self.drafts * (runs + short_runs + setup) + blocks
 
 
 def calibration_size(cost: CalibrationCost, prompts: int, allowed_s: float) -> tuple[int, int]:
     """(prompts, new tokens per run) that fit `allowed_s`: full runs, else shorter runs, else fewer prompts."""
-    floor = min(MIN_RUN_TOKENS, cost.max_new_tokens)
+    longest = cost.settings.max_new_tokens
+    floor = min(MIN_CALIBRATION_TOKENS, longest)
     for count in range(prompts, 0, -1):
         if cost.seconds(count, floor) <= allowed_s:
-            tokens = cost.max_new_tokens
+            tokens = longest
             while tokens > floor and cost.seconds(count, tokens) > allowed_s:
                 tokens -= 1
             return count, tokens
