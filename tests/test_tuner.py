@@ -116,7 +116,8 @@ def test_calibration_keeps_every_prompt_with_shorter_runs_before_dropping_prompt
 
 def test_contenders_put_each_drafts_best_k_first():
     target = TargetProfile("t", {n: 0.010 + 0.001 * n for n in range(1, 6)}, score_spread={n: 0.2 for n in range(1, 6)})
-    strong, weaker = DraftProfile("a", 0.0005, [0.7, 0.5, 0.4, 0.3], steps=50), DraftProfile("b", 0.0005, [0.6, 0.4, 0.3, 0.2], steps=50)
+    strong = DraftProfile("a", 0.0005, [0.7, 0.5, 0.4, 0.3], steps=50)
+    weaker = DraftProfile("b", 0.0005, [0.6, 0.4, 0.3, 0.2], steps=50)
     preds = [predict(target, d, k) for d in (strong, weaker) for k in range(1, 5)]
     picked = contenders(preds, limit=2)
     assert [p.draft for p in picked] == ["a", "b"]
