@@ -167,7 +167,7 @@ def _print_recommendation(target: str, rec, dtype: str | None = None) -> None:
     for number, round_ in enumerate(rec.race, start=1):
         ranked = ", ".join(f"{name} {speedup:.2f}x" for name, speedup in
                            sorted(round_["speedups"].items(), key=lambda item: -item[1]))
-        print(f"race round {number} ({round_['prompts']} prompt(s), {round_.get('tokens', '?')} new tokens): {ranked}")
+        print(f"race round {number} ({round_['prompts']} prompt(s), {round_['tokens']} new tokens): {ranked}")
     if rec.measured_tokens_per_s:
         low, high = rec.speedup_spread
         measured = (f"measured {rec.measured_tokens_per_s:.1f} tokens/s ({rec.measured_speedup:.2f}x, per prompt "

@@ -150,7 +150,8 @@ def calibrate(
                                      ar.target_backend)
         decoder.generate(encoded[0], max_new_tokens=WARMUP_TOKENS)  # untimed: first calls pay one-off costs
         profile, overhead_s = _profile_draft(spec, decoder, encoded, settings)
-        overhead = overhead_s if not drafts else overhead  # the engine's bookkeeping, from the first draft's runs
+        if not drafts:  # the engine's bookkeeping, from the first draft's runs
+            overhead = overhead_s
         drafts.append(profile)
     blocks = time_blocks(ar.engine.target, context, block_sizes(settings.k_max, drafts), settings.repeats)
     target_profile = TargetProfile(_name(target), blocks.median_s, overhead, blocks.spread, blocks.drift)

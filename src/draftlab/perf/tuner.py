@@ -409,9 +409,9 @@ class RacePlan:
         """The race's estimated seconds: building the contenders, then plain decoding and every alive
         candidate on every prompt, each round."""
         setup = self.contenders * DRAFT_SETUP_TOKENS * pilot.per_token_s
-        per_run = [pilot.prefill_s + RACE_MARGIN * self.tokens(r) * pilot.per_token_s
-                   for r in range(len(self.field_sizes()))]
-        return setup + sum((alive + 1) * self.prompts * run_s for alive, run_s in zip(self.field_sizes(), per_run))
+        return setup + sum((alive + 1) * self.prompts * (pilot.prefill_s + RACE_MARGIN * self.tokens(r) *
+                                                         pilot.per_token_s)
+                           for r, alive in enumerate(self.field_sizes()))
 
 
 RACE_MARGIN = 1.15  # a contender's decoding is rarely slower than this many times plain decoding's
