@@ -96,6 +96,9 @@ def main() -> None:
     raced = f"{rec.measured_speedup:.2f}x in its race" if rec.measured_speedup else "not raced"
     print(f"tune: budget {'none' if budget is None else f'{budget:.0f}s'}; picked {rec.draft} K={rec.k} in {tune_s:.0f}s (predicted {rec.predicted_tokens_per_s:.1f} tok/s, "
           f"{raced}); that cell measured {picked_tps:.1f} tok/s in the sweep")
+    for number, round_ in enumerate(rec.race, start=1):
+        speedups = ", ".join(f"{name} {x:.2f}x" for name, x in round_["speedups"].items())
+        print(f"tune race round {number} ({round_['prompts']} prompt(s), {round_['tokens']} tokens): {speedups}")
     for note in rec.notes:
         print(f"tune note: {note}")
     print(f"regret {regret:.1%} (target <= 5%), tune time / sweep time {tune_s / sweep_s:.1%} (target <= 25%)")

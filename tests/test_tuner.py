@@ -81,21 +81,25 @@ def test_tune_and_sweep_read_a_users_mt_bench_file(tmp_path, capsys):
     store.close()
 
 
-def test_race_plan_keeps_every_prompt_and_fits_the_time_left():
+def test_race_plan_keeps_every_prompt_and_full_length_runs_and_fits_the_time_left():
     from draftlab.perf.tuner import Pilot, plan_race
 
     unlimited = plan_race(4, 3, 48, None, float("inf"))
-    assert (unlimited.contenders, unlimited.prompts, unlimited.first_tokens) == (4, 3, 16)
-    assert unlimited.field_sizes() == [4, 2, 1] and [unlimited.tokens(r) for r in range(3)] == [16, 32, 48]
-    assert plan_race(1, 2, 48, None, float("inf")).field_sizes() == [1, 1]  # one contender still gets two rounds
+    assert (unlimited.contenders, unlimited.prompts, unlimited.tokens) == (4, 3, 48)
+    assert unlimited.field_sizes() == [4, 2, 1]  # the whole halving schedule, every round at full length
+    assert plan_race(1, 2, 48, None, float("inf")).field_sizes() == [1, 1]  # one contender still runs twice
     pilot = Pilot(per_token_s=1 / 48, prefill_s=0.1)  # a full plain generation takes 1.1 s
-    for seconds in (8.0, 15.0, 25.0, 40.0, 80.0):
+    for seconds in (3.0, 8.0, 15.0, 25.0, 40.0):
         assert plan_race(4, 2, 48, pilot, seconds).seconds(pilot) <= seconds
     short = plan_race(4, 2, 48, pilot, 8.0)
-    assert short.prompts == 2 and short.contenders < 4  # every prompt before every contender
-    roomy = plan_race(4, 2, 48, pilot, 80.0)
-    assert roomy.contenders == 4 and roomy.first_tokens == 48  # time to spare: full-length runs throughout
-    assert plan_race(4, 2, 48, pilot, 2.0) is None  # not one contender on one prompt fits
+    assert short.prompts == 2 and short.tokens == 48 and short.contenders < 4  # every prompt, full runs first
+    assert plan_race(1, 2, 48, pilot, 11.0).field_sizes() == [1, 1]  # time for a second look at one contender
+    assert plan_race(4, 2, 48, pilot, 15.0).field_sizes() == [4]  # more contenders before more rounds
+    cut = plan_race(4, 2, 48, pilot, 3.0)
+    assert cut.prompts == 2 and cut.contenders == 1 and 16 <= cut.tokens < 48  # shorter runs before fewer prompts
+    roomy = plan_race(4, 2, 48, pilot, 40.0)
+    assert roomy.contenders == 4 and roomy.field_sizes() == [4, 2, 1]  # time to spare: the whole schedule
+    assert plan_race(4, 2, 48, pilot, 0.8) is None  # not one contender on one prompt fits
 
 
 def test_calibration_keeps_every_prompt_with_shorter_runs_before_dropping_prompts():

@@ -322,7 +322,7 @@ def run_pilot(target: LoadedModel, prompt: Prompt, settings: CalibrationSettings
 def _fit_calibration(pilot: Pilot, prompts, drafters, settings, tune_settings):
     """Shorter calibration runs (then fewer prompts) when a budget says so; notes on what was left out.
 
-    Every prompt is kept while runs of `MIN_RUN_TOKENS` fit: acceptance varies more between prompts than
+    Every prompt is kept while runs of `MIN_CALIBRATION_TOKENS` fit: acceptance varies more between prompts than
     within a generation, so a short run on each prompt says more than a long run on one.
     """
     if not tune_settings.budget_s:
@@ -387,58 +387,65 @@ PLAIN = ("none", 0)
 
 @dataclass(frozen=True)
 class RacePlan:
-    """How a race spends its time: how many contenders, on how many prompts, how long the first runs are."""
+    """How a race spends its time: how many contenders, on how many prompts, how long each run, how many rounds.
+
+    Every round runs at the same length (the user's, unless the budget cuts it): a draft's speedup depends on
+    where in a generation it is measured (n-gram lookup pays once the output starts repeating the prompt), so
+    short first rounds would drop the drafts that pay late.
+    """
 
     contenders: int
     prompts: int
-    first_tokens: int  # new tokens per run in round 1; doubled each round up to the full length
-    max_new_tokens: int
+    tokens: int  # new tokens per run, every round
+    rounds: int  # how many rounds of the halving schedule run
 
     def field_sizes(self) -> list[int]:
-        """Candidates alive in each round: halved (rounded up) until one is left, and at least two rounds."""
+        """Candidates alive in each round: halved (rounded up) until one is left; one contender runs twice."""
         sizes = [self.contenders]
         while sizes[-1] > 1:
             sizes.append((sizes[-1] + 1) // 2)
-        return sizes if len(sizes) >= 2 else sizes + [1]
+        return (sizes if len(sizes) >= 2 else sizes + [1])[: self.rounds]
 
-    def tokens(self, round_index: int) -> int:
-        """New tokens per run in a round (from 0)."""
-        return min(self.max_new_tokens, self.first_tokens * 2 ** round_index)
+    def run_seconds(self, pilot: Pilot) -> float:
+        """One run's estimated seconds: its prefill and its decoding, a little slower than plain decoding."""
+        return pilot.prefill_s + RACE_MARGIN * self.tokens * pilot.per_token_s
 
     def seconds(self, pilot: Pilot) -> float:
         """The race's estimated seconds: building the contenders, then plain decoding and every alive
         candidate on every prompt, each round."""
         setup = self.contenders * DRAFT_SETUP_TOKENS * pilot.per_token_s
-        return setup + sum((alive + 1) * self.prompts * (pilot.prefill_s + RACE_MARGIN * self.tokens(r) *
-                                                         pilot.per_token_s)
-                           for r, alive in enumerate(self.field_sizes()))
+        runs = sum((alive + 1) * self.prompts for alive in self.field_sizes())
+        return setup + runs * self.run_seconds(pilot)
 
 
 RACE_MARGIN = 1.15  # a contender's decoding is rarely slower than this many times plain decoding's
+FULL_SCHEDULE = 99  # more rounds than any halving schedule has
 
 
 def plan_race(contenders: int, prompts: int, max_new_tokens: int, pilot: Pilot | None, seconds: float
               ) -> RacePlan | None:
-    """The race that fits `seconds`: every prompt, as many contenders as fit, then the longest first runs.
+    """The race that fits `seconds`: every prompt, full-length runs, as many contenders, then rounds, as fit.
 
-    Without a pilot or a limit, every contender runs on every prompt, the first round a quarter of the full
-    length. None when not even one contender on one prompt fits.
+    Without a pilot or a limit, every contender runs on every prompt at full length through the whole
+    halving schedule. Runs are shortened (down to `MIN_RUN_TOKENS`) only when not even one contender fits at
+    full length; prompts are dropped only when that does not fit either. None when nothing fits.
     """
-    floor = min(MIN_RUN_TOKENS, max_new_tokens)
     if pilot is None or seconds == float("inf"):
-        return RacePlan(contenders, prompts, max(floor, max_new_tokens // 4), max_new_tokens)
+        return RacePlan(contenders, prompts, max_new_tokens, FULL_SCHEDULE)
+    floor = min(MIN_RUN_TOKENS, max_new_tokens)
     for count in range(prompts, 0, -1):
-        for n in range(contenders, 0, -1):
-            plan = RacePlan(n, count, floor, max_new_tokens)
-            if plan.seconds(pilot) <= seconds:
-                return _longest_first_round(plan, pilot, seconds)
+        for tokens in range(max_new_tokens, floor - 1, -1):
+            for n in range(contenders, 0, -1):
+                plan = RacePlan(n, count, tokens, 1)
+                if plan.seconds(pilot) <= seconds:
+                    return _most_rounds(plan, pilot, seconds)
     return None
 
 
-def _longest_first_round(plan: RacePlan, pilot: Pilot, seconds: float) -> RacePlan:
-    """The plan with the longest first-round runs whose race still fits `seconds`."""
-    while plan.first_tokens < plan.max_new_tokens:
-        longer = replace(plan, first_tokens=plan.first_tokens + 1)
+def _most_rounds(plan: RacePlan, pilot: Pilot, seconds: float) -> RacePlan:
+    """The plan with as many rounds of its halving schedule as still fit `seconds`."""
+    while plan.rounds < len(replace(plan, rounds=FULL_SCHEDULE).field_sizes()):
+        longer = replace(plan, rounds=plan.rounds + 1)
         if longer.seconds(pilot) > seconds:
             break
         plan = longer
@@ -447,12 +454,13 @@ def _longest_first_round(plan: RacePlan, pilot: Pilot, seconds: float) -> RacePl
 
 def race(target: LoadedModel, entrants: list[Prediction], prompts: list[Prompt], settings: CalibrationSettings,
          deadline: float = float("inf"), progress: bool = True, pilot: Pilot | None = None) -> RaceOutcome:
-    """Successive halving: interleaved runs on every prompt, the slower half out each round, runs doubled.
+    """Successive halving: interleaved full-length runs on every prompt, the slower half out each round.
 
     Plain decoding runs in every round beside the candidates (on the same prompts, interleaved), so each
-    candidate's speedup is measured against a baseline taken at the same time. `pilot` (one plain
-    generation, timed before calibration) sizes the race to the deadline (`plan_race`): every prompt before every
-    contender, and the first round's runs as long as fit; what did not fit is noted.
+    candidate's speedup is measured against a baseline taken at the same time; a candidate's speed sums all
+    its rounds. `pilot` (one plain generation, timed before calibration) sizes the race to the deadline
+    (`plan_race`); before each later round, the round is checked against the time left at the pace the
+    race has measured; what did not fit is noted.
     """
     from draftlab.api import SpeculativeDecoder, encode_prompt
 
@@ -463,7 +471,7 @@ def race(target: LoadedModel, entrants: list[Prediction], prompts: list[Prompt],
             outcome.notes.append("the budget left no time to race; recommending plain decoding unmeasured against "
                                  "the drafts")
         return outcome
-    outcome.notes.extend(_plan_notes(plan, len(entrants), len(prompts)))
+    outcome.notes.extend(_plan_notes(plan, len(entrants), len(prompts), settings.max_new_tokens))
     decoders = {PLAIN: SpeculativeDecoder.from_names(target, drafter="none", k=1, backend=settings.backend)}
     for p in entrants[: plan.contenders]:
         decoders[(p.draft, p.k)] = SpeculativeDecoder.from_names(target, drafter=p.draft, k=p.k,
@@ -472,37 +480,42 @@ def race(target: LoadedModel, entrants: list[Prediction], prompts: list[Prompt],
     alive = [key for key in decoders if key != PLAIN]
     totals = {key: [0, 0.0] for key in decoders}  # new tokens, decode seconds
     per_prompt: dict = {key: [] for key in decoders}  # decode tokens/s per prompt, aligned across keys
-    round_s, round_runs = 0.0, 0.0
+    run_s = 0.0  # the measured seconds of one run (prefill included), from the rounds so far
     for number, size in enumerate(plan.field_sizes()):
         alive = alive[:size]
-        runs = (size + 1) * plan.tokens(number)  # this round's work, in new tokens per prompt
-        if round_s and time.perf_counter() + round_s * runs / round_runs > deadline:
+        runs = (size + 1) * len(encoded)
+        if run_s and time.perf_counter() + runs * run_s > deadline:
             outcome.notes.append(f"race stopped before round {number + 1} to fit the budget; "
                                  f"{len(alive)} candidate(s) left")
             break
         started = time.perf_counter()
         keys = [PLAIN, *alive]
         run_interleaved(decoders, keys[number % len(keys):] + keys[: number % len(keys)], encoded,
-                        plan.tokens(number), totals, per_prompt)
-        round_s, round_runs = time.perf_counter() - started, runs
+                        plan.tokens, totals, per_prompt)
+        run_s = (time.perf_counter() - started) / runs
         speed = {key: totals[key][0] / totals[key][1] for key in keys if totals[key][1] > 0}
-        outcome.rounds.append({"prompts": len(encoded), "tokens": plan.tokens(number),
+        outcome.rounds.append({"prompts": len(encoded), "tokens": plan.tokens,
                                "speedups": {f"{d} K={k}": speed[(d, k)] / speed[PLAIN] for d, k in alive}})
         if progress:
             print(f"tune: race round {number + 1}: {len(alive)} candidate(s) on {len(encoded)} prompt(s), "
-                  f"{plan.tokens(number)} new tokens each")
+                  f"{plan.tokens} new tokens each")
         alive = sorted(alive, key=lambda key: -speed[key])
     _settle(outcome, totals, per_prompt, alive)
     return outcome
 
 
-def _plan_notes(plan: RacePlan, contenders: int, prompts: int) -> list[str]:
+def _plan_notes(plan: RacePlan, contenders: int, prompts: int, max_new_tokens: int) -> list[str]:
     """What the race plan left out to fit the budget."""
     notes = []
     if plan.contenders < contenders:
         notes.append(f"raced {plan.contenders} of {contenders} contenders to fit the budget")
     if plan.prompts < prompts:
         notes.append(f"raced on {plan.prompts} of {prompts} prompts to fit the budget")
+    if plan.tokens < max_new_tokens:
+        notes.append(f"race runs shortened to {plan.tokens} new tokens to fit the budget")
+    full = len(replace(plan, rounds=FULL_SCHEDULE).field_sizes())
+    if plan.rounds < full:
+        notes.append(f"raced {plan.rounds} of {full} halving rounds to fit the budget")
     return notes
 
 
