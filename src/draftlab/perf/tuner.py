@@ -480,7 +480,7 @@ def race(target: LoadedModel, entrants: list[Prediction], prompts: list[Prompt],
     alive = [key for key in decoders if key != PLAIN]
     totals = {key: [0, 0.0] for key in decoders}  # new tokens, decode seconds
     per_prompt: dict = {key: [] for key in decoders}  # decode tokens/s per prompt, aligned across keys
-    run_s = 0.0  # the measured seconds of one run (prefill included), from the rounds so far
+    run_s = 0.0  # the measured seconds of one run (prefill included) in the last round
     for number, size in enumerate(plan.field_sizes()):
         alive = alive[:size]
         runs = (size + 1) * len(encoded)
