@@ -235,15 +235,19 @@ def optimal_table(summaries: list[CellSummary], params: dict[str, int]) -> list[
 
 
 def format_optimal(rows: list[OptimalRow]) -> str:
-    """The optimal table as text, for a terminal or a closing note."""
-    header = f"{'target':<14}{'dataset':<15}{'temp':>5}  {'method':<7}{'draft':<18}{'K':>3}{'speedup':>9}  {'(min-max)':<12}{'tok/s':>7}{'scaling':>9}"
+    """The optimal table as text, for a terminal or a closing note; columns as wide as their longest name."""
+    target_w = max([len("target"), *(len(r.target) for r in rows)]) + 2
+    dataset_w = max([len("dataset"), *(len(r.dataset) for r in rows)]) + 2
+    draft_w = max([len("draft"), *(len(r.drafter) for r in rows)]) + 2
+    header = (f"{'target':<{target_w}}{'dataset':<{dataset_w}}{'temp':>5}  {'method':<7}{'draft':<{draft_w}}{'K':>3}"
+              f"{'speedup':>9}  {'(min-max)':<12}{'tok/s':>7}{'scaling':>9}")
     lines = [header]
     for r in rows:
         scaling = f"{r.scaling:.2f}x" if r.scaling else "-"
         lines.append(
-            f"{r.target:<14}{r.dataset:<15}{r.temperature:>5.2f}  {r.method.upper() if r.method != 'ar' else 'AR':<7}"
-            f"{r.drafter:<18}{r.k:>3}{r.speedup:>8.3f}x  {r.speedup_min:.2f}-{r.speedup_max:<7.2f}"
-            f"{r.tokens_per_s:>7.1f}{scaling:>9}"
+            f"{r.target:<{target_w}}{r.dataset:<{dataset_w}}{r.temperature:>5.2f}  "
+            f"{r.method.upper() if r.method != 'ar' else 'AR':<7}{r.drafter:<{draft_w}}{r.k:>3}{r.speedup:>8.3f}x  "
+            f"{r.speedup_min:.2f}-{r.speedup_max:<7.2f}{r.tokens_per_s:>7.1f}{scaling:>9}"
         )
     return "\n".join(lines)
 
