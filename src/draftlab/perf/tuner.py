@@ -399,12 +399,16 @@ class RacePlan:
     tokens: int  # new tokens per run, every round
     rounds: int  # how many rounds of the halving schedule run
 
-    def field_sizes(self) -> list[int]:
-        """Candidates alive in each round: halved (rounded up) until one is left; one contender runs twice."""
+    def schedule(self) -> list[int]:
+        """The whole halving schedule: candidates halved (rounded up) until one is left; one contender runs twice."""
         sizes = [self.contenders]
         while sizes[-1] > 1:
             sizes.append((sizes[-1] + 1) // 2)
-        return (sizes if len(sizes) >= 2 else sizes + [1])[: self.rounds]
+        return sizes if len(sizes) >= 2 else sizes + [1]
+
+    def field_sizes(self) -> list[int]:
+        """Candidates alive in each round this plan runs: the first `rounds` of the schedule."""
+        return self.schedule()[: self.rounds]
 
     def run_seconds(self, pilot: Pilot) -> float:
         """One run's estimated seconds: its prefill and its decoding, a little slower than plain decoding."""
@@ -419,7 +423,6 @@ class RacePlan:
 
 
 RACE_MARGIN = 1.15  # a contender's decoding is rarely slower than this many times plain decoding's
-FULL_SCHEDULE = 99  # more rounds than any halving schedule has
 
 
 def plan_race(contenders: int, prompts: int, max_new_tokens: int, pilot: Pilot | None, seconds: float
@@ -431,7 +434,8 @@ def plan_race(contenders: int, prompts: int, max_new_tokens: int, pilot: Pilot |
     full length; prompts are dropped only when that does not fit either. None when nothing fits.
     """
     if pilot is None or seconds == float("inf"):
-        return RacePlan(contenders, prompts, max_new_tokens, FULL_SCHEDULE)
+        plan = RacePlan(contenders, prompts, max_new_tokens, 1)
+        return replace(plan, rounds=len(plan.schedule()))
     floor = min(MIN_RUN_TOKENS, max_new_tokens)
     for count in range(prompts, 0, -1):
         for tokens in range(max_new_tokens, floor - 1, -1):
@@ -444,7 +448,7 @@ def plan_race(contenders: int, prompts: int, max_new_tokens: int, pilot: Pilot |
 
 def _most_rounds(plan: RacePlan, pilot: Pilot, seconds: float) -> RacePlan:
     """The plan with as many rounds of its halving schedule as still fit `seconds`."""
-    while plan.rounds < len(replace(plan, rounds=FULL_SCHEDULE).field_sizes()):
+    while plan.rounds < len(plan.schedule()):
         longer = replace(plan, rounds=plan.rounds + 1)
         if longer.seconds(pilot) > seconds:
             break
@@ -513,9 +517,8 @@ def _plan_notes(plan: RacePlan, contenders: int, prompts: int, max_new_tokens: i
         notes.append(f"raced on {plan.prompts} of {prompts} prompts to fit the budget")
     if plan.tokens < max_new_tokens:
         notes.append(f"race runs shortened to {plan.tokens} new tokens to fit the budget")
-    full = len(replace(plan, rounds=FULL_SCHEDULE).field_sizes())
-    if plan.rounds < full:
-        notes.append(f"raced {plan.rounds} of {full} halving rounds to fit the budget")
+    if plan.rounds < len(plan.schedule()):
+        notes.append(f"raced {plan.rounds} of {len(plan.schedule())} halving rounds to fit the budget")
     return notes
 
 

@@ -236,9 +236,10 @@ def optimal_table(summaries: list[CellSummary], params: dict[str, int]) -> list[
 
 def format_optimal(rows: list[OptimalRow]) -> str:
     """The optimal table as text, for a terminal or a closing note; columns as wide as their longest name."""
-    target_w = max([len("target"), *(len(r.target) for r in rows)]) + 2
-    dataset_w = max([len("dataset"), *(len(r.dataset) for r in rows)]) + 2
-    draft_w = max([len("draft"), *(len(r.drafter) for r in rows)]) + 2
+    width = lambda name, values: max([len(name), *map(len, values)]) + 2  # noqa: E731
+    target_w = width("target", [r.target for r in rows])
+    dataset_w = width("dataset", [r.dataset for r in rows])
+    draft_w = width("draft", [r.drafter for r in rows])
     header = (f"{'target':<{target_w}}{'dataset':<{dataset_w}}{'temp':>5}  {'method':<7}{'draft':<{draft_w}}{'K':>3}"
               f"{'speedup':>9}  {'(min-max)':<12}{'tok/s':>7}{'scaling':>9}")
     lines = [header]
