@@ -12,6 +12,7 @@ from draftlab.perf.model import (
     leviathan_speedup,
     leviathan_tokens_per_step,
     predict,
+    prompt_standard_errors,
     simplified_throughput,
 )
 from draftlab.perf.tuner import choose, extra_tar_for_parity, format_what_if, latency_reduction_for_parity, required_tar
@@ -59,6 +60,19 @@ def test_lookup_drafts_that_propose_less_than_k():
     assert p.t_target == pytest.approx(0.034) and p.t_draft == pytest.approx(0.001)
     assert p.tokens_per_s == pytest.approx(1.5 / 0.035)
     assert DraftProfile("m", 0.002, [0.5, 0.2]).drafted_distribution(2) == [(2, 1.0)]
+
+
+def test_tar_error_over_prompts_sees_what_the_step_count_cannot():
+    alike = prompt_standard_errors([[1, 0, 2, 0], [0, 1, 0, 2]], 2)
+    assert alike == [0.0, 0.0]  # the same mean on both prompts: no spread between them
+    apart = prompt_standard_errors([[2, 2, 2, 2], [0, 0, 0, 0]], 2)
+    # mean 0.5 at K=1; clusters sum to +2 and -2; sqrt(2 / 1 * 8) / 8
+    assert apart[0] == pytest.approx(0.5) and apart[1] == pytest.approx(1.0)
+    assert prompt_standard_errors([[2, 2, 0]], 2) == [] and prompt_standard_errors([[1], []], 2) == []
+    steps_only = DraftProfile("d", 0.001, [0.5, 0.5], steps=8)
+    both = DraftProfile("d", 0.001, [0.5, 0.5], steps=8, prompt_tar_se=apart)
+    assert steps_only.tar_standard_error(1) == pytest.approx(0.5 / 8**0.5)
+    assert both.tar_standard_error(1) == pytest.approx(0.5) and both.tar_standard_error(2) == pytest.approx(1.0)
 
 
 def test_simplified_throughput():

@@ -102,17 +102,21 @@ def test_race_plan_keeps_every_prompt_and_full_length_runs_and_fits_the_time_lef
     assert plan_race(4, 2, 48, pilot, 0.8) is None  # not one contender on one prompt fits
 
 
-def test_calibration_keeps_every_prompt_with_shorter_runs_before_dropping_prompts():
+def test_calibration_keeps_half_length_runs_before_every_prompt():
     from draftlab.perf.tuner import CalibrationCost, Pilot, calibration_size
 
     pilot = Pilot(per_token_s=1 / 48, prefill_s=0.1)
     settings = CalibrationSettings(k_max=7, max_new_tokens=48, repeats=3, short_run_prompts=1)
     cost = CalibrationCost(pilot, settings, drafts=3)
     assert calibration_size(cost, 4, 1000.0) == (4, 48)
-    prompts, tokens = calibration_size(cost, 4, 20.0)
-    assert prompts == 4 and 12 <= tokens < 48 and cost.seconds(4, tokens) <= 20.0
-    prompts, tokens = calibration_size(cost, 4, 8.0)
-    assert prompts < 4 and tokens >= 12 and cost.seconds(prompts, tokens) <= 8.0
+    between = (cost.seconds(4, 24) + cost.seconds(4, 48)) / 2
+    prompts, tokens = calibration_size(cost, 4, between)
+    assert prompts == 4 and 24 <= tokens < 48 and cost.seconds(4, tokens) <= between  # shorter runs, every prompt
+    prompts, tokens = calibration_size(cost, 4, cost.seconds(4, 24) - 0.01)
+    assert prompts < 4 and tokens >= 24  # fewer prompts before runs shorter than half the length
+    assert cost.seconds(prompts, tokens) <= cost.seconds(4, 24) - 0.01
+    one_short = cost.seconds(1, 18)
+    assert calibration_size(cost, 4, one_short) == (1, 18)  # not one prompt at half length: shorter, one prompt
     one_draft = CalibrationCost(pilot, settings, 1)
     assert cost.seconds(2, 48) - one_draft.seconds(2, 48) > one_draft.seconds(2, 48)  # cost grows with drafts
     assert calibration_size(cost, 4, 0.1) == (1, 12)  # nothing fits: the smallest calibration

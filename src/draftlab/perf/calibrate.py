@@ -32,7 +32,7 @@ from draftlab.datasets import Prompt
 from draftlab.defaults import DEFAULT_BACKEND, SHORT_RUN_TOKENS
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel
-from draftlab.perf.model import DraftProfile, TargetProfile, accepted_at_least, at_least
+from draftlab.perf.model import DraftProfile, TargetProfile, accepted_at_least, at_least, prompt_standard_errors
 
 WARMUP_TOKENS = 4  # an untimed generation per draft before its measured runs
 
@@ -189,7 +189,9 @@ def _profile_draft(spec, decoder: SpeculativeDecoder, encoded, settings) -> tupl
     per_step, per_token = draft_cost(_cost_point(short_runs), _cost_point(runs))
     profile = DraftProfile(spec, per_token, accepted_at_least(accepted, drafted, settings.k_max), per_step,
                            at_least(drafted, settings.k_max), steps=len(accepted), cost_spread=_cost_spread(runs),
-                           tree_nodes=tree_nodes(runs, settings.k_max))
+                           tree_nodes=tree_nodes(runs, settings.k_max),
+                           prompt_tar_se=prompt_standard_errors([s.accepted_per_step_list for s in runs],
+                                                                settings.k_max))
     return profile, _overhead_per_step(runs)
 
 

@@ -16,7 +16,9 @@ Two formulas, with the inputs they need:
   not grow with K, which the simplified model does not.
 
 Uncertainty: TAR's standard error comes from the number of steps measured
-(the variance of min(accepted, K) follows from P(accepted >= j)); block and
+(the variance of min(accepted, K) follows from P(accepted >= j)), or, when
+larger, from the spread between prompts (steps of one generation are
+correlated, so a few prompts know less than their step count says); block and
 drafting times carry the relative spread of their repeated timings plus the
 machine's drift measured during calibration. `predict` turns them into an
 interval of tokens/s (TAR +- 2 standard errors, times +- their spread).
@@ -63,6 +65,25 @@ def accepted_at_least(accepted_per_step: list[int], drafted_per_step: list[int],
     return at_least(accepted_per_step, k_max)
 
 
+def prompt_standard_errors(accepted_per_prompt: list[list[int]], k_max: int) -> list[float]:
+    """Standard error of TAR at K = 1..k_max with each prompt's steps as one cluster; empty below 2 prompts.
+
+    The cluster-robust standard error of the mean of min(accepted, K) over all steps, with the G / (G - 1)
+    small-sample factor for G prompts: it sees what the step count cannot, that acceptance differs between
+    prompts more than between steps of one generation.
+    """
+    clusters = [steps for steps in accepted_per_prompt if steps]
+    total = sum(len(steps) for steps in clusters)
+    if len(clusters) < 2:
+        return []
+    errors = []
+    for k in range(1, k_max + 1):
+        mean = sum(min(a, k) for steps in clusters for a in steps) / total
+        squares = sum(sum(min(a, k) - mean for a in steps) ** 2 for steps in clusters)
+        errors.append((len(clusters) / (len(clusters) - 1) * squares) ** 0.5 / total)
+    return errors
+
+
 def leviathan_tokens_per_step(acceptance: float, k: int) -> float:
     """Expected tokens per step with i.i.d. acceptance a: (1 - a^(K+1)) / (1 - a)."""
     if acceptance >= 1.0:
@@ -92,15 +113,18 @@ class DraftProfile:
     steps: int = 0  # steps the acceptance was measured over (0: unknown, no interval)
     cost_spread: float = 0.0  # relative spread of the drafting time per step across prompts
     tree_nodes: list[list[list[float]]] = field(default_factory=list)  # [K-1]: (nodes, probability) within depth K; empty: a chain
+    prompt_tar_se: list[float] = field(default_factory=list)  # [K-1]: TAR's standard error over prompts; empty: < 2 prompts
 
     def tar_standard_error(self, k: int) -> float:
-        """Standard error of TAR at K: sqrt(Var[min(accepted, K)] / steps)."""
+        """Standard error of TAR at K: sqrt(Var[min(accepted, K)] / steps), or the one over prompts when larger."""
         if self.steps <= 0:
             return 0.0
         at_least = self.accepted_at_least[:k]
         mean = sum(at_least)
         second = sum((2 * j - 1) * p for j, p in enumerate(at_least, start=1))  # E[min(A, K)^2]
-        return max(second - mean * mean, 0.0) ** 0.5 / self.steps**0.5
+        over_steps = max(second - mean * mean, 0.0) ** 0.5 / self.steps**0.5
+        over_prompts = self.prompt_tar_se[k - 1] if k <= len(self.prompt_tar_se) else 0.0
+        return max(over_steps, over_prompts)
 
     @property
     def k_max(self) -> int:

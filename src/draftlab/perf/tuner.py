@@ -291,7 +291,8 @@ def tune(target: LoadedModel, drafters: list[str], prompts: list[Prompt], settin
 
 
 MIN_RUN_TOKENS = 16  # the shortest race run the tuner times when a budget makes it cut runs short
-MIN_CALIBRATION_TOKENS = 12  # the shortest calibration run: a few steps on every prompt beat many on one
+MIN_CALIBRATION_TOKENS = 12  # the shortest calibration run, on one prompt, when a budget affords nothing longer
+CALIBRATION_LENGTH_SHARE = 0.5  # under a budget, calibration runs cover at least this share of the user's length
 # Calibration's cost, in plain decoding's seconds per new token (measured on 2 cores for SmolLM2-135M and its
 # n-gram and layer drafts at K_max 7, where a layer draft's run costs ~4x plain decoding and n-gram's ~1.3x):
 RUN_COST_PER_TOKEN = 2.5  # a draft's run at K_max drafts and verifies blocks: slower than plain decoding
@@ -322,8 +323,9 @@ def run_pilot(target: LoadedModel, prompt: Prompt, settings: CalibrationSettings
 def _fit_calibration(pilot: Pilot, prompts, drafters, settings, tune_settings):
     """Shorter calibration runs (then fewer prompts) when a budget says so; notes on what was left out.
 
-    Every prompt is kept while runs of `MIN_CALIBRATION_TOKENS` fit: acceptance varies more between prompts than
-    within a generation, so a short run on each prompt says more than a long run on one.
+    Runs are kept at half the user's length or more, dropping prompts first: n-gram lookup drafts little in a
+    generation's first tokens, so runs of 12 on four prompts predicted K = 1 for a draft whose best K is 5 (the
+    same K that runs of 24 on two prompts, and full runs on all four, predict).
     """
     if not tune_settings.budget_s:
         return settings, prompts, []
@@ -358,16 +360,25 @@ class CalibrationCost:
 
 
 def calibration_size(cost: CalibrationCost, prompts: int, allowed_s: float) -> tuple[int, int]:
-    """(prompts, new tokens per run) that fit `allowed_s`: full runs, else shorter runs, else fewer prompts."""
+    """(prompts, new tokens per run) that fit `allowed_s`.
+
+    Full runs on every prompt, else runs down to half the length on every prompt, else fewer prompts, else
+    (one prompt) runs down to `MIN_CALIBRATION_TOKENS`.
+    """
     longest = cost.settings.max_new_tokens
-    floor = min(MIN_CALIBRATION_TOKENS, longest)
+    half = min(max(MIN_CALIBRATION_TOKENS, round(longest * CALIBRATION_LENGTH_SHARE)), longest)
     for count in range(prompts, 0, -1):
-        if cost.seconds(count, floor) <= allowed_s:
-            tokens = longest
-            while tokens > floor and cost.seconds(count, tokens) > allowed_s:
-                tokens -= 1
-            return count, tokens
-    return 1, floor
+        if cost.seconds(count, half) <= allowed_s:
+            return count, _longest_fit(cost, count, longest, half, allowed_s)
+    return 1, _longest_fit(cost, 1, half, min(MIN_CALIBRATION_TOKENS, longest), allowed_s)
+
+
+def _longest_fit(cost: CalibrationCost, prompts: int, longest: int, shortest: int, allowed_s: float) -> int:
+    """The longest run, from `longest` down to `shortest`, whose calibration on `prompts` fits `allowed_s`."""
+    tokens = longest
+    while tokens > shortest and cost.seconds(prompts, tokens) > allowed_s:
+        tokens -= 1
+    return tokens
 
 
 @dataclass
