@@ -102,7 +102,7 @@ def test_race_plan_keeps_every_prompt_and_full_length_runs_and_fits_the_time_lef
     assert plan_race(4, 2, 48, pilot, 0.8) is None  # not one contender on one prompt fits
 
 
-def test_calibration_keeps_half_length_runs_before_every_prompt():
+def test_calibration_keeps_half_length_runs_before_every_prompt_and_two_prompts_before_length():
     from draftlab.perf.tuner import CalibrationCost, Pilot, calibration_size
 
     pilot = Pilot(per_token_s=1 / 48, prefill_s=0.1)
@@ -115,21 +115,23 @@ def test_calibration_keeps_half_length_runs_before_every_prompt():
     prompts, tokens = calibration_size(cost, 4, cost.seconds(4, 24) - 0.01)
     assert prompts < 4 and tokens >= 24  # fewer prompts before runs shorter than half the length
     assert cost.seconds(prompts, tokens) <= cost.seconds(4, 24) - 0.01
-    one_short = cost.seconds(1, 18)
-    assert calibration_size(cost, 4, one_short) == (1, 18)  # not one prompt at half length: shorter, one prompt
+    assert calibration_size(cost, 4, cost.seconds(2, 18)) == (2, 18)  # two prompts before half length
+    assert calibration_size(cost, 4, cost.seconds(1, 18)) == (1, 18)  # not two prompts at 12 tokens: one
     one_draft = CalibrationCost(pilot, settings, 1)
     assert cost.seconds(2, 48) - one_draft.seconds(2, 48) > one_draft.seconds(2, 48)  # cost grows with drafts
     assert calibration_size(cost, 4, 0.1) == (1, 12)  # nothing fits: the smallest calibration
 
 
-def test_contenders_put_each_drafts_best_k_first():
+def test_contenders_put_the_predicted_best_first_then_the_highest_interval_ends():
     target = TargetProfile("t", {n: 0.010 + 0.001 * n for n in range(1, 6)}, score_spread={n: 0.2 for n in range(1, 6)})
     strong = DraftProfile("a", 0.0005, [0.7, 0.5, 0.4, 0.3], steps=50)
-    weaker = DraftProfile("b", 0.0005, [0.6, 0.4, 0.3, 0.2], steps=50)
-    preds = [predict(target, d, k) for d in (strong, weaker) for k in range(1, 5)]
-    picked = contenders(preds, limit=2)
-    assert [p.draft for p in picked] == ["a", "b"]
-    assert picked[0].tokens_per_s == max(p.tokens_per_s for p in preds if p.draft == "a")
+    unsure = DraftProfile("b", 0.0005, [0.6, 0.4, 0.3, 0.2], steps=50, prompt_tar_se=[0.3, 0.6, 0.9, 1.2])
+    preds = [predict(target, d, k) for d in (strong, unsure) for k in range(1, 5)]
+    picked = contenders(preds, limit=3)
+    assert picked[0] == max(preds, key=lambda p: p.tokens_per_s) and picked[0].draft == "a"
+    rest = sorted((p for p in preds if p is not picked[0]), key=lambda p: -p.tokens_per_s_high)
+    assert picked[1:] == rest[:2] and picked[1].draft == "b"  # the widest interval: its high end could win
+    assert picked[1].tokens_per_s < max(p.tokens_per_s for p in preds if p.draft == "a" and p is not picked[0])
 
 
 def test_tune_searches_the_dtype_and_races_the_picks(tmp_path, capsys):

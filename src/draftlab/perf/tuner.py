@@ -242,16 +242,17 @@ def choose(preds: list[Prediction]) -> Prediction | None:
 def contenders(preds: list[Prediction], limit: int) -> list[Prediction]:
     """Configurations whose predicted interval could hold the best: high end above the best low end.
 
-    Each draft's best predicted K comes first (best predicted first), then the other K's, so that a short
-    race compares drafts before it compares neighbouring K's of one draft.
+    The predicted best comes first, then the others by the high end of their interval (the most each could
+    be), so that a short race measures the model's pick beside its likeliest upset; a K the calibration saw
+    too little of (a long K, or a draft whose acceptance differed between prompts) gets its chance.
     """
     if not preds:
         return []
     floor = max(p.tokens_per_s_low for p in preds)
-    able = sorted((p for p in preds if p.tokens_per_s_high >= floor), key=lambda p: -p.tokens_per_s)
-    leaders = list({p.draft: p for p in reversed(able)}.values())  # each draft's best, from the sorted list
-    leaders.sort(key=lambda p: -p.tokens_per_s)
-    return (leaders + [p for p in able if p not in leaders])[:limit]
+    able = [p for p in preds if p.tokens_per_s_high >= floor]
+    best = max(able, key=lambda p: p.tokens_per_s)
+    others = sorted((p for p in able if p is not best), key=lambda p: -p.tokens_per_s_high)
+    return [best, *others][:limit]
 
 
 @dataclass(frozen=True)
@@ -293,6 +294,7 @@ def tune(target: LoadedModel, drafters: list[str], prompts: list[Prompt], settin
 MIN_RUN_TOKENS = 16  # the shortest race run the tuner times when a budget makes it cut runs short
 MIN_CALIBRATION_TOKENS = 12  # the shortest calibration run, on one prompt, when a budget affords nothing longer
 CALIBRATION_LENGTH_SHARE = 0.5  # under a budget, calibration runs cover at least this share of the user's length
+MIN_CALIBRATION_PROMPTS = 2  # kept before runs go below that share: one prompt says nothing of the others
 # Calibration's cost, in plain decoding's seconds per new token (measured on 2 cores for SmolLM2-135M and its
 # n-gram and layer drafts at K_max 7, where a layer draft's run costs ~4x plain decoding and n-gram's ~1.3x):
 RUN_COST_PER_TOKEN = 2.5  # a draft's run at K_max drafts and verifies blocks: slower than plain decoding
@@ -323,9 +325,11 @@ def run_pilot(target: LoadedModel, prompt: Prompt, settings: CalibrationSettings
 def _fit_calibration(pilot: Pilot, prompts, drafters, settings, tune_settings):
     """Shorter calibration runs (then fewer prompts) when a budget says so; notes on what was left out.
 
-    Runs are kept at half the user's length or more, dropping prompts first: n-gram lookup drafts little in a
-    generation's first tokens, so runs of 12 on four prompts predicted K = 1 for a draft whose best K is 5 (the
-    same K that runs of 24 on two prompts, and full runs on all four, predict).
+    Runs are kept at half the user's length or more while two prompts fit, dropping prompts first: n-gram
+    lookup drafts little in a generation's first tokens, so runs of 12 on four prompts predicted K = 1 for a
+    draft whose best K is 5 (the K that runs of 24 on two prompts, and full runs on all four, predict); and
+    one prompt (code, where lookup rarely hits) predicted K = 1 at any length, so two prompts come before
+    length.
     """
     if not tune_settings.budget_s:
         return settings, prompts, []
@@ -362,15 +366,19 @@ class CalibrationCost:
 def calibration_size(cost: CalibrationCost, prompts: int, allowed_s: float) -> tuple[int, int]:
     """(prompts, new tokens per run) that fit `allowed_s`.
 
-    Full runs on every prompt, else runs down to half the length on every prompt, else fewer prompts, else
-    (one prompt) runs down to `MIN_CALIBRATION_TOKENS`.
+    Full runs on every prompt, else runs down to half the length on every prompt, else fewer prompts (down
+    to `MIN_CALIBRATION_PROMPTS`), else shorter runs (down to `MIN_CALIBRATION_TOKENS`), else one prompt.
     """
     longest = cost.settings.max_new_tokens
-    half = min(max(MIN_CALIBRATION_TOKENS, round(longest * CALIBRATION_LENGTH_SHARE)), longest)
-    for count in range(prompts, 0, -1):
-        if cost.seconds(count, half) <= allowed_s:
-            return count, _longest_fit(cost, count, longest, half, allowed_s)
-    return 1, _longest_fit(cost, 1, half, min(MIN_CALIBRATION_TOKENS, longest), allowed_s)
+    shortest = min(MIN_CALIBRATION_TOKENS, longest)
+    half = min(max(shortest, round(longest * CALIBRATION_LENGTH_SHARE)), longest)
+    keep = min(prompts, MIN_CALIBRATION_PROMPTS)
+    steps = [(count, half) for count in range(prompts, keep - 1, -1)] + [(count, shortest) for count in
+                                                                          range(keep, 0, -1)]
+    for count, floor in steps:
+        if cost.seconds(count, floor) <= allowed_s:
+            return count, _longest_fit(cost, count, longest, floor, allowed_s)
+    return 1, shortest
 
 
 def _longest_fit(cost: CalibrationCost, prompts: int, longest: int, shortest: int, allowed_s: float) -> int:
