@@ -86,7 +86,9 @@ def main() -> None:
     picked = cells.get((rec.draft, rec.k))
     picked_tps = picked.tokens_per_s if picked else ar.tokens_per_s
     regret = best.tokens_per_s / picked_tps - 1.0
-    errors = error_summary(compare(profile, rows))
+    comparisons = compare(profile, rows)
+    errors = error_summary(comparisons)
+    relative = speedup_errors(comparisons, profile.target.autoregressive_tokens_per_s, plain_decode_tokens_per_s(rows))
     confirmed = None
     if args.confirm and (best.drafter, best.k) != (rec.draft, rec.k):
         confirmed = head_to_head(target, (best.drafter, best.k), (rec.draft, rec.k), prompts, settings, args.confirm)
@@ -112,10 +114,28 @@ def main() -> None:
           f"{errors['simplified_max_error']:.1%}; Leviathan mean {errors['leviathan_mean_error']:.1%} max "
           f"{errors['leviathan_max_error']:.1%}; measured inside the predicted interval in "
           f"{errors['inside_interval']:.0%} of cells ({errors['large_errors_inside_interval']:.0%} of those off by > 10%)")
+    print(f"model vs sweep as speedups over each one's own plain decoding (calibration's {relative['calibration_ar']:.1f} "
+          f"tok/s, the sweep's {relative['sweep_ar']:.1f}; the machine's speed between them cancels): simplified mean "
+          f"{relative['mean_error']:.1%} max {relative['max_error']:.1%}")
     print("reproduce: python " + " ".join(sys.argv))
     print(json.dumps({"sweep_s": sweep_s, "tune_s": tune_s, "best": [best.drafter, best.k, best.tokens_per_s],
                       "picked": [rec.draft, rec.k, picked_tps], "regret": regret, "time_ratio": tune_s / sweep_s,
-                      "confirmed": confirmed, "errors": errors, "db": str(db)}))
+                      "confirmed": confirmed, "errors": errors, "speedup_errors": relative, "db": str(db)}))
+
+
+def plain_decode_tokens_per_s(rows: list[dict]) -> float:
+    """The sweep's plain decoding, decode tokens/s (prefill excluded) over all its records."""
+    plain = [r for r in rows if r["method"] == "ar"]
+    return sum(r["new_tokens"] for r in plain) / sum(r["wall_s"] - r["prefill_s"] for r in plain)
+
+
+def speedup_errors(comparisons, calibration_ar: float, sweep_ar: float) -> dict:
+    """The simplified model's error on speedups: each prediction over calibration's plain decoding, each cell
+    over the sweep's, so that a change of the machine's speed between calibration and sweep cancels."""
+    errors = [abs((c.simplified_tokens_per_s / calibration_ar) / (c.measured_tokens_per_s / sweep_ar) - 1.0)
+              for c in comparisons]
+    return {"calibration_ar": calibration_ar, "sweep_ar": sweep_ar, "mean_error": sum(errors) / len(errors),
+            "max_error": max(errors)}
 
 
 def head_to_head(target, best: tuple[str, int], picked: tuple[str, int], prompts, settings, rounds: int) -> dict:
