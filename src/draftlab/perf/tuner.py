@@ -328,8 +328,8 @@ def _fit_calibration(pilot: Pilot, prompts, drafters, settings, tune_settings):
     Runs are kept at half the user's length or more while two prompts fit, dropping prompts first: n-gram
     lookup drafts little in a generation's first tokens, so runs of 12 on four prompts predicted K = 1 for a
     draft whose best K is 5 (the K that runs of 24 on two prompts, and full runs on all four, predict); and
-    one prompt (code, where lookup rarely hits) predicted K = 1 at any length, so two prompts come before
-    length.
+    one prompt (code, where lookup rarely hits) predicted K = 1 with runs of 15 to 26 tokens, so two prompts
+    come before length.
     """
     if not tune_settings.budget_s:
         return settings, prompts, []
@@ -373,9 +373,9 @@ def calibration_size(cost: CalibrationCost, prompts: int, allowed_s: float) -> t
     shortest = min(MIN_CALIBRATION_TOKENS, longest)
     half = min(max(shortest, round(longest * CALIBRATION_LENGTH_SHARE)), longest)
     keep = min(prompts, MIN_CALIBRATION_PROMPTS)
-    steps = [(count, half) for count in range(prompts, keep - 1, -1)] + [(count, shortest) for count in
-                                                                          range(keep, 0, -1)]
-    for count, floor in steps:
+    at_half = [(count, half) for count in range(prompts, keep - 1, -1)]
+    shorter = [(count, shortest) for count in range(keep, 0, -1)]
+    for count, floor in at_half + shorter:
         if cost.seconds(count, floor) <= allowed_s:
             return count, _longest_fit(cost, count, longest, floor, allowed_s)
     return 1, shortest
