@@ -115,7 +115,7 @@ def test_calibration_keeps_half_length_runs_before_every_prompt_and_two_prompts_
     prompts, tokens = calibration_size(cost, 4, cost.seconds(4, 24) - 0.01)
     assert prompts < 4 and tokens >= 24  # fewer prompts before runs shorter than half the length
     assert cost.seconds(prompts, tokens) <= cost.seconds(4, 24) - 0.01
-    assert calibration_size(cost, 4, cost.seconds(2, 18)) == (2, 18)  # two prompts before half length
+    assert calibration_size(cost, 4, cost.seconds(2, 18)) == (2, 18)  # shorter runs on two prompts before one prompt
     assert calibration_size(cost, 4, cost.seconds(1, 18)) == (1, 18)  # not two prompts at 12 tokens: one
     one_draft = CalibrationCost(pilot, settings, 1)
     assert cost.seconds(2, 48) - one_draft.seconds(2, 48) > one_draft.seconds(2, 48)  # cost grows with drafts
