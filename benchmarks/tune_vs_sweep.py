@@ -34,7 +34,7 @@ from draftlab.study.report import summarize
 from draftlab.study.store import ResultsStore
 from draftlab.study.sweep import SweepConfig, run_sweep
 from draftlab.datasets import load_prompts
-from draftlab.perf.tuner import TuneSettings, compare, error_summary, tune
+from draftlab.perf.tuner import PLAIN, TuneSettings, compare, error_summary, measured_cells, tune
 
 
 def main() -> None:
@@ -88,7 +88,8 @@ def main() -> None:
     regret = best.tokens_per_s / picked_tps - 1.0
     comparisons = compare(profile, rows)
     errors = error_summary(comparisons)
-    relative = speedup_errors(comparisons, profile.target.autoregressive_tokens_per_s, plain_decode_tokens_per_s(rows))
+    plain_decode = measured_cells(rows, method="ar")[PLAIN].tokens_per_s  # the sweep's, prefill excluded
+    relative = speedup_errors(comparisons, profile.target.autoregressive_tokens_per_s, plain_decode)
     confirmed = None
     if args.confirm and (best.drafter, best.k) != (rec.draft, rec.k):
         confirmed = head_to_head(target, (best.drafter, best.k), (rec.draft, rec.k), prompts, settings, args.confirm)
@@ -123,12 +124,6 @@ def main() -> None:
                       "confirmed": confirmed, "errors": errors, "speedup_errors": relative, "db": str(db)}))
 
 
-def plain_decode_tokens_per_s(rows: list[dict]) -> float:
-    """The sweep's plain decoding, decode tokens/s (prefill excluded) over all its records."""
-    plain = [r for r in rows if r["method"] == "ar"]
-    return sum(r["new_tokens"] for r in plain) / sum(r["wall_s"] - r["prefill_s"] for r in plain)
-
-
 def speedup_errors(comparisons, calibration_ar: float, sweep_ar: float) -> dict:
     """The simplified model's error on speedups: each prediction over calibration's plain decoding, each cell
     over the sweep's, so that a change of the machine's speed between calibration and sweep cancels."""
@@ -141,7 +136,7 @@ def speedup_errors(comparisons, calibration_ar: float, sweep_ar: float) -> dict:
 def head_to_head(target, best: tuple[str, int], picked: tuple[str, int], prompts, settings, rounds: int) -> dict:
     """Re-measure the sweep's best and the pick beside plain decoding, interleaved, on the same prompts."""
     from draftlab.api import SpeculativeDecoder, encode_prompt
-    from draftlab.perf.tuner import PLAIN, run_interleaved
+    from draftlab.perf.tuner import run_interleaved
 
     keys = list(dict.fromkeys([PLAIN, best, picked]))
     decoders = {key: SpeculativeDecoder.from_names(target, drafter=key[0], k=max(key[1], 1), backend=settings.backend)

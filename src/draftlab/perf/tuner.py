@@ -93,11 +93,12 @@ class MeasuredCell:
     overhead_s: float  # per step
 
 
-def measured_cells(rows: list[dict]) -> dict[tuple[str, int], MeasuredCell]:
-    """Decode throughput (prefill excluded) and its parts for every sps cell, over all its datasets."""
+def measured_cells(rows: list[dict], method: str = "sps") -> dict[tuple[str, int], MeasuredCell]:
+    """Decode throughput (prefill excluded) and its parts for every cell of `method`, over all its datasets
+    (plain decoding's records: method "ar", cell ("none", 0))."""
     sums: dict[tuple, list[float]] = defaultdict(lambda: [0.0] * 6)
     for r in rows:
-        if r["method"] == "sps":
+        if r["method"] == method:
             acc = sums[(r["drafter"], r["k"])]
             for i, value in enumerate((r["new_tokens"], r["wall_s"] - r["prefill_s"], r["steps"], r["target_s"],
                                        r["draft_s"], r["overhead_s"])):
