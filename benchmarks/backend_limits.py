@@ -6,7 +6,9 @@ scoring):
   bandwidth limit on plain decoding (tok/s);
 - autoregressive decoding tok/s and its share of that limit;
 - the block-cost curve: scoring 1..16 tokens in one pass, relative to one token
-  (the number the throughput model and the choice of K depend on);
+  (the number the throughput model and the choice of K depend on), with block
+  products taken by `F.linear` ("linear") and as weight @ x^T ("weight-major",
+  the fast backend's default for fp32 on CPUs);
 - the share of block rows bitwise identical to scoring their token alone;
 - llama.cpp plain decoding of the GGUF files given with --llama-gguf (for the
   issue's comparison: F32 and F16 conversions of the target), when
@@ -36,15 +38,19 @@ PROMPT = [1, 504, 3458, 282, 4125, 28, 357, 253, 2641, 30, 378, 1028, 314, 253, 
 
 @dataclass
 class Mode:
-    """One way of running the target: a dtype, whether block scoring is batch-invariant, and its row chunk."""
+    """One way of running the target: a dtype, whether block scoring is batch-invariant, its row chunk, and
+    whether blocks' products are weight-major."""
 
     dtype: str
     invariant: bool
     rows: int | None = None  # invariant products' row chunk (None: the backend's choice for this hardware)
+    weight_major: bool = False
 
     @property
     def label(self) -> str:
-        return f"{self.dtype} {'invariant/' + str(self.rows) if self.invariant else 'fast'}"
+        if self.invariant:
+            return f"{self.dtype} invariant/{self.rows}"
+        return f"{self.dtype} {'weight-major' if self.weight_major else 'linear'}"
 
 
 def read_bandwidth(gib: float = 0.5, repeats: int = 5) -> float:
@@ -151,8 +157,10 @@ def main() -> None:
         target = load_model(args.target, dtype=dtype)
         per_token = weight_bytes(target.model)
         limit = bandwidth / per_token
-        for mode in (Mode(dtype, False), Mode(dtype, True, 1), Mode(dtype, True, 16)):
-            backend = FastLlamaBackend(target.model, batch_invariant=mode.invariant, invariant_rows=mode.rows)
+        for mode in (Mode(dtype, False), Mode(dtype, False, weight_major=True), Mode(dtype, True, 1),
+                     Mode(dtype, True, 16)):
+            backend = FastLlamaBackend(target.model, batch_invariant=mode.invariant, invariant_rows=mode.rows,
+                                       weight_major=mode.weight_major)
             seconds = decode_seconds(backend, args.tokens)
             curve = block_curve(backend, sizes, args.rounds)
             same = identical_rows(backend, sizes[1:])

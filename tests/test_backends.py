@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from draftlab.backends.hf import HFBackend
 from draftlab.errors import DraftlabError
 from draftlab.backends import FastLlamaBackend, make_backend
+from draftlab.backends.numerics import weight_major_linear
 
 TOKENS = [5, 9, 2, 33, 17, 8, 41, 3, 3, 60, 12, 7]
 
@@ -55,3 +57,27 @@ def test_make_backend_choice(tiny_target):
     assert isinstance(make_backend(tiny_target.model, kind="hf"), HFBackend)
     with pytest.raises(DraftlabError, match="unknown backend"):
         make_backend(tiny_target.model, kind="vllm")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 15, 16, 64, 65])
+def test_weight_major_products_agree_with_linear(rows):
+    torch.manual_seed(rows)
+    x, weight, bias = torch.randn(rows, 48), torch.randn(80, 48), torch.randn(80)
+    for b in (None, bias):
+        out = weight_major_linear(x, weight, b)
+        assert out.shape == (rows, 80) and out.is_contiguous()
+        torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+    if rows == 1:  # a single row stays the GEMV: plain decoding is bitwise what it was
+        assert torch.equal(weight_major_linear(x, weight, bias), F.linear(x, weight, bias))
+    transposed = x.t().contiguous().t()  # a column-major input gives the same rows
+    torch.testing.assert_close(weight_major_linear(transposed, weight), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+def test_fast_backend_weight_major_is_the_fp32_cpu_default_and_scores_alike(tiny_target):
+    weight_major = FastLlamaBackend(tiny_target.model)
+    linear = FastLlamaBackend(tiny_target.model, weight_major=False)
+    assert weight_major.weight_major and not linear.weight_major
+    assert not FastLlamaBackend(tiny_target.model, batch_invariant=True).weight_major
+    for backend in (weight_major, linear):
+        backend.score(TOKENS[:5])
+    torch.testing.assert_close(weight_major.score(TOKENS[5:]), linear.score(TOKENS[5:]), rtol=1e-4, atol=1e-4)

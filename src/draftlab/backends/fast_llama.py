@@ -17,6 +17,8 @@ through plain tensor code:
 - SDPA with grouped-query attention; a causal mask only when more than one
   token is scored, a tree mask (cache + ancestors) for tree-shaped blocks;
   `keep` compacts an accepted tree path in place.
+- Weight-major block products in fp32 on CPUs (`weight_major_linear`): a block
+  of 2-4 tokens then costs about one token's products instead of 2-3x.
 - Batch-invariant mode (the default in bf16/fp16, where low precision makes a
   block's rounding flip near-ties): every row of a scored block is bitwise the
   row that scoring its token alone after the same prefix gives. Matrix products
@@ -39,7 +41,15 @@ import torch
 import torch.nn.functional as F
 
 from draftlab.backends.base import is_prefix
-from draftlab.backends.numerics import INVARIANT_ROWS, causal_mask, invariant_linear, rms_norm, rope, tree_mask
+from draftlab.backends.numerics import (
+    INVARIANT_ROWS,
+    causal_mask,
+    invariant_linear,
+    rms_norm,
+    rope,
+    tree_mask,
+    weight_major_linear,
+)
 from draftlab.errors import DraftlabError
 from draftlab.models import native_block_products
 from draftlab.step import Block, Scores
@@ -59,11 +69,15 @@ class FastLlamaBackend:
         capacity: int = 1024,
         batch_invariant: bool | None = None,
         invariant_rows: int | None = None,
+        weight_major: bool | None = None,
     ) -> None:
         """`batch_invariant`: score each block row bitwise as if alone (None: on unless the weights are fp32).
 
         `invariant_rows`: the row chunk of batch-invariant products (None: 16 where such a product costs about
         one row, see `native_block_products`, else 1).
+
+        `weight_major`: run blocks' products as weight @ x^T (`weight_major_linear`; None: on for fp32 weights on a
+        CPU without batch invariance, where `F.linear` on a few rows costs about one product per row).
         """
         config = model.config
         self.model = model
@@ -79,7 +93,8 @@ class FastLlamaBackend:
         self.batch_invariant = self.dtype != torch.float32 if batch_invariant is None else batch_invariant
         native = native_block_products(self.dtype, self.device.type)
         self.invariant_rows = invariant_rows or (INVARIANT_ROWS if native else 1)
-        self._project = partial(invariant_linear, rows=self.invariant_rows) if self.batch_invariant else F.linear
+        self.weight_major = self._default_weight_major() if weight_major is None else weight_major
+        self._project = self._products()
         self._keys: list[torch.Tensor] = []  # per layer [kv_heads, capacity, head_dim]
         self._values: list[torch.Tensor] = []
         self._cos = self._sin = torch.empty(0)  # [capacity, head_dim]
@@ -139,6 +154,15 @@ class FastLlamaBackend:
                 keys[:, start : start + len(indices)] = keys[:, rows]
                 values[:, start : start + len(indices)] = values[:, rows]
         self._len = start + len(indices)
+
+    def _default_weight_major(self) -> bool:
+        return self.device.type == "cpu" and self.dtype == torch.float32 and not self.batch_invariant
+
+    def _products(self) -> Callable:
+        """The matrix product every projection runs: (x [n, D], weight [out, D], bias) -> [n, out]."""
+        if self.batch_invariant:
+            return partial(invariant_linear, rows=self.invariant_rows)
+        return weight_major_linear if self.weight_major else F.linear
 
     def _forward(self, token_ids: Sequence[int], positions: torch.Tensor, ancestors: torch.Tensor | None) -> torch.Tensor:
         """Run the layers on new tokens at `positions` [n], appended to the cache; final hidden states [n, D].

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 INVARIANT_ROWS = 16  # batch-invariant products run on chunks of exactly this many rows where blocks are cheap
+WEIGHT_MAJOR_MAX_ROWS = 64  # above this many rows (a long prefill) the GEMM that F.linear calls is as fast or faster
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -60,3 +61,24 @@ def invariant_linear(
     padded = x.new_zeros(-(-n // rows) * rows, x.shape[1])  # [ceil(n / R) R, D]
     padded[:n] = x
     return torch.cat([F.linear(chunk, weight, bias) for chunk in padded.split(rows)])[:n]  # [n, out]
+
+
+def weight_major_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` on [n, D], taken as weight [out, D] @ x^T [D, n] for blocks of 2..64 rows.
+
+    On CPUs in fp32 the GEMM that `F.linear` calls for a few rows costs about one
+    single-row product per row (its small-M path; on 2 AVX2 cores a 4-row block
+    of Qwen2.5-1.5B's MLP costs about 3x one row). The same product with the weight
+    as the left operand streams the weight once, so 2-4 rows cost about one row
+    (`benchmarks/backend_limits.py` prints both curves). A single row stays
+    `F.linear` (a GEMV: plain decoding is bitwise unchanged) and so does a long
+    prefill, where the GEMM's own blocking is as fast. Rows agree with
+    `F.linear` to rounding, not bitwise.
+    """
+    n = x.shape[0]
+    if n == 1 or n > WEIGHT_MAJOR_MAX_ROWS:
+        return F.linear(x, weight, bias)
+    rows = n + 1 if n % 4 == 3 else n  # 3 rows cost more than 4 (and 7 than 8, 15 than 16): pad with a zero row
+    padded = torch.cat([x, x.new_zeros(1, x.shape[1])]) if rows > n else x.contiguous()  # [rows, D] row-major
+    out = torch.mm(weight, padded.t())[:, :n].t().contiguous()  # [n, out]; x column-major makes the kernel 3x slower
+    return out if bias is None else out + bias
