@@ -67,7 +67,7 @@ def test_weight_major_products_agree_with_linear(rows):
         out = weight_major_linear(x, weight, b)
         assert out.shape == (rows, 80) and out.is_contiguous()
         torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
-    if rows == 1:  # a single row stays the GEMV: plain decoding is bitwise what it was
+    if rows == 1:  # a single row stays the GEMV: a plain decoding step computes what it did
         assert torch.equal(weight_major_linear(x, weight, bias), F.linear(x, weight, bias))
     transposed = x.t().contiguous().t()  # a column-major input gives the same rows
     torch.testing.assert_close(weight_major_linear(transposed, weight), F.linear(x, weight), rtol=1e-5, atol=1e-5)

@@ -71,9 +71,10 @@ def weight_major_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     of Qwen2.5-1.5B's MLP costs about 3x one row). The same product with the weight
     as the left operand streams the weight once, so 2-4 rows cost about one row
     (`benchmarks/backend_limits.py` prints both curves). A single row stays
-    `F.linear` (a GEMV: plain decoding is bitwise unchanged) and so does a long
-    prefill, where the GEMM's own blocking is as fast. Rows agree with
-    `F.linear` to rounding, not bitwise.
+    `F.linear` (a GEMV: each step of plain decoding computes what it did) and so
+    does a prefill of more than 64 tokens, where the GEMM's own blocking is as
+    fast; shorter prompts are prefilled weight-major. Rows agree with `F.linear`
+    to rounding, not bitwise.
     """
     n = x.shape[0]
     if n == 1 or n > WEIGHT_MAJOR_MAX_ROWS:
