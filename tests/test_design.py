@@ -161,3 +161,100 @@ def test_designed_draft_through_the_api(tmp_path):
     prompt = "w1 w2 w3 w4 w5"
     assert spec.generate(prompt, max_new_tokens=20).token_ids == decoder.generate(prompt, max_new_tokens=20).token_ids
     assert spec.draft_model.vocab_size == 30
+
+
+@pytest.mark.parametrize("kind", ["fast", "hf"])
+def test_backend_head_rows_give_those_logits_only(tiny_target, kind):
+    rows = torch.tensor([0, 5, 9, 33, 63])
+    full = make_backend(tiny_target.model, kind=kind)
+    cut = make_backend(tiny_target.model, kind=kind, head_rows=rows)
+    assert cut.vocab_size == 5 and full.vocab_size == 64
+    tokens = [3, 1, 4, 1, 5]
+    torch.testing.assert_close(cut.score(tokens), full.score(tokens)[:, rows])
+    torch.testing.assert_close(cut.score([2, 6], last_only=True), full.score([2, 6], last_only=True)[:, rows])
+    for bad in (torch.tensor([0, 64]), torch.tensor([-1]), torch.tensor([], dtype=torch.long)):
+        with pytest.raises(DraftlabError, match="head rows"):
+            make_backend(tiny_target.model, kind=kind, head_rows=bad)
+
+
+def _cut_draft_dir(tmp_path, vocab_map, draft_seed=1):
+    """A tiny target and a tiny stand-alone draft (same tokenizer), and a cut draft directory naming the draft."""
+    from draftlab.drafters.cut import CutDraft, save_cut_draft
+    from draftlab.models import load_model
+
+    target_dir = tiny_model_dir(tmp_path / "target")
+    draft_dir = tiny_model_dir(tmp_path / "draft", layers=2, seed=draft_seed)
+    target = load_model(str(target_dir))
+    save_cut_draft(CutDraft(str(draft_dir), vocab_map, {"method": "test"}), tmp_path / "cut", target)
+    return target, tmp_path / "cut"
+
+
+def test_cut_model_draft_is_lossless_and_drafts_only_its_tokens(tmp_path):
+    vocab_map = frequent_tokens(SEQUENCES, 24)
+    target, cut_dir = _cut_draft_dir(tmp_path, vocab_map)
+    plain = SpeculativeDecoder.from_names(target, drafter="none", k=1)
+    prompt = " ".join(f"w{t}" for t in SEQUENCES[1][:8])
+    expected = plain.generate(prompt, max_new_tokens=24).token_ids
+    for k in (1, 3):
+        spec = SpeculativeDecoder.from_names(target, drafter=f"model:{cut_dir}", k=k)
+        assert spec.generate(prompt, max_new_tokens=24).token_ids == expected
+    drafter = spec.drafter
+    assert drafter.backend.vocab_size == 24 and drafter.name.endswith("/v24")
+    context = target.tokenizer(prompt)["input_ids"]
+    drafter.begin(context)
+    proposal = drafter.propose(context, 4, SamplingConfig(1.0), torch.Generator().manual_seed(0))
+    assert set(proposal.tokens) <= set(vocab_map.tolist()) and proposal.draft_probs.shape == (4, 64)
+    torch.testing.assert_close(proposal.draft_probs.sum(-1), torch.ones(4))
+    # correlate reads the whole model through the cut vocabulary: tokens outside it are not counted
+    from draftlab.design.correlate import draft_forward, perplexity
+
+    model, kept, depth = draft_forward(target, f"model:{cut_dir}")
+    ppl, coverage = perplexity(model, kept, 64, [SEQUENCES[2], SEQUENCES[3]])
+    assert depth == 2 and torch.equal(kept, vocab_map) and ppl > 1.0 and 0.0 < coverage < 1.0
+
+
+def test_cut_model_draft_refuses_damaged_or_foreign_records(tmp_path):
+    from draftlab.registry import build_drafter
+    from safetensors.torch import save_file
+
+    target, cut_dir = _cut_draft_dir(tmp_path, torch.arange(10))
+    save_file({"vocab_map": torch.tensor([1, 2, 99])}, str(cut_dir / "weights.safetensors"))
+    with pytest.raises(DraftlabError, match="outside"):
+        build_drafter(f"model:{cut_dir}", target)
+    record = json.loads((cut_dir / "draftlab_draft.json").read_text())
+    (cut_dir / "draftlab_draft.json").write_text(json.dumps({**record, "target_vocab_size": 32}))
+    with pytest.raises(DraftlabError, match="32 tokens"):
+        build_drafter(f"model:{cut_dir}", target)
+    (cut_dir / "weights.safetensors").write_bytes(b"not a safetensors file")
+    (cut_dir / "draftlab_draft.json").write_text(json.dumps(record))
+    with pytest.raises(DraftlabError, match="damaged"):
+        build_drafter(f"model:{cut_dir}", target)
+
+
+def test_design_cut_command_writes_a_draft_of_the_most_frequent_tokens(tmp_path):
+    target_dir = tiny_model_dir(tmp_path / "target")
+    draft_dir = tiny_model_dir(tmp_path / "draft", layers=2, seed=1)
+    prompts = tmp_path / "text.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(f"w{(i + j * j) % 40}" for j in range(30))}) + "\n"
+                               for i in range(8)))
+    command = [sys.executable, "-m", "draftlab.cli", "design", "cut", "--target", str(target_dir), "--draft",
+               str(draft_dir), "--datasets", str(prompts), "--generate", "0", "--vocab", "16", "--out",
+               str(tmp_path / "cut"), "--no-progress"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "keeps 16 of 64 output tokens (16 most frequent in the text)" in done.stdout
+    record = json.loads((tmp_path / "cut" / "draftlab_draft.json").read_text())
+    assert record["format"] == "draftlab-cut-draft" and record["vocab_size"] == 16
+    assert 0.3 < record["made"]["text_coverage"] < 1.0
+    foreign = tiny_model_dir(tmp_path / "foreign", vocab=32)
+    command[command.index("--draft") + 1] = str(foreign)
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and "vocabulary" in refused.stderr
+
+
+def test_fill_by_rank_tops_up_with_the_lowest_free_ids():
+    from draftlab.design.prune import fill_by_rank
+
+    assert fill_by_rank(torch.tensor([3, 9]), 5, 64).tolist() == [0, 1, 2, 3, 9]
+    assert fill_by_rank(torch.tensor([3, 9]), 2, 64).tolist() == [3, 9]
+    assert fill_by_rank(torch.tensor([1]), 10, 4).tolist() == [0, 1, 2, 3]

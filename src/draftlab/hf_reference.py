@@ -46,7 +46,11 @@ class HFAssist:
 
 
 def hf_assist(plan: DraftPlan, draft: LoadedModel | None, k: int) -> HFAssist:
-    """HF's counterpart of a drafter, or a clear error when HF has none (trees, staged, cut vocabularies)."""
+    """HF's counterpart of a drafter, or a clear error when HF has none (trees, staged, cut vocabularies).
+
+    A stand-alone model draft with a cut vocabulary (`draftlab design cut`) runs there whole: HF's assistant
+    cannot cut its head, so AsG measures the same draft model without the cut.
+    """
     if plan.kind == "ngram":
         return HFAssist(k, ngram_max=plan.ngram[1])
     if plan.kind in ("tree", "merged"):

@@ -8,8 +8,8 @@ HF reference runs alike. Spec grammar:
   layers:SPEC                 self-draft from target layers; SPEC is a comma list of
                               indices, ranges a-b and strided ranges a-b:s (0-3, 0-29:2, 0-3,26-29)
   model:NAME_OR_PATH          a separate draft model with the target's tokenizer, or a draft
-                              directory (pruned draft, feature draft or decoder heads: its record
-                              names the format)
+                              directory (pruned draft, cut-vocabulary model draft, feature draft or
+                              decoder heads: its record names the format)
   designed                    the designed draft shipped for the target (`drafters/shipped.py`), SHA256-checked
   tree:SHAPE:SPEC             a token tree grown by drafter SPEC (one with logits: layers, model,
                               designed, decoder heads); SHAPE is BxBx...[-N] (static) or dyn-T-N (dynamic), see
@@ -32,7 +32,7 @@ from typing import Callable
 
 from draftlab.backends import make_backend
 from draftlab.defaults import DEFAULT_BACKEND
-from draftlab.drafters import feature, heads, pruned
+from draftlab.drafters import cut, feature, heads, pruned
 from draftlab.drafters.base import Drafter, NoDrafter
 from draftlab.drafters.files import draft_format
 from draftlab.drafters.layers import build_layer_draft
@@ -204,6 +204,15 @@ def _load_pruned(path: str, target: LoadedModel, backend: str) -> BuiltDraft:
     return BuiltDraft(drafter, designed.model)
 
 
+def _load_cut(path: str, target: LoadedModel, backend: str) -> BuiltDraft:
+    record = cut.read_cut_draft(path, target)
+    draft = cut.load_cut_model(record, target)
+    check_compatible(target, draft)
+    model_backend = make_backend(draft.model, draft.device, backend, batch_invariant=False, head_rows=record.vocab_map)
+    drafter = ModelDrafter(model_backend, f"{draft.name}/v{len(record.vocab_map)}", record.vocab_map, target.vocab_size)
+    return BuiltDraft(drafter, draft)
+
+
 def _load_feature(path: str, target: LoadedModel, backend: str) -> BuiltDraft:
     return BuiltDraft(feature.FeatureDrafter(feature.load_feature_draft(path, target), name=f"feature:{path}"))
 
@@ -224,6 +233,7 @@ DRAFTERS: dict[str, Callable[[DraftPlan, LoadedModel, str], BuiltDraft]] = {
 }
 DRAFT_FORMATS: dict[str, Callable[[str, LoadedModel, str], BuiltDraft]] = {
     pruned.FORMAT: _load_pruned,
+    cut.FORMAT: _load_cut,
     feature.FORMAT: _load_feature,
     heads.FORMAT: _load_heads,
 }

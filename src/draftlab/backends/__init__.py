@@ -16,7 +16,7 @@ from draftlab.backends.hf import HFBackend
 from draftlab.defaults import DEFAULT_BACKEND
 from draftlab.errors import DraftlabError
 
-BACKENDS: dict[str, Callable[..., Backend]] = {  # (model, device, batch_invariant) -> Backend
+BACKENDS: dict[str, Callable[..., Backend]] = {  # (model, device, batch_invariant=, head_rows=) -> Backend
     "fast": FastLlamaBackend,
     "hf": HFBackend,
 }
@@ -35,11 +35,14 @@ def make_backend(
     device: torch.device | str = "cpu",
     kind: str = DEFAULT_BACKEND,
     batch_invariant: bool | None = None,
+    head_rows: torch.Tensor | None = None,
 ) -> Backend:
     """A backend for `model`: 'fast' (draftlab's forward), 'hf' (transformers) or 'auto' (fast where supported).
 
     `batch_invariant`: score every block row bitwise as if alone (None: the backend's default, on in bf16/fp16
     for the fast backend); drafts pass False, since their rounding never affects what is committed.
+
+    `head_rows` [V']: logits for these vocabulary rows only, [n, V'] (drafts with a cut vocabulary).
     """
     check_backend_name(kind)
     supported = getattr(model.config, "model_type", None) in SUPPORTED_MODEL_TYPES
@@ -52,7 +55,7 @@ def make_backend(
         kind = "fast" if supported else "hf"
     if batch_invariant and kind == "hf":
         raise DraftlabError("the hf backend cannot score blocks batch-invariantly; use --backend fast")
-    return BACKENDS[kind](model, device, batch_invariant=batch_invariant)
+    return BACKENDS[kind](model, device, batch_invariant=batch_invariant, head_rows=head_rows)
 
 
 __all__ = ["BACKENDS", "BACKEND_NAMES", "Backend", "FastLlamaBackend", "HFBackend", "Stopwatch", "check_backend_name",

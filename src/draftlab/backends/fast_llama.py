@@ -44,6 +44,7 @@ from draftlab.backends.base import is_prefix
 from draftlab.backends.numerics import (
     INVARIANT_ROWS,
     causal_mask,
+    cut_head,
     invariant_linear,
     rms_norm,
     rope,
@@ -70,6 +71,7 @@ class FastLlamaBackend:
         batch_invariant: bool | None = None,
         invariant_rows: int | None = None,
         weight_major: bool | None = None,
+        head_rows: torch.Tensor | None = None,
     ) -> None:
         """`batch_invariant`: score each block row bitwise as if alone (None: on unless the weights are fp32).
 
@@ -78,6 +80,9 @@ class FastLlamaBackend:
 
         `weight_major`: run blocks' products as weight @ x^T (`weight_major_linear`; None: on for fp32 weights on a
         CPU without batch invariance, where `F.linear` on a few rows costs about one product per row).
+
+        `head_rows` [V']: compute logits for these LM-head rows only (a draft with a cut vocabulary: the head of a
+        small model with a large vocabulary is a large share of its weights); logits are then [n, V'].
         """
         config = model.config
         self.model = model
@@ -89,7 +94,8 @@ class FastLlamaBackend:
         self.eps = config.rms_norm_eps
         self.max_positions = config.max_position_embeddings
         self.dtype = model.model.embed_tokens.weight.dtype
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self._head = cut_head(model.get_output_embeddings().weight, head_rows)  # [V or V', D]
+        self.vocab_size = int(self._head.shape[0])
         self.batch_invariant = self.dtype != torch.float32 if batch_invariant is None else batch_invariant
         native = native_block_products(self.dtype, self.device.type)
         self.invariant_rows = invariant_rows or (INVARIANT_ROWS if native else 1)
@@ -184,7 +190,7 @@ class FastLlamaBackend:
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM-head logits [n, V], fp32 on the CPU, from final hidden states [n, D]."""
-        return self._project(hidden, self.model.get_output_embeddings().weight).float().cpu()
+        return self._project(hidden, self._head).float().cpu()
 
     def _layer(self, index, layer, hidden, cos, sin, attend, start, end) -> torch.Tensor:
         weights = self._weights[index]

@@ -12,6 +12,7 @@ from typing import Sequence
 import torch
 
 from draftlab.backends.base import is_prefix
+from draftlab.backends.numerics import checked_rows
 from draftlab.step import Block, Scores
 
 
@@ -21,12 +22,18 @@ class HFBackend:
     provides_hidden = True  # from output_hidden_states: the last entry is after the final norm
 
     def __init__(self, model: torch.nn.Module, device: torch.device | str = "cpu",
-                 batch_invariant: bool | None = None) -> None:
-        """`batch_invariant` is accepted for the registry's sake; transformers' forward is never batch-invariant."""
+                 batch_invariant: bool | None = None, head_rows: torch.Tensor | None = None) -> None:
+        """`batch_invariant` is accepted for the registry's sake; transformers' forward is never batch-invariant.
+
+        `head_rows` [V']: return logits for these vocabulary rows only (cut from the full logits, so the same
+        numbers and no saving; the fast backend computes only those rows).
+        """
         self.model = model
         self.batch_invariant = False
         self.device = torch.device(device)
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self._rows = None if head_rows is None else checked_rows(head_rows, vocab_size)  # [V']
+        self.vocab_size = vocab_size if self._rows is None else len(self._rows)
         self._cache = None
         self._len = 0
         self._block_start = 0
@@ -98,7 +105,8 @@ class HFBackend:
         )
         self._len += input_ids.shape[1]
         hidden = out.hidden_states[-1][0] if with_hidden else None  # [n, D]
-        return out.logits[0].float().cpu(), hidden  # [n, V]; verification runs on the CPU
+        logits = out.logits[0].float().cpu()  # [n, V]; verification runs on the CPU
+        return (logits if self._rows is None else logits[:, self._rows]), hidden  # [n, V or V']
 
     def _tree_mask(self, ancestors: torch.Tensor) -> torch.Tensor:
         """Additive mask [1, 1, n, cache + n]: every cached token, plus each token's ancestors and itself."""

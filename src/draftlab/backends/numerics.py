@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from draftlab.errors import DraftlabError
+
 INVARIANT_ROWS = 16  # batch-invariant products run on chunks of exactly this many rows where blocks are cheap
 WEIGHT_MAJOR_MAX_ROWS = 64  # above this many rows (a long prefill) the GEMM that F.linear calls is as fast or faster
 
@@ -42,6 +44,21 @@ def tree_mask(start: int, ancestors: torch.Tensor, device: torch.device | str = 
 def scatter_vocab(probs: torch.Tensor, vocab_map: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Probabilities over a cut vocabulary [V'] placed at their target ids in a [V] vector."""
     return torch.zeros(vocab_size, dtype=probs.dtype).index_copy_(0, vocab_map, probs)
+
+
+def cut_head(weight: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """An LM head [V, D] kept whole (rows None) or cut to `rows` [V'] as a new contiguous [V', D] tensor."""
+    if rows is None:
+        return weight
+    return weight.detach()[checked_rows(rows, weight.shape[0]).to(weight.device)].contiguous()
+
+
+def checked_rows(rows: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """`rows` [V'] as CPU long ids, refused unless every id is in 0..vocab_size-1."""
+    rows = rows.to(torch.long).cpu()
+    if rows.ndim != 1 or len(rows) == 0 or int(rows.min()) < 0 or int(rows.max()) >= vocab_size:
+        raise DraftlabError(f"head rows must be a non-empty list of ids in 0..{vocab_size - 1}")
+    return rows
 
 
 def invariant_linear(

@@ -1,4 +1,4 @@
-"""`draftlab design ...`: microbench, prune, distill, feature, heads, correlate."""
+"""`draftlab design ...`: microbench, prune, cut, distill, feature, heads, correlate."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from draftlab.models import DEFAULT_TARGET
 
 def add_design_commands(sub) -> None:
     """Register the design subcommands on the top-level subparsers."""
-    design = sub.add_parser("design", help="draft design: microbench, prune, distill, feature, heads, correlate")
+    design = sub.add_parser("design", help="draft design: microbench, prune, cut, distill, feature, heads, correlate")
     commands = design.add_subparsers(dest="design", required=True)
 
     micro = commands.add_parser("microbench", help="decode latency vs depth and width in the target's family")
@@ -30,6 +30,14 @@ def add_design_commands(sub) -> None:
     prune.add_argument("--vocab", type=int, default=None, help="keep only this many most frequent output tokens")
     prune.add_argument("--out", required=True, help="draft directory (use it as --drafter model:DIR)")
     prune.set_defaults(run=cmd_prune)
+
+    cut = commands.add_parser("cut", help="cut a stand-alone draft model's vocabulary to the most frequent tokens")
+    _add_text_args(cut)
+    cut.add_argument("--draft", required=True, help="the stand-alone draft: short name, .gguf path or HF directory")
+    cut.add_argument("--vocab", type=int, required=True,
+                     help="keep this many output tokens: the text's most frequent, topped up with the lowest ids")
+    cut.add_argument("--out", required=True, help="draft directory (use it as --drafter model:DIR)")
+    cut.set_defaults(run=cmd_cut)
 
     distill = commands.add_parser("distill", help="train a draft on the target's distributions within a budget")
     _add_text_args(distill)
@@ -86,7 +94,7 @@ def add_design_commands(sub) -> None:
     correlate.add_argument("--out", required=True)
     correlate.set_defaults(run=cmd_correlate)
 
-    for parser in (micro, prune, distill, feature, heads, correlate):
+    for parser in (micro, prune, cut, distill, feature, heads, correlate):
         parser.add_argument("--threads", type=int, default=None)
         parser.add_argument("--no-progress", action="store_true")
 
@@ -167,6 +175,33 @@ def cmd_prune(args) -> None:
     save_draft(draft, args.out, args.target)
     print(f"prune: layers {layers}, vocabulary {vocab or 'full'}, held-out agreement with the target "
           f"{score:.1%} -> {args.out} (use --drafter model:{args.out})")
+
+
+def cmd_cut(args) -> None:
+    """Save a cut-vocabulary version of a stand-alone draft: its most frequent tokens in the text."""
+    from draftlab.api import eos_ids
+    from draftlab.design.prune import fill_by_rank, frequent_tokens
+    from draftlab.drafters.cut import CutDraft, load_cut_model, save_cut_draft
+    from draftlab.drafters.model import check_compatible
+
+    target, sequences = _target_and_text(args)
+    if not 1 <= args.vocab <= target.vocab_size:
+        raise DraftlabError(f"--vocab must be in 1..{target.vocab_size}, got {args.vocab}")
+    from_text = frequent_tokens(sequences, args.vocab, always=eos_ids(target))
+    vocab_map = fill_by_rank(from_text, args.vocab, target.vocab_size)
+    draft = CutDraft(args.draft, vocab_map)
+    check_compatible(target, load_cut_model(draft, target))
+    kept = set(vocab_map.tolist())
+    total = sum(map(len, sequences))
+    coverage = sum(t in kept for s in sequences for t in s) / max(1, total)
+    draft.made = {"method": "cut", "vocab": len(vocab_map), "from_text": len(from_text), "datasets": args.datasets,
+                  "limit": args.limit, "generate": args.generate, "corpus": args.corpus, "text_tokens": total,
+                  "text_coverage": round(coverage, 4)}
+    save_cut_draft(draft, args.out, target)
+    filled = len(vocab_map) - len(from_text)
+    print(f"cut: {args.draft} keeps {len(vocab_map)} of {target.vocab_size} output tokens ({len(from_text)} most "
+          f"frequent in the text" + (f", {filled} lowest-numbered others" if filled else "") + f"), covering "
+          f"{coverage:.1%} of the {total} text tokens -> {args.out} (use --drafter model:{args.out})")
 
 
 def cmd_distill(args) -> None:

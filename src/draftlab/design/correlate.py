@@ -75,7 +75,12 @@ class FeatureDraftLM(torch.nn.Module):
 
 
 def _target_log_probs(logits: torch.Tensor, vocab_map: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
-    """Log-probabilities over the target vocabulary [n, V] from draft logits [n, V'] (-inf outside a cut vocabulary)."""
+    """Log-probabilities over the target vocabulary [n, V] from draft logits [n, V'] (-inf outside a cut vocabulary).
+
+    Logits of a whole head [n, V] with a map (a cut-vocabulary model draft) are first cut to the map's rows.
+    """
+    if vocab_map is not None and logits.shape[-1] != len(vocab_map):
+        logits = logits[:, vocab_map]  # [n, V']
     log_probs = torch.log_softmax(logits.float(), dim=-1)
     if vocab_map is None:
         return log_probs

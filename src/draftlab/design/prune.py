@@ -34,6 +34,20 @@ def frequent_tokens(sequences: Sequence[Sequence[int]], size: int, always: Seque
     return torch.tensor(sorted(chosen), dtype=torch.long)
 
 
+def fill_by_rank(vocab_map: torch.Tensor, size: int, vocab_size: int) -> torch.Tensor:
+    """`vocab_map` [V'] topped up to `size` ids with the lowest ids not in it, sorted: [min(size, vocab_size)].
+
+    For text too short to name `size` distinct tokens: a BPE vocabulary numbers its tokens in merge order,
+    so low ids are the tokens its own training corpus held most often.
+    """
+    chosen = set(vocab_map.tolist())
+    for token in range(vocab_size):
+        if len(chosen) >= size:
+            break
+        chosen.add(token)
+    return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
 @torch.inference_mode()
 def agreement(target_next: torch.Tensor, draft: DesignedDraft, sequences: list[torch.Tensor]) -> float:
     """Teacher-forced top-1 agreement of the draft with the target's next tokens (~greedy acceptance)."""

@@ -1,0 +1,72 @@
+"""Stand-alone drafts with a cut vocabulary: a separate small model whose LM head keeps only frequent tokens.
+
+A small model of the target's family spends a large share of each token on
+its LM head when the vocabulary is large (Qwen2.5-Coder 0.5B: 151,936 x 896,
+over a quarter of its weights). Keeping only the rows of the tokens that
+actually occur (as FR-Spec does) makes every draft token cheaper and loses
+only the proposals of rare tokens; verification is unchanged, so decoding
+stays lossless (a cut draft's probabilities are zero outside its rows, and
+the rejection rule handles that like any other draft distribution).
+
+The directory names the model and holds only the kept token ids:
+
+    draftlab_draft.json   {"format": "draftlab-cut-draft", "version": 1, "model": NAME_OR_PATH,
+                           "target": ..., "target_vocab_size": V, "vocab_size": V', "made": {...}}
+    weights.safetensors   vocab_map [V'] (target token ids, ascending)
+
+`draftlab design cut` writes one; the registry loads it as `model:DIR`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from draftlab.drafters.files import RECORD, WEIGHTS, check_target_vocab, read_draft_files
+from draftlab.errors import DraftlabError
+from draftlab.models import LoadedModel, ModelSpec, load_model
+
+FORMAT = "draftlab-cut-draft"
+
+
+@dataclass
+class CutDraft:
+    """The draft model to load and the target ids of the head rows it keeps."""
+
+    model: str  # short name, .gguf path or HF directory of the stand-alone draft
+    vocab_map: torch.Tensor  # [V'] target token ids, ascending
+    made: dict = field(default_factory=dict)
+
+
+def save_cut_draft(draft: CutDraft, out: str | Path, target: LoadedModel) -> Path:
+    """Write the record and the kept token ids."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({"vocab_map": draft.vocab_map.to(torch.int64).contiguous()}, str(out / WEIGHTS))
+    record = {"format": FORMAT, "version": 1, "model": draft.model, "target": target.name,
+              "target_vocab_size": target.vocab_size, "vocab_size": len(draft.vocab_map), "made": draft.made}
+    (out / RECORD).write_text(json.dumps(record, indent=2))
+    return out
+
+
+def read_cut_draft(path: str | Path, target: LoadedModel) -> CutDraft:
+    """The record of a cut draft, checked against `target`'s vocabulary."""
+    record, state = read_draft_files(path, FORMAT)
+    check_target_vocab(path, record, target.vocab_size, target.name)
+    vocab_map = state.get("vocab_map")
+    if not isinstance(record.get("model"), str) or vocab_map is None:
+        raise DraftlabError(f"cut draft {path} lacks its model name or its vocab_map; rebuild it")
+    if vocab_map.ndim != 1 or len(vocab_map) == 0 or int(vocab_map.max()) >= target.vocab_size:
+        raise DraftlabError(f"cut draft {path} keeps token ids outside {target.name}'s vocabulary; rebuild it")
+    return CutDraft(record["model"], vocab_map.to(torch.long), record.get("made", {}))
+
+
+def load_cut_model(draft: CutDraft, target: LoadedModel) -> LoadedModel:
+    """The stand-alone draft model, placed like the target (device, dtype)."""
+    dtype = str(target.dtype).removeprefix("torch.")
+    return load_model(ModelSpec(draft.model, device=str(target.device), dtype=dtype))
