@@ -59,3 +59,16 @@ def test_greedy_with_each_draft_equals_autoregressive(target, prompt_ids, refere
         assert out.token_ids == reference, f"{drafter} K={k}"
         if drafter.startswith("model:"):
             assert out.stats.accepted > 0
+
+
+def test_cut_vocabulary_draft_equals_autoregressive_and_computes_fewer_rows(target, prompt_ids, reference, tmp_path):
+    from draftlab.design.prune import fill_by_rank, frequent_tokens
+    from draftlab.drafters.cut import CutDraft, save_cut_draft
+
+    vocab_map = fill_by_rank(frequent_tokens([prompt_ids], 4096), 16384, target.vocab_size)
+    save_cut_draft(CutDraft("qwen2.5-coder-0.5b", vocab_map), tmp_path / "cut", target)
+    for k in (1, 3):
+        decoder = SpeculativeDecoder.from_names(target, drafter=f"model:{tmp_path / 'cut'}", k=k)
+        out = decoder.generate(prompt_ids, max_new_tokens=16)
+        assert out.token_ids == reference, f"cut K={k}"
+        assert out.stats.accepted > 0 and decoder.drafter.backend.vocab_size == 16384
