@@ -189,7 +189,7 @@ class FastLlamaBackend:
         return rms_norm(hidden, self.model.model.norm.weight, self.eps)  # [n, D]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM-head logits [n, V], fp32 on the CPU, from final hidden states [n, D]."""
+        """LM-head logits [n, V] ([n, V'] with head rows), fp32 on the CPU, from final hidden states [n, D]."""
         return self._project(hidden, self._head).float().cpu()
 
     def _layer(self, index, layer, hidden, cos, sin, attend, start, end) -> torch.Tensor:
