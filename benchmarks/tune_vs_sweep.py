@@ -115,6 +115,12 @@ def main() -> None:
           f"{errors['simplified_max_error']:.1%}; Leviathan mean {errors['leviathan_mean_error']:.1%} max "
           f"{errors['leviathan_max_error']:.1%}; measured inside the predicted interval in "
           f"{errors['inside_interval']:.0%} of cells ({errors['large_errors_inside_interval']:.0%} of those off by > 10%)")
+    for c in sorted(comparisons, key=lambda c: -c.simplified_error):
+        if c.simplified_error > 0.10:
+            inside = "inside" if c.interval[0] <= c.measured_tokens_per_s <= c.interval[1] else "OUTSIDE"
+            print(f"  large error: {c.draft} K={c.k} measured {c.measured_tokens_per_s:.1f}, predicted "
+                  f"{c.simplified_tokens_per_s:.1f} ({c.interval[0]:.1f}-{c.interval[1]:.1f}, {inside}), "
+                  f"off by {c.simplified_error:.1%}: {c.cause}")
     print(f"model vs sweep as speedups over each one's own plain decoding (calibration's {relative['calibration_ar']:.1f} "
           f"tok/s, the sweep's {relative['sweep_ar']:.1f}; the machine's speed between them cancels): simplified mean "
           f"{relative['mean_error']:.1%} max {relative['max_error']:.1%}")
