@@ -125,13 +125,17 @@ def _vocab_map(target, sequences, size):
 
     if size is None:
         return None
-    if not 1 <= size <= target.vocab_size:
-        raise DraftlabError(f"--vocab must be in 1..{target.vocab_size}, got {size}")
+    _check_vocab_size(target, size)
     vocab_map = frequent_tokens(sequences, size, always=eos_ids(target))
     if len(vocab_map) < size:
         print(f"note: the text holds only {len(vocab_map)} distinct tokens, so the draft's vocabulary has "
               f"{len(vocab_map)} rows, not {size}; give more text (--limit, --generate, --corpus) for a larger one")
     return vocab_map
+
+
+def _check_vocab_size(target, size: int) -> None:
+    if not 1 <= size <= target.vocab_size:
+        raise DraftlabError(f"--vocab must be in 1..{target.vocab_size}, got {size}")
 
 
 def cmd_microbench(args) -> None:
@@ -185,8 +189,7 @@ def cmd_cut(args) -> None:
     from draftlab.drafters.model import check_compatible
 
     target, sequences = _target_and_text(args)
-    if not 1 <= args.vocab <= target.vocab_size:
-        raise DraftlabError(f"--vocab must be in 1..{target.vocab_size}, got {args.vocab}")
+    _check_vocab_size(target, args.vocab)
     from_text = frequent_tokens(sequences, args.vocab, always=eos_ids(target))
     vocab_map = fill_by_rank(from_text, args.vocab, target.vocab_size)
     draft = CutDraft(args.draft, vocab_map)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from draftlab.backends.numerics import checked_rows
 from draftlab.drafters.files import RECORD, WEIGHTS, check_target_vocab, read_draft_files
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel, ModelSpec, load_model
@@ -61,9 +62,11 @@ def read_cut_draft(path: str | Path, target: LoadedModel) -> CutDraft:
     vocab_map = state.get("vocab_map")
     if not isinstance(record.get("model"), str) or vocab_map is None:
         raise DraftlabError(f"cut draft {path} lacks its model name or its vocab_map; rebuild it")
-    if vocab_map.ndim != 1 or len(vocab_map) == 0 or int(vocab_map.max()) >= target.vocab_size:
-        raise DraftlabError(f"cut draft {path} keeps token ids outside {target.name}'s vocabulary; rebuild it")
-    return CutDraft(record["model"], vocab_map.to(torch.long), record.get("made", {}))
+    try:
+        vocab_map = checked_rows(vocab_map, target.vocab_size)
+    except DraftlabError as exc:
+        raise DraftlabError(f"cut draft {path} keeps token ids outside {target.name}'s vocabulary; rebuild it") from exc
+    return CutDraft(record["model"], vocab_map, record.get("made", {}))
 
 
 def load_cut_model(draft: CutDraft, target: LoadedModel) -> LoadedModel:
