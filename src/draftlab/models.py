@@ -54,7 +54,14 @@ def resolve_dtype_name(dtype: str, device: str) -> str:
     """The dtype name 'auto' stands for on `device` (see `auto_dtype`); others unchanged."""
     if check_dtype_name(dtype) == "auto":
         return auto_dtype(device)[0]
-    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[DTYPES[dtype]]
+    return dtype_name(dtype)
+
+
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """The short name of a known dtype: 'bfloat16' or torch.bfloat16 -> 'bf16'."""
+    if isinstance(dtype, str):
+        dtype = DTYPES[dtype]
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
 
 def auto_dtype(device: str) -> tuple[str, str]:

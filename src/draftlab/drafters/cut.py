@@ -28,7 +28,7 @@ import torch
 from draftlab.backends.numerics import checked_rows
 from draftlab.drafters.files import RECORD, WEIGHTS, check_target_vocab, read_draft_files
 from draftlab.errors import DraftlabError
-from draftlab.models import LoadedModel, ModelSpec, load_model
+from draftlab.models import LoadedModel, ModelSpec, dtype_name, load_model
 
 FORMAT = "draftlab-cut-draft"
 
@@ -69,7 +69,6 @@ def read_cut_draft(path: str | Path, target: LoadedModel) -> CutDraft:
     return CutDraft(record["model"], vocab_map, record.get("made", {}))
 
 
-def load_cut_model(draft: CutDraft, target: LoadedModel) -> LoadedModel:
-    """The stand-alone draft model, placed like the target (device, dtype)."""
-    dtype = str(target.dtype).removeprefix("torch.")
-    return load_model(ModelSpec(draft.model, device=str(target.device), dtype=dtype))
+def load_cut_model(draft: CutDraft, target: LoadedModel, dtype: torch.dtype | None = None) -> LoadedModel:
+    """The stand-alone draft model on the target's device, in `dtype` (None: the target's)."""
+    return load_model(ModelSpec(draft.model, device=str(target.device), dtype=dtype_name(dtype or target.dtype)))

@@ -8,11 +8,15 @@ from typing import Sequence
 import torch
 
 from draftlab.errors import DraftlabError
-from draftlab.models import LoadedModel
+from draftlab.models import LoadedModel, dtype_name
 
 
-def build_layer_draft(target: LoadedModel, layers: Sequence[int]) -> LoadedModel:
-    """A new model made of `layers` of the target (plus its embeddings, norm and head), sharing weights."""
+def build_layer_draft(target: LoadedModel, layers: Sequence[int], dtype: torch.dtype | None = None) -> LoadedModel:
+    """A new model made of `layers` of the target (plus its embeddings, norm and head).
+
+    It shares the target's weights when `dtype` is None or the target's; in another dtype it holds converted copies.
+    """
+    dtype = dtype or target.dtype
     config = target.model.config
     total = config.num_hidden_layers
     layers = list(layers)
@@ -24,12 +28,13 @@ def build_layer_draft(target: LoadedModel, layers: Sequence[int]) -> LoadedModel
     draft_config.num_hidden_layers = len(layers)
     if getattr(config, "layer_types", None) is not None:
         draft_config.layer_types = [config.layer_types[i] for i in layers]
-    draft_model = AutoModelForCausalLM.from_config(draft_config, dtype=target.dtype)
-    draft_model.load_state_dict(_layer_state(target.model.state_dict(), layers), assign=True, strict=True)
+    draft_model = AutoModelForCausalLM.from_config(draft_config, dtype=dtype)
+    state = {key: tensor.to(dtype) if tensor.is_floating_point() else tensor for key, tensor in _layer_state(target.model.state_dict(), layers).items()}
+    draft_model.load_state_dict(state, assign=True, strict=True)
     draft_model.to(target.device).eval()
     draft_model.requires_grad_(False)
-    name = f"{target.name}:layers{format_layers(layers)}"
-    return LoadedModel(name, draft_model, target.tokenizer, target.device, target.dtype)
+    name = f"{target.name}:layers{format_layers(layers)}" + ("" if dtype == target.dtype else f"@{dtype_name(dtype)}")
+    return LoadedModel(name, draft_model, target.tokenizer, target.device, dtype)
 
 
 def _layer_state(state: dict[str, torch.Tensor], layers: list[int]) -> dict[str, torch.Tensor]:

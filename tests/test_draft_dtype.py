@@ -1,0 +1,67 @@
+"""Drafts in another dtype than their target (`model:X@bf16`, `layers:0-1@bf16`): lossless, and the target untouched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftlab.api import SpeculativeDecoder
+from draftlab.errors import DraftlabError
+from draftlab.models import load_model
+from draftlab.registry import build_drafter, parse_drafter_spec
+from draftlab.sampling import SamplingConfig
+from tests.conftest import tiny_model_dir
+
+PROMPT = " ".join(f"w{(3 * i) % 50}" for i in range(10))
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dtype")
+    target = load_model(str(tiny_model_dir(root / "target")), dtype="fp32")
+    return target, tiny_model_dir(root / "draft", layers=2, seed=1)
+
+
+def test_spec_suffix_names_the_draft_dtype():
+    assert parse_drafter_spec("model:qwen2.5-coder-0.5b@bf16").dtype == "bf16"
+    assert parse_drafter_spec("model:a@b/dir").dtype == "" and parse_drafter_spec("model:a@b/dir").model == "a@b/dir"
+    assert parse_drafter_spec("layers:0-3@bfloat16", 30).layers == (0, 1, 2, 3)
+    assert parse_drafter_spec("tree:2x2:layers:0-1@fp16", 4).inner.dtype == "fp16"
+    with pytest.raises(DraftlabError, match="unknown draft dtype 'int8'"):
+        parse_drafter_spec("model:x@int8")
+
+
+@pytest.mark.parametrize("spec", ["model:{draft}@bf16", "layers:0-1@bf16", "tree:2x2:layers:0-1@bf16",
+                                  "staged:ngram/model:{draft}@bf16"])
+def test_bf16_draft_beside_fp32_target_equals_autoregressive(pair, spec):
+    target, draft_dir = pair
+    spec = spec.format(draft=draft_dir)
+    expected = SpeculativeDecoder.from_names(target, drafter="none", k=1).generate(PROMPT, max_new_tokens=24).token_ids
+    for k in (1, 3):
+        decoder = SpeculativeDecoder.from_names(target, drafter=spec, k=k)
+        assert decoder.generate(PROMPT, max_new_tokens=24).token_ids == expected
+    assert "@bf16" in decoder.drafter.name
+
+
+def test_bf16_draft_converts_copies_and_leaves_the_target_in_fp32(pair):
+    target, _ = pair
+    before = {name: tensor.clone() for name, tensor in target.model.state_dict().items()}
+    built = build_drafter("layers:0-1@bf16", target)
+    assert built.model.dtype == torch.bfloat16 and built.model.name.endswith("@bf16")
+    assert all(p.dtype == torch.bfloat16 for p in built.model.model.parameters())
+    assert all(p.dtype == torch.float32 for p in target.model.parameters())
+    assert all(torch.equal(before[name], tensor) for name, tensor in target.model.state_dict().items())
+    same = build_drafter("layers:0-1@fp32", target)
+    assert same.model.name == build_drafter("layers:0-1", target).model.name  # the target's dtype: no suffix
+    shared = same.model.model.model.layers[0].self_attn.q_proj.weight
+    assert shared.data_ptr() == target.model.model.layers[0].self_attn.q_proj.weight.data_ptr()
+
+
+def test_bf16_draft_proposes_a_distribution_over_the_whole_vocabulary(pair):
+    target, draft_dir = pair
+    drafter = build_drafter(f"model:{draft_dir}@bf16", target).drafter
+    context = target.tokenizer(PROMPT)["input_ids"]
+    drafter.begin(context)
+    proposal = drafter.propose(context, 3, SamplingConfig(1.0), torch.Generator().manual_seed(0))
+    assert proposal.draft_probs.dtype == torch.float32 and proposal.draft_probs.shape == (3, 64)
+    torch.testing.assert_close(proposal.draft_probs.sum(-1), torch.ones(3))
