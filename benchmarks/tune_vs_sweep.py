@@ -7,7 +7,10 @@ Runs, on the same prompts and in one process:
      decoding with successive halving), timed;
 then prints the best cell of the sweep, the cell the tuner picked, the regret
 (how much slower the pick measured in the sweep than the best cell), the
-ratio of wall times, and the model's errors against the sweep.
+ratio of wall times, and the model's errors against the sweep: in absolute
+tokens/s, and anchored to the sweep's own plain decoding (re-timed every
+`--baseline-every` cells; the re-timings are left out of the sweep's time),
+so that a change of the machine's speed between calibration and sweep cancels.
   3. when the pick is not the sweep's best, a head-to-head check: both cells and
      plain decoding re-run interleaved on the same prompts (`--confirm` rounds),
      since the best of many single-shot cells is biased upward by their noise
@@ -51,6 +54,9 @@ def main() -> None:
                              "target; 0: no budget); --budget wins")
     parser.add_argument("--confirm", type=int, default=2,
                         help="interleaved rounds of the head-to-head check of pick vs sweep best (0: none)")
+    parser.add_argument("--baseline-every", type=int, default=6,
+                        help="re-time plain decoding after this many cells of a prompt in the sweep, to anchor the "
+                             "model's predictions to (0: never; their time is not counted as the sweep's)")
     parser.add_argument("--db", default=None, help="keep the sweep database here (default: a temporary file)")
     args = parser.parse_args()
     from transformers.utils import logging as hf_logging
@@ -61,13 +67,13 @@ def main() -> None:
     config = SweepConfig(targets=(args.target,), drafters=tuple(args.drafts), ks=tuple(range(1, args.k_max + 1)),
                          methods=("sps",), datasets=(args.dataset,), limit=args.limit,
                          max_new_tokens=args.max_new_tokens,
-                         baseline_every=0)  # the exhaustive sweep as it was measured against tune: no re-checks
+                         baseline_every=args.baseline_every)
     store = ResultsStore(db)
     start = time.perf_counter()
     run_sweep(config, store)
-    sweep_s = time.perf_counter() - start
-    rows = store.rows()
+    rows, checks = store.rows(), store.baseline_checks()
     store.close()
+    sweep_s = time.perf_counter() - start - sum(c["wall_s"] for c in checks)  # an exhaustive sweep needs no re-checks
 
     target = load_model(args.target)
     target.name = args.target
@@ -88,6 +94,8 @@ def main() -> None:
     regret = best.tokens_per_s / picked_tps - 1.0
     comparisons = compare(profile, rows)
     errors = error_summary(comparisons)
+    anchored = compare(profile, rows, checks)
+    anchored_errors = error_summary(anchored)
     plain_decode = measured_cells(rows, method="ar")[PLAIN].tokens_per_s  # the sweep's, prefill excluded
     relative = speedup_errors(comparisons, profile.target.autoregressive_tokens_per_s, plain_decode)
     confirmed = None
@@ -115,19 +123,33 @@ def main() -> None:
           f"{errors['simplified_max_error']:.1%}; Leviathan mean {errors['leviathan_mean_error']:.1%} max "
           f"{errors['leviathan_max_error']:.1%}; measured inside the predicted interval in "
           f"{errors['inside_interval']:.0%} of cells ({errors['large_errors_inside_interval']:.0%} of those off by > 10%)")
-    for c in sorted(comparisons, key=lambda c: -c.simplified_error):
-        if c.simplified_error > 0.10:
-            inside = "inside" if c.interval[0] <= c.measured_tokens_per_s <= c.interval[1] else "OUTSIDE"
-            print(f"  large error: {c.draft} K={c.k} measured {c.measured_tokens_per_s:.1f}, predicted "
-                  f"{c.simplified_tokens_per_s:.1f} ({c.interval[0]:.1f}-{c.interval[1]:.1f}, {inside}), "
-                  f"off by {c.simplified_error:.1%}: {c.cause}")
+    print_large_errors(comparisons)
     print(f"model vs sweep as speedups over each one's own plain decoding (calibration's {relative['calibration_ar']:.1f} "
           f"tok/s, the sweep's {relative['sweep_ar']:.1f}; the machine's speed between them cancels): simplified mean "
           f"{relative['mean_error']:.1%} max {relative['max_error']:.1%}")
+    factors = [c.anchor for c in anchored]
+    print(f"model vs sweep anchored to the sweep's plain decoding closest in time ({len(checks)} re-timings; "
+          f"anchors {min(factors):.2f}-{max(factors):.2f}): simplified mean {anchored_errors['simplified_mean_error']:.1%} "
+          f"max {anchored_errors['simplified_max_error']:.1%}; Leviathan mean {anchored_errors['leviathan_mean_error']:.1%} "
+          f"max {anchored_errors['leviathan_max_error']:.1%}; measured inside the predicted interval in "
+          f"{anchored_errors['inside_interval']:.0%} of cells ({anchored_errors['large_errors_inside_interval']:.0%} of "
+          "those off by > 10%)")
+    print_large_errors(anchored)
     print("reproduce: python " + " ".join(sys.argv))
     print(json.dumps({"sweep_s": sweep_s, "tune_s": tune_s, "best": [best.drafter, best.k, best.tokens_per_s],
                       "picked": [rec.draft, rec.k, picked_tps], "regret": regret, "time_ratio": tune_s / sweep_s,
-                      "confirmed": confirmed, "errors": errors, "speedup_errors": relative, "db": str(db)}))
+                      "confirmed": confirmed, "errors": errors, "speedup_errors": relative,
+                      "anchored_errors": anchored_errors, "db": str(db)}))
+
+
+def print_large_errors(comparisons) -> None:
+    """One line per cell the simplified model misses by more than 10%: its interval and the cause."""
+    for c in sorted(comparisons, key=lambda c: -c.simplified_error):
+        if c.simplified_error > 0.10:
+            inside = "inside" if c.inside_interval else "OUTSIDE"
+            print(f"  large error: {c.draft} K={c.k} measured {c.measured_tokens_per_s:.1f}, predicted "
+                  f"{c.simplified_tokens_per_s:.1f} ({c.interval[0]:.1f}-{c.interval[1]:.1f}, {inside}), "
+                  f"off by {c.simplified_error:.1%}: {c.cause}")
 
 
 def speedup_errors(comparisons, calibration_ar: float, sweep_ar: float) -> dict:

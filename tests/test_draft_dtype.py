@@ -65,3 +65,35 @@ def test_bf16_draft_proposes_a_distribution_over_the_whole_vocabulary(pair):
     proposal = drafter.propose(context, 3, SamplingConfig(1.0), torch.Generator().manual_seed(0))
     assert proposal.draft_probs.dtype == torch.float32 and proposal.draft_probs.shape == (3, 64)
     torch.testing.assert_close(proposal.draft_probs.sum(-1), torch.ones(3))
+
+
+def test_upcast_products_run_short_blocks_in_bf16_and_long_ones_in_fp32(monkeypatch):
+    from draftlab.backends import numerics
+
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(40, 24, generator=generator).bfloat16()  # [out, D]
+    bias = torch.randn(40, generator=generator).bfloat16()
+    product = numerics.UpcastLinear()
+    short = torch.randn(numerics.UPCAST_MIN_ROWS - 1, 24, generator=generator).bfloat16()
+    assert torch.equal(product(short, weight, bias), torch.nn.functional.linear(short, weight, bias))
+    monkeypatch.setattr(numerics, "UPCAST_CHUNK", 24 * 7)  # 7 weight rows at a time: 6 chunks, the last short
+    long = torch.randn(9, 24, generator=generator).bfloat16()
+    out = product(long, weight, bias)  # [9, 40]
+    exact = long.float() @ weight.float().T + bias.float()
+    assert out.dtype == torch.bfloat16 and out.shape == (9, 40)
+    torch.testing.assert_close(out.float(), exact, rtol=1e-2, atol=1e-2)
+    assert product._scratch.numel() == 24 * 7  # one reused buffer of one chunk
+    torch.testing.assert_close(product(long, weight).float(), long.float() @ weight.float().T, rtol=1e-2, atol=1e-2)
+
+
+def test_a_bf16_draft_uses_upcast_products_on_cpus_without_native_bf16(pair):
+    from draftlab.backends import make_backend
+    from draftlab.backends.numerics import UpcastLinear
+    from draftlab.models import native_block_products
+
+    target, _ = pair
+    draft = build_drafter("layers:0-1@bf16", target).model
+    backend = make_backend(draft.model, "cpu", "fast", batch_invariant=False)
+    assert isinstance(backend._project, UpcastLinear) != native_block_products(torch.bfloat16, "cpu")
+    plain = make_backend(target.model, "cpu", "fast")
+    assert not isinstance(plain._project, UpcastLinear)  # the fp32 target: weight-major block products

@@ -7,6 +7,7 @@ import time
 import pytest
 
 from draftlab.datasets import Prompt
+from draftlab.errors import DraftlabError
 from draftlab.models import load_model
 from draftlab.perf.calibrate import CalibrationSettings
 from draftlab.perf.model import DraftProfile, TargetProfile, predict
@@ -161,3 +162,34 @@ def test_tune_searches_the_dtype_and_races_the_picks(tmp_path, capsys):
     assert set(result["per_dtype"]) == {"fp32", "bf16"} and "head to head:" in out
     with pytest.raises(Exception, match="distinct dtypes"):
         tune_dtypes(lambda dtype: None, ["bf16", "bf16"], DRAFTS[:1], prompts(1), settings)
+
+
+def _record(method, drafter, k, prompt, tokens, wall_s, prefill_s, steps, finished_at):
+    return {"target": "t", "dataset": "d", "temperature": 0.0, "prompt_id": prompt, "method": method,
+            "drafter": drafter, "k": k, "new_tokens": tokens, "wall_s": wall_s, "prefill_s": prefill_s,
+            "steps": steps, "target_s": wall_s - prefill_s, "draft_s": 0.0, "overhead_s": 0.0,
+            "finished_at": finished_at}
+
+
+def test_anchored_validation_cancels_the_machines_speed_between_calibration_and_study():
+    from draftlab.perf.calibrate import Profile
+    from draftlab.perf.tuner import compare, error_summary
+
+    target = TargetProfile("t", {1: 0.010, 2: 0.010}, score_spread={1: 0.01, 2: 0.01})  # plain decoding 100 tok/s
+    profile = Profile(target, [DraftProfile("ngram", 0.0, [1.0], steps=1000)])  # predicts 200 tok/s at K=1
+    # The study ran at half calibration's speed on prompt a, and on prompt b slowed from half to a quarter
+    # between its ar record and a re-timing taken right after its sps cell.
+    rows = [_record("ar", "none", 0, "a", 50, 1.1, 0.1, 50, 1.0), _record("sps", "ngram", 1, "a", 50, 0.5, 0.0, 25, 2.0),
+            _record("ar", "none", 0, "b", 50, 1.1, 0.1, 50, 3.0), _record("sps", "ngram", 1, "b", 50, 1.0, 0.0, 25, 4.0)]
+    checks = [{"target": "t", "dataset": "d", "temperature": 0.0, "prompt_id": "b", "new_tokens": 50,
+               "wall_s": 2.2, "finished_at": 4.1}]
+    absolute = compare(profile, rows)[0]
+    assert absolute.simplified_tokens_per_s == pytest.approx(200.0) and absolute.measured_tokens_per_s == pytest.approx(
+        100 / 1.5) and not absolute.inside_interval
+    anchored = compare(profile, rows, checks)[0]
+    assert anchored.anchor == pytest.approx(100 / 1.5 / 200) and anchored.simplified_error == pytest.approx(0.0)
+    assert anchored.inside_interval and error_summary([anchored])["simplified_max_error"] == pytest.approx(0.0)
+    # without the re-timing prompt b is anchored to its earlier, faster plain decoding
+    assert compare(profile, rows, [])[0].anchor == pytest.approx(0.5)
+    with pytest.raises(DraftlabError, match="no plain decoding record"):
+        compare(profile, [r for r in rows if r["prompt_id"] != "a" or r["method"] != "ar"], [])

@@ -26,6 +26,10 @@ through plain tensor code:
   costs about one row, else one row at a time), norms and RoPE are per row
   already, and attention runs one query row at a time over exactly the keys it
   sees (the cache prefix, or for a tree its ancestors gathered in order).
+- Drafts in emulated bf16/fp16 (not batch-invariant; a CPU without AVX-512 BF16):
+  single tokens and short blocks as they are, which reads half the bytes of fp32;
+  prefills and trees of 6+ tokens with the weights converted to fp32 on the fly
+  (`UpcastLinear`), where a bf16 block would cost one product per row.
 
 It implements the `Backend` protocol; the registry (`draftlab.backends`) picks
 it for the model types in `SUPPORTED_MODEL_TYPES`.
@@ -43,6 +47,7 @@ import torch.nn.functional as F
 from draftlab.backends.base import is_prefix
 from draftlab.backends.numerics import (
     INVARIANT_ROWS,
+    UpcastLinear,
     causal_mask,
     cut_head,
     invariant_linear,
@@ -168,7 +173,11 @@ class FastLlamaBackend:
         """The matrix product every projection runs: (x [n, D], weight [out, D], bias) -> [n, out]."""
         if self.batch_invariant:
             return partial(invariant_linear, rows=self.invariant_rows)
-        return weight_major_linear if self.weight_major else F.linear
+        if self.weight_major:
+            return weight_major_linear
+        if self.dtype != torch.float32 and self.device.type == "cpu" and not native_block_products(self.dtype, "cpu"):
+            return UpcastLinear()  # a draft in emulated bf16/fp16: long blocks in fp32
+        return F.linear
 
     def _forward(self, token_ids: Sequence[int], positions: torch.Tensor, ancestors: torch.Tensor | None) -> torch.Tensor:
         """Run the layers on new tokens at `positions` [n], appended to the cache; final hidden states [n, D].

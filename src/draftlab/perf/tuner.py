@@ -67,6 +67,7 @@ class Comparison:
     leviathan_tokens_per_s: float
     interval: tuple[float, float] = (0.0, float("inf"))  # the simplified model's predicted interval
     cause: str = ""  # the input whose misprediction moved the time per token most (large errors only)
+    anchor: float = 1.0  # the study's plain decoding over calibration's, applied to the predictions (1: none)
 
     @property
     def simplified_error(self) -> float:
@@ -112,13 +113,16 @@ def measured_decode_throughput(rows: list[dict]) -> dict[tuple[str, int], float]
     return {key: cell.tokens_per_s for key, cell in measured_cells(rows).items()}
 
 
-def explain(p: Prediction, cell: MeasuredCell, overhead_s: float) -> str:
-    """Which input's misprediction moved the time per token most: TAR, block time, draft cost or overhead."""
-    predicted_step = p.t_target + p.t_draft
+def explain(p: Prediction, cell: MeasuredCell, overhead_s: float, anchor: float = 1.0) -> str:
+    """Which input's misprediction moved the time per token most: TAR, block time, draft cost or overhead.
+
+    `anchor` > 1: the machine ran that much faster in the study than in calibration; predicted times shrink by it."""
+    t_target, t_draft, overhead_s = p.t_target / anchor, p.t_draft / anchor, overhead_s / anchor
+    predicted_step = t_target + t_draft
     effects = {
         "acceptance (TAR)": predicted_step / cell.tokens_per_step - predicted_step / p.tokens_per_step,
-        "target block time": (cell.target_s - (p.t_target - overhead_s)) / cell.tokens_per_step,
-        "draft cost": (cell.draft_s - p.t_draft) / cell.tokens_per_step,
+        "target block time": (cell.target_s - (t_target - overhead_s)) / cell.tokens_per_step,
+        "draft cost": (cell.draft_s - t_draft) / cell.tokens_per_step,
         "engine overhead": (cell.overhead_s - overhead_s) / cell.tokens_per_step,
     }
     cause, effect = max(effects.items(), key=lambda item: abs(item[1]))
@@ -126,20 +130,55 @@ def explain(p: Prediction, cell: MeasuredCell, overhead_s: float) -> str:
     return f"{cause} ({direction} than predicted by {1000 * abs(effect):.1f} ms/token)"
 
 
-def compare(profile: Profile, rows: list[dict]) -> list[Comparison]:
-    """Predicted vs measured for every sps cell whose draft the profile knows; large errors get a cause."""
+def compare(profile: Profile, rows: list[dict], checks: list[dict] | None = None) -> list[Comparison]:
+    """Predicted vs measured for every sps cell whose draft the profile knows; large errors get a cause.
+
+    `checks` (the study's baseline re-timings; pass [] when it has none) anchors the predictions to the study's
+    own plain decoding: each record's predicted speed is scaled by the plain decoding measured closest in time on
+    its prompt over calibration's, so that a change of the machine's speed between calibration and study, or
+    during the study, cancels, and the model answers for what it predicts, the speedup. None: absolute tokens/s.
+    """
     drafts = {d.name: d for d in profile.drafts}
+    factor = None if checks is None else anchor_factors(rows, checks, profile.target.autoregressive_tokens_per_s)
     out = []
     for (draft, k), cell in sorted(measured_cells(rows).items()):
         if draft in drafts and k <= drafts[draft].k_max:
             p = predict(profile.target, drafts[draft], k)
-            error = abs(p.tokens_per_s - cell.tokens_per_s) / cell.tokens_per_s
-            cause = explain(p, cell, profile.target.overhead_s_per_step) if error > 0.10 else ""
-            out.append(Comparison(draft, k, cell.tokens_per_s, p.tokens_per_s, p.leviathan_tokens_per_s,
-                                  (p.tokens_per_s_low, p.tokens_per_s_high), cause))
+            scale = 1.0 if factor is None else cell_anchor(rows, draft, k, factor)
+            error = abs(scale * p.tokens_per_s - cell.tokens_per_s) / cell.tokens_per_s
+            cause = explain(p, cell, profile.target.overhead_s_per_step, scale) if error > 0.10 else ""
+            out.append(Comparison(draft, k, cell.tokens_per_s, scale * p.tokens_per_s, scale * p.leviathan_tokens_per_s,
+                                  (scale * p.tokens_per_s_low, scale * p.tokens_per_s_high), cause, scale))
     if not out:
         raise DraftlabError("no sps cell of the study matches a draft of the profile; calibrate the same drafts")
     return out
+
+
+def anchor_factors(rows: list[dict], checks: list[dict], calibration_ar: float) -> Callable[[dict], float]:
+    """record -> plain decoding's decode tokens/s closest in time on its prompt, over calibration's.
+
+    Re-timings store wall time only; each is turned into decode time with its prompt's own ar record's
+    prefill share."""
+    from draftlab.study.report import nearest_baseline, prompt_key
+
+    wall_speed = nearest_baseline(rows, checks)
+    plain = {prompt_key(r): r for r in rows if r["method"] == "ar"}
+
+    def factor(row: dict) -> float:
+        ar, speed = plain.get(prompt_key(row)), wall_speed(row)
+        if ar is None or speed is None or ar["wall_s"] <= ar["prefill_s"]:
+            raise DraftlabError(f"no plain decoding record for prompt {row['prompt_id']} to anchor the predictions "
+                                "to; validate without anchoring")
+        return speed * ar["wall_s"] / (ar["wall_s"] - ar["prefill_s"]) / calibration_ar
+
+    return factor
+
+
+def cell_anchor(rows: list[dict], draft: str, k: int, factor: Callable[[dict], float]) -> float:
+    """The cell's scale: its tokens over the time they take at each record's anchored speed (time-weighted)."""
+    records = [r for r in rows if r["method"] == "sps" and r["drafter"] == draft and r["k"] == k]
+    tokens = sum(r["new_tokens"] for r in records)
+    return tokens / sum(r["new_tokens"] / factor(r) for r in records)
 
 
 def error_summary(comparisons: list[Comparison]) -> dict:

@@ -64,11 +64,11 @@ def summarize(rows: list[dict], checks: list[dict] = ()) -> list[CellSummary]:
         config = (row["target"], row["method"], row["drafter"], row["k"], row["temperature"])
         groups[config + (row["dataset"],)].append(row)
         groups[config + (ALL,)].append(row)
-    baseline_speed = _nearest_baseline(rows, checks)
+    baseline_speed = nearest_baseline(rows, checks)
     return [_summarize_group(key, group, baseline_speed) for key, group in sorted(groups.items(), key=_sort_key)]
 
 
-def _prompt_key(row: dict) -> tuple:
+def prompt_key(row: dict) -> tuple:
     return (row["target"], row["dataset"], row["temperature"], row["prompt_id"])
 
 
@@ -77,16 +77,16 @@ def _baseline_timings(rows: list[dict], checks: list[dict]) -> dict[tuple, list[
     timings: dict[tuple, list[tuple[float | None, float]]] = defaultdict(list)
     for r in [*(r for r in rows if r["method"] == "ar"), *checks]:
         if r["wall_s"] > 0:
-            timings[_prompt_key(r)].append((r.get("finished_at"), r["new_tokens"] / r["wall_s"]))
+            timings[prompt_key(r)].append((r.get("finished_at"), r["new_tokens"] / r["wall_s"]))
     return timings
 
 
-def _nearest_baseline(rows: list[dict], checks: list[dict]) -> Callable[[dict], float | None]:
+def nearest_baseline(rows: list[dict], checks: list[dict]) -> Callable[[dict], float | None]:
     """record -> the baseline's tokens/s on its prompt measured closest in time (the ar record if times are unknown)."""
     timings = _baseline_timings(rows, checks)
 
     def speed(row: dict) -> float | None:
-        known = timings.get(_prompt_key(row))
+        known = timings.get(prompt_key(row))
         if not known:
             return None
         at = row.get("finished_at")
