@@ -50,4 +50,5 @@ def test_family_preset_is_the_seeds_grid_on_the_qwen_pair():
     assert config.targets == ("qwen2.5-coder-1.5b",) and "model:qwen2.5-coder-0.5b" in config.drafters
     assert config.ks == tuple(range(1, 8)) and set(config.methods) == {"sps", "asg"}
     assert {"humaneval", "mt-bench", "math", "xsum"} == set(config.datasets)
-    assert len(config.cells("t", "d", 0.0)) == 1 + 2 * 4 * 7
+    assert "model:qwen2.5-coder-0.5b@bf16" in config.drafters
+    assert len(config.cells("t", "d", 0.0)) == 1 + 2 * 5 * 7

@@ -77,6 +77,7 @@ class FastLlamaBackend:
         invariant_rows: int | None = None,
         weight_major: bool | None = None,
         head_rows: torch.Tensor | None = None,
+        upcast: bool | None = None,
     ) -> None:
         """`batch_invariant`: score each block row bitwise as if alone (None: on unless the weights are fp32).
 
@@ -88,6 +89,9 @@ class FastLlamaBackend:
 
         `head_rows` [V']: compute logits for these LM-head rows only (a draft with a cut vocabulary: the head of a
         small model with a large vocabulary is a large share of its weights); logits are then [n, V'].
+
+        `upcast`: run blocks of 6+ rows with the weights converted to fp32 (`UpcastLinear`; None: on for bf16/fp16
+        weights on a CPU without native bf16 and without batch invariance, i.e. a draft in emulated bf16).
         """
         config = model.config
         self.model = model
@@ -105,6 +109,7 @@ class FastLlamaBackend:
         native = native_block_products(self.dtype, self.device.type)
         self.invariant_rows = invariant_rows or (INVARIANT_ROWS if native else 1)
         self.weight_major = self._default_weight_major() if weight_major is None else weight_major
+        self.upcast = self._default_upcast(native) if upcast is None else upcast
         self._project = self._products()
         self._keys: list[torch.Tensor] = []  # per layer [kv_heads, capacity, head_dim]
         self._values: list[torch.Tensor] = []
@@ -169,15 +174,16 @@ class FastLlamaBackend:
     def _default_weight_major(self) -> bool:
         return self.device.type == "cpu" and self.dtype == torch.float32 and not self.batch_invariant
 
+    def _default_upcast(self, native: bool) -> bool:
+        return self.device.type == "cpu" and self.dtype != torch.float32 and not native and not self.batch_invariant
+
     def _products(self) -> Callable:
         """The matrix product every projection runs: (x [n, D], weight [out, D], bias) -> [n, out]."""
         if self.batch_invariant:
             return partial(invariant_linear, rows=self.invariant_rows)
         if self.weight_major:
             return weight_major_linear
-        if self.dtype != torch.float32 and self.device.type == "cpu" and not native_block_products(self.dtype, "cpu"):
-            return UpcastLinear()  # a draft in emulated bf16/fp16: long blocks in fp32
-        return F.linear
+        return UpcastLinear() if self.upcast else F.linear
 
     def _forward(self, token_ids: Sequence[int], positions: torch.Tensor, ancestors: torch.Tensor | None) -> torch.Tensor:
         """Run the layers on new tokens at `positions` [n], appended to the cache; final hidden states [n, D].
