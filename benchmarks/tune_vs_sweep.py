@@ -11,6 +11,10 @@ ratio of wall times, and the model's errors against the sweep: in absolute
 tokens/s, and anchored to the sweep's own plain decoding (re-timed every
 `--baseline-every` cells; the re-timings are left out of the sweep's time),
 so that a change of the machine's speed between calibration and sweep cancels.
+  4. the model checked on its own: a full calibration (every prompt, full length,
+     no budget) after the tune, and its errors against the sweep, absolute and
+     anchored; tune's own profile is cut to its budget (fewer prompts, shorter
+     runs), so its errors mix the model's with what the budget left unmeasured.
   3. when the pick is not the sweep's best, a head-to-head check: both cells and
      plain decoding re-run interleaved on the same prompts (`--confirm` rounds),
      since the best of many single-shot cells is biased upward by their noise
@@ -57,6 +61,8 @@ def main() -> None:
     parser.add_argument("--baseline-every", type=int, default=6,
                         help="re-time plain decoding after this many cells of a prompt in the sweep, to anchor the "
                              "model's predictions to (0: never; their time is not counted as the sweep's)")
+    parser.add_argument("--no-full-calibration", action="store_true",
+                        help="skip step 4, the model's check from a calibration without budget")
     parser.add_argument("--db", default=None, help="keep the sweep database here (default: a temporary file)")
     args = parser.parse_args()
     from transformers.utils import logging as hf_logging
@@ -98,6 +104,7 @@ def main() -> None:
     anchored_errors = error_summary(anchored)
     plain_decode = measured_cells(rows, method="ar")[PLAIN].tokens_per_s  # the sweep's, prefill excluded
     relative = speedup_errors(comparisons, profile.target.autoregressive_tokens_per_s, plain_decode)
+    full = None if args.no_full_calibration else full_check(target, args.drafts, prompts, settings, rows, checks)
     confirmed = None
     if args.confirm and (best.drafter, best.k) != (rec.draft, rec.k):
         confirmed = head_to_head(target, (best.drafter, best.k), (rec.draft, rec.k), prompts, settings, args.confirm)
@@ -135,11 +142,31 @@ def main() -> None:
           f"{anchored_errors['inside_interval']:.0%} of cells ({anchored_errors['large_errors_inside_interval']:.0%} of "
           "those off by > 10%)")
     print_large_errors(anchored)
+    if full is not None:
+        print(f"model from a full calibration ({full['prompts']} prompts, {args.max_new_tokens} tokens, "
+              f"{full['seconds']:.0f}s) vs sweep: simplified mean {full['errors']['simplified_mean_error']:.1%} max "
+              f"{full['errors']['simplified_max_error']:.1%}, inside the interval in {full['errors']['inside_interval']:.0%} "
+              f"of cells ({full['errors']['large_errors_inside_interval']:.0%} of those off by > 10%); anchored: mean "
+              f"{full['anchored']['simplified_mean_error']:.1%} max {full['anchored']['simplified_max_error']:.1%}, "
+              f"inside {full['anchored']['inside_interval']:.0%} ({full['anchored']['large_errors_inside_interval']:.0%})")
+        print_large_errors(full["comparisons"])
     print("reproduce: python " + " ".join(sys.argv))
     print(json.dumps({"sweep_s": sweep_s, "tune_s": tune_s, "best": [best.drafter, best.k, best.tokens_per_s],
                       "picked": [rec.draft, rec.k, picked_tps], "regret": regret, "time_ratio": tune_s / sweep_s,
                       "confirmed": confirmed, "errors": errors, "speedup_errors": relative,
-                      "anchored_errors": anchored_errors, "db": str(db)}))
+                      "anchored_errors": anchored_errors,
+                      "full_calibration": None if full is None else {k: v for k, v in full.items() if k != "comparisons"},
+                      "db": str(db)}))
+
+
+def full_check(target, drafts, prompts, settings, rows, checks) -> dict:
+    """The model's errors against the sweep from a calibration on every prompt at full length, without budget."""
+    from draftlab.perf.calibrate import calibrate
+
+    profile = calibrate(target, drafts, prompts, settings)
+    comparisons = compare(profile, rows)
+    return {"prompts": len(prompts), "seconds": profile.seconds, "errors": error_summary(comparisons),
+            "anchored": error_summary(compare(profile, rows, checks)), "comparisons": comparisons}
 
 
 def print_large_errors(comparisons) -> None:

@@ -80,6 +80,14 @@ def test_tune_and_sweep_read_a_users_mt_bench_file(tmp_path, capsys):
     store = ResultsStore(db)
     assert {r["prompt_id"] for r in store.rows()} == {"80", "81", "82"}
     store.close()
+    profile = tmp_path / "profile.json"
+    assert main(["calibrate", "--target", str(model), "--prompts", str(questions), "--drafts", "ngram", "--k-max", "1",
+                 "--max-new-tokens", "8", "--repeats", "2", "--no-progress", "--out", str(profile)]) == 0
+    capsys.readouterr()
+    assert main(["validate", "--profile", str(profile), "--db", str(db)]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert "anchored to the study's plain decoding" in out and summary["anchored"]["cells"] == summary["cells"] == 1
 
 
 def test_race_plan_keeps_every_prompt_and_full_length_runs_and_fits_the_time_left():

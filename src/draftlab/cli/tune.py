@@ -136,10 +136,12 @@ def cmd_validate(args) -> None:
           f"Leviathan: mean {summary['leviathan_mean_error']:.1%}, max {summary['leviathan_max_error']:.1%} "
           f"({summary['cells']} cells, decode throughput, prefill excluded); measured inside the predicted interval "
           f"in {summary['inside_interval']:.0%} of cells")
-    anchored = error_summary(compare(Profile.load(args.profile), rows, load_checks(args.db)))
-    print(f"anchored to the study's plain decoding closest in time (the machine's speed between calibration and "
-          f"study cancels): simplified mean error {anchored['simplified_mean_error']:.1%}, max "
-          f"{anchored['simplified_max_error']:.1%}; inside the interval in {anchored['inside_interval']:.0%} of cells")
+    anchored = _anchored_summary(Profile.load(args.profile), rows, load_checks(args.db))
+    if anchored:
+        print(f"anchored to the study's plain decoding closest in time (a uniform change of the machine's speed "
+              f"between calibration and study cancels): simplified mean error {anchored['simplified_mean_error']:.1%}, "
+              f"max {anchored['simplified_max_error']:.1%}; inside the interval in {anchored['inside_interval']:.0%} "
+              "of cells")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -148,6 +150,17 @@ def cmd_validate(args) -> None:
             {"draft": c.draft, "k": c.k, "measured": c.measured_tokens_per_s, "simplified": c.simplified_tokens_per_s,
              "leviathan": c.leviathan_tokens_per_s} for c in comparisons])
     print(json.dumps({**summary, "anchored": anchored}))
+
+
+def _anchored_summary(profile, rows: list[dict], checks: list[dict]) -> dict | None:
+    """Errors with predictions anchored to the study's plain decoding; None (said why) when it has none to anchor to."""
+    from draftlab.perf.tuner import compare, error_summary
+
+    try:
+        return error_summary(compare(profile, rows, checks))
+    except DraftlabError as exc:
+        print(f"anchored errors: not available ({exc})")
+        return None
 
 
 def cmd_tune(args) -> None:
