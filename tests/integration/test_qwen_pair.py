@@ -52,7 +52,7 @@ def test_the_pair_shares_a_tokenizer(target):
     assert draft.num_parameters() < target.num_parameters() / 2.5
 
 
-@pytest.mark.parametrize("drafter", ["model:qwen2.5-coder-0.5b", "layers:0-7", "ngram"])
+@pytest.mark.parametrize("drafter", ["model:qwen2.5-coder-0.5b", "model:qwen2.5-coder-0.5b@bf16", "layers:0-7", "ngram"])
 def test_greedy_with_each_draft_equals_autoregressive(target, prompt_ids, reference, drafter):
     for k in (1, 3, 5):
         out = SpeculativeDecoder.from_names(target, drafter=drafter, k=k).generate(prompt_ids, max_new_tokens=16)

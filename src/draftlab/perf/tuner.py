@@ -135,8 +135,9 @@ def compare(profile: Profile, rows: list[dict], checks: list[dict] | None = None
 
     `checks` (the study's baseline re-timings; pass [] when it has none) anchors the predictions to the study's
     own plain decoding: each record's predicted speed is scaled by the plain decoding measured closest in time on
-    its prompt over calibration's, so that a change of the machine's speed between calibration and study, or
-    during the study, cancels, and the model answers for what it predicts, the speedup. None: absolute tokens/s.
+    its prompt over calibration's, so that a uniform change of the machine's speed between calibration and study,
+    or during the study, cancels, and the model answers for what it predicts, the speedup (a change that slows
+    single tokens and blocks unequally does not cancel). None: absolute tokens/s.
     """
     drafts = {d.name: d for d in profile.drafts}
     factor = None if checks is None else anchor_factors(rows, checks, profile.target.autoregressive_tokens_per_s)
