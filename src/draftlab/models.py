@@ -64,6 +64,11 @@ def dtype_name(dtype: str | torch.dtype) -> str:
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
 
+def dtype_suffix(dtype: torch.dtype, reference: torch.dtype) -> str:
+    """'@bf16' for a draft in another dtype than its target (`reference`), else ''."""
+    return "" if dtype == reference else f"@{dtype_name(dtype)}"
+
+
 def auto_dtype(device: str) -> tuple[str, str]:
     """The dtype 'auto' picks on `device`, and why.
 

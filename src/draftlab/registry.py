@@ -50,7 +50,7 @@ from draftlab.drafters.shipped import shipped_draft
 from draftlab.drafters.staged import StagedDrafter
 from draftlab.drafters.tree import TreeDrafter, TreeShape
 from draftlab.errors import DraftlabError
-from draftlab.models import DTYPES, LoadedModel, ModelSpec, dtype_name, load_model
+from draftlab.models import DTYPES, LoadedModel, ModelSpec, dtype_name, dtype_suffix, load_model
 
 SPEC_HELP = ("none | ngram[:N|:A-B] | layers:0-3 (or 0,2,4 / 0-29:2) | model:NAME_OR_PATH | designed | "
              "tree:SHAPE:SPEC | staged:HELPER/SPEC | merged:GUIDE/SPEC; layer and model drafts take @fp32/@bf16/@fp16")
@@ -122,11 +122,6 @@ def _draft_dtype(plan: DraftPlan, target: LoadedModel) -> torch.dtype:
     return DTYPES[plan.dtype] if plan.dtype else target.dtype
 
 
-def _dtype_suffix(draft: LoadedModel, target: LoadedModel) -> str:
-    """'@bf16' for a draft that runs in another dtype than its target, else ''."""
-    return "" if draft.dtype == target.dtype else f"@{dtype_name(draft.dtype)}"
-
-
 def _parse_ngram(arg: str) -> tuple[int, int]:
     try:
         if not arg:
@@ -183,7 +178,7 @@ def _build_model(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDra
         return DRAFT_FORMATS[fmt](plan, target, backend)
     draft = load_model(ModelSpec(plan.model, device=str(target.device), dtype=dtype_name(_draft_dtype(plan, target))))
     check_compatible(target, draft)
-    draft.name += _dtype_suffix(draft, target)
+    draft.name += dtype_suffix(draft.dtype, target.dtype)
     return _model_draft(draft, backend)
 
 
@@ -242,7 +237,7 @@ def _load_cut(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
     draft = cut.load_cut_model(record, target, _draft_dtype(plan, target))
     check_compatible(target, draft)
     model_backend = make_backend(draft.model, draft.device, backend, batch_invariant=False, head_rows=record.vocab_map)
-    name = f"{draft.name}/v{len(record.vocab_map)}{_dtype_suffix(draft, target)}"
+    name = f"{draft.name}/v{len(record.vocab_map)}{dtype_suffix(draft.dtype, target.dtype)}"
     drafter = ModelDrafter(model_backend, name, record.vocab_map, target.vocab_size)
     return BuiltDraft(drafter, draft)
 

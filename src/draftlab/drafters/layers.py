@@ -8,7 +8,7 @@ from typing import Sequence
 import torch
 
 from draftlab.errors import DraftlabError
-from draftlab.models import LoadedModel, dtype_name
+from draftlab.models import LoadedModel, dtype_suffix
 
 
 def build_layer_draft(target: LoadedModel, layers: Sequence[int], dtype: torch.dtype | None = None) -> LoadedModel:
@@ -29,11 +29,12 @@ def build_layer_draft(target: LoadedModel, layers: Sequence[int], dtype: torch.d
     if getattr(config, "layer_types", None) is not None:
         draft_config.layer_types = [config.layer_types[i] for i in layers]
     draft_model = AutoModelForCausalLM.from_config(draft_config, dtype=dtype)
-    state = {key: tensor.to(dtype) if tensor.is_floating_point() else tensor for key, tensor in _layer_state(target.model.state_dict(), layers).items()}
+    state = _layer_state(target.model.state_dict(), layers)
+    state = {key: tensor.to(dtype) if tensor.is_floating_point() else tensor for key, tensor in state.items()}
     draft_model.load_state_dict(state, assign=True, strict=True)
     draft_model.to(target.device).eval()
     draft_model.requires_grad_(False)
-    name = f"{target.name}:layers{format_layers(layers)}" + ("" if dtype == target.dtype else f"@{dtype_name(dtype)}")
+    name = f"{target.name}:layers{format_layers(layers)}{dtype_suffix(dtype, target.dtype)}"
     return LoadedModel(name, draft_model, target.tokenizer, target.device, dtype)
 
 

@@ -103,7 +103,7 @@ PRESETS = {
     # draft (in the target's dtype and in bf16, which drafts ~2x faster on CPUs; README), layer self-drafts of the
     # 1.5B at two depths (it has 28 layers) and n-gram lookup, SpS and AsG, K 1..7,
     # on code, chat, math and summarization. In fp32 on 2 CPU cores the 1.5B decodes ~3 tokens/s, so this grid
-    # (4 drafts x 7 K x 2 methods x 16 prompts x 64 tokens) takes hours there; on a GPU, minutes.
+    # (5 drafts x 7 K x 2 methods x 16 prompts x 64 tokens) takes hours there; on a GPU, minutes.
     "family": SweepConfig(
         targets=("qwen2.5-coder-1.5b",),
         drafters=("model:qwen2.5-coder-0.5b", "model:qwen2.5-coder-0.5b@bf16", "layers:0-3", "layers:0-27:4", "ngram"),
