@@ -1,18 +1,16 @@
-"""How close the fast backend runs to the machine's limits, per dtype, in one run.
+"""How close the fast backend runs to the machine's limits, per dtype and route, in one run.
 
-Prints, for each dtype (and for the fast backend with and without batch-invariant
-scoring):
+Prints, for each dtype and each route of the fast backend (`draftlab.backends.routes`: the exact routes
+exact-linear/R and exact-wm/R, and the unchunked `linear` and `weight-major` products):
 - the weight bytes read per token and the measured read bandwidth, hence the
   bandwidth limit on plain decoding (tok/s);
-- autoregressive decoding tok/s and its share of that limit;
+- plain decoding tok/s and its share of that limit;
 - the block-cost curve: scoring 1..16 tokens in one pass, relative to one token
-  (the number the throughput model and the choice of K depend on), with block
-  products taken by `F.linear` ("linear") and as weight @ x^T ("weight-major",
-  the fast backend's default for fp32 on CPUs);
+  (the number the throughput model and the choice of K depend on);
 - the share of block rows bitwise identical to scoring their token alone;
-- llama.cpp plain decoding of the GGUF files given with --llama-gguf (for the
-  issue's comparison: F32 and F16 conversions of the target), when
-  llama-cpp-python is installed (a benchmark-only extra, not in CI).
+then the prefill time of a long prompt per dtype, the route `auto` chooses on this host and why, the
+fastest plain decoding, and llama.cpp plain decoding of the GGUF files given with --llama-gguf when
+llama-cpp-python is installed.
 
 Timings are medians of interleaved rounds, so drift hits every block size alike.
 
@@ -25,32 +23,15 @@ import argparse
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 
 from draftlab.backends import FastLlamaBackend
-from draftlab.models import auto_dtype, load_model
+from draftlab.backends.routes import KINDS, Route, choose_for, cpu_flags, cpu_model, exact_routes
+from draftlab.models import load_model
 from draftlab.step import Block
 
 PROMPT = [1, 504, 3458, 282, 4125, 28, 357, 253, 2641, 30, 378, 1028, 314, 253, 1789, 2295] * 4  # 64 tokens
-
-
-@dataclass
-class Mode:
-    """One way of running the target: a dtype, whether block scoring is batch-invariant, its row chunk, and
-    whether blocks' products are weight-major."""
-
-    dtype: str
-    invariant: bool
-    rows: int | None = None  # invariant products' row chunk (None: the backend's choice for this hardware)
-    weight_major: bool = False
-
-    @property
-    def label(self) -> str:
-        if self.invariant:
-            return f"{self.dtype} invariant/{self.rows}"
-        return f"{self.dtype} {'weight-major' if self.weight_major else 'linear'}"
 
 
 def read_bandwidth(gib: float = 0.5, repeats: int = 5) -> float:
@@ -133,46 +114,73 @@ def llama_cpp_seconds(gguf: str, tokens: int) -> float | str:
     return statistics.median(times)
 
 
+def prefill_seconds(model, dtype: str, tokens: int, repeats: int = 3) -> float:
+    """Median seconds to prefill a `tokens`-long prompt (every row cached, the last row's logits)."""
+    backend = FastLlamaBackend(model, capacity=tokens + 8)
+    prompt = (PROMPT * (tokens // len(PROMPT) + 1))[:tokens]
+    times = []
+    for _ in range(repeats + 1):
+        backend.reset()
+        start = time.perf_counter()
+        backend.score(prompt, last_only=True)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
-    parser.add_argument("--tokens", type=int, default=48, help="decoded tokens per autoregressive measurement")
+    parser.add_argument("--tokens", type=int, default=48, help="decoded tokens per plain decoding measurement")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the block-cost curve")
     parser.add_argument("--max-block", type=int, default=16)
+    parser.add_argument("--routes", nargs="*", default=None,
+                        help="route names to measure (e.g. linear exact-wm/4); default: every route")
+    parser.add_argument("--prefill-tokens", type=int, default=1344, help="length of the prompt whose prefill is timed")
     parser.add_argument("--llama-gguf", nargs="*", default=[],
                         help="GGUF files (e.g. F32 and F16 conversions of the target) to decode with llama.cpp")
     args = parser.parse_args()
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
     sizes = list(range(1, args.max_block + 1))
     bandwidth = read_bandwidth()
-    auto, why = auto_dtype("cpu")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; read bandwidth {bandwidth / 1e9:.1f} GB/s; "
-          f"auto dtype here: {auto} ({why})")
-    rows = []
+    flags = " ".join(sorted(cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16"}))
+    print(f"{cpu_model() or 'unknown CPU'} ({flags or 'no AVX flags'}); torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    rows, prefills = [], {}
     for dtype in args.dtypes:
         target = load_model(args.target, dtype=dtype)
         per_token = weight_bytes(target.model)
         limit = bandwidth / per_token
-        for mode in (Mode(dtype, False), Mode(dtype, False, weight_major=True), Mode(dtype, True, 1),
-                     Mode(dtype, True, 16)):
-            backend = FastLlamaBackend(target.model, batch_invariant=mode.invariant, invariant_rows=mode.rows,
-                                       weight_major=mode.weight_major)
+        for route in [Route(dtype, kind, 0) for kind in KINDS] + exact_routes(dtype):
+            if args.routes and route.label.split(" ", 1)[1] not in args.routes:
+                continue
+            backend = FastLlamaBackend(target.model, route=route)
             seconds = decode_seconds(backend, args.tokens)
             curve = block_curve(backend, sizes, args.rounds)
             same = identical_rows(backend, sizes[1:])
-            rows.append((mode, per_token, limit, seconds, curve, same))
-    print(f"\n{'mode':<19}{'MB/token':>9}{'limit tok/s':>12}{'AR tok/s':>9}{'% limit':>8}{'same rows':>10}  "
+            rows.append((route, per_token, limit, seconds, curve, same))
+        prefills[dtype] = prefill_seconds(target.model, dtype, args.prefill_tokens)
+        del target
+    print(f"\n{'route':<22}{'MB/token':>9}{'limit tok/s':>12}{'AR tok/s':>9}{'% limit':>8}{'same rows':>10}  "
           "block cost / one token (n = " + " ".join(str(n) for n in sizes) + ")")
-    for mode, per_token, limit, seconds, curve, same in rows:
+    for route, per_token, limit, seconds, curve, same in rows:
         ratios = " ".join(f"{curve[n] / curve[1]:.2f}" for n in sizes)
-        print(f"{mode.label:<19}{per_token / 1e6:>9.0f}{limit:>12.1f}{1 / seconds:>9.1f}{100 / seconds / limit:>7.0f}%"
+        print(f"{route.label:<22}{per_token / 1e6:>9.0f}{limit:>12.1f}{1 / seconds:>9.1f}{100 / seconds / limit:>7.0f}%"
               f"{100 * same:>9.0f}%  {ratios}")
+    print("\nprefill of a " + f"{args.prefill_tokens}-token prompt: " + ", ".join(
+        f"{dtype} {s:.2f} s" for dtype, s in prefills.items())
+          + (f"; bf16 / fp32 = {prefills['bf16'] / prefills['fp32']:.2f}x" if {"bf16", "fp32"} <= set(prefills) else ""))
+    target_config = load_model(args.target, dtype=args.dtypes[0]).model.config
+    choice = choose_for(target_config, "cpu")
+    print(f"auto chooses: {choice.describe()}")
+    exact = [r for r in rows if r[0].exact]
     fastest = max(rows, key=lambda r: 1 / r[3])
-    print(f"\nfastest plain decoding: {fastest[0].label} at {1 / fastest[3]:.1f} tok/s")
+    fastest_exact = max(exact, key=lambda r: 1 / r[3]) if exact else fastest
+    chosen = next((r for r in rows if r[0] == choice.route), None)
+    print(f"fastest plain decoding: {fastest[0].label} at {1 / fastest[3]:.1f} tok/s; fastest exact: "
+          f"{fastest_exact[0].label} at {1 / fastest_exact[3]:.1f} tok/s")
+    if chosen is not None:
+        print(f"auto's route measured here: {1 / chosen[3]:.1f} tok/s plain ({fastest_exact[3] / chosen[3]:.2f}x the "
+              f"fastest exact), block of 4 = {chosen[4][4] / chosen[4][1]:.2f}x one token" if 4 in chosen[4] else "")
     for gguf in args.llama_gguf:
         seconds = llama_cpp_seconds(gguf, args.tokens)
         if isinstance(seconds, str):

@@ -95,7 +95,7 @@ def check_model(args, specs: list[str], rows: list[dict]) -> dict:
     from draftlab.datasets import load_prompts
     from draftlab.models import load_model
     from draftlab.perf.calibrate import CalibrationSettings, calibrate
-    from draftlab.perf.tuner import compare, error_summary
+    from draftlab.perf.validate import compare, error_summary
 
     target = load_model(args.target, dtype=args.dtype)
     target.name = args.target

@@ -41,7 +41,10 @@ from draftlab.study.report import summarize
 from draftlab.study.store import ResultsStore
 from draftlab.study.sweep import SweepConfig, run_sweep
 from draftlab.datasets import load_prompts
-from draftlab.perf.tuner import PLAIN, TuneSettings, compare, error_summary, measured_cells, tune
+from draftlab.perf.race import PLAIN
+from draftlab.perf.sizing import TuneSettings
+from draftlab.perf.validate import compare, error_summary, measured_cells
+from draftlab.perf.tuner import tune
 
 
 def main() -> None:
@@ -191,7 +194,7 @@ def speedup_errors(comparisons, calibration_ar: float, sweep_ar: float) -> dict:
 def head_to_head(target, best: tuple[str, int], picked: tuple[str, int], prompts, settings, rounds: int) -> dict:
     """Re-measure the sweep's best and the pick beside plain decoding, interleaved, on the same prompts."""
     from draftlab.api import SpeculativeDecoder, encode_prompt
-    from draftlab.perf.tuner import run_interleaved
+    from draftlab.perf.race import run_interleaved
 
     keys = list(dict.fromkeys([PLAIN, best, picked]))
     decoders = {key: SpeculativeDecoder.from_names(target, drafter=key[0], k=max(key[1], 1), backend=settings.backend)

@@ -85,18 +85,17 @@ def test_invariant_products_match_rows_alone_and_pad_to_fixed_chunks():
     assert torch.allclose(rows, x @ weight.T, atol=1e-4)
 
 
-def test_row_chunk_follows_the_hardware():
-    from draftlab.models import native_block_products
+def test_row_chunk_follows_the_measured_route():
+    from draftlab.backends.routes import default_route
 
-    backend = FastLlamaBackend(model_in(torch.bfloat16))
-    assert backend.invariant_rows == (INVARIANT_ROWS if native_block_products(torch.bfloat16, "cpu") else 1)
-    assert FastLlamaBackend(model_in(torch.float32), batch_invariant=True).invariant_rows == 1  # fp32: no CPU block is free
+    model = model_in(torch.bfloat16)
+    assert FastLlamaBackend(model).route == default_route(model.config, "bf16")  # timed on this host, cached
     assert FastLlamaBackend(model_in(torch.float32), batch_invariant=True, invariant_rows=16).invariant_rows == 16
 
 
-def test_default_is_invariant_in_low_precision_only_and_hf_refuses_it():
+def test_default_is_exact_in_every_dtype_drafts_opt_out_and_hf_refuses_it():
     assert FastLlamaBackend(model_in(torch.bfloat16)).batch_invariant
-    assert not FastLlamaBackend(model_in(torch.float32)).batch_invariant
-    assert FastLlamaBackend(model_in(torch.float32), batch_invariant=True).batch_invariant
+    assert FastLlamaBackend(model_in(torch.float32)).batch_invariant  # exact by construction in fp32 too
+    assert not FastLlamaBackend(model_in(torch.float32), batch_invariant=False).batch_invariant
     with pytest.raises(DraftlabError, match="batch-invariant"):
         make_backend(model_in(torch.float32), kind="hf", batch_invariant=True)

@@ -103,6 +103,7 @@ SAMPLINGS = {
 
 @pytest.mark.parametrize("name", sorted(SAMPLINGS))
 @pytest.mark.parametrize("draft", ["noisy", "adversarial"])
+@pytest.mark.slow  # statistical: `pytest -m slow`, which CI runs too
 def test_engine_joint_distribution_equals_target(toy, name, draft):
     sampling = SAMPLINGS[name]
     draft_model = noisy_copy(toy, 0.8, seed=2) if draft == "noisy" else adversarial(toy)
@@ -114,6 +115,7 @@ def test_engine_joint_distribution_equals_target(toy, name, draft):
 
 
 @pytest.mark.parametrize("name", ["t1", "t1-top0.85"])
+@pytest.mark.slow  # statistical: `pytest -m slow`, which CI runs too
 def test_ngram_drafts_keep_the_joint_distribution(toy, name):
     """A one-hot drafter that really drafts K tokens (the prompt's last token recurs) is lossless too."""
     sampling = SAMPLINGS[name]

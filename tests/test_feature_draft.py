@@ -145,6 +145,7 @@ def test_errors(tiny_target, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["t1", "t1-top0.85"])
+@pytest.mark.slow  # statistical: `pytest -m slow`, which CI runs too
 def test_feature_draft_keeps_the_joint_distribution(name):
     """K=3 drafts from a half-vocabulary feature draft (forcing residual draws) keep the target's joint law."""
     toy = tiny_llama(vocab=VOCAB, layers=1, seed=5, hidden=16)

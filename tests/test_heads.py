@@ -158,6 +158,7 @@ def test_errors(tiny_target, tmp_path):
 
 @pytest.mark.parametrize("shape", [None, "2x2"])
 @pytest.mark.parametrize("name", ["t1", "t0.8-top3"])
+@pytest.mark.slow  # statistical: `pytest -m slow`, which CI runs too
 def test_heads_keep_the_joint_distribution(name, shape):
     """Half-vocabulary random heads (forcing residual draws), as a chain and a tree: the target's exact law."""
     toy = tiny_llama(vocab=VOCAB, layers=1, seed=5, hidden=16)

@@ -15,7 +15,8 @@ from draftlab.perf.model import (
     prompt_standard_errors,
     simplified_throughput,
 )
-from draftlab.perf.tuner import choose, extra_tar_for_parity, format_what_if, latency_reduction_for_parity, required_tar
+from draftlab.perf.tuner import choose
+from draftlab.perf.present import extra_tar_for_parity, format_what_if, latency_reduction_for_parity, required_tar
 
 
 def test_leviathan_hand_values():
@@ -108,7 +109,7 @@ def test_extra_tar_and_what_if_table():
     target = TargetProfile("t", {1: 0.030, 2: 0.032, 3: 0.034})
     fast = DraftProfile("fast", 0.001, [0.6, 0.3])
     slow = DraftProfile("slow", 0.010, [0.7, 0.5])
-    from draftlab.perf.tuner import predictions
+    from draftlab.perf.validate import predictions
     from draftlab.perf.calibrate import Profile
 
     text = format_what_if(predictions(Profile(target, [fast, slow])))

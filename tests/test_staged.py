@@ -89,6 +89,7 @@ def toy():
 @pytest.mark.parametrize("helper", ["ngram", "constant"])
 @pytest.mark.parametrize("name", ["t1", "t0.8-top3"])
 @pytest.mark.parametrize("draft", ["noisy", "adversarial"])
+@pytest.mark.slow  # statistical: `pytest -m slow`, which CI runs too
 def test_staged_sampling_keeps_the_joint_distribution(toy, draft, name, helper):
     """Rejection sampling at the draft's level keeps each token's law = its draft_probs row: the target's law holds."""
     from draftlab.engine import SpeculativeEngine

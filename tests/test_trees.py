@@ -180,6 +180,7 @@ def toy():
 @pytest.mark.parametrize("shape", ["2x2", "dyn-2-5@0.2", "2@auto"])
 @pytest.mark.parametrize("name", ["t1", "t0.8-top3"])
 @pytest.mark.parametrize("draft", ["noisy", "adversarial"])
+@pytest.mark.slow  # statistical: `pytest -m slow`, which CI runs too
 def test_tree_sampling_keeps_the_joint_distribution(toy, draft, name, shape):
     """Siblings drawn without replacement, verified by recursive rejection sampling: the target's exact law."""
     sampling = SAMPLINGS[name]
@@ -192,6 +193,7 @@ def test_tree_sampling_keeps_the_joint_distribution(toy, draft, name, shape):
 
 
 @pytest.mark.parametrize("name", ["t1", "t1-top0.85"])
+@pytest.mark.slow  # statistical: `pytest -m slow`, which CI runs too
 def test_feature_tree_sampling_keeps_the_joint_distribution(toy, name):
     drafter = TreeDrafter(FeatureDrafter(new_feature_draft(toy, torch.arange(0, VOCAB, 2))), TreeShape.parse("2x2"),
                           VOCAB)
@@ -269,6 +271,7 @@ def test_merged_specs_in_the_registry(tiny_target):
 @pytest.mark.parametrize("shape", ["1", "2x2"])
 @pytest.mark.parametrize("guide", ["ngram", "constant"])
 @pytest.mark.parametrize("draft", ["noisy", "adversarial"])
+@pytest.mark.slow  # statistical: `pytest -m slow`, which CI runs too
 def test_merged_tree_sampling_keeps_the_joint_distribution(toy, draft, guide, shape):
     """One-hot guide nodes, then the draft's siblings without the guide's token: the target's exact law."""
     from draftlab.drafters.ngram import NGramDrafter

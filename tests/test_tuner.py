@@ -11,7 +11,8 @@ from draftlab.errors import DraftlabError
 from draftlab.models import load_model
 from draftlab.perf.calibrate import CalibrationSettings
 from draftlab.perf.model import DraftProfile, TargetProfile, predict
-from draftlab.perf.tuner import TuneSettings, contenders, tune
+from draftlab.perf.sizing import TuneSettings
+from draftlab.perf.tuner import contenders, tune
 from tests.conftest import tiny_model_dir
 
 DRAFTS = ["ngram", "ngram:2-4", "layers:0-1", "layers:0-2"]
@@ -91,7 +92,8 @@ def test_tune_and_sweep_read_a_users_mt_bench_file(tmp_path, capsys):
 
 
 def test_race_plan_keeps_every_prompt_and_full_length_runs_and_fits_the_time_left():
-    from draftlab.perf.tuner import Pilot, plan_race
+    from draftlab.perf.sizing import Pilot
+    from draftlab.perf.race import plan_race
 
     unlimited = plan_race(4, 3, 48, None, float("inf"))
     assert (unlimited.contenders, unlimited.prompts, unlimited.tokens) == (4, 3, 48)
@@ -112,7 +114,7 @@ def test_race_plan_keeps_every_prompt_and_full_length_runs_and_fits_the_time_lef
 
 
 def test_calibration_keeps_half_length_runs_before_every_prompt_and_two_prompts_before_length():
-    from draftlab.perf.tuner import CalibrationCost, Pilot, calibration_size
+    from draftlab.perf.sizing import CalibrationCost, Pilot, calibration_size
 
     pilot = Pilot(per_token_s=1 / 48, prefill_s=0.1)
     settings = CalibrationSettings(k_max=7, max_new_tokens=48, repeats=3, short_run_prompts=1)
@@ -181,7 +183,7 @@ def _record(method, drafter, k, prompt, tokens, wall_s, prefill_s, steps, finish
 
 def test_anchored_validation_cancels_the_machines_speed_between_calibration_and_study():
     from draftlab.perf.calibrate import Profile
-    from draftlab.perf.tuner import compare, error_summary
+    from draftlab.perf.validate import compare, error_summary
 
     target = TargetProfile("t", {1: 0.010, 2: 0.010}, score_spread={1: 0.01, 2: 0.01})  # plain decoding 100 tok/s
     profile = Profile(target, [DraftProfile("ngram", 0.0, [1.0], steps=1000)])  # predicts 200 tok/s at K=1

@@ -10,15 +10,17 @@ Drafter spec strings: see `draftlab.registry` (the same grammar everywhere).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from draftlab.backends import Backend, make_backend
+from draftlab.backends import Backend, FastLlamaBackend, make_backend
+from draftlab.backends.routes import Route, parse_route, plain_contenders
 from draftlab.drafters.base import Drafter, NoDrafter
 from draftlab.engine import GenerationConfig, GenerationResult, SpeculativeEngine
 from draftlab.errors import DraftlabError
 from draftlab.defaults import DEFAULT_BACKEND, DraftSettings
-from draftlab.models import DEFAULT_TARGET, LoadedModel, ModelSpec, load_model
+from draftlab.models import DEFAULT_TARGET, DTYPES, LoadedModel, ModelSpec, dtype_name, load_model
 from draftlab.policy import DraftLengthPolicy, DynamicK, FixedK
 from draftlab.registry import DraftPlan, build_drafter, parse_drafter_spec, parse_layers  # noqa: F401 (API)
 from draftlab.sampling import SamplingConfig
@@ -78,17 +80,25 @@ class SpeculativeDecoder:
     def from_names(
         cls, target: str | LoadedModel = DEFAULT_TARGET, drafter: str = DraftSettings.drafter, k: int = DraftSettings.k,
         *, dynamic_k: bool = DraftSettings.dynamic_k, device: str = ModelSpec.device, dtype: str = ModelSpec.dtype,
-        backend: str = DEFAULT_BACKEND,
+        backend: str = DEFAULT_BACKEND, numerics: str = "auto",
     ) -> "SpeculativeDecoder":
         """Load the target (unless given) and build the drafter from its spec string.
 
         backend: "auto" (draftlab's lean Llama forward where it applies, else
         transformers), "fast" (require the lean forward) or "hf" (transformers).
+        numerics: "auto" (the exact route measured fastest on this host) or a route label for the fast backend,
+        e.g. "fp32 exact-wm/4", or "fp32 linear" (faster on some hosts, but block rows then round differently
+        from single rows: output equals plain decoding only up to rounding). Its dtype is loaded when dtype is auto.
         """
         policy = make_policy(k, dynamic_k)
-        loaded = target if isinstance(target, LoadedModel) else load_model(target, device=device, dtype=dtype)
+        route = None if numerics == "auto" else parse_route(numerics, None if dtype == "auto" else dtype)
+        if route is not None and dtype not in ("auto", route.dtype):
+            raise DraftlabError(f"--numerics {route.label} runs {route.dtype}, not --dtype {dtype}")
+        load_dtype = route.dtype if route is not None else dtype
+        loaded = target if isinstance(target, LoadedModel) else load_model(target, device=device, dtype=load_dtype)
+        target_backend = make_backend(loaded.model, loaded.device, backend, route=route) if route else None
         built = build_drafter(drafter, loaded, backend)
-        return cls(loaded, built.drafter, policy, built.model, backend)
+        return cls(loaded, built.drafter, policy, built.model, backend, target_backend)
 
     def generate(
         self,
@@ -116,6 +126,24 @@ class SpeculativeDecoder:
     def with_policy(self, policy: DraftLengthPolicy) -> "SpeculativeDecoder":
         """The same target, backend and drafter with another K policy."""
         return SpeculativeDecoder(self.target, self.drafter, policy, self.draft_model, self.backend, self.target_backend)
+
+    def plain_in(self, route: Route) -> "SpeculativeDecoder":
+        """Plain decoding of this target in another mode: the route's dtype (the weights copied) and products."""
+        target = self.target
+        if route.dtype != dtype_name(target.dtype):
+            model = copy.deepcopy(target.model).to(DTYPES[route.dtype])
+            target = LoadedModel(target.name, model, target.tokenizer, target.device, DTYPES[route.dtype])
+        backend = FastLlamaBackend(target.model, target.device, route=route)
+        return SpeculativeDecoder(target, NoDrafter(), FixedK(1), backend=self.backend, target_backend=backend)
+
+    def host_plain(self) -> dict[str, "SpeculativeDecoder"]:
+        """Plain decoding in the host's fastest mode of each dtype other than this decoder's own, by route label:
+        what a speedup must also beat (empty unless draftlab's own forward runs the target on a CPU)."""
+        own = self.target_backend
+        if not isinstance(own, FastLlamaBackend):
+            return {}
+        routes = plain_contenders(self.target.model.config, str(self.target.device), own.route)
+        return {route.label: self.plain_in(route) for route in routes}
 
     def autoregressive(self) -> "SpeculativeDecoder":
         """A decoder for the same target and backend with no drafter: the baseline."""

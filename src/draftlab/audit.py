@@ -9,8 +9,11 @@ by position:
 - draftlab's speculative engine with each drafter at K;
 - Hugging Face assisted generation with the same draft, where HF can run it.
 
-Position 1 is also compared with the target's exact distribution (one
-forward pass). Each comparison is a chi-square test (categories expected
+Position 1 is also compared with the target's exact distribution, computed by
+the same backend, dtype and numerics as the plain decoding it audits (its first
+step, `SpeculativeEngine.next_token_logits`): with top-p, a reference from
+other numerics can leave a token out of the nucleus that the audited backend
+keeps, and a lossless method would then fail. Each comparison is a chi-square test (categories expected
 fewer than 5 times are pooled) with a Bonferroni-corrected level, and the
 total-variation distance beside the TVD that sampling noise alone gives (two
 halves of the reference). The number of samples is sized to fit a time budget.
@@ -26,6 +29,7 @@ import numpy as np
 import torch
 from scipy.stats import chi2_contingency, chisquare
 
+from draftlab.engine import SpeculativeEngine
 from draftlab.errors import DraftlabError
 from draftlab.sampling import SamplingConfig, logits_to_probs
 
@@ -120,11 +124,11 @@ def run_audit(reference: Sampler, methods: dict[str, Sampler], exact_first: torc
     return AuditReport(samples, level, audits)
 
 
-def exact_first_distribution(model: torch.nn.Module, prompt_ids: Sequence[int], sampling: SamplingConfig) -> torch.Tensor:
-    """The target's warped distribution [V] of the first new token."""
-    with torch.inference_mode():
-        logits = model(input_ids=torch.tensor([list(prompt_ids)], device=model.device)).logits[0, -1:]
-    return logits_to_probs(logits.float().cpu(), sampling)[0].double()
+def exact_first_distribution(plain: SpeculativeEngine, prompt_ids: Sequence[int], sampling: SamplingConfig
+                             ) -> torch.Tensor:
+    """The target's warped distribution [V] of the first new token, as `plain` decoding computes it."""
+    logits = plain.next_token_logits(prompt_ids)  # [V]
+    return logits_to_probs(logits[None].float().cpu(), sampling)[0].double()
 
 
 def _pilot_seconds(samplers: dict[str, Sampler]) -> dict[str, float]:

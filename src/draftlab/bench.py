@@ -3,7 +3,10 @@
 Each prompt runs the baseline and the speculative decoder back to back, so
 that drift in machine speed hits both alike. Speedup is total new tokens per
 second of the speculative runs over that of the baseline runs; `identical`
-counts outputs equal to the baseline token for token.
+counts outputs equal to the baseline token for token. Plain decoding in the
+host's fastest mode of every other dtype (and route) runs beside them
+(`host_baselines`), so the speedup is also stated against the fastest plain
+decoding measured: "plain decoding in fp32" can be the answer.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class BenchSettings:
     top_p: float = SamplingConfig.top_p
     seed: int = GenerationConfig.seed
     warmup: int = 1  # untimed runs first: the first forward passes are slow
+    host_baselines: bool = True  # also time plain decoding in the host's other fast modes
 
 
 @dataclass
@@ -42,6 +46,7 @@ class PromptOutcome:
     speculative: GenerationStats
     identical: bool
     first_difference: int | None  # index of the first differing new token
+    host_plain: dict[str, GenerationStats] = field(default_factory=dict)  # route label -> plain decoding there
 
     @property
     def speedup(self) -> float:
@@ -60,7 +65,20 @@ class BenchReport:
         out = _aggregate(self.outcomes)
         categories = sorted({o.category for o in self.outcomes})
         out["categories"] = {c: _aggregate([o for o in self.outcomes if o.category == c]) for c in categories}
+        out.update(_host_plain(self.outcomes, out))
         return out
+
+
+def _host_plain(outcomes: list[PromptOutcome], overall: dict) -> dict:
+    """The plain decodings timed in other modes, the fastest of all (the baseline included), and the speedup
+    over it."""
+    speeds = {"baseline": overall["baseline_tokens_per_s"]}
+    for label in outcomes[0].host_plain if outcomes else []:
+        runs = [o.host_plain[label] for o in outcomes]
+        speeds[label] = sum(s.new_tokens for s in runs) / sum(s.wall_s for s in runs)
+    fastest = max(speeds, key=speeds.get)
+    return {"host_plain_tokens_per_s": speeds, "fastest_plain": fastest,
+            "speedup_vs_fastest_plain": overall["tokens_per_s"] / speeds[fastest] if speeds[fastest] else 0.0}
 
 
 def _aggregate(outcomes: list[PromptOutcome]) -> dict:
@@ -97,17 +115,19 @@ def _aggregate(outcomes: list[PromptOutcome]) -> dict:
 def run_bench(decoder: SpeculativeDecoder, prompts: list[Prompt], settings: BenchSettings, progress: bool = True) -> BenchReport:
     """Baseline and speculative decoding of every prompt, interleaved."""
     baseline = decoder.autoregressive()
+    host = decoder.host_plain() if settings.host_baselines else {}
     encoded = [encode_prompt(decoder.target.tokenizer, p.text, p.chat) for p in prompts]
     for ids in encoded[: settings.warmup]:
-        for runner in (baseline, decoder):
+        for runner in (baseline, decoder, *host.values()):
             _generate(runner, ids, settings, max_new_tokens=8)
     report = BenchReport()
     for prompt, ids in tqdm(list(zip(prompts, encoded)), desc="bench", unit="prompt", disable=not progress):
         base = _generate(baseline, ids, settings)
         spec = _generate(decoder, ids, settings)
+        others = {label: _generate(plain, ids, settings).stats for label, plain in host.items()}
         difference = _first_difference(base.token_ids, spec.token_ids)
         report.outcomes.append(
-            PromptOutcome(prompt.id, prompt.category, base.stats, spec.stats, difference is None, difference)
+            PromptOutcome(prompt.id, prompt.category, base.stats, spec.stats, difference is None, difference, others)
         )
     return report
 

@@ -139,6 +139,15 @@ class SpeculativeEngine:
         text = self.decode(new) if self.decode is not None else ""
         return GenerationResult(new, text, stats)
 
+    def next_token_logits(self, prompt_ids: Sequence[int]) -> torch.Tensor:
+        """The target's logits [V] for the token after the prompt, computed exactly as a generation's first step
+        computes them (same prefill, same block): the reference an audit of sampling compares with."""
+        tokens = list(prompt_ids)
+        self._prefill(tokens, Stopwatch(self.target.synchronize))
+        logits = self.target.score_block(Block.chain(tokens[-1:])).logits  # [1, V]
+        self.target.reset()
+        return logits[0]
+
     def _step(self, tokens, config, generator, watch) -> tuple[list[int], list[int], int]:
         """One draft-verify step: the tokens it commits (accepted + recovered/bonus), drafted tokens per level, accepted count."""
         budget = min(self.policy.next_k(), self._room(tokens, config))

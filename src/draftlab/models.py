@@ -9,12 +9,15 @@ keyed by the GGUF's SHA256, so later loads take about a second.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
 from draftlab import assets
+from draftlab.backends.routes import choose_for, native_block_products
 from draftlab.errors import DraftlabError
 
 DTYPES = {
@@ -32,7 +35,7 @@ class ModelSpec:
 
     source: str  # short name, .gguf path or HF directory
     device: str = "cpu"
-    dtype: str = "auto"  # auto: bf16 where the hardware multiplies it natively (see `auto_dtype`), else fp32
+    dtype: str = "auto"  # auto: the dtype whose exact route this host runs fastest for the model (`auto_dtype`)
 
     def __post_init__(self) -> None:
         check_dtype_name(self.dtype)
@@ -40,7 +43,7 @@ class ModelSpec:
 
     def torch_dtype(self) -> torch.dtype:
         """The torch dtype this spec resolves to."""
-        return DTYPES[resolve_dtype_name(self.dtype, self.device)]
+        return DTYPES[resolve_dtype_name(self.dtype, self.device, self.source)]
 
 
 def check_dtype_name(dtype: str) -> str:
@@ -50,10 +53,10 @@ def check_dtype_name(dtype: str) -> str:
     return dtype
 
 
-def resolve_dtype_name(dtype: str, device: str) -> str:
-    """The dtype name 'auto' stands for on `device` (see `auto_dtype`); others unchanged."""
+def resolve_dtype_name(dtype: str, device: str, source: str | None = None) -> str:
+    """The dtype name 'auto' stands for on `device` for the model `source` (see `auto_dtype`); others unchanged."""
     if check_dtype_name(dtype) == "auto":
-        return auto_dtype(device)[0]
+        return auto_dtype(device, source)[0]
     return dtype_name(dtype)
 
 
@@ -69,14 +72,13 @@ def dtype_suffix(dtype: torch.dtype, reference: torch.dtype) -> str:
     return "" if dtype == reference else f"@{dtype_name(dtype)}"
 
 
-def auto_dtype(device: str) -> tuple[str, str]:
-    """The dtype 'auto' picks on `device`, and why.
+def auto_dtype(device: str, source: str | None = None) -> tuple[str, str]:
+    """The dtype 'auto' picks on `device` for the model `source`, and why.
 
-    bf16 halves the bytes a memory-bound decoder reads per token, and where the
-    hardware multiplies bf16 natively (CUDA; CPUs with AVX-512 BF16 or AMX) a
-    block of up to 16 rows costs about one row, so verification is nearly free.
-    Elsewhere bf16 products are emulated row by row and a block costs n rows:
-    fp32 is faster there.
+    On a CPU it is measured (`draftlab.backends.routes.choose_for`): the exact route whose single token is
+    within 10% of the fastest, with the cheapest blocks, over fp32 and bf16 (and fp16 where the CPU has it),
+    timed on the model's own shapes once per host. Hosts of one machine kind differ: on one, bf16 blocks are
+    nearly free; on another, fp32 decodes twice as fast as bf16. Without a model to measure, fp32.
     """
     if device.startswith("cuda"):
         if torch.cuda.is_bf16_supported():
@@ -84,30 +86,25 @@ def auto_dtype(device: str) -> tuple[str, str]:
         return "fp32", "CUDA device without native bf16"
     if device != "cpu":
         return "fp32", f"{device}: draftlab has not measured bf16 there"
-    native = sorted(cpu_flags() & {"avx512_bf16", "amx_bf16"})
-    if native:
-        return "bf16", f"CPU multiplies bf16 natively ({', '.join(native)})"
-    return "fp32", "CPU lacks AVX-512 BF16 and AMX: bf16 products would be emulated, slower than fp32"
+    if source is None:
+        return "fp32", "no model given to time the products on"
+    choice = choose_for(model_config(source), device)
+    return choice.route.dtype, f"{choice.route.label}, {choice.reason}"
 
 
-def native_block_products(dtype: torch.dtype, device: str) -> bool:
-    """True where a 16-row matrix product in `dtype` costs about one row: CUDA, or bf16 on a CPU that has
-    AVX-512 BF16 or AMX. Elsewhere (fp32 on CPUs, bf16 emulated) a block costs more rows than one."""
-    if device.startswith("cuda"):
-        return True
-    return device == "cpu" and dtype == torch.bfloat16 and bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+def batch_dtype_name(dtype: str, device: str) -> str:
+    """The dtype of large batched passes (a design's training text): 'auto' is bf16 where the hardware multiplies
+    it natively (CUDA, AVX-512 BF16, AMX), where batches of many rows run at twice fp32's speed; else fp32."""
+    if check_dtype_name(dtype) != "auto":
+        return dtype_name(dtype)
+    return "bf16" if native_block_products(torch.bfloat16, device) else "fp32"
 
 
-def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags Linux reports (empty elsewhere)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
+def model_config(source: str):
+    """The transformers config of a model source (short name, .gguf file or HF directory)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(resolve_directory(source))
 
 
 def check_device(device: str) -> str:
@@ -146,22 +143,46 @@ class LoadedModel:
         return sum(seen.values())
 
 
-def load_model(spec: ModelSpec | str, *, device: str = ModelSpec.device, dtype: str = ModelSpec.dtype) -> LoadedModel:
-    """Load a model and tokenizer from a short name, a .gguf file or an HF directory."""
+def load_model(spec: ModelSpec | str, *, device: str = ModelSpec.device, dtype: str = ModelSpec.dtype,
+               verbose: bool = False) -> LoadedModel:
+    """Load a model and tokenizer from a short name, a .gguf file or an HF directory.
+
+    `verbose`: let transformers print its per-load progress bar and notes (quiet by default).
+    """
     if isinstance(spec, str):
         spec = ModelSpec(spec, device=device, dtype=dtype)
-    directory = resolve_directory(spec.source)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    with quiet_transformers(not verbose):
+        directory = resolve_directory(spec.source)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch_dtype = spec.torch_dtype()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(directory)
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype)
-    except (OSError, ValueError) as exc:
-        raise DraftlabError(f"could not load a causal LM from {directory}: {exc}") from exc
+        torch_dtype = spec.torch_dtype()
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(directory)
+            model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype)
+        except (OSError, ValueError) as exc:
+            raise DraftlabError(f"could not load a causal LM from {directory}: {exc}") from exc
     model.to(spec.device).eval()
     model.requires_grad_(False)
     return LoadedModel(Path(spec.source).name, model, tokenizer, torch.device(spec.device), torch_dtype)
+
+
+@contextmanager
+def quiet_transformers(quiet: bool = True) -> Iterator[None]:
+    """Within the block, transformers prints no progress bars and only errors; its settings are restored after."""
+    from transformers.utils import logging as hf_logging
+
+    if not quiet:
+        yield
+        return
+    bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def resolve_directory(source: str) -> Path:

@@ -24,6 +24,7 @@ def _cached(asset: assets.Asset) -> bool:
 
 pytestmark = [
     pytest.mark.integration,
+    pytest.mark.slow,
     pytest.mark.skipif(not (os.environ.get("DRAFTLAB_QWEN") == "1" or all(map(_cached, PAIR))),
                        reason="Qwen pair not cached; DRAFTLAB_QWEN=1 downloads it (~1.6 GB)"),
 ]

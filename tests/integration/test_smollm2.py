@@ -15,6 +15,7 @@ from draftlab.errors import DraftlabError
 from draftlab.models import DTYPES, LoadedModel, auto_dtype, load_model
 
 pytestmark = pytest.mark.integration
+SLOW = pytest.mark.slow  # the rest of the real-model suite: `pytest -m slow` (CI runs it); unmarked tests are the smoke set
 
 PROMPTS = [
     "Write a Python function that returns the squares of a list of numbers, then show how to call it.",
@@ -34,7 +35,8 @@ def baseline(target):
     return [ar.generate(p, max_new_tokens=32).token_ids for p in PROMPTS]
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "layers:0-3", "layers:0-29:3", "model:smollm2-135m"])
+@pytest.mark.parametrize("drafter", ["ngram", *(pytest.param(d, marks=SLOW) for d in
+                                                ("layers:0-3", "layers:0-29:3", "model:smollm2-135m"))])
 def test_greedy_equals_autoregressive_fp32(target, baseline, drafter):
     for k in (1, 2, 3, 5, 8):
         decoder = SpeculativeDecoder.from_names(target, drafter=drafter, k=k)
@@ -45,6 +47,7 @@ def test_greedy_equals_autoregressive_fp32(target, baseline, drafter):
 
 @pytest.mark.parametrize("drafter", ["designed", "tree:2x2:designed", "tree:dyn-2-6@0.05:designed",
                                      "tree:2:layers:0-3"])
+@SLOW
 def test_designed_draft_and_trees_are_lossless(target, baseline, drafter):
     """The shipped feature draft, chains and trees of it (and a tree of a layer draft): plain decoding's output."""
     accepted = 0
@@ -57,6 +60,7 @@ def test_designed_draft_and_trees_are_lossless(target, baseline, drafter):
     assert accepted > 0
 
 
+@SLOW
 def test_transformers_backend_gives_the_same_output(target, baseline):
     decoder = SpeculativeDecoder.from_names(target, drafter="ngram", k=4, backend="hf")
     assert decoder.generate(PROMPTS[0], max_new_tokens=32).token_ids == baseline[0]
@@ -70,7 +74,8 @@ def test_self_draft_accepts_everything(target):
     assert stats.acceptance_rate == 1.0 and stats.tokens_per_step == 5.0
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "layers:0-3", "designed", "tree:2x2:designed"])
+@pytest.mark.parametrize("drafter", ["ngram", *(pytest.param(d, marks=SLOW) for d in
+                                                ("layers:0-3", "designed", "tree:2x2:designed"))])
 def test_greedy_equals_autoregressive_bf16_bit_for_bit(drafter):
     """In bf16 the fast backend scores blocks batch-invariantly: greedy output equals plain decoding exactly.
 
@@ -94,7 +99,7 @@ def test_greedy_equals_autoregressive_bf16_bit_for_bit(drafter):
         assert accepted > 0, f"{drafter} accepted nothing: later block rows went unchecked"
 
 
-@pytest.mark.parametrize("dtype, expected", [("auto", DTYPES[auto_dtype("cpu")[0]]), ("fp32", torch.float32),
+@pytest.mark.parametrize("dtype, expected", [("auto", DTYPES[auto_dtype("cpu", "smollm2-135m")[0]]), ("fp32", torch.float32),
                                              ("bf16", torch.bfloat16)])
 def test_dtype_flag_loads_that_dtype(dtype, expected):
     """Each --dtype value loads the weights in that dtype (auto: what the CPU multiplies fastest)."""
@@ -147,6 +152,9 @@ def test_cli_bench_json(tmp_path):
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["prompts"] == 2 and summary["identical"] == 2 and summary["speedup"] > 0
     assert set(summary["categories"]) == {"code", "sum"}
+    speeds = summary["host_plain_tokens_per_s"]  # plain decoding in the host's other modes, beside the baseline
+    assert speeds["baseline"] > 0 and len(speeds) >= 2 and summary["fastest_plain"] in speeds
+    assert summary["speedup_vs_fastest_plain"] <= summary["speedup"] + 1e-9 and "exact" in summary["numerics"]
     assert "speedup" in out.stdout.splitlines()[1]
 
 
@@ -194,6 +202,7 @@ def test_questions_prompt_set():
     assert all(p.chat and p.text.strip() for p in prompts)
 
 
+@SLOW
 def test_audit_passes_draftlab_and_fails_a_broken_verifier(target):
     """The losslessness audit on the real target at temperature 0.8 with two drafters, and a broken verifier."""
     from draftlab.audit import AuditSettings, exact_first_distribution, run_audit
@@ -212,8 +221,9 @@ def test_audit_passes_draftlab_and_fails_a_broken_verifier(target):
         "draftlab layers:0-3 K=3": sampler(SpeculativeDecoder.from_names(target, drafter="layers:0-3", k=3)),
         "broken layers:0-3 K=3": sampler(broken),
     }
-    reference = sampler(SpeculativeDecoder.from_names(target, drafter="none", k=1))
-    exact = exact_first_distribution(target.model, prompt_ids, __import__("draftlab").SamplingConfig(0.8))
+    plain = SpeculativeDecoder.from_names(target, drafter="none", k=1)
+    reference = sampler(plain)
+    exact = exact_first_distribution(plain.engine, prompt_ids, __import__("draftlab").SamplingConfig(0.8))
     report = run_audit(reference, methods, exact, AuditSettings(positions=2, samples=100, budget_s=400))
     verdicts = {m.method: m.passed for m in report.methods}
     assert verdicts == {"draftlab ngram K=3": True, "draftlab layers:0-3 K=3": True, "broken layers:0-3 K=3": False}

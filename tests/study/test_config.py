@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from draftlab.errors import DraftlabError
@@ -11,11 +13,12 @@ from draftlab.study.sweep import SweepConfig, make_config
 def test_toml_file_then_flags(tmp_path):
     path = tmp_path / "grid.toml"
     path.write_text('[sweep]\ndrafters = ["ngram", "layers:0-1"]\nks = [1, 3]\nlimit = 2\n')
-    config = make_config("quick", str(path), limit=5, methods=None)
+    config = make_config("quick", str(path), limit=5, methods=None, dtype="fp32", host_baselines=False)
     assert config.drafters == ("ngram", "layers:0-1") and config.ks == (1, 3)
     assert config.limit == 5  # flags win over the file
     cells = config.cells("t", "d", 0.0)
-    assert cells[0].method == "ar" and len(cells) == 1 + 2 * 2 * 2
+    assert cells[0].method == "ar" and cells[1].method == "hf"  # HF's plain decoding runs beside AsG
+    assert len(cells) == 2 + 2 * 2 * 2
     assert len({c.key for c in cells}) == len(cells)
 
 
@@ -51,4 +54,5 @@ def test_family_preset_is_the_seeds_grid_on_the_qwen_pair():
     assert config.ks == tuple(range(1, 8)) and set(config.methods) == {"sps", "asg"}
     assert {"humaneval", "mt-bench", "math", "xsum"} == set(config.datasets)
     assert "model:qwen2.5-coder-0.5b@bf16" in config.drafters
-    assert len(config.cells("t", "d", 0.0)) == 1 + 2 * 5 * 7
+    fixed = replace(config, dtype="fp32", host_baselines=False)
+    assert len(fixed.cells("t", "d", 0.0)) == 2 + 2 * 5 * 7  # ar, HF plain, then the grid

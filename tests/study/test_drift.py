@@ -8,7 +8,8 @@ import sqlite3
 import subprocess
 import sys
 
-from draftlab.study.report import baseline_drift, build_report, load_checks, load_study, summarize
+from draftlab.study.page import build_report
+from draftlab.study.report import baseline_drift, load_checks, load_study, summarize
 from draftlab.study.store import Cell, Record, ResultsStore
 from draftlab.study.sweep import SweepConfig, run_sweep
 from tests.conftest import tiny_model_dir
@@ -65,7 +66,8 @@ def test_sweep_rechecks_the_baseline_every_n_cells_and_after_each_prompt(tmp_pat
     prompts.write_text("".join(json.dumps({"prompt": " ".join(f"w{(i * 5 + j) % 60}" for j in range(10)),
                                            "category": "chat", "id": f"q{i}"}) + "\n" for i in range(2)))
     config = SweepConfig(targets=(str(model),), drafters=("ngram",), ks=(1, 2, 3, 4, 5), methods=("sps",),
-                         datasets=(str(prompts),), limit=2, max_new_tokens=12, warmup=0, baseline_every=2)
+                         datasets=(str(prompts),), limit=2, max_new_tokens=12, warmup=0, baseline_every=2,
+                         host_baselines=False)
     store = ResultsStore(tmp_path / "s.sqlite")
     run_sweep(config, store, progress=False)
     store.close()

@@ -11,7 +11,8 @@ import pytest
 
 from draftlab.errors import DraftlabError
 from draftlab.study import findings as f
-from draftlab.study.report import CellSummary, build_report, load_study, summarize
+from draftlab.study.page import build_report
+from draftlab.study.report import CellSummary, load_study, summarize
 from tests.study.test_report import study  # noqa: F401  (the hand-built database fixture)
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from draftlab.study.report import build_report, format_optimal, load_study, optimal_table, summarize
+from draftlab.study.page import build_report
+from draftlab.study.report import format_optimal, load_study, optimal_table, summarize
 from draftlab.study.store import Cell, Record, ResultsStore
 
 

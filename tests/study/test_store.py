@@ -104,16 +104,21 @@ def test_newer_schema_is_refused_untouched(tmp_path):
     assert path.read_bytes() == before
 
 
-def test_every_setting_that_changes_a_record_is_in_the_cell_key():
+def test_every_setting_that_changes_a_record_is_in_the_cell_key(tmp_path):
     from dataclasses import replace
 
+    from draftlab.models import resolve_dtype_name
     from draftlab.study.sweep import SweepConfig
+    from tests.conftest import tiny_model_dir
 
-    base = SweepConfig().cells("t", "d", 0.0)[1]
+    fp32 = SweepConfig(dtype="fp32", host_baselines=False)
+    base = fp32.cells("t", "d", 0.0)[-1]
     for change in ({"seed": 1}, {"dtype": "bf16"}, {"backend": "hf"}, {"skip": 4}, {"max_new_tokens": 9}):
-        other = replace(SweepConfig(), **change).cells("t", "d", 0.0)[1]
+        other = replace(fp32, **change).cells("t", "d", 0.0)[-1]
         assert other.key != base.key, change
-    assert SweepConfig(dtype="auto").cells("t", "d", 0.0)[0].key == SweepConfig(dtype="fp32").cells("t", "d", 0.0)[0].key
+    tiny = str(tiny_model_dir(tmp_path / "tiny"))  # 'auto' is timed on a model's shapes
+    resolved = SweepConfig(dtype=resolve_dtype_name("auto", "cpu", tiny)).cells(tiny, "d", 0.0)[0].key
+    assert SweepConfig(dtype="auto").cells(tiny, "d", 0.0)[0].key == resolved  # the key holds the resolved dtype
 
 
 def test_version_3_database_gains_tree_levels_and_keeps_its_records(tmp_path):

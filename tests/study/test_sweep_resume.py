@@ -37,7 +37,7 @@ def setup(tmp_path_factory):
 def sweep_command(db, model, prompts):
     return [sys.executable, "-m", "draftlab.cli", "sweep", "--db", str(db), "--targets", str(model),
             "--drafters", "ngram", "layers:0-1", "--ks", "1-3", "--datasets", str(prompts), "--limit", "6",
-            "--max-new-tokens", "48", "--warmup", "0", "--no-progress"]
+            "--max-new-tokens", "48", "--warmup", "0", "--no-progress", "--dtype", "fp32", "--no-host-baselines"]
 
 
 def count(db) -> int:
@@ -63,7 +63,7 @@ def test_killed_sweep_resumes_to_the_same_records(setup):
     full_db, killed_db = root / "full.sqlite", root / "killed.sqlite"
     subprocess.run(sweep_command(full_db, model, prompts), check=True, capture_output=True, timeout=600)
     total = count(full_db)
-    assert total == 6 * (1 + 2 * 2 * 3)  # prompts x (ar + methods x drafters x K)
+    assert total == 6 * (2 + 2 * 2 * 3)  # prompts x (ar + HF's plain decoding + methods x drafters x K)
 
     process = subprocess.Popen(sweep_command(killed_db, model, prompts), stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)

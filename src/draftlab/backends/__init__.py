@@ -13,6 +13,7 @@ import torch
 from draftlab.backends.base import Backend, Stopwatch
 from draftlab.backends.fast_llama import SUPPORTED_MODEL_TYPES, FastLlamaBackend
 from draftlab.backends.hf import HFBackend
+from draftlab.backends.routes import Route
 from draftlab.defaults import DEFAULT_BACKEND
 from draftlab.errors import DraftlabError
 
@@ -36,6 +37,7 @@ def make_backend(
     kind: str = DEFAULT_BACKEND,
     batch_invariant: bool | None = None,
     head_rows: torch.Tensor | None = None,
+    route: Route | None = None,
 ) -> Backend:
     """A backend for `model`: 'fast' (draftlab's forward), 'hf' (transformers) or 'auto' (fast where supported).
 
@@ -43,6 +45,8 @@ def make_backend(
     for the fast backend); drafts pass False, since their rounding never affects what is committed.
 
     `head_rows` [V']: logits for these vocabulary rows only, [n, V'] (drafts with a cut vocabulary).
+
+    `route`: the fast backend's products (`draftlab.backends.routes`); None: measured on this host.
     """
     check_backend_name(kind)
     supported = getattr(model.config, "model_type", None) in SUPPORTED_MODEL_TYPES
@@ -53,8 +57,10 @@ def make_backend(
         )
     if kind == "auto":
         kind = "fast" if supported else "hf"
-    if batch_invariant and kind == "hf":
-        raise DraftlabError("the hf backend cannot score blocks batch-invariantly; use --backend fast")
+    if (batch_invariant or route is not None) and kind == "hf":
+        raise DraftlabError("the hf backend cannot score blocks batch-invariantly or choose a route; use --backend fast")
+    if route is not None:
+        return FastLlamaBackend(model, device, head_rows=head_rows, route=route)
     return BACKENDS[kind](model, device, batch_invariant=batch_invariant, head_rows=head_rows)
 
 

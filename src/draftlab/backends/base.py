@@ -29,6 +29,7 @@ class Backend(Protocol):
     vocab_size: int
     provides_hidden: bool  # score_block(..., with_hidden=True) returns the final hidden states
     batch_invariant: bool  # each block row is bitwise the row scoring its token alone would give
+    numerics: str  # what the products are and why, for the results' record ('fp32 exact-wm/4 (measured: ...)')
 
     @property
     def cache_len(self) -> int:
@@ -44,7 +45,11 @@ class Backend(Protocol):
         ...
 
     def score_block(self, block: Block, with_hidden: bool = False, last_only: bool = False) -> Scores:
-        """Append a tree-shaped block in one pass; logits [n, V] ([1, V] if last_only), hidden states [n, D] if asked."""
+        """Append a tree-shaped block in one pass; logits [n, V] ([1, V] if last_only), hidden states [n, D] if asked.
+
+        A chain scored `last_only` is a prefill: its other rows are only cached, and a backend may compute it with
+        faster products whose rows differ from single rows in the last bits (plain and speculative decoding
+        prefill alike, so their caches stay identical)."""
         ...
 
     def keep(self, indices: Sequence[int]) -> None:

@@ -17,16 +17,20 @@ through plain tensor code:
 - SDPA with grouped-query attention; a causal mask only when more than one
   token is scored, a tree mask (cache + ancestors) for tree-shaped blocks;
   `keep` compacts an accepted tree path in place.
-- Weight-major block products in fp32 on CPUs (`weight_major_linear`): a block
-  of 2-4 tokens then costs about one token's products instead of 2-3x.
-- Batch-invariant mode (the default in bf16/fp16, where low precision makes a
-  block's rounding flip near-ties): every row of a scored block is bitwise the
-  row that scoring its token alone after the same prefix gives. Matrix products
-  run on fixed-size row chunks (`invariant_linear`: 16 rows where such a product
-  costs about one row, else one row at a time), norms and RoPE are per row
-  already, and attention runs one query row at a time over exactly the keys it
-  sees (the cache prefix, or for a tree its ancestors gathered in order).
-- Drafts in emulated bf16/fp16 (not batch-invariant; a CPU without AVX-512 BF16):
+- Exact by construction (a target's default, every dtype): every row of a
+  scored block is bitwise the row that scoring its token alone after the same
+  prefix gives. Matrix products run on fixed-size row chunks along the route
+  measured fastest on this host (`draftlab.backends.routes`: `F.linear` or
+  weight-major, chunks of 1-16 rows), norms and RoPE are per row already, and
+  attention runs one query row at a time over exactly the keys it sees (the
+  cache prefix, or for a tree its ancestors gathered in order).
+- Prefill at full speed: a block scored for its last row only (a prompt) runs
+  the fastest products and one attention call, since plain and speculative
+  decoding prefill alike and its other rows are only cached.
+- Drafts (not exact: their rounding never reaches the output) run the fastest
+  products: weight-major blocks in fp32 on CPUs (`weight_major_linear`), so a
+  block of 2-4 tokens costs about one token's products.
+- Drafts in emulated bf16/fp16 (a CPU without AVX-512 BF16):
   single tokens and short blocks as they are, which reads half the bytes of fp32;
   prefills and trees of 6+ tokens with the weights converted to fp32 on the fly
   (`UpcastLinear`), where a bf16 block would cost one product per row.
@@ -56,8 +60,8 @@ from draftlab.backends.numerics import (
     tree_mask,
     weight_major_linear,
 )
+from draftlab.backends.routes import Route, default_route, native_block_products
 from draftlab.errors import DraftlabError
-from draftlab.models import native_block_products
 from draftlab.step import Block, Scores
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")  # qwen2: Llama with q/k/v biases
@@ -78,14 +82,17 @@ class FastLlamaBackend:
         weight_major: bool | None = None,
         head_rows: torch.Tensor | None = None,
         upcast: bool | None = None,
+        route: Route | None = None,
     ) -> None:
-        """`batch_invariant`: score each block row bitwise as if alone (None: on unless the weights are fp32).
+        """`batch_invariant`: score each block row bitwise as if alone (None: on, a target's default); drafts pass
+        False and run the fastest products instead.
 
-        `invariant_rows`: the row chunk of batch-invariant products (None: 16 where such a product costs about
-        one row, see `native_block_products`, else 1).
+        `route`: the products blocks run (`draftlab.backends.routes`; its dtype must be the model's). None: for an
+        exact backend the exact route measured fastest for this model's shapes and dtype on this host (cached);
+        `invariant_rows` R asks for exact-linear/R instead.
 
-        `weight_major`: run blocks' products as weight @ x^T (`weight_major_linear`; None: on for fp32 weights on a
-        CPU without batch invariance, where `F.linear` on a few rows costs about one product per row).
+        `weight_major`: a draft's blocks run as weight @ x^T (`weight_major_linear`; None: on for fp32 weights on a
+        CPU, where `F.linear` on a few rows costs about one product per row).
 
         `head_rows` [V']: compute logits for these LM-head rows only (a draft with a cut vocabulary: the head of a
         small model with a large vocabulary is a large share of its weights); logits are then [n, V'].
@@ -105,12 +112,14 @@ class FastLlamaBackend:
         self.dtype = model.model.embed_tokens.weight.dtype
         self._head = cut_head(model.get_output_embeddings().weight, head_rows)  # [V or V', D]
         self.vocab_size = int(self._head.shape[0])
-        self.batch_invariant = self.dtype != torch.float32 if batch_invariant is None else batch_invariant
+        self.route = self._route(route, batch_invariant, invariant_rows, config)
+        self.batch_invariant = self.route is not None and self.route.exact
         native = native_block_products(self.dtype, self.device.type)
-        self.invariant_rows = invariant_rows or (INVARIANT_ROWS if native else 1)
         self.weight_major = self._default_weight_major() if weight_major is None else weight_major
         self.upcast = self._default_upcast(native) if upcast is None else upcast
-        self._project = self._products()
+        self._fast_products = self._draft_products()  # prefills (and drafts' blocks): the fastest products
+        self._project = self._route_products() if self.route is not None else self._fast_products
+        self.numerics = self.route.label if self.route is not None else "draft products (fastest, not exact)"
         self._keys: list[torch.Tensor] = []  # per layer [kv_heads, capacity, head_dim]
         self._values: list[torch.Tensor] = []
         self._cos = self._sin = torch.empty(0)  # [capacity, head_dim]
@@ -119,6 +128,11 @@ class FastLlamaBackend:
         self._head_split = (self.num_heads, self.num_kv_heads, self.num_kv_heads)
         self._weights = [_fuse(layer) for layer in self.layers]
         self._allocate(capacity)
+
+    @property
+    def invariant_rows(self) -> int:
+        """The row chunk of an exact route's products (0 when not exact)."""
+        return self.route.rows if self.route is not None else 0
 
     @property
     def cache_len(self) -> int:
@@ -143,7 +157,7 @@ class FastLlamaBackend:
         """Append consecutive tokens to the cache; logits [n, V] (or [1, V] if last_only), fp32 on the CPU."""
         start, n = self._len, len(token_ids)
         positions = torch.arange(start, start + n, device=self.device)  # [n]
-        hidden = self._forward(token_ids, positions, None)  # [n, D]
+        hidden = self._forward(token_ids, positions, None, prefill=last_only and n > 1)  # [n, D]
         return self._logits(hidden[-1:] if last_only else hidden)
 
     @torch.inference_mode()
@@ -157,7 +171,7 @@ class FastLlamaBackend:
             layout = block.layout()
             positions = (start + layout.depths).to(self.device)  # [n]
             ancestors = layout.ancestors
-        hidden = self._forward(block.tokens, positions, ancestors)
+        hidden = self._forward(block.tokens, positions, ancestors, prefill=last_only and n > 1 and ancestors is None)
         return Scores(self._logits(hidden[-1:] if last_only else hidden), hidden if with_hidden else None)
 
     @torch.inference_mode()  # the buffers may have been (re)allocated inside a forward, as inference tensors
@@ -171,35 +185,60 @@ class FastLlamaBackend:
                 values[:, start : start + len(indices)] = values[:, rows]
         self._len = start + len(indices)
 
+    def _route(self, route: Route | None, batch_invariant: bool | None, invariant_rows: int | None, config
+               ) -> Route | None:
+        """The route blocks run: as given; None for a draft; else exact, measured on this host (cached)."""
+        name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
+        if route is not None:
+            if route.dtype != name:
+                raise DraftlabError(f"route {route.label} asked for a {name} model; load the model in {route.dtype}")
+            return route
+        if batch_invariant is False:
+            return None
+        if invariant_rows:
+            return Route(name, "linear", invariant_rows)
+        if self.device.type != "cpu":
+            return Route(name, "linear", INVARIANT_ROWS)  # GPUs: a 16-row product costs about one row
+        return default_route(config, name)
+
     def _default_weight_major(self) -> bool:
-        return self.device.type == "cpu" and self.dtype == torch.float32 and not self.batch_invariant
+        return self.device.type == "cpu" and self.dtype == torch.float32
 
     def _default_upcast(self, native: bool) -> bool:
-        return self.device.type == "cpu" and self.dtype != torch.float32 and not native and not self.batch_invariant
+        return self.device.type == "cpu" and self.dtype != torch.float32 and not native
 
-    def _products(self) -> Callable:
-        """The matrix product every projection runs: (x [n, D], weight [out, D], bias) -> [n, out]."""
-        if self.batch_invariant:
-            return partial(invariant_linear, rows=self.invariant_rows)
+    def _route_products(self) -> Callable:
+        """The matrix product a route runs: (x [n, D], weight [out, D], bias) -> [n, out]."""
+        weight_major = self.route.kind == "weight-major"
+        if self.route.exact:
+            return partial(invariant_linear, rows=self.route.rows, weight_major=weight_major)
+        return weight_major_linear if weight_major else F.linear
+
+    def _draft_products(self) -> Callable:
+        """The fastest products where rounding need not match single rows: drafts' blocks, prefills."""
         if self.weight_major:
             return weight_major_linear
         return UpcastLinear() if self.upcast else F.linear
 
-    def _forward(self, token_ids: Sequence[int], positions: torch.Tensor, ancestors: torch.Tensor | None) -> torch.Tensor:
+    def _forward(self, token_ids: Sequence[int], positions: torch.Tensor, ancestors: torch.Tensor | None,
+                 prefill: bool = False) -> torch.Tensor:
         """Run the layers on new tokens at `positions` [n], appended to the cache; final hidden states [n, D].
 
         `ancestors` [n, n] is the block's tree (row i sees i and its ancestors); None for a causal chain.
+        `prefill`: only the last row is read, so the block runs the fastest products and one attention call
+        (plain and speculative decoding prefill the same way, so their caches stay identical).
         """
         n = len(token_ids)
         start, end = self._len, self._len + n
         if end > self._keys[0].shape[1]:
             self._allocate(min(max(2 * end, 256), self.max_positions))
-        attend = self._attention(start, ancestors)
+        attend = _BlockAttention(start, ancestors, self.device) if prefill else self._attention(start, ancestors)
+        project = self._fast_products if prefill else self._project
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)  # [n]
         hidden = F.embedding(ids, self.model.model.embed_tokens.weight)  # [n, D]
         cos, sin = self._cos[positions], self._sin[positions]  # [n, head_dim]
         for index, layer in enumerate(self.layers):
-            hidden = self._layer(index, layer, hidden, cos, sin, attend, start, end)
+            hidden = self._layer(index, layer, hidden, cos, sin, attend, start, end, project)
         self._block_start, self._len = start, end
         return rms_norm(hidden, self.model.model.norm.weight, self.eps)  # [n, D]
 
@@ -207,21 +246,21 @@ class FastLlamaBackend:
         """LM-head logits [n, V] ([n, V'] with head rows), fp32 on the CPU, from final hidden states [n, D]."""
         return self._project(hidden, self._head).float().cpu()
 
-    def _layer(self, index, layer, hidden, cos, sin, attend, start, end) -> torch.Tensor:
+    def _layer(self, index, layer, hidden, cos, sin, attend, start, end, project) -> torch.Tensor:
         weights = self._weights[index]
         n = hidden.shape[0]
         normed = rms_norm(hidden, layer.input_layernorm.weight, self.eps)  # [n, D]
-        qkv = self._project(normed, weights.qkv, weights.qkv_bias)  # [n, (H + 2 Hkv) hd]
+        qkv = project(normed, weights.qkv, weights.qkv_bias)  # [n, (H + 2 Hkv) hd]
         query, key, value = qkv.view(n, -1, self.head_dim).transpose(0, 1).split(self._head_split)  # [heads, n, hd]
         query, key = rope(query, cos, sin), rope(key, cos, sin)
         self._keys[index][:, start:end] = key
         self._values[index][:, start:end] = value
         out = attend(query, self._keys[index], self._values[index], layer.self_attn.scaling)  # [H, n, hd]
         o_proj, down_proj = layer.self_attn.o_proj, layer.mlp.down_proj
-        hidden = hidden + self._project(out.transpose(0, 1).reshape(n, -1), o_proj.weight, o_proj.bias)
+        hidden = hidden + project(out.transpose(0, 1).reshape(n, -1), o_proj.weight, o_proj.bias)
         normed = rms_norm(hidden, layer.post_attention_layernorm.weight, self.eps)
-        gate, up = self._project(normed, weights.gate_up).chunk(2, dim=-1)  # [n, I] each
-        return hidden + self._project(F.silu(gate) * up, down_proj.weight, down_proj.bias)
+        gate, up = project(normed, weights.gate_up).chunk(2, dim=-1)  # [n, I] each
+        return hidden + project(F.silu(gate) * up, down_proj.weight, down_proj.bias)
 
     def _attention(self, start: int, ancestors: torch.Tensor | None) -> Callable:
         """attend(query [H, n, hd], keys, values [Hkv, capacity, hd], scale) -> [H, n, hd] for this block's shape."""

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from draftlab.errors import DraftlabError
 
-INVARIANT_ROWS = 16  # batch-invariant products run on chunks of exactly this many rows where blocks are cheap
+INVARIANT_ROWS = 16  # the row chunk of exact products on CUDA (no host timing there yet)
 WEIGHT_MAJOR_MAX_ROWS = 64  # above this many rows (a long prefill) the GEMM that F.linear calls is as fast or faster
 UPCAST_MIN_ROWS = 6  # emulated bf16/fp16: from this many rows on, converting the weight to fp32 first is faster
 UPCAST_CHUNK = 1 << 24  # weight elements converted at a time (64 MB of fp32 scratch)
@@ -64,22 +64,28 @@ def checked_rows(rows: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def invariant_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, rows: int = INVARIANT_ROWS
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, rows: int = INVARIANT_ROWS,
+    weight_major: bool = False,
 ) -> torch.Tensor:
     """`F.linear` on [n, D] whose every output row is bitwise independent of n and of the other rows.
 
-    GEMM kernels pick their blocking (and so their rounding) from the number of
-    rows: a 1-row product (a GEMV) and row j of an 8-row product differ in the
-    last bits. Here every product sees exactly `rows` rows, zero padded, so a
-    token's row is computed the same way alone or inside a block. `rows`=16 suits
-    hardware whose 16-row products cost about one row (native bf16, GPUs);
-    `rows`=1 runs every row as its own GEMV, the fastest single-token product
-    where blocks cost n rows anyway (bf16 emulated on CPUs without AVX-512 BF16).
+    GEMM kernels pick their blocking (and so their rounding) from the shape: a
+    1-row product (a GEMV) and row j of an 8-row product differ in the last bits.
+    Here every product sees exactly `rows` rows, zero padded, so a token's row is
+    computed the same way alone or inside a block, whatever `rows` is; which
+    `rows` is fastest depends on the host (`draftlab.backends.routes` times
+    them). `weight_major`: each chunk runs as weight [out, D] @ chunk^T, the form
+    in which fp32 CPU kernels stream the weight once for a few rows.
     """
     n = x.shape[0]
-    padded = x.new_zeros(-(-n // rows) * rows, x.shape[1])  # [ceil(n / R) R, D]
+    padded = x.new_zeros(-(-n // rows) * rows, x.shape[1])  # [ceil(n / R) R, D] row-major
     padded[:n] = x
-    return torch.cat([F.linear(chunk, weight, bias) for chunk in padded.split(rows)])[:n]  # [n, out]
+    if weight_major:
+        parts = [torch.mm(weight, chunk.t()).t() for chunk in padded.split(rows)]  # [R, out] each
+    else:
+        parts = [F.linear(chunk, weight) for chunk in padded.split(rows)]
+    out = torch.cat(parts)[:n]  # [n, out]
+    return out if bias is None else out + bias
 
 
 def weight_major_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

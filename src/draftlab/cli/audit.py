@@ -68,7 +68,7 @@ def cmd_audit(args) -> None:
             methods[f"hf assisted {spec} K={args.k}"] = (
                 lambda seed, assist=assist: hf_generate(target, prompt_ids, settings.positions, eos, sampling, seed,
                                                         assist)[0])
-    report = run_audit(ours(plain), methods, exact_first_distribution(target.model, prompt_ids, sampling), settings,
+    report = run_audit(ours(plain), methods, exact_first_distribution(plain.engine, prompt_ids, sampling), settings,
                        progress=print)
     print(format_audit(report))
     if args.json:

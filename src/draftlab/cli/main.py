@@ -27,8 +27,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", type=int, default=DraftSettings.k, help="draft tokens per step (>= 1)")
     parser.add_argument("--dynamic-k", action="store_true", help="grow K after full acceptance, shrink after a rejection")
     parser.add_argument("--device", default=ModelSpec.device, help="cpu, cuda, cuda:1, ...")
-    parser.add_argument("--dtype", default=ModelSpec.dtype, help="auto (bf16 on CUDA and on CPUs with AVX-512 BF16 or AMX, else fp32), fp32, bf16, fp16")
+    parser.add_argument("--dtype", default=ModelSpec.dtype, help="auto (the dtype this host decodes fastest, timed once), fp32, bf16, fp16")
     parser.add_argument("--backend", default=DEFAULT_BACKEND, help="auto | fast (draftlab's Llama forward) | hf (transformers)")
+    parser.add_argument("--numerics", default="auto", help="auto (the exact route measured fastest here) or a route: "
+                        "'fp32 exact-wm/4', 'bf16 exact-linear/16', 'fp32 linear' (not exact), ...")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--max-new-tokens", type=int, default=GenerationConfig.max_new_tokens)
     add_sampling_args(parser)
@@ -61,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--limit", type=int, default=8, help="prompts to run, spread over categories")
     bench.add_argument("--skip", type=int, default=0, help="prompts passed over first (e.g. a draft's training set)")
     bench.add_argument("--warmup", type=int, default=1)
+    bench.add_argument("--no-host-baselines", action="store_true",
+                       help="skip timing plain decoding in the host's other dtypes and routes")
     bench.set_defaults(run=cmd_bench)
     add_study_commands(sub)
     add_tune_commands(sub)
@@ -74,7 +78,7 @@ def _decoder(args):
 
     return SpeculativeDecoder.from_names(
         args.target, drafter=args.drafter, k=args.k, dynamic_k=args.dynamic_k, device=args.device, dtype=args.dtype,
-        backend=args.backend,
+        backend=args.backend, numerics=args.numerics,
     )
 
 
@@ -120,12 +124,14 @@ def cmd_bench(args) -> None:
 
     prompts = load_prompts(args.dataset or args.prompts, args.limit, args.skip)
     decoder = _decoder(args)
-    settings = BenchSettings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.warmup)
+    settings = BenchSettings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.warmup,
+                             not args.no_host_baselines)
     summary = run_bench(decoder, prompts, settings).summary()
     print(format_bench_table(summary, args))
     if args.json:
         print(json.dumps({"target": args.target, "drafter": args.drafter, "k": args.k,
-                          "dtype": str(decoder.target.dtype).removeprefix("torch."), **summary}))
+                          "dtype": str(decoder.target.dtype).removeprefix("torch."),
+                          "numerics": decoder.target_backend.numerics, **summary}))
 
 
 def format_bench_table(summary: dict, args) -> str:
@@ -143,6 +149,9 @@ def format_bench_table(summary: dict, args) -> str:
         f"time split (speculative): draft {summary['draft_s']:.1f}s, target {summary['target_s']:.1f}s, "
         f"overhead {summary['overhead_s']:.1f}s of {summary['wall_s']:.1f}s"
     )
+    plain = ", ".join(f"{label} {speed:.1f}" for label, speed in summary["host_plain_tokens_per_s"].items())
+    lines.append(f"plain decoding on this host (tok/s): {plain}; speedup over the fastest "
+                 f"({summary['fastest_plain']}): {summary['speedup_vs_fastest_plain']:.2f}x")
     return "\n".join(lines)
 
 

@@ -54,6 +54,8 @@ def _add_sweep_args(parser: argparse.ArgumentParser, db_required: bool = True) -
     parser.add_argument("--device")
     parser.add_argument("--dtype")
     parser.add_argument("--backend")
+    parser.add_argument("--no-host-baselines", action="store_true",
+                        help="do not time plain decoding in the host's other dtypes and routes ('plain' cells)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--no-progress", action="store_true")
 
@@ -68,7 +70,8 @@ def _sweep_config(args):
         args.preset, args.config, targets=tuple_or_none(args.targets), drafters=tuple_or_none(args.drafters), ks=ks,
         methods=tuple_or_none(args.methods), datasets=tuple_or_none([*(args.datasets or []), *([args.prompts] if args.prompts else [])]),
         temperatures=tuple_or_none(args.temperatures), limit=args.limit, skip=args.skip, max_new_tokens=args.max_new_tokens,
-        warmup=args.warmup, baseline_every=args.baseline_every, seed=args.seed, device=args.device, dtype=args.dtype, backend=args.backend,
+        warmup=args.warmup, baseline_every=args.baseline_every, seed=args.seed, device=args.device, dtype=args.dtype,
+        backend=args.backend, host_baselines=False if args.no_host_baselines else None,
     )
 
 
@@ -92,8 +95,9 @@ def cmd_sweep(args) -> None:
 
 def cmd_study(args) -> None:
     """Sweep into OUT/study.sqlite, write OUT/report, print the recommendation and the optimal table."""
-    from draftlab.study.report import (baseline_drift, build_report, format_optimal, load_checks, load_study,
-                                       optimal_table, recommend, summarize)
+    from draftlab.study.page import build_report
+    from draftlab.study.report import (baseline_drift, format_lossy, format_optimal, load_checks, load_study,
+                                       lossy_cells, optimal_table, recommend, summarize)
 
     out = Path(args.out)
     db = args.db or str(out / "study.sqlite")
@@ -107,12 +111,16 @@ def cmd_study(args) -> None:
     print(drift.describe())
     print("\n".join(recommend(summaries, drift)))
     print(format_optimal(optimal_table(summaries, params)))
+    lossy = lossy_cells(summaries)
+    if lossy:
+        print(format_lossy(lossy))
 
 
 def cmd_report(args) -> None:
     """Write the HTML report of a study database; print the recommendation and the seeds' findings beside ours."""
     from draftlab.study.findings import format_findings, gather_evidence, seeds_findings
-    from draftlab.study.report import baseline_drift, build_report, load_checks, load_study, recommend, summarize
+    from draftlab.study.page import build_report
+    from draftlab.study.report import baseline_drift, load_checks, load_study, recommend, summarize
 
     print(f"report: {build_report(args.db, args.out, args.profile, args.microbench, args.correlate)}")
     rows, params, _ = load_study(args.db)

@@ -102,7 +102,8 @@ def cmd_calibrate(args) -> None:
 def cmd_predict(args) -> None:
     """Print both formulas' predictions from a profile."""
     from draftlab.perf.calibrate import Profile
-    from draftlab.perf.tuner import format_predictions, format_what_if, predictions, required_tar
+    from draftlab.perf.validate import format_predictions, predictions
+    from draftlab.perf.present import format_what_if, required_tar
 
     profile = Profile.load(args.profile)
     preds = predictions(profile)
@@ -121,7 +122,8 @@ def cmd_validate(args) -> None:
     """Errors of both formulas against a measured study."""
     from draftlab.perf.calibrate import Profile
     from draftlab.study.report import load_checks, load_study, write_csv
-    from draftlab.perf.tuner import compare, error_summary, plot_comparison
+    from draftlab.perf.validate import compare, error_summary
+    from draftlab.perf.present import plot_comparison
 
     rows, _, _ = load_study(args.db)
     comparisons = compare(Profile.load(args.profile), rows)
@@ -154,7 +156,7 @@ def cmd_validate(args) -> None:
 
 def _anchored_summary(profile, rows: list[dict], checks: list[dict]) -> dict | None:
     """Errors with predictions anchored to the study's plain decoding; None (said why) when it has none to anchor to."""
-    from draftlab.perf.tuner import compare, error_summary
+    from draftlab.perf.validate import compare, error_summary
 
     try:
         return error_summary(compare(profile, rows, checks))
@@ -165,7 +167,9 @@ def _anchored_summary(profile, rows: list[dict], checks: list[dict]) -> dict | N
 
 def cmd_tune(args) -> None:
     """Recommend a draft and K (and a dtype, with --dtypes), raced and measured, with how to use it."""
-    from draftlab.perf.tuner import TuneSettings, format_predictions, tune
+    from draftlab.perf.sizing import TuneSettings
+    from draftlab.perf.validate import format_predictions
+    from draftlab.perf.tuner import tune
 
     tune_settings = TuneSettings(budget_s=args.budget)
     if args.dtypes:
@@ -179,7 +183,7 @@ def cmd_tune(args) -> None:
 
 
 def _print_recommendation(target: str, rec, dtype: str | None = None) -> None:
-    from draftlab.perf.tuner import usage
+    from draftlab.perf.present import usage
 
     for number, round_ in enumerate(rec.race, start=1):
         ranked = ", ".join(f"{name} {speedup:.2f}x" for name, speedup in

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from draftlab.api import encode_prompt, eos_ids
 from draftlab.datasets import load_prompts
 from draftlab.errors import DraftlabError
-from draftlab.models import DTYPES, LoadedModel, resolve_dtype_name
+from draftlab.models import DTYPES, LoadedModel, batch_dtype_name
 
 TEXT = "text.pt"
 
@@ -62,7 +62,7 @@ def batched_generations(target: LoadedModel, prompts: list[list[int]], max_new_t
     grouped by length to keep padding small.
     """
     if dtype is None:
-        dtype = DTYPES[resolve_dtype_name("auto", str(target.device))]
+        dtype = DTYPES[batch_dtype_name("auto", str(target.device))]
     model = copy.deepcopy(target.model).to(dtype).eval()
     pad = target.tokenizer.pad_token_id
     pad = pad if pad is not None else 0

@@ -29,7 +29,7 @@ from draftlab.design.distill import windows
 from draftlab.design.training import LoopSettings, train
 from draftlab.errors import DraftlabError
 from draftlab.drafters.feature import FeatureDraft, save_feature_draft
-from draftlab.models import DTYPES, LoadedModel, resolve_dtype_name
+from draftlab.models import DTYPES, LoadedModel, batch_dtype_name
 
 FEATURES = "features.pt"
 LOG = "train_log.jsonl"
@@ -90,7 +90,7 @@ def load_or_make_features(out: Path, target: LoadedModel, sequences: list[list[i
             return torch.load(path)
         except Exception as exc:
             raise DraftlabError(f"cannot read {path} ({exc}); delete it to recompute") from exc
-    dtype = DTYPES[resolve_dtype_name(settings.feature_dtype, str(target.device))]
+    dtype = DTYPES[batch_dtype_name(settings.feature_dtype, str(target.device))]
     data = target_features(target, windows(sequences, settings.seq_len), dtype=dtype, progress=progress)
     tmp = path.with_suffix(".tmp")
     torch.save(data, tmp)
@@ -161,7 +161,8 @@ def train_feature_draft(target: LoadedModel, draft: FeatureDraft, sequences: lis
     train_rows = count - max(1, int(count * settings.held_out_fraction))
     if train_rows < 1:
         raise DraftlabError(f"only {count} windows of {settings.seq_len} tokens; give more text")
+    draft.layer.float()  # trained in fp32 on fp32 features, whatever dtype the target runs in
     student = FeatureStudent(draft, data, train_rows, out, settings, target_name)
     history = train(student, train_rows, LoopSettings.of(settings), out, settings.seq_len, progress, log_name=LOG)
-    draft.layer.eval()
+    draft.layer.to(target.dtype).eval()
     return history

@@ -137,8 +137,9 @@ def _acceptance_by_position(group, path, title) -> bool:
 
 
 def _sps_vs_asg(group, path, title) -> bool:
-    sps = {(c.drafter, c.k): c for c in group if c.method == "sps"}
-    asg = {(c.drafter, c.k): c for c in group if c.method == "asg"}
+    """Pairs where both methods were lossless: a lossy cell's speed is not a speculative speedup."""
+    sps = {(c.drafter, c.k): c for c in group if c.method == "sps" and not c.lossy}
+    asg = {(c.drafter, c.k): c for c in group if c.method == "asg" and not c.lossy}
     pairs = sorted(set(sps) & set(asg))
     if not pairs:
         return False

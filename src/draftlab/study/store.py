@@ -18,7 +18,8 @@ Schema (version 4), readable with `sqlite3` or `pandas.read_sql`:
         drafted_per_step TEXT,                 -- JSON list
         prefill_s, draft_s, target_s, overhead_s, wall_s,
         output_sha TEXT,                       -- SHA256 of the generated token ids
-        identical INTEGER,                     -- 1/0 vs the 'ar' record of the same prompt; NULL if unknown
+        identical INTEGER,                     -- 1/0 vs its own engine's plain decoding on the same prompt
+                                               -- ('ar' for sps and hf, 'hf' for asg); NULL if unknown
         created_at TEXT,
         finished_at REAL,                      -- Unix time the measurement ended (NULL in migrated records)
         levels_per_step TEXT)                  -- JSON list of lists: drafted tokens per tree level, each step;
@@ -29,8 +30,9 @@ Schema (version 4), readable with `sqlite3` or `pandas.read_sql`:
         finished_at REAL)                      -- the 'ar' cell re-timed on the same prompt between other cells,
                                                -- so each cell is compared with the baseline closest in time
 
-`method` is 'ar' (our autoregressive loop), 'sps' (our speculative engine) or
-'asg' (Hugging Face assisted generation). `dtype` is resolved ('fp32', not
+`method` is 'ar' (our autoregressive loop), 'sps' (our speculative engine),
+'asg' (Hugging Face assisted generation) or 'hf' (Hugging Face `generate` without
+an assistant: AsG's own plain decoding, run whenever asg cells are). `dtype` is resolved ('fp32', not
 'auto'). Older databases are migrated in place when opened: version 1 (whose cell key
 lacked seed, dtype, backend, device and skip) gets those settings from the
 run's recorded environment and the stored sweep config; version 2 gets the
@@ -94,7 +96,7 @@ class Cell:
     target: str
     drafter: str  # 'none' for ar
     k: int  # 0 for ar
-    method: str  # ar | sps | asg
+    method: str  # ar | sps | asg | hf
     dataset: str
     temperature: float
     max_new_tokens: int
@@ -111,8 +113,12 @@ class Cell:
                 f"|n={self.max_new_tokens}|seed={self.seed}|{self.dtype}|{self.backend}|{self.device}|skip={self.skip}")
 
     def baseline(self) -> "Cell":
-        """The autoregressive cell this one is compared with."""
+        """draftlab's plain decoding on the same grid point: every cell's speedup is measured against it."""
         return replace(self, drafter="none", k=0, method="ar")
+
+    def engine_baseline(self) -> "Cell":
+        """Plain decoding on this cell's own engine (HF's `generate` for asg), whose output it must equal."""
+        return replace(self, drafter="none", k=0, method="hf" if self.method == "asg" else "ar")
 
 
 @dataclass

@@ -23,6 +23,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from draftlab.backends import check_backend_name
+from draftlab.backends.fast_llama import SUPPORTED_MODEL_TYPES
+from draftlab.backends.routes import Route, cpu_flags, cpu_model, default_route, parse_route, plain_contenders
 from draftlab.api import SpeculativeDecoder, build_drafter, encode_prompt, eos_ids, parse_drafter_spec
 from draftlab.policy import FixedK
 from draftlab.datasets import Prompt, load_prompts
@@ -30,11 +32,12 @@ from draftlab.defaults import DEFAULT_BACKEND, SHORT_RUN_TOKENS
 from draftlab.engine import GenerationConfig
 from draftlab.errors import DraftlabError
 from draftlab.hf_reference import hf_assist, hf_generate
-from draftlab.models import LoadedModel, ModelSpec, auto_dtype, check_device, load_model, resolve_dtype_name
+from draftlab.models import (LoadedModel, ModelSpec, auto_dtype, check_device, check_dtype_name, load_model,
+                             model_config, resolve_dtype_name)
 from draftlab.sampling import SamplingConfig
 from draftlab.study.store import Cell, Record, ResultsStore
 
-METHODS = ("ar", "sps", "asg")
+METHODS = ("ar", "sps", "asg", "hf", "plain")
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,7 @@ class SweepConfig:
     targets: tuple[str, ...] = ("smollm2-135m",)
     drafters: tuple[str, ...] = ("ngram", "layers:0-3")
     ks: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7)
-    methods: tuple[str, ...] = ("sps", "asg")  # 'ar' always runs: it is every cell's baseline
+    methods: tuple[str, ...] = ("sps", "asg")  # 'ar' always runs: it is every cell's baseline; 'hf' runs with 'asg'
     datasets: tuple[str, ...] = ("mixed",)
     temperatures: tuple[float, ...] = (0.0,)
     limit: int = 3  # prompts per dataset, spread over its categories
@@ -56,6 +59,7 @@ class SweepConfig:
     device: str = ModelSpec.device
     dtype: str = ModelSpec.dtype
     backend: str = DEFAULT_BACKEND
+    host_baselines: bool = True  # also time plain decoding in the host's fastest mode of each dtype ('plain' cells)
 
     def __post_init__(self) -> None:
         if not self.ks or min(self.ks) < 1:
@@ -67,7 +71,7 @@ class SweepConfig:
             raise DraftlabError("limit and max_new_tokens must be >= 1")
         if self.skip < 0 or self.warmup < 0 or self.baseline_every < 0:
             raise DraftlabError("skip, warmup and baseline_every must be >= 0")
-        resolve_dtype_name(self.dtype, self.device)
+        check_dtype_name(self.dtype)
         check_device(self.device)
         check_backend_name(self.backend)
         for spec in self.drafters:
@@ -76,16 +80,28 @@ class SweepConfig:
             SamplingConfig(t)
 
     def cells(self, target: str, dataset: str, temperature: float) -> list[Cell]:
-        """The baseline cell, then every (method, drafter, K) cell, for one target/dataset/temperature."""
+        """The baseline cell (and HF's plain decoding when AsG runs), then every (method, drafter, K) cell."""
         base = Cell(target, "none", 0, "ar", dataset, temperature, self.max_new_tokens, self.seed,
-                    resolve_dtype_name(self.dtype, self.device), self.backend, self.device, self.skip)
+                    resolve_dtype_name(self.dtype, self.device, target), self.backend, self.device, self.skip)
+        hf_plain = [replace(base, method="hf")] if {"asg", "hf"} & set(self.methods) else []
+        host = [replace(base, drafter=route.label, method="plain", dtype=route.dtype)
+                for route in self.host_routes(target, base.dtype)]
         others = [
             replace(base, drafter=drafter, k=k, method=method)
-            for method in self.methods if method != "ar"
+            for method in self.methods if method not in ("ar", "hf", "plain")
             for drafter in self.drafters
             for k in self.ks
         ]
-        return [base, *others]
+        return [base, *hf_plain, *host, *others]
+
+    def host_routes(self, target: str, dtype: str) -> list[Route]:
+        """The other modes of plain decoding to time beside the baseline (none unless draftlab's own forward runs)."""
+        if not self.host_baselines or self.backend == "hf" or self.device != "cpu":
+            return []
+        config = model_config(target)
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            return []
+        return plain_contenders(config, self.device, default_route(config, dtype))
 
     def to_json(self) -> str:
         """The config as JSON (stored with the results)."""
@@ -150,8 +166,9 @@ def make_config(preset: str = "quick", file: str | None = None, **overrides) -> 
         raise DraftlabError(f"bad sweep setting: {exc}") from exc
 
 
-def environment(config: SweepConfig, target: LoadedModel | None = None) -> dict:
-    """Versions, device, threads and dtype: what a record's numbers depend on."""
+def environment(config: SweepConfig, target: LoadedModel | None = None, numerics: str = "", source: str | None = None
+                ) -> dict:
+    """Versions, host, threads, dtype and the products the target ran: what a record's numbers depend on."""
     import torch
     import transformers
 
@@ -162,15 +179,18 @@ def environment(config: SweepConfig, target: LoadedModel | None = None) -> dict:
         "python": platform.python_version(), "platform": platform.platform(), "machine": platform.machine(),
         "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": config.device,
         "dtype": str(target.dtype).removeprefix("torch.") if target else config.dtype, "backend": config.backend,
-        "dtype_reason": dtype_reason(config.dtype, config.device),
+        "dtype_reason": dtype_reason(config.dtype, config.device, source),
+        "cpu": cpu_model(), "cpu_flags": " ".join(sorted(cpu_flags() & {"avx2", "avx512f", "avx512_bf16",
+                                                                          "avx512_fp16", "amx_bf16", "amx_fp16"})),
+        "numerics": numerics,
     }
 
 
-def dtype_reason(dtype: str, device: str) -> str:
+def dtype_reason(dtype: str, device: str, source: str | None = None) -> str:
     """Why the run uses its dtype: asked for, or what 'auto' chose on this hardware and why."""
     if dtype != "auto":
         return f"asked for {dtype}"
-    name, reason = auto_dtype(device)
+    name, reason = auto_dtype(device, source)
     return f"auto chose {name}: {reason}"
 
 
@@ -183,6 +203,7 @@ class CellRunner:
         self.eos = eos_ids(target)
         self.baseline = SpeculativeDecoder.from_names(target, drafter="none", k=1, backend=config.backend)
         self.by_drafter: dict[str, SpeculativeDecoder] = {}
+        self.by_route: dict[str, SpeculativeDecoder] = {}  # plain decoding in the host's other modes
 
     def decoder(self, drafter: str, k: int) -> SpeculativeDecoder:
         """Our decoder for (drafter, K); drafter 'none' is the baseline. One drafter and target backend are shared."""
@@ -195,9 +216,20 @@ class CellRunner:
             )
         return self.by_drafter[drafter].with_policy(FixedK(k))
 
+    def plain_in(self, label: str) -> SpeculativeDecoder:
+        """Plain decoding of the target in another mode (a route label), built once."""
+        if label not in self.by_route:
+            self.by_route[label] = self.baseline.plain_in(parse_route(label))
+        return self.by_route[label]
+
     def run(self, cell: Cell, prompt: Prompt, prompt_ids: list[int]) -> Record:
         """Measure one prompt in one cell."""
         sampling = SamplingConfig(cell.temperature)
+        if cell.method == "hf":  # AsG's own plain decoding: HF generate without an assistant
+            tokens, wall = hf_generate(self.target, prompt_ids, cell.max_new_tokens, self.eos, sampling,
+                                       self.config.seed)
+            return Record(cell, prompt.id, prompt.category, len(tokens), 0, 0, 0, wall_s=wall,
+                          output_sha=token_sha(tokens))
         if cell.method == "asg":
             decoder = self.decoder(cell.drafter, cell.k)
             assist = hf_assist(parse_drafter_spec(cell.drafter), decoder.draft_model, cell.k)
@@ -205,7 +237,8 @@ class CellRunner:
                                        self.config.seed, assist)
             return Record(cell, prompt.id, prompt.category, len(tokens), 0, 0, 0, wall_s=wall,
                           output_sha=token_sha(tokens))
-        result = self.decoder(cell.drafter, cell.k).generate(
+        decoder = self.plain_in(cell.drafter) if cell.method == "plain" else self.decoder(cell.drafter, cell.k)
+        result = decoder.generate(
             prompt_ids, max_new_tokens=cell.max_new_tokens, temperature=cell.temperature, seed=self.config.seed
         )
         s = result.stats
@@ -246,8 +279,8 @@ def run_sweep(config: SweepConfig, store: ResultsStore, progress: bool = True) -
     added = 0
     for target_name in config.targets:
         target = load_model(target_name, device=config.device, dtype=config.dtype)
-        run_id = store.start_run(environment(config, target))
         runner = CellRunner(target, config)
+        run_id = store.start_run(environment(config, target, runner.baseline.target_backend.numerics, target_name))
         _record_params(store, runner, config, target_name)
         skipped = {d for d in config.drafters if "asg" in config.methods and not runner.asg_supported(d)}
         for drafter in sorted(skipped):
@@ -307,10 +340,10 @@ def _work(plan):
 
 
 def _identical(store: ResultsStore, cell: Cell, prompt_id: str, output_sha: str) -> bool | None:
-    """Equality with the baseline's output: only defined for greedy decoding."""
-    if cell.temperature > 0:
+    """Equality with the output of plain decoding on the cell's own engine: only defined for greedy decoding."""
+    if cell.temperature > 0 or cell.method == "plain":  # another mode's plain decoding is its own reference
         return None
     if cell.method == "ar":
         return True
-    baseline = store.output_sha(cell.baseline(), prompt_id)
+    baseline = store.output_sha(cell.engine_baseline(), prompt_id)
     return None if baseline is None else baseline == output_sha

@@ -1,0 +1,315 @@
+"""Which dtype and matrix products a target runs, chosen by timing them on this host.
+
+A *route* is a dtype and a way to compute a projection of a block of n rows:
+
+- `exact-linear/R`: `F.linear` on chunks of exactly R rows, zero padded;
+- `exact-wm/R`: weight @ chunk^T on chunks of exactly R rows (weight-major);
+- `linear`, `weight-major`: the same products on the whole block (opt-in only).
+
+An exact route hands every row a product of the same shape whatever the block,
+so each row of a block is bitwise the row its token gets scored alone: greedy
+speculative output equals plain decoding by construction, in every dtype. A
+GEMM kernel's blocking follows the shape, not the values, which is what makes
+a fixed chunk exact; the unchunked products are not (their rows differ from
+single rows in the last bits).
+
+Which route is fastest differs between hosts of the same machine kind (AVX2
+only; AVX-512 BF16 on AMD, where bf16 blocks are nearly free; AVX-512 BF16 and
+FP16 on Intel, where fp32 decodes twice as fast as bf16), so nothing here is a
+constant tuned on one host: `measure` times `F.linear` and weight @ x^T for
+1, 2, 4, 8 and 16 rows on random weights of the model's own shapes (a few
+layers and the LM head, scaled to the model's depth), once per host, torch
+version, thread count, shape and dtype, cached in draftlab's cache directory;
+`choose` picks among exact routes: the fastest single token within 10%
+(plain decoding must not pay for speculation), then the cheapest blocks over
+the sizes speculation will score. CPU flags only propose the candidates
+(fp16 where the CPU has AVX-512 FP16 or AMX-FP16).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from draftlab.errors import DraftlabError
+
+KINDS = ("linear", "weight-major")
+ROWS = (1, 2, 4, 8, 16)  # block sizes timed, and the chunk sizes exact routes may use
+DEFAULT_BLOCKS = (2, 4, 8)  # block sizes a K range of 1..7 scores: what speculation pays for
+PLAIN_TOLERANCE = 1.10  # the chosen route's single token is within this factor of the fastest exact one
+SAMPLE_BYTES = 256 << 20  # at least this many bytes of layer weights per timing, so that caches do not flatter
+ROUTES_VERSION = 1  # bump when what is measured changes: older cache files are then measured again
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Route:
+    """A dtype and the products every projection of a block runs."""
+
+    dtype: str  # fp32 | bf16 | fp16
+    kind: str  # linear | weight-major
+    rows: int  # chunk size of an exact route; 0: the whole block at once (not exact)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in TORCH_DTYPES or self.kind not in KINDS or (self.rows and self.rows not in ROWS):
+            raise DraftlabError(f"unknown route {self}; see `parse_route`")
+
+    @property
+    def exact(self) -> bool:
+        """True when every block row is bitwise the row scored alone."""
+        return self.rows > 0
+
+    @property
+    def label(self) -> str:
+        """'bf16 exact-linear/16', 'fp32 exact-wm/4', 'fp32 weight-major', ..."""
+        if not self.exact:
+            return f"{self.dtype} {self.kind}"
+        return f"{self.dtype} exact-{'wm' if self.kind == 'weight-major' else 'linear'}/{self.rows}"
+
+    def block_seconds(self, timings: "ProductTimings", n: int) -> float:
+        """Predicted seconds of the products of an n-row block (n in ROWS for inexact routes)."""
+        table = timings.seconds[self.kind]
+        if not self.exact:
+            return timings.seconds["linear"][1] if n == 1 else table[n]  # weight-major runs one row as F.linear
+        return math.ceil(n / self.rows) * table[self.rows]
+
+
+def parse_route(text: str, dtype: str | None = None) -> Route:
+    """A route from its label ('fp32 exact-wm/4', 'exact-linear/16', 'linear'); `dtype` fills a missing dtype."""
+    parts = text.replace(":", " ").split()
+    if len(parts) == 1 and dtype:
+        parts = [dtype, *parts]
+    if len(parts) != 2 or parts[0] not in TORCH_DTYPES:
+        raise DraftlabError(f"bad numerics {text!r}: give DTYPE ROUTE, e.g. 'fp32 exact-wm/4', 'bf16 exact-linear/16', "
+                            "'fp32 linear' (not exact), or 'auto'")
+    name, _, rows = parts[1].partition("/")
+    kinds = {"exact-linear": "linear", "exact-wm": "weight-major", "linear": "linear", "weight-major": "weight-major"}
+    if name not in kinds or (name.startswith("exact") != bool(rows)) or (rows and not rows.isdigit()):
+        raise DraftlabError(f"bad numerics {text!r}: the route is exact-linear/R, exact-wm/R (R in {ROWS}), "
+                            "linear or weight-major")
+    return Route(parts[0], kinds[name], int(rows or 0))
+
+
+@dataclass(frozen=True)
+class ProductTimings:
+    """Seconds of one token's projections (the whole model) per kind and row count, in one dtype."""
+
+    dtype: str
+    seconds: dict[str, dict[int, float]]  # kind -> rows -> seconds
+
+    @classmethod
+    def from_json(cls, data: dict) -> "ProductTimings":
+        return cls(data["dtype"], {k: {int(n): s for n, s in v.items()} for k, v in data["seconds"].items()})
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The route chosen, why, and every candidate's predicted single-token and block seconds."""
+
+    route: Route
+    reason: str
+    candidates: tuple[tuple[str, float, float], ...]  # (label, one token s, mean block s), exact routes
+
+    def describe(self) -> str:
+        """One line for the environment record and the terminal."""
+        return f"{self.route.label} ({self.reason})"
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """The projections of one token: per layer (out, in) pairs, the layer count and the LM head."""
+
+    layer: tuple[tuple[int, int], ...]
+    layers: int
+    head: tuple[int, int]
+
+    @classmethod
+    def of_config(cls, config) -> "Shapes":
+        """From a transformers Llama/Qwen2 config."""
+        hidden, inter = config.hidden_size, config.intermediate_size
+        head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+        qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim
+        layer = ((qkv, hidden), (hidden, config.num_attention_heads * head_dim), (2 * inter, hidden), (hidden, inter))
+        return cls(layer, config.num_hidden_layers, (config.vocab_size, hidden))
+
+
+def candidate_dtypes(device: str = "cpu") -> tuple[str, ...]:
+    """Dtypes worth timing: fp32 and bf16 everywhere, fp16 where the CPU multiplies it natively."""
+    if device != "cpu":
+        return ("bf16", "fp32")
+    native_fp16 = cpu_flags() & {"avx512_fp16", "amx_fp16"}
+    return ("fp32", "bf16", "fp16") if native_fp16 else ("fp32", "bf16")
+
+
+def choose(timings: list[ProductTimings], blocks: tuple[int, ...] = DEFAULT_BLOCKS, dtype: str | None = None
+           ) -> Choice:
+    """The exact route with the cheapest blocks among those whose single token is within 10% of the fastest.
+
+    `dtype` keeps the user's dtype (its fastest exact route); None chooses the dtype too.
+    """
+    pool = [t for t in timings if dtype in (None, t.dtype)]
+    if not pool:
+        raise DraftlabError(f"no timings for dtype {dtype}")
+    scored = [(route, route.block_seconds(t, 1), statistics.mean(route.block_seconds(t, n) for n in blocks))
+              for t in pool for route in exact_routes(t.dtype)]
+    fastest = min(one for _, one, _ in scored)
+    eligible = [s for s in scored if s[1] <= PLAIN_TOLERANCE * fastest]
+    route, one, block = min(eligible, key=lambda s: (s[2], s[1]))
+    reason = (f"measured: one token {1000 * one:.1f} ms of products (fastest exact {1000 * fastest:.1f} ms), "
+              f"blocks of {'/'.join(map(str, blocks))} {1000 * block:.1f} ms on average"
+              + ("" if dtype else f"; dtypes timed: {', '.join(t.dtype for t in pool)}"))
+    return Choice(route, reason, tuple((r.label, o, b) for r, o, b in scored))
+
+
+def exact_routes(dtype: str) -> list[Route]:
+    """Every exact route of a dtype."""
+    return [Route(dtype, kind, rows) for kind in KINDS for rows in ROWS]
+
+
+def fastest_plain(timings: list[ProductTimings]) -> list[Route]:
+    """Per dtype, the route (exact or not) whose single token is fastest: the plain decoding to beat."""
+    out = []
+    for t in timings:
+        routes = exact_routes(t.dtype) + [Route(t.dtype, kind, 0) for kind in KINDS]
+        out.append(min(routes, key=lambda r: r.block_seconds(t, 1)))
+    return out
+
+
+def default_route(config, dtype: str) -> Route:
+    """The exact route this host runs fastest for a model of `config` in `dtype` (measured once, cached)."""
+    return choose(measured_timings(Shapes.of_config(config), (dtype,), route_cache()), dtype=dtype).route
+
+
+def choose_for(config, device: str = "cpu", dtype: str | None = None) -> Choice:
+    """The route (and, with dtype None, the dtype) for a model of `config` on this host: measured, cached."""
+    return choose(measured_timings(Shapes.of_config(config), candidate_dtypes(device), route_cache()), dtype=dtype)
+
+
+def plain_contenders(config, device: str, own: Route | None) -> list[Route]:
+    """Per dtype timed, the route with the fastest single token (exact or not), other than `own`: the plain
+    decodings a study times beside its own, so that every speedup can be stated against the fastest one."""
+    if device != "cpu":
+        return []
+    timings = measured_timings(Shapes.of_config(config), candidate_dtypes(device), route_cache())
+    return [route for route in fastest_plain(timings) if route != own]
+
+
+def route_cache() -> Path:
+    """Where measured timings are kept: draftlab's cache directory."""
+    from draftlab.assets import cache_dir
+
+    return cache_dir() / "routes"
+
+
+def native_block_products(dtype: torch.dtype, device: str) -> bool:
+    """True on CUDA, or for bf16 on a CPU with AVX-512 BF16 or AMX: used only to decide whether a draft in
+    bf16 upcasts its long blocks to fp32 (a target's products are chosen by timing, `choose`)."""
+    if device.startswith("cuda"):
+        return True
+    return device == "cpu" and dtype == torch.bfloat16 and bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+def measured_timings(shapes: Shapes, dtypes: tuple[str, ...], cache: Path | None) -> list[ProductTimings]:
+    """Timings per dtype, from the cache when this host measured these shapes before."""
+    out = []
+    for dtype in dtypes:
+        path = cache / f"{_cache_key(shapes, dtype)}.json" if cache else None
+        if path is not None and path.exists():
+            try:
+                out.append(ProductTimings.from_json(json.loads(path.read_text())))
+                continue
+            except (ValueError, KeyError):
+                pass  # a damaged cache file is measured again
+        timings = measure(shapes, dtype)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.with_suffix(".partial").write_text(json.dumps(asdict(timings)))
+            path.with_suffix(".partial").replace(path)
+        out.append(timings)
+    return out
+
+
+def measure(shapes: Shapes, dtype: str, repeats: int = 5) -> ProductTimings:
+    """Median seconds of one token's projections per kind and row count, on random weights of `shapes`."""
+    torch_dtype = TORCH_DTYPES[dtype]
+    layer_bytes = sum(o * i for o, i in shapes.layer) * torch.finfo(torch_dtype).bits // 8
+    sampled = max(1, min(shapes.layers, -(-SAMPLE_BYTES // layer_bytes)))
+    generator = torch.Generator().manual_seed(0)
+    layers = [[torch.randn(o, i, generator=generator).to(torch_dtype) for o, i in shapes.layer] for _ in range(sampled)]
+    head = torch.randn(*shapes.head, generator=generator).to(torch_dtype)
+    width = shapes.head[1]
+    seconds: dict[str, dict[int, float]] = {kind: {} for kind in KINDS}
+    with torch.inference_mode():
+        for rows in ROWS:
+            for kind in KINDS:
+                product = _products(kind)
+                inputs = {i: torch.randn(rows, i, generator=generator).to(torch_dtype) for _, i in shapes.layer}
+                x_head = torch.randn(rows, width, generator=generator).to(torch_dtype)
+
+                def one_pass() -> None:
+                    for weights in layers:
+                        for w in weights:
+                            product(inputs[w.shape[1]], w)
+
+                layer_s = _median_seconds(one_pass, repeats) * shapes.layers / sampled
+                head_s = _median_seconds(lambda: product(x_head, head), repeats)
+                seconds[kind][rows] = layer_s + head_s
+    return ProductTimings(dtype, seconds)
+
+
+def _products(kind: str):
+    if kind == "linear":
+        return F.linear
+    return lambda x, w: torch.mm(w, x.t())  # the form `weight_major_linear` runs (x row-major)
+
+
+def _median_seconds(run, repeats: int) -> float:
+    run()  # first calls pay one-off costs
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _cache_key(shapes: Shapes, dtype: str) -> str:
+    """What the timings depend on: host, torch, threads, shapes, dtype (and this module's version)."""
+    host = (platform.machine(), cpu_model(), sorted(cpu_flags() & _RELEVANT_FLAGS))
+    text = json.dumps([ROUTES_VERSION, host, torch.__version__, torch.get_num_threads(), asdict(shapes), dtype])
+    return f"{dtype}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
+_RELEVANT_FLAGS = {"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16", "amx_tile", "fma"}
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags Linux reports (empty elsewhere)."""
+    for line in _cpuinfo().splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def cpu_model() -> str:
+    """The CPU's model name as Linux reports it ('' elsewhere)."""
+    for line in _cpuinfo().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""

@@ -1,0 +1,41 @@
+"""Plain decoding's timings within a study: which baseline a record is compared with.
+
+Both the study's report and the performance model's validation compare a
+record with the plain decoding measured on its prompt closest in time (the
+sweep re-times it between cells), so the lookup lives here, below both.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Callable
+
+
+def prompt_key(row: dict) -> tuple:
+    return (row["target"], row["dataset"], row["temperature"], row["prompt_id"])
+
+
+def baseline_timings(rows: list[dict], checks: list[dict]) -> dict[tuple, list[tuple[float | None, float]]]:
+    """Per prompt, every (finished_at, tokens/s) of its baseline: the ar record and its re-checks."""
+    timings: dict[tuple, list[tuple[float | None, float]]] = defaultdict(list)
+    for r in [*(r for r in rows if r["method"] == "ar"), *checks]:
+        if r["wall_s"] > 0:
+            timings[prompt_key(r)].append((r.get("finished_at"), r["new_tokens"] / r["wall_s"]))
+    return timings
+
+
+def nearest_baseline(rows: list[dict], checks: list[dict]) -> Callable[[dict], float | None]:
+    """record -> the baseline's tokens/s on its prompt measured closest in time (the ar record if times are unknown)."""
+    timings = baseline_timings(rows, checks)
+
+    def speed(row: dict) -> float | None:
+        known = timings.get(prompt_key(row))
+        if not known:
+            return None
+        at = row.get("finished_at")
+        timed = [(t, v) for t, v in known if t is not None]
+        if at is None or not timed:
+            return known[0][1]
+        return min(timed, key=lambda tv: abs(tv[0] - at))[1]
+
+    return speed

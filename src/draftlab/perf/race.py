@@ -1,0 +1,234 @@
+"""The tuner's race: contenders and plain decoding in interleaved full-length runs, the slower half dropped each round.
+
+Successive halving over every prompt (a draft's speedup depends on where in a
+generation it is measured), planned to fit the time left; `head_to_head`
+re-measures a few configurations in interleaved rounds on the same prompts.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+from draftlab.datasets import Prompt
+from draftlab.models import LoadedModel
+from draftlab.perf.calibrate import CalibrationSettings
+from draftlab.perf.model import Prediction
+from draftlab.perf.sizing import DRAFT_SETUP_TOKENS, MIN_RUN_TOKENS, Pilot
+
+
+@dataclass
+class RaceOutcome:
+    """Measured decode speed of every configuration that ran, and the winner."""
+
+    winner: tuple[str, int]
+    tokens_per_s: dict = field(default_factory=dict)  # (draft, K) -> decode tokens/s over its rounds
+    speedups: dict = field(default_factory=dict)  # (draft, K) -> over plain decoding on the same prompts
+    spreads: dict = field(default_factory=dict)  # (draft, K) -> (min, max) per-prompt speedup
+    rounds: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+
+
+PLAIN = ("none", 0)
+
+
+@dataclass(frozen=True)
+class RacePlan:
+    """How a race spends its time: how many contenders, on how many prompts, how long each run, how many rounds.
+
+    Every round runs at the same length (the user's, unless the budget cuts it): a draft's speedup depends on
+    where in a generation it is measured (n-gram lookup pays once the output starts repeating the prompt), so
+    short first rounds would drop the drafts that pay late.
+    """
+
+    contenders: int
+    prompts: int
+    tokens: int  # new tokens per run, every round
+    rounds: int  # how many rounds of the halving schedule run
+
+    def schedule(self) -> list[int]:
+        """The whole halving schedule: candidates halved (rounded up) until one is left; one contender runs twice."""
+        sizes = [self.contenders]
+        while sizes[-1] > 1:
+            sizes.append((sizes[-1] + 1) // 2)
+        return sizes if len(sizes) >= 2 else sizes + [1]
+
+    def field_sizes(self) -> list[int]:
+        """Candidates alive in each round this plan runs: the first `rounds` of the schedule."""
+        return self.schedule()[: self.rounds]
+
+    def run_seconds(self, pilot: Pilot) -> float:
+        """One run's estimated seconds: its prefill and its decoding, a little slower than plain decoding."""
+        return pilot.prefill_s + RACE_MARGIN * self.tokens * pilot.per_token_s
+
+    def seconds(self, pilot: Pilot) -> float:
+        """The race's estimated seconds: building the contenders, then plain decoding and every alive
+        candidate on every prompt, each round."""
+        setup = self.contenders * DRAFT_SETUP_TOKENS * pilot.per_token_s
+        runs = sum((alive + 1) * self.prompts for alive in self.field_sizes())
+        return setup + runs * self.run_seconds(pilot)
+
+
+RACE_MARGIN = 1.15  # a contender's decoding is rarely slower than this many times plain decoding's
+
+
+def plan_race(contenders: int, prompts: int, max_new_tokens: int, pilot: Pilot | None, seconds: float
+              ) -> RacePlan | None:
+    """The race that fits `seconds`: every prompt, full-length runs, as many contenders, then rounds, as fit.
+
+    Without a pilot or a limit, every contender runs on every prompt at full length through the whole
+    halving schedule. Runs are shortened (down to `MIN_RUN_TOKENS`) only when not even one contender fits at
+    full length; prompts are dropped only when that does not fit either. None when nothing fits.
+    """
+    if pilot is None or seconds == float("inf"):
+        plan = RacePlan(contenders, prompts, max_new_tokens, 1)
+        return replace(plan, rounds=len(plan.schedule()))
+    floor = min(MIN_RUN_TOKENS, max_new_tokens)
+    for count in range(prompts, 0, -1):
+        for tokens in range(max_new_tokens, floor - 1, -1):
+            for n in range(contenders, 0, -1):
+                plan = RacePlan(n, count, tokens, 1)
+                if plan.seconds(pilot) <= seconds:
+                    return _most_rounds(plan, pilot, seconds)
+    return None
+
+
+def _most_rounds(plan: RacePlan, pilot: Pilot, seconds: float) -> RacePlan:
+    """The plan with as many rounds of its halving schedule as still fit `seconds`."""
+    while plan.rounds < len(plan.schedule()):
+        longer = replace(plan, rounds=plan.rounds + 1)
+        if longer.seconds(pilot) > seconds:
+            break
+        plan = longer
+    return plan
+
+
+def race(target: LoadedModel, entrants: list[Prediction], prompts: list[Prompt], settings: CalibrationSettings,
+         deadline: float = float("inf"), progress: bool = True, pilot: Pilot | None = None) -> RaceOutcome:
+    """Successive halving: interleaved full-length runs on every prompt, the slower half out each round.
+
+    Plain decoding runs in every round beside the candidates (on the same prompts, interleaved), so each
+    candidate's speedup is measured against a baseline taken at the same time; a candidate's speed sums all
+    its rounds. `pilot` (one plain generation, timed before calibration) sizes the race to the deadline
+    (`plan_race`); before each later round, the round is checked against the time left at the pace the
+    race has measured; what did not fit is noted.
+    """
+    from draftlab.api import SpeculativeDecoder, encode_prompt
+
+    outcome = RaceOutcome(PLAIN)
+    plan = plan_race(len(entrants), len(prompts), settings.max_new_tokens, pilot, deadline - time.perf_counter())
+    if plan is None or not entrants:
+        if entrants:
+            outcome.notes.append("the budget left no time to race; recommending plain decoding unmeasured against "
+                                 "the drafts")
+        return outcome
+    outcome.notes.extend(_plan_notes(plan, len(entrants), len(prompts), settings.max_new_tokens))
+    decoders = {PLAIN: SpeculativeDecoder.from_names(target, drafter="none", k=1, backend=settings.backend)}
+    for p in entrants[: plan.contenders]:
+        decoders[(p.draft, p.k)] = SpeculativeDecoder.from_names(target, drafter=p.draft, k=p.k,
+                                                                 backend=settings.backend)
+    encoded = [encode_prompt(target.tokenizer, p.text, p.chat) for p in prompts[: plan.prompts]]
+    alive = [key for key in decoders if key != PLAIN]
+    totals = {key: [0, 0.0] for key in decoders}  # new tokens, decode seconds
+    per_prompt: dict = {key: [] for key in decoders}  # decode tokens/s per prompt, aligned across keys
+    run_s = 0.0  # the measured seconds of one run (prefill included) in the last round
+    for number, size in enumerate(plan.field_sizes()):
+        alive = alive[:size]
+        runs = (size + 1) * len(encoded)
+        if run_s and time.perf_counter() + runs * run_s > deadline:
+            outcome.notes.append(f"race stopped before round {number + 1} to fit the budget; "
+                                 f"{len(alive)} candidate(s) left")
+            break
+        started = time.perf_counter()
+        keys = [PLAIN, *alive]
+        run_interleaved(decoders, keys[number % len(keys):] + keys[: number % len(keys)], encoded,
+                        plan.tokens, totals, per_prompt)
+        run_s = (time.perf_counter() - started) / runs
+        speed = {key: totals[key][0] / totals[key][1] for key in keys if totals[key][1] > 0}
+        outcome.rounds.append({"prompts": len(encoded), "tokens": plan.tokens,
+                               "speedups": {f"{d} K={k}": speed[(d, k)] / speed[PLAIN] for d, k in alive}})
+        if progress:
+            print(f"tune: race round {number + 1}: {len(alive)} candidate(s) on {len(encoded)} prompt(s), "
+                  f"{plan.tokens} new tokens each")
+        alive = sorted(alive, key=lambda key: -speed[key])
+    _settle(outcome, totals, per_prompt, alive)
+    return outcome
+
+
+def _plan_notes(plan: RacePlan, contenders: int, prompts: int, max_new_tokens: int) -> list[str]:
+    """What the race plan left out to fit the budget."""
+    notes = []
+    if plan.contenders < contenders:
+        notes.append(f"raced {plan.contenders} of {contenders} contenders to fit the budget")
+    if plan.prompts < prompts:
+        notes.append(f"raced on {plan.prompts} of {prompts} prompts to fit the budget")
+    if plan.tokens < max_new_tokens:
+        notes.append(f"race runs shortened to {plan.tokens} new tokens to fit the budget")
+    if plan.rounds < len(plan.schedule()):
+        notes.append(f"raced {plan.rounds} of {len(plan.schedule())} halving rounds to fit the budget")
+    return notes
+
+
+def _settle(outcome: RaceOutcome, totals: dict, per_prompt: dict, alive: list) -> None:
+    """Every raced configuration's measured speed, speedup and spread; the winner among the last alive."""
+    speed = {key: totals[key][0] / totals[key][1] for key in totals if totals[key][1] > 0}
+    for key in speed:
+        outcome.tokens_per_s[key] = speed[key]
+        outcome.speedups[key] = speed[key] / speed[PLAIN]
+        ratios = [a / b for a, b in zip(per_prompt[key], per_prompt[PLAIN])]
+        outcome.spreads[key] = (min(ratios), max(ratios)) if ratios else (1.0, 1.0)
+    finalists = [key for key in alive if key in speed] or [PLAIN]
+    best = max(finalists, key=lambda key: speed.get(key, 0.0))
+    outcome.winner = best if PLAIN in speed and speed.get(best, 0.0) > speed[PLAIN] else PLAIN
+
+
+def run_interleaved(decoders: dict, keys: list, prompts: list, max_new_tokens: int, totals: dict,
+                    per_prompt: dict, outputs: dict | None = None) -> None:
+    """Every key on every prompt, the order rotated per prompt so that drift hits all alike.
+
+    Adds (new tokens, decode seconds) to `totals[key]` and each run's decode tokens/s to `per_prompt[key]`;
+    with `outputs`, each run's token ids to `outputs[key]` (in prompt order).
+    """
+    for i, ids in enumerate(prompts):
+        order = keys[i % len(keys):] + keys[: i % len(keys)]
+        for key in order:
+            result = decoders[key].generate(ids, max_new_tokens=max_new_tokens)
+            stats = result.stats
+            seconds = max(stats.wall_s - stats.prefill_s, 1e-9)
+            totals[key][0] += stats.new_tokens
+            totals[key][1] += seconds
+            per_prompt[key].append(stats.new_tokens / seconds)
+            if outputs is not None:
+                outputs.setdefault(key, []).append(result.token_ids)
+
+
+def race_decoder(target: LoadedModel, draft: str, k: int, backend: str):
+    from draftlab.api import SpeculativeDecoder
+
+    return SpeculativeDecoder.from_names(target, drafter=draft, k=max(k, 1), backend=backend)
+
+
+def label(key: tuple[str, str, int]) -> str:
+    dtype, draft, k = key
+    return f"{dtype} plain decoding" if draft == "none" else f"{dtype} {draft} K={k}"
+
+
+def head_to_head(decoders: dict, keys: list, target: LoadedModel, prompts: list[Prompt],
+                  settings: CalibrationSettings, deadline: float) -> tuple[dict, dict, list[str]]:
+    """Decode tokens/s and outputs of every key on as many prompts as fit before the deadline (at least one)."""
+    from draftlab.api import encode_prompt
+
+    totals = {key: [0, 0.0] for key in keys}
+    per_prompt: dict = {key: [] for key in keys}
+    outputs: dict = {}
+    round_s, done = 0.0, 0
+    for prompt in prompts:
+        if done and time.perf_counter() + round_s > deadline:
+            break
+        started = time.perf_counter()
+        ids = encode_prompt(target.tokenizer, prompt.text, prompt.chat)
+        run_interleaved(decoders, keys[done % len(keys):] + keys[: done % len(keys)], [ids],
+                        settings.max_new_tokens, totals, per_prompt, outputs)
+        round_s, done = time.perf_counter() - started, done + 1
+    notes = [f"head-to-head on {done} of {len(prompts)} prompts to fit the budget"] if done < len(prompts) else []
+    return {key: totals[key][0] / totals[key][1] for key in keys}, outputs, notes
