@@ -88,12 +88,12 @@ def test_upcast_products_run_short_blocks_in_bf16_and_long_ones_in_fp32(monkeypa
 
 def test_a_bf16_draft_uses_upcast_products_on_cpus_without_native_bf16(pair):
     from draftlab.backends import FastLlamaBackend, make_backend
-    from draftlab.backends.routes import native_block_products
+    from draftlab.backends.routes import upcast_pays
 
     target, _ = pair
     draft = build_drafter("layers:0-1@bf16", target).model
     backend = make_backend(draft.model, "cpu", "fast", batch_invariant=False)
-    assert backend.upcast != native_block_products(torch.bfloat16, "cpu")
+    assert backend.upcast == upcast_pays(draft.model.config, "bf16")  # timed on this host
     assert make_backend(draft.model, "cpu", "fast").route.exact  # as a target: an exact route, measured
     assert not make_backend(target.model, "cpu", "fast").upcast  # fp32: no upcast
     # upcast or not, a bf16 draft scores a 12-token prefill to the same logits up to bf16 rounding

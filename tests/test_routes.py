@@ -112,3 +112,13 @@ def test_routes_parse_from_their_labels_and_refuse_nonsense():
             parse_route(bad)
     with pytest.raises(DraftlabError, match="load the model in bf16"):
         FastLlamaBackend(tiny_llama().model, route=Route("bf16", "linear", 1))
+
+
+def test_timings_are_kept_apart_per_isa_setting(monkeypatch):
+    """Capping torch's or oneDNN's instruction set changes what is fastest: such timings are never reused."""
+    shapes = Shapes(((24, 16), (16, 16), (48, 16), (16, 24)), 2, (32, 16))
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    native = routes._cache_key(shapes, "bf16")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert routes._cache_key(shapes, "bf16") != native
+    assert routes._cache_key(shapes, "bf16") != routes._cache_key(shapes, "fp32")

@@ -17,7 +17,7 @@ from typing import Iterator
 import torch
 
 from draftlab import assets
-from draftlab.backends.routes import choose_for, native_block_products
+from draftlab.backends.routes import choose_for, dtype_label, native_block_products
 from draftlab.errors import DraftlabError
 
 DTYPES = {
@@ -64,7 +64,7 @@ def dtype_name(dtype: str | torch.dtype) -> str:
     """The short name of a known dtype: 'bfloat16' or torch.bfloat16 -> 'bf16'."""
     if isinstance(dtype, str):
         dtype = DTYPES[dtype]
-    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    return dtype_label(dtype)
 
 
 def dtype_suffix(dtype: torch.dtype, reference: torch.dtype) -> str:

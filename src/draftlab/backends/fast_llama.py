@@ -30,10 +30,11 @@ through plain tensor code:
 - Drafts (not exact: their rounding never reaches the output) run the fastest
   products: weight-major blocks in fp32 on CPUs (`weight_major_linear`), so a
   block of 2-4 tokens costs about one token's products.
-- Drafts in emulated bf16/fp16 (a CPU without AVX-512 BF16):
-  single tokens and short blocks as they are, which reads half the bytes of fp32;
-  prefills and trees of 6+ tokens with the weights converted to fp32 on the fly
-  (`UpcastLinear`), where a bf16 block would cost one product per row.
+- Drafts and prefills in emulated bf16/fp16 (timed: a 16-row product costs over
+  1.5x fp32's): a draft's single tokens and short blocks as they are, which reads
+  half the bytes of fp32; prefills and trees of 6+ tokens with the weights
+  converted to fp32 on the fly (`UpcastLinear`), where a bf16 block would cost
+  one product per row.
 
 It implements the `Backend` protocol; the registry (`draftlab.backends`) picks
 it for the model types in `SUPPORTED_MODEL_TYPES`.
@@ -60,7 +61,7 @@ from draftlab.backends.numerics import (
     tree_mask,
     weight_major_linear,
 )
-from draftlab.backends.routes import Route, default_route, native_block_products
+from draftlab.backends.routes import Route, default_route, dtype_label, upcast_pays
 from draftlab.errors import DraftlabError
 from draftlab.step import Block, Scores
 
@@ -97,8 +98,9 @@ class FastLlamaBackend:
         `head_rows` [V']: compute logits for these LM-head rows only (a draft with a cut vocabulary: the head of a
         small model with a large vocabulary is a large share of its weights); logits are then [n, V'].
 
-        `upcast`: run blocks of 6+ rows with the weights converted to fp32 (`UpcastLinear`; None: on for bf16/fp16
-        weights on a CPU without native bf16 and without batch invariance, i.e. a draft in emulated bf16).
+        `upcast`: run a draft's blocks of 6+ rows and every prefill with the weights converted to fp32
+        (`UpcastLinear`; None: on for bf16/fp16 weights where this host's 16-row products in that dtype, timed,
+        cost over 1.5x fp32's: bf16 emulated, without AVX-512 BF16 or AMX).
         """
         config = model.config
         self.model = model
@@ -114,9 +116,8 @@ class FastLlamaBackend:
         self.vocab_size = int(self._head.shape[0])
         self.route = self._route(route, batch_invariant, invariant_rows, config)
         self.batch_invariant = self.route is not None and self.route.exact
-        native = native_block_products(self.dtype, self.device.type)
         self.weight_major = self._default_weight_major() if weight_major is None else weight_major
-        self.upcast = self._default_upcast(native) if upcast is None else upcast
+        self.upcast = upcast_pays(config, dtype_label(self.dtype), self.device.type) if upcast is None else upcast
         self._fast_products = self._draft_products()  # prefills (and drafts' blocks): the fastest products
         self._project = self._route_products() if self.route is not None else self._fast_products
         self.numerics = self.route.label if self.route is not None else "draft products (fastest, not exact)"
@@ -188,7 +189,7 @@ class FastLlamaBackend:
     def _route(self, route: Route | None, batch_invariant: bool | None, invariant_rows: int | None, config
                ) -> Route | None:
         """The route blocks run: as given; None for a draft; else exact, measured on this host (cached)."""
-        name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
+        name = dtype_label(self.dtype)
         if route is not None:
             if route.dtype != name:
                 raise DraftlabError(f"route {route.label} asked for a {name} model; load the model in {route.dtype}")
@@ -203,9 +204,6 @@ class FastLlamaBackend:
 
     def _default_weight_major(self) -> bool:
         return self.device.type == "cpu" and self.dtype == torch.float32
-
-    def _default_upcast(self, native: bool) -> bool:
-        return self.device.type == "cpu" and self.dtype != torch.float32 and not native
 
     def _route_products(self) -> Callable:
         """The matrix product a route runs: (x [n, D], weight [out, D], bias) -> [n, out]."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import platform
 import statistics
 import time
@@ -49,6 +50,11 @@ PLAIN_TOLERANCE = 1.10  # the chosen route's single token is within this factor 
 SAMPLE_BYTES = 256 << 20  # at least this many bytes of layer weights per timing, so that caches do not flatter
 ROUTES_VERSION = 1  # bump when what is measured changes: older cache files are then measured again
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def dtype_label(dtype: torch.dtype) -> str:
+    """'fp32', 'bf16' or 'fp16' for a torch dtype."""
+    return next(name for name, known in TORCH_DTYPES.items() if known == dtype)
 
 
 @dataclass(frozen=True)
@@ -210,9 +216,21 @@ def route_cache() -> Path:
     return cache_dir() / "routes"
 
 
+def upcast_pays(config, dtype: str, device: str = "cpu") -> bool:
+    """True when a long block in `dtype` runs faster with its weights converted to fp32 first: its 16-row
+    product, timed here, costs over 1.5x fp32's (bf16 or fp16 emulated, without AVX-512 BF16 or AMX)."""
+    if device != "cpu" or dtype == "fp32":
+        return False
+    fp32, low = measured_timings(Shapes.of_config(config), ("fp32", dtype), route_cache())
+    return low.seconds["linear"][16] > UPCAST_FACTOR * fp32.seconds["linear"][16]
+
+
+UPCAST_FACTOR = 1.5  # conversion to fp32 costs about one pass over the weights: worth it above this
+
+
 def native_block_products(dtype: torch.dtype, device: str) -> bool:
-    """True on CUDA, or for bf16 on a CPU with AVX-512 BF16 or AMX: used only to decide whether a draft in
-    bf16 upcasts its long blocks to fp32 (a target's products are chosen by timing, `choose`)."""
+    """True on CUDA, or for bf16 on a CPU with AVX-512 BF16 or AMX: the dtype of large batched passes (a design's
+    training text; `draftlab.models.batch_dtype_name`), where a wrong guess costs speed, never exactness."""
     if device.startswith("cuda"):
         return True
     return device == "cpu" and dtype == torch.bfloat16 and bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
@@ -284,7 +302,8 @@ def _median_seconds(run, repeats: int) -> float:
 
 def _cache_key(shapes: Shapes, dtype: str) -> str:
     """What the timings depend on: host, torch, threads, shapes, dtype (and this module's version)."""
-    host = (platform.machine(), cpu_model(), sorted(cpu_flags() & _RELEVANT_FLAGS))
+    isa = {name: os.environ.get(name, "") for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")}
+    host = (platform.machine(), cpu_model(), sorted(cpu_flags() & _RELEVANT_FLAGS), isa)
     text = json.dumps([ROUTES_VERSION, host, torch.__version__, torch.get_num_threads(), asdict(shapes), dtype])
     return f"{dtype}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
