@@ -153,3 +153,31 @@ def test_report_command_prints_the_recommendation(study, tmp_path, capsys):
     assert main(["report", "--db", str(study), "--out", str(tmp_path / "r")]) in (0, None)
     out = capsys.readouterr().out
     assert "report: " in out and "Use ngram at K=2 (SpS) for tgt on this machine" in out
+
+
+@pytest.mark.parametrize("spec_seconds, expected", [
+    (8.0, "Use plain decoding (fp32 linear, 20.0 tok/s) for tgt on this machine: no configuration beat it"),
+    (4.0, "Use ngram at K=2 (SpS) for tgt on this machine: 1.25x the fastest plain decoding measured here "
+          "(fp32 linear, 20.0 tok/s), 2.50x plain decoding in the study's own mode"),
+])
+def test_the_answer_is_judged_against_the_fastest_plain_decoding_on_the_host(tmp_path, spec_seconds, expected):
+    """Plain decoding in another mode ran twice as fast as the study's own: speedups are stated against it."""
+    from dataclasses import replace
+
+    from draftlab.study.report import Drift, recommend
+
+    store = ResultsStore(tmp_path / "study.sqlite")
+    run = store.start_run({})
+    for prompt in ("p1", "p2"):
+        store.add(record(cell("ar"), prompt, 10.0, steps=100), run)  # 10 tok/s
+        fast = replace(cell("plain", "fp32 linear"), dtype="fp32")
+        store.add(record(fast, prompt, 5.0, steps=100, identical=None), run)  # 20 tok/s
+        store.add(record(cell("sps", "ngram", 2), prompt, spec_seconds, steps=50, accepted=[1] * 50,
+                         drafted=[2] * 50), run)
+    store.close()
+    rows, params, _ = load_study(tmp_path / "study.sqlite")
+    summaries = summarize(rows)
+    (sentence,) = recommend(summaries, Drift(2, 0.02))
+    assert sentence.startswith(expected)
+    plain = next(r for r in optimal_table(summaries, params) if r.method == "plain")
+    assert plain.drafter == "fp32 linear" and plain.speedup == pytest.approx(2.0)  # shown beside the others
