@@ -39,7 +39,7 @@ def _add_sweep_args(parser: argparse.ArgumentParser, db_required: bool = True) -
     parser.add_argument("--targets", nargs="+")
     parser.add_argument("--drafters", nargs="+")
     parser.add_argument("--ks", help="K values: 1-7 or 1,2,4")
-    parser.add_argument("--methods", nargs="+", help="sps asg (ar always runs)")
+    parser.add_argument("--methods", nargs="+", help="sps asg hf (ar always runs; hf, HF's own plain decoding, runs with asg)")
     parser.add_argument("--datasets", nargs="+", help="bundled prompt sets or JSONL prompt files")
     parser.add_argument("--prompts", help="your own workload: a JSONL file (draftlab lines or MT-Bench/Spec-Bench "
                                           "questions); added to --datasets")

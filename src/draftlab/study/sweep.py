@@ -37,7 +37,7 @@ from draftlab.models import (LoadedModel, ModelSpec, auto_dtype, check_device, c
 from draftlab.sampling import SamplingConfig
 from draftlab.study.store import Cell, Record, ResultsStore
 
-METHODS = ("ar", "sps", "asg", "hf", "plain")
+METHODS = ("ar", "sps", "asg", "hf")  # 'plain' cells follow host_baselines, not --methods
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class SweepConfig:
                 for route in self.host_routes(target, base.dtype)]
         others = [
             replace(base, drafter=drafter, k=k, method=method)
-            for method in self.methods if method not in ("ar", "hf", "plain")
+            for method in self.methods if method not in ("ar", "hf")
             for drafter in self.drafters
             for k in self.ks
         ]
