@@ -18,7 +18,8 @@ only; AVX-512 BF16 on AMD, where bf16 blocks are nearly free; AVX-512 BF16 and
 FP16 on Intel, where fp32 decodes twice as fast as bf16), so nothing here is a
 constant tuned on one host: `measure` times `F.linear` and weight @ x^T for
 1, 2, 4, 8 and 16 rows on random weights of the model's own shapes (a few
-layers and the LM head, scaled to the model's depth), once per host, torch
+layers and the LM head, scaled to the model's depth), every dtype and product
+in the same interleaved rounds (so drift hits them alike), once per host, torch
 version, thread count, shape and dtype, cached in draftlab's cache directory;
 `choose` picks among exact routes: the fastest single token within 10%
 (plain decoding must not pay for speculation), then the cheapest blocks over
@@ -48,7 +49,7 @@ ROWS = (1, 2, 4, 8, 16)  # block sizes timed, and the chunk sizes exact routes m
 DEFAULT_BLOCKS = (2, 4, 8)  # block sizes a K range of 1..7 scores: what speculation pays for
 PLAIN_TOLERANCE = 1.10  # the chosen route's single token is within this factor of the fastest exact one
 SAMPLE_BYTES = 256 << 20  # at least this many bytes of layer weights per timing, so that caches do not flatter
-ROUTES_VERSION = 1  # bump when what is measured changes: older cache files are then measured again
+ROUTES_VERSION = 4  # bump when what is measured changes: older cache files are then measured again
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -237,67 +238,99 @@ def native_block_products(dtype: torch.dtype, device: str) -> bool:
 
 
 def measured_timings(shapes: Shapes, dtypes: tuple[str, ...], cache: Path | None) -> list[ProductTimings]:
-    """Timings per dtype, from the cache when this host measured these shapes before."""
-    out = []
-    for dtype in dtypes:
-        path = cache / f"{_cache_key(shapes, dtype)}.json" if cache else None
-        if path is not None and path.exists():
-            try:
-                out.append(ProductTimings.from_json(json.loads(path.read_text())))
-                continue
-            except (ValueError, KeyError):
-                pass  # a damaged cache file is measured again
-        timings = measure(shapes, dtype)
+    """Timings per dtype, from the cache when this host measured these shapes before; the missing dtypes are
+    measured together, in interleaved rounds."""
+    paths = {d: cache / f"{_cache_key(shapes, d)}.json" if cache else None for d in dtypes}
+    found = {d: _read(paths[d]) for d in dtypes}
+    missing = tuple(d for d in dtypes if found[d] is None)
+    for timings in measure(shapes, missing) if missing else []:
+        found[timings.dtype] = timings
+        path = paths[timings.dtype]
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.with_suffix(".partial").write_text(json.dumps(asdict(timings)))
             path.with_suffix(".partial").replace(path)
-        out.append(timings)
-    return out
+    return [found[d] for d in dtypes]
 
 
-def measure(shapes: Shapes, dtype: str, repeats: int = 5) -> ProductTimings:
-    """Median seconds of one token's projections per kind and row count, on random weights of `shapes`."""
-    torch_dtype = TORCH_DTYPES[dtype]
-    layer_bytes = sum(o * i for o, i in shapes.layer) * torch.finfo(torch_dtype).bits // 8
-    sampled = max(1, min(shapes.layers, -(-SAMPLE_BYTES // layer_bytes)))
+def _read(path: Path | None) -> ProductTimings | None:
+    """Cached timings, or None when absent or damaged (then measured again)."""
+    if path is None or not path.exists():
+        return None
+    try:
+        return ProductTimings.from_json(json.loads(path.read_text()))
+    except (ValueError, KeyError):
+        return None
+
+
+def measure(shapes: Shapes, dtypes: tuple[str, ...], rounds: int = 7) -> list[ProductTimings]:
+    """Median seconds of one token's projections per dtype, kind and row count, on random weights of `shapes`.
+
+    Every (dtype, kind, rows) candidate is timed once per round, in an order rotated each round, so that a
+    change of the machine's speed during the measurement hits every candidate alike (timing one dtype after the
+    other let a slow spell decide the dtype).
+    """
     generator = torch.Generator().manual_seed(0)
-    layers = [[torch.randn(o, i, generator=generator).to(torch_dtype) for o, i in shapes.layer] for _ in range(sampled)]
-    head = torch.randn(*shapes.head, generator=generator).to(torch_dtype)
-    width = shapes.head[1]
-    seconds: dict[str, dict[int, float]] = {kind: {} for kind in KINDS}
+    weights = {dtype: _RandomWeights.of(shapes, dtype, generator) for dtype in dtypes}
+    keys = [(dtype, kind, rows) for dtype in dtypes for kind in KINDS for rows in ROWS]
+    passes = {key: weights[key[0]].token_pass(key[1], key[2], generator) for key in keys}
+    times: dict[tuple, list[float]] = {key: [] for key in keys}
     with torch.inference_mode():
-        for rows in ROWS:
-            for kind in KINDS:
-                product = _products(kind)
-                inputs = {i: torch.randn(rows, i, generator=generator).to(torch_dtype) for _, i in shapes.layer}
-                x_head = torch.randn(rows, width, generator=generator).to(torch_dtype)
+        for key in keys:
+            passes[key]()  # first calls pay one-off costs
+        for number in range(rounds):
+            shift = number * len(keys) // rounds
+            for key in keys[shift:] + keys[:shift]:
+                times[key].append(passes[key]())
+    return [ProductTimings(dtype, {kind: {rows: statistics.median(times[(dtype, kind, rows)]) for rows in ROWS}
+                                   for kind in KINDS}) for dtype in dtypes]
 
-                def one_pass() -> None:
-                    for weights in layers:
-                        for w in weights:
-                            product(inputs[w.shape[1]], w)
 
-                layer_s = _median_seconds(one_pass, repeats) * shapes.layers / sampled
-                head_s = _median_seconds(lambda: product(x_head, head), repeats)
-                seconds[kind][rows] = layer_s + head_s
-    return ProductTimings(dtype, seconds)
+@dataclass
+class _RandomWeights:
+    """Random weights of a model's shapes in one dtype: a sample of its layers (enough bytes that caches do not
+    flatter the timings) and its LM head."""
+
+    dtype: str
+    layers: list[list[torch.Tensor]]  # [sampled][projection] each [out, in]
+    head: torch.Tensor  # [V, D]
+    depth_scale: float  # the model's layers over the sampled ones
+
+    @classmethod
+    def of(cls, shapes: Shapes, dtype: str, generator: torch.Generator) -> "_RandomWeights":
+        torch_dtype = TORCH_DTYPES[dtype]
+        layer_bytes = sum(o * i for o, i in shapes.layer) * torch.finfo(torch_dtype).bits // 8
+        sampled = max(1, min(shapes.layers, -(-SAMPLE_BYTES // layer_bytes)))
+        layers = [[torch.randn(o, i, generator=generator).to(torch_dtype) for o, i in shapes.layer]
+                  for _ in range(sampled)]
+        head = torch.randn(*shapes.head, generator=generator).to(torch_dtype)
+        return cls(dtype, layers, head, shapes.layers / sampled)
+
+    def token_pass(self, kind: str, rows: int, generator: torch.Generator):
+        """A callable that runs one token's projections for `rows` rows and returns their seconds, scaled to the
+        model's depth."""
+        torch_dtype = TORCH_DTYPES[self.dtype]
+        inputs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=generator).to(torch_dtype)
+                  for w in self.layers[0]}
+        x_head = torch.randn(rows, self.head.shape[1], generator=generator).to(torch_dtype)
+        product = _products(kind)
+
+        def run() -> float:
+            start = time.perf_counter()
+            for layer in self.layers:
+                for w in layer:
+                    product(inputs[w.shape[1]], w)
+            middle = time.perf_counter()
+            product(x_head, self.head)
+            return (middle - start) * self.depth_scale + time.perf_counter() - middle
+
+        return run
 
 
 def _products(kind: str):
     if kind == "linear":
         return F.linear
     return lambda x, w: torch.mm(w, x.t())  # the form `weight_major_linear` runs (x row-major)
-
-
-def _median_seconds(run, repeats: int) -> float:
-    run()  # first calls pay one-off costs
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _cache_key(shapes: Shapes, dtype: str) -> str:
