@@ -26,6 +26,9 @@ from draftlab.registry import DraftPlan, build_drafter, parse_drafter_spec, pars
 from draftlab.sampling import SamplingConfig
 
 
+LLAMACPP_NUMERICS = ("auto", "exact", "repack")
+
+
 def make_policy(k: int, dynamic: bool = False) -> DraftLengthPolicy:
     """Fixed K, or HF-style dynamic K starting at k."""
     return DynamicK(k) if dynamic else FixedK(k)
@@ -85,20 +88,43 @@ class SpeculativeDecoder:
         """Load the target (unless given) and build the drafter from its spec string.
 
         backend: "auto" (draftlab's lean Llama forward where it applies, else
-        transformers), "fast" (require the lean forward) or "hf" (transformers).
-        numerics: "auto" (the exact route measured fastest on this host) or a route label for the fast backend,
+        transformers), "fast" (require the lean forward), "hf" (transformers) or "llamacpp" (the GGUF file as it
+        is, in llama.cpp; drafts then run there too).
+        numerics: "auto" (the exact route measured fastest on this host) or a route label for the fast backend;
+        on llama.cpp "auto"/"exact" (kernels whose block rows equal single rows) or "repack" (llama.cpp's default
+        repacked weights: faster single tokens on some hosts, block rows of 4+ round differently). For the fast backend
         e.g. "fp32 exact-wm/4", or "fp32 linear" (faster on some hosts, but block rows then round differently
         from single rows: output equals plain decoding only up to rounding). Its dtype is loaded when dtype is auto.
         """
         policy = make_policy(k, dynamic_k)
+        if backend == "llamacpp" or (isinstance(target, LoadedModel) and target.engine == "llamacpp"):
+            return cls._on_llamacpp(target, drafter, policy, dtype, numerics)
         route = None if numerics == "auto" else parse_route(numerics, None if dtype == "auto" else dtype)
         if route is not None and dtype not in ("auto", route.dtype):
             raise DraftlabError(f"--numerics {route.label} runs {route.dtype}, not --dtype {dtype}")
         load_dtype = route.dtype if route is not None else dtype
-        loaded = target if isinstance(target, LoadedModel) else load_model(target, device=device, dtype=load_dtype)
+        loaded = target if isinstance(target, LoadedModel) else load_model(target, device=device, dtype=load_dtype,
+                                                                           backend=backend)
         target_backend = make_backend(loaded.model, loaded.device, backend, route=route) if route else None
         built = build_drafter(drafter, loaded, backend)
         return cls(loaded, built.drafter, policy, built.model, backend, target_backend)
+
+    @classmethod
+    def _on_llamacpp(cls, target: str | LoadedModel, drafter: str, policy: DraftLengthPolicy, dtype: str,
+                     numerics: str) -> "SpeculativeDecoder":
+        """The target's GGUF in llama.cpp (exact kernels unless numerics is 'repack'), drafts there too."""
+        if numerics not in LLAMACPP_NUMERICS:
+            raise DraftlabError(f"--numerics on llama.cpp is one of {', '.join(LLAMACPP_NUMERICS)}, not {numerics!r}")
+        repack = numerics == "repack"
+        if isinstance(target, LoadedModel):
+            if numerics != "auto" and target.model.repack != repack:
+                raise DraftlabError(f"the target was loaded with repack={target.model.repack}; --numerics {numerics} "
+                                    "needs it loaded again")
+            loaded = target
+        else:
+            loaded = load_model(target, dtype=dtype, backend="llamacpp", repack=repack)
+        built = build_drafter(drafter, loaded, "llamacpp")
+        return cls(loaded, built.drafter, policy, built.model, "llamacpp")
 
     def generate(
         self,
@@ -131,8 +157,8 @@ class SpeculativeDecoder:
         """Plain decoding of this target in another mode: the route's dtype (the weights copied) and products."""
         target = self.target
         if route.dtype != dtype_name(target.dtype):
-            model = copy.deepcopy(target.model).to(DTYPES[route.dtype])
-            target = LoadedModel(target.name, model, target.tokenizer, target.device, DTYPES[route.dtype])
+            model = copy.deepcopy(target.model).to(DTYPES[route.dtype], target.source)
+            target = LoadedModel(target.name, model, target.tokenizer, target.device, DTYPES[route.dtype], target.source)
         backend = FastLlamaBackend(target.model, target.device, route=route)
         return SpeculativeDecoder(target, NoDrafter(), FixedK(1), backend=self.backend, target_backend=backend)
 

@@ -17,6 +17,8 @@ from typing import Iterator
 import torch
 
 from draftlab import assets
+from draftlab.backends.gguf import LlamaCppModel, describe_gguf
+from draftlab.backends.llamacpp import MAX_CONTEXT
 from draftlab.backends.routes import choose_for, dtype_label, native_block_products
 from draftlab.errors import DraftlabError
 
@@ -119,38 +121,60 @@ def check_device(device: str) -> str:
 
 @dataclass
 class LoadedModel:
-    """A causal LM with its tokenizer, ready for a backend."""
+    """A causal LM with its tokenizer, ready for a backend: a torch module, or a GGUF file loaded in llama.cpp."""
 
     name: str
-    model: torch.nn.Module
+    model: torch.nn.Module | LlamaCppModel
     tokenizer: object
     device: torch.device
-    dtype: torch.dtype
+    dtype: torch.dtype  # a llama.cpp model's logits dtype (fp32); its weights keep the file's types
+    source: str = ""  # what it was loaded from (short name, .gguf or directory), when known
+
+    @property
+    def engine(self) -> str:
+        """'llamacpp' for a GGUF file in llama.cpp, 'torch' otherwise."""
+        return "llamacpp" if isinstance(self.model, LlamaCppModel) else "torch"
 
     @property
     def context_length(self) -> int:
         """Longest sequence the model supports (prompt + generation)."""
+        if isinstance(self.model, LlamaCppModel):
+            return min(self.model.n_ctx_train, MAX_CONTEXT)
         return int(getattr(self.model.config, "max_position_embeddings", 2048))
 
     @property
     def vocab_size(self) -> int:
         """Rows of the model's output layer."""
+        if isinstance(self.model, LlamaCppModel):
+            return self.model.vocab_size
         return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def precision(self) -> str:
+        """What the weights are: 'fp32', 'bf16', or the GGUF's weight type on llama.cpp ('Q4_1')."""
+        return self.model.weight_type if isinstance(self.model, LlamaCppModel) else dtype_name(self.dtype)
 
     def num_parameters(self) -> int:
         """Distinct parameters (shared tensors counted once)."""
+        if isinstance(self.model, LlamaCppModel):
+            return self.model.n_params
         seen = {p.data_ptr(): p.numel() for p in self.model.parameters()}
         return sum(seen.values())
 
 
 def load_model(spec: ModelSpec | str, *, device: str = ModelSpec.device, dtype: str = ModelSpec.dtype,
-               verbose: bool = False) -> LoadedModel:
+               verbose: bool = False, backend: str = "auto", repack: bool = False) -> LoadedModel:
     """Load a model and tokenizer from a short name, a .gguf file or an HF directory.
 
-    `verbose`: let transformers print its per-load progress bar and notes (quiet by default).
+    `backend`: 'llamacpp' loads the GGUF file itself into llama.cpp (no de-quantization; a short name or a .gguf
+    path); any other loads it into torch. `repack` (llama.cpp only): llama.cpp's repacked weights, faster on some
+    hosts, but rows of a block of 4+ then round differently from single rows (plain decoding and drafts use it).
+    `verbose`: let transformers print its per-load progress bar and notes.
     """
     if isinstance(spec, str):
         spec = ModelSpec(spec, device=device, dtype=dtype)
+    if backend == "llamacpp":
+        return load_gguf_model(spec, repack)
     with quiet_transformers(not verbose):
         directory = resolve_directory(spec.source)
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -163,7 +187,7 @@ def load_model(spec: ModelSpec | str, *, device: str = ModelSpec.device, dtype: 
             raise DraftlabError(f"could not load a causal LM from {directory}: {exc}") from exc
     model.to(spec.device).eval()
     model.requires_grad_(False)
-    return LoadedModel(Path(spec.source).name, model, tokenizer, torch.device(spec.device), torch_dtype)
+    return LoadedModel(Path(spec.source).name, model, tokenizer, torch.device(spec.device), torch_dtype, spec.source)
 
 
 @contextmanager
@@ -183,6 +207,34 @@ def quiet_transformers(quiet: bool = True) -> Iterator[None]:
         hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
+
+
+def load_gguf_model(spec: ModelSpec, repack: bool = False) -> LoadedModel:
+    """A GGUF file (short name or path) loaded as it is into llama.cpp, with its tokenizer read from the file."""
+    if spec.dtype != "auto":
+        raise DraftlabError(f"llama.cpp runs the GGUF's own weight types; --dtype {spec.dtype} applies to the torch "
+                            "backends (drop it, or use --backend fast)")
+    if spec.device != "cpu":
+        raise DraftlabError(f"the llamacpp backend runs on the CPU here, not {spec.device}")
+    path = gguf_path(spec.source)
+    with quiet_transformers():
+        meta = describe_gguf(path, assets.cache_dir())
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(meta)
+    model = LlamaCppModel.load(path, meta, repack)
+    return LoadedModel(Path(spec.source).name, model, tokenizer, torch.device("cpu"), torch.float32, spec.source)
+
+
+def gguf_path(source: str) -> Path:
+    """The GGUF file of a short name or a .gguf path; a clear error for anything else."""
+    if source in assets.MODEL_ASSETS:
+        return assets.fetch(assets.MODEL_ASSETS[source])
+    path = Path(source).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return path
+    raise DraftlabError(f"the llamacpp backend loads GGUF files: give a short name ({', '.join(sorted(assets.MODEL_ASSETS))}) "
+                        f"or an existing .gguf path, not {source!r}")
 
 
 def resolve_directory(source: str) -> Path:

@@ -158,6 +158,13 @@ def build_drafter(plan: DraftPlan | str, target: LoadedModel, backend: str = DEF
     return DRAFTERS[plan.kind](plan, target, backend)
 
 
+def _needs_torch_target(target: LoadedModel, what: str) -> None:
+    """Refuse drafts built from the target's own weights when the target runs in llama.cpp."""
+    if target.engine == "llamacpp":
+        raise DraftlabError(f"{what} is built from the target's torch weights; on --backend llamacpp use ngram, "
+                            "model:NAME_OR_GGUF, or tree/staged/merged drafts of those (or --backend fast)")
+
+
 def _build_none(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
     return BuiltDraft(NoDrafter())
 
@@ -167,6 +174,7 @@ def _build_ngram(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDra
 
 
 def _build_layers(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
+    _needs_torch_target(target, "a layer draft")
     return _model_draft(build_layer_draft(target, plan.layers, _draft_dtype(plan, target)), backend)
 
 
@@ -175,7 +183,13 @@ def _build_model(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDra
     if fmt is not None:
         if fmt not in DRAFT_FORMATS:
             raise DraftlabError(f"{plan.model} holds a draft of unknown format {fmt!r}; known: {sorted(DRAFT_FORMATS)}")
+        _needs_torch_target(target, f"the {fmt} draft in {plan.model}")
         return DRAFT_FORMATS[fmt](plan, target, backend)
+    if target.engine == "llamacpp":  # a GGUF draft in its own llama.cpp context
+        # Repacked weights: a draft's rounding never decides what is committed, and they draft faster.
+        draft = load_model(ModelSpec(plan.model, dtype=plan.dtype or "auto"), backend="llamacpp", repack=True)
+        check_compatible(target, draft)
+        return _model_draft(draft, "llamacpp")
     draft = load_model(ModelSpec(plan.model, device=str(target.device), dtype=dtype_name(_draft_dtype(plan, target))))
     check_compatible(target, draft)
     draft.name += dtype_suffix(draft.dtype, target.dtype)
@@ -183,6 +197,7 @@ def _build_model(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDra
 
 
 def _build_designed(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
+    _needs_torch_target(target, "the designed draft")
     built = _build_model(DraftPlan("model", model=str(shipped_draft(target.name))), target, backend)
     built.drafter.name = "designed"
     return built

@@ -12,7 +12,9 @@ import torch
 
 from draftlab.backends.base import Backend, Stopwatch
 from draftlab.backends.fast_llama import SUPPORTED_MODEL_TYPES, FastLlamaBackend
+from draftlab.backends.gguf import LlamaCppModel
 from draftlab.backends.hf import HFBackend
+from draftlab.backends.llamacpp import LlamaCppBackend
 from draftlab.backends.routes import Route
 from draftlab.defaults import DEFAULT_BACKEND
 from draftlab.errors import DraftlabError
@@ -20,6 +22,7 @@ from draftlab.errors import DraftlabError
 BACKENDS: dict[str, Callable[..., Backend]] = {  # (model, device, batch_invariant=, head_rows=) -> Backend
     "fast": FastLlamaBackend,
     "hf": HFBackend,
+    "llamacpp": LlamaCppBackend,  # takes a LlamaCppModel (a GGUF loaded with `load_model(..., backend="llamacpp")`)
 }
 BACKEND_NAMES = ("auto", *BACKENDS)
 
@@ -32,14 +35,15 @@ def check_backend_name(kind: str) -> str:
 
 
 def make_backend(
-    model: torch.nn.Module,
+    model: torch.nn.Module | LlamaCppModel,
     device: torch.device | str = "cpu",
     kind: str = DEFAULT_BACKEND,
     batch_invariant: bool | None = None,
     head_rows: torch.Tensor | None = None,
     route: Route | None = None,
 ) -> Backend:
-    """A backend for `model`: 'fast' (draftlab's forward), 'hf' (transformers) or 'auto' (fast where supported).
+    """A backend for `model`: 'fast' (draftlab's forward), 'hf' (transformers) or 'auto' (fast where supported);
+    a GGUF model loaded in llama.cpp gets 'llamacpp' (under 'auto' too).
 
     `batch_invariant`: score every block row bitwise as if alone (None: the backend's default, on in bf16/fp16
     for the fast backend); drafts pass False, since their rounding never affects what is committed.
@@ -49,6 +53,8 @@ def make_backend(
     `route`: the fast backend's products (`draftlab.backends.routes`); None: measured on this host.
     """
     check_backend_name(kind)
+    if isinstance(model, LlamaCppModel) or kind == "llamacpp":
+        return _llamacpp_backend(model, kind, route, head_rows)
     supported = getattr(model.config, "model_type", None) in SUPPORTED_MODEL_TYPES
     if kind == "fast" and not supported:
         raise DraftlabError(
@@ -64,5 +70,17 @@ def make_backend(
     return BACKENDS[kind](model, device, batch_invariant=batch_invariant, head_rows=head_rows)
 
 
-__all__ = ["BACKENDS", "BACKEND_NAMES", "Backend", "FastLlamaBackend", "HFBackend", "Stopwatch", "check_backend_name",
+def _llamacpp_backend(model, kind: str, route: Route | None, head_rows: torch.Tensor | None) -> Backend:
+    """llama.cpp's backend for a model loaded in llama.cpp; a clear error for any other pairing."""
+    if not isinstance(model, LlamaCppModel):
+        raise DraftlabError("--backend llamacpp runs GGUF files loaded in llama.cpp; load the model with "
+                            "load_model(..., backend='llamacpp') (the CLI does so under --backend llamacpp)")
+    if kind not in ("auto", "llamacpp"):
+        raise DraftlabError(f"{model.path.name} is loaded in llama.cpp; the {kind} backend needs a torch model")
+    if route is not None:
+        raise DraftlabError("routes (--numerics) choose the torch backend's products; llama.cpp uses its own kernels")
+    return LlamaCppBackend(model, head_rows=head_rows)
+
+
+__all__ = ["BACKENDS", "BACKEND_NAMES", "Backend", "FastLlamaBackend", "HFBackend", "LlamaCppBackend", "LlamaCppModel", "Stopwatch", "check_backend_name",
            "make_backend"]

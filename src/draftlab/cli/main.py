@@ -28,9 +28,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dynamic-k", action="store_true", help="grow K after full acceptance, shrink after a rejection")
     parser.add_argument("--device", default=ModelSpec.device, help="cpu, cuda, cuda:1, ...")
     parser.add_argument("--dtype", default=ModelSpec.dtype, help="auto (the dtype this host decodes fastest, timed once), fp32, bf16, fp16")
-    parser.add_argument("--backend", default=DEFAULT_BACKEND, help="auto | fast (draftlab's Llama forward) | hf (transformers)")
+    parser.add_argument("--backend", default=DEFAULT_BACKEND, help="auto | fast (draftlab's Llama forward) | hf (transformers) | llamacpp (the GGUF in llama.cpp)")
     parser.add_argument("--numerics", default="auto", help="auto (the exact route measured fastest here) or a route: "
-                        "'fp32 exact-wm/4', 'bf16 exact-linear/16', 'fp32 linear' (not exact), ...")
+                        "'fp32 exact-wm/4', 'bf16 exact-linear/16', 'fp32 linear' (not exact), ...; on llama.cpp exact or repack")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--max-new-tokens", type=int, default=GenerationConfig.max_new_tokens)
     add_sampling_args(parser)

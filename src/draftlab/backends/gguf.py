@@ -1,0 +1,166 @@
+"""GGUF models in llama.cpp (through llama-cpp-python's low-level API), loaded as they are: no de-quantization.
+
+llama.cpp is an optional dependency (`pip install 'draftlab[llamacpp]'`, which `./run.sh` installs). Three of its
+CPU kernel choices make a row of a block round differently from the same row scored alone; draftlab turns off
+the two it can at run time (see docs/backends.md and `exactness`):
+
+- weight repacking (an "extra buffer type": gemm for the first floor(n/4)*4 rows, gemv for the rest):
+  `use_extra_bufts = False` in the model parameters;
+- the tiled K-quant matmul that takes over at 8+ rows: `GGML_CPU_TILED_MM=0` in the environment, set before the
+  library loads unless the user set it;
+- llamafile's sgemm (blocks of 2+ rows for some weight types) is a build switch: `CMAKE_ARGS=-DGGML_LLAMAFILE=OFF`
+  when pip builds llama-cpp-python (`./run.sh` does). `LlamaCppModel.sgemm` says what the installed library has.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+from draftlab.errors import DraftlabError
+
+EXACT_ENV = {"GGML_CPU_TILED_MM": "0"}  # read by ggml-cpu; set before the library loads
+INSTALL_HINT = ("install it with: CMAKE_ARGS=-DGGML_LLAMAFILE=OFF pip install 'draftlab[llamacpp]' "
+                "(./run.sh does; it compiles llama.cpp, ~4 minutes on 2 cores)")
+
+
+@lru_cache(maxsize=1)
+def llama_lib():
+    """The `llama_cpp` module, imported once with draftlab's kernel settings and llama.cpp's logging off."""
+    for key, value in EXACT_ENV.items():
+        os.environ.setdefault(key, value)
+    try:
+        import llama_cpp
+        from llama_cpp import _logger
+    except ImportError as exc:
+        raise DraftlabError(f"the llamacpp backend needs llama-cpp-python ({exc}); {INSTALL_HINT}") from exc
+    _logger.set_verbose(False)
+    llama_cpp.llama_backend_init()
+    return llama_cpp
+
+
+def available() -> bool:
+    """True when llama-cpp-python is installed (without importing it)."""
+    from importlib.util import find_spec
+
+    return find_spec("llama_cpp") is not None
+
+
+def system_info() -> str:
+    """llama.cpp's own line of compiled-in CPU features ('AVX512 = 1 | LLAMAFILE = 0 | ...')."""
+    return llama_lib().llama_print_system_info().decode()
+
+
+def library_version() -> str:
+    """llama-cpp-python's version."""
+    return llama_lib().__version__
+
+
+def threads() -> int:
+    """Threads for llama.cpp: the cores this process may run on (as torch uses them)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+@dataclass
+class LlamaCppModel:
+    """A GGUF file loaded by llama.cpp, with the HF config and generation config read from its metadata.
+
+    Several backends (contexts) may run on one loaded model; each has its own KV cache.
+    """
+
+    path: Path
+    handle: object  # llama_model_p
+    vocab_handle: object  # llama_vocab_p
+    config: object  # transformers PretrainedConfig from the GGUF's metadata
+    generation_config: object  # transformers GenerationConfig derived from it
+    vocab_size: int
+    n_ctx_train: int
+    n_layer: int
+    n_params: int
+    description: str  # llama.cpp's own: 'llama 135M Q4_1', 'qwen2 1.5B Q4_K - Medium'
+    repack: bool  # weight repacking on (faster blocks on some hosts, rows then depend on the block size)
+    meta_dir: Path | None = None
+    _twin: "LlamaCppModel | None" = field(default=None, repr=False)
+
+    @classmethod
+    def load(cls, path: Path, meta_dir: Path, repack: bool = False) -> "LlamaCppModel":
+        """Load `path` into llama.cpp; `meta_dir` holds its config (see `describe_gguf`)."""
+        lib = llama_lib()
+        params = lib.llama_model_default_params()
+        params.use_extra_bufts = repack
+        handle = lib.llama_model_load_from_file(str(path).encode(), params)
+        if not handle:
+            raise DraftlabError(f"llama.cpp cannot load {path} (not a GGUF file, or an architecture this build "
+                                f"of llama.cpp ({library_version()}) does not know)")
+        vocab = lib.llama_model_get_vocab(handle)
+        buffer = ctypes.create_string_buffer(256)
+        lib.llama_model_desc(handle, buffer, len(buffer))
+        from transformers import AutoConfig, GenerationConfig
+
+        config = AutoConfig.from_pretrained(meta_dir)
+        return cls(path, handle, vocab, config, GenerationConfig.from_model_config(config),
+                   int(lib.llama_vocab_n_tokens(vocab)), int(lib.llama_model_n_ctx_train(handle)),
+                   int(lib.llama_model_n_layer(handle)), int(lib.llama_model_n_params(handle)),
+                   buffer.value.decode(errors="replace"), repack, meta_dir)
+
+    def twin(self) -> "LlamaCppModel":
+        """The same file loaded with repacked weights (loaded once): fast prefills for a target on exact kernels."""
+        if self.repack:
+            return self
+        if self._twin is None:
+            self._twin = LlamaCppModel.load(self.path, self.meta_dir, repack=True)
+        return self._twin
+
+    @property
+    def sgemm(self) -> bool:
+        """Whether the installed llama.cpp was built with llamafile's sgemm (rows of 2+ then round differently)."""
+        return bool(re.search(r"LLAMAFILE = 1", system_info()))
+
+    @property
+    def weight_type(self) -> str:
+        """The file's weight type as llama.cpp names it ('Q4_1', 'Q4_K - Medium')."""
+        return re.sub(r"^\S+ \S+ ", "", self.description)
+
+    def kernels(self) -> str:
+        """What the kernel settings are, for the results' record."""
+        tiled = os.environ.get("GGML_CPU_TILED_MM", "default")
+        return (f"llama.cpp {self.weight_type}, sgemm {'on' if self.sgemm else 'off'}, "
+                f"repack {'on' if self.repack else 'off'}, tiled MM {'off' if tiled == '0' else tiled}")
+
+    def __del__(self) -> None:
+        handle, self.handle = getattr(self, "handle", None), None
+        if handle:
+            llama_lib().llama_model_free(handle)
+
+
+def describe_gguf(path: Path, cache_root: Path) -> Path:
+    """A directory with the HF config and tokenizer read from a GGUF's metadata (no weights), made once per file.
+
+    Keyed by the file's name, size and modification time: hashing a 1 GB file on every load would cost seconds.
+    """
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()} {stat.st_size} {stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = cache_root / "gguf-meta" / key
+    if (out / "config.json").exists():
+        return out
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception as exc:  # transformers raises many types for unreadable GGUF
+        raise DraftlabError(f"cannot read the tokenizer and config of GGUF {path}: {exc}") from exc
+    partial = out.with_name(out.name + ".partial")
+    partial.mkdir(parents=True, exist_ok=True)
+    config_dict = config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config.__class__.from_dict(config_dict).save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    (partial / "SOURCE").write_text(f"{path.name} size={stat.st_size}\n")
+    partial.replace(out)
+    return out

@@ -1,0 +1,267 @@
+"""llama.cpp as a backend: GGUF targets and drafts scored by llama.cpp's own kernels, quantized as they are.
+
+One `llama_context` per backend (its own KV cache); target and draft share nothing but the tokenizer. Blocks go
+through `llama_decode` with logits only for the rows verification needs (a prefill asks for none but its last).
+
+Token trees use llama.cpp's sequence sets, as its own speculative examples do: the cache before the block
+belongs to sequence 0 and is shared (`llama_memory_seq_cp`) with one sequence per leaf; a block token belongs to
+the sequences of the leaves below it, and llama.cpp's mask lets a token see exactly the cells of its first
+sequence, i.e. the cache, its ancestors and itself. `keep` gives the accepted path back to sequence 0 and drops
+the leaf sequences.
+
+Exactness: with the kernel settings of `draftlab.backends.gguf`, every row of a block is bitwise the row scored
+alone, provided the visible cells lie in position order (llama.cpp sums attention over cells in cell order).
+A tree's accepted path is in position order inside the block, but when it is not the block's first rows
+its cells are scattered; `keep` then re-scores those tokens as a chain into contiguous cells (an extra pass of
+at most K tokens, only on such steps). The block order put first children first (`dfs_order`), so the draft's
+own top path, the usual accepted one, needs no extra pass.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from draftlab.backends.gguf import LlamaCppModel, llama_lib, threads
+from draftlab.errors import DraftlabError
+from draftlab.step import Block, Scores
+
+MAX_CONTEXT = 8192  # KV cells per context (the model's training context if smaller)
+MAX_BATCH = 512  # tokens per llama_decode call (a longer prefill is split)
+MAX_LEAVES = 64  # leaf sequences of a token tree
+
+
+class LlamaCppBackend:
+    """A GGUF model in llama.cpp with its own context and KV cache, batch size 1."""
+
+    provides_hidden = False  # llama.cpp's embeddings are post-norm only and need a context of their own
+
+    def __init__(self, model: LlamaCppModel, device: str = "cpu", batch_invariant: bool | None = None,
+                 head_rows: torch.Tensor | None = None, flash_attention: bool = True, fast_prefill: bool = True) -> None:
+        """`batch_invariant` is accepted for the registry's sake: rows are exact whenever the library's kernels are
+        (`LlamaCppModel.kernels`); `head_rows` (cut vocabularies) is refused: llama.cpp computes the whole head.
+
+        `fast_prefill`: a model on exact kernels prefills a prompt on its repacked twin (`LlamaCppModel.twin`) and
+        takes the sequence's cache over (`llama_state_seq_get_data`/`set_data`): plain and speculative decoding
+        prefill alike, so their caches stay identical, and repacked prefills run up to ~1.7x faster."""
+        if str(device) != "cpu":
+            raise DraftlabError(f"the llamacpp backend runs on the CPU here, not {device}")
+        if head_rows is not None:
+            raise DraftlabError("the llamacpp backend computes the whole LM head; cut-vocabulary drafts need --backend fast")
+        self.lib = llama_lib()
+        self.model = model
+        self.vocab_size = model.vocab_size
+        self.batch_invariant = not model.sgemm and not model.repack
+        self.numerics = model.kernels()
+        self.n_ctx = min(model.n_ctx_train, MAX_CONTEXT)
+        self._ctx = self._new_context(flash_attention)
+        self._memory = self.lib.llama_get_memory(self._ctx)
+        self._batch = self.lib.llama_batch_init(MAX_BATCH, 0, MAX_LEAVES)
+        self._len = 0
+        self._remember([], [], None)
+        self._fast_prefill = fast_prefill and not model.repack
+        self._prefiller: LlamaCppBackend | None = None
+
+    @property
+    def cache_len(self) -> int:
+        """Number of tokens currently held in the cache."""
+        return self._len
+
+    def reset(self) -> None:
+        """Empty the cache."""
+        self.lib.llama_memory_clear(self._memory, True)
+        self._len = 0
+        self._remember([], [], None)
+
+    def rollback(self, length: int) -> None:
+        """Keep only the first `length` cached tokens."""
+        if self._tree is not None:  # a tree block not kept: its leaf sequences go
+            for s in self._tree[0].values():
+                self.lib.llama_memory_seq_rm(self._memory, s, -1, -1)
+            self._tree = None
+        if length < self._len:
+            self.lib.llama_memory_seq_rm(self._memory, 0, length, -1)
+            self._len = length
+
+    def synchronize(self) -> None:
+        """Wait for llama.cpp's threads."""
+        self.lib.llama_synchronize(self._ctx)
+
+    def score(self, token_ids: Sequence[int], last_only: bool = False) -> torch.Tensor:
+        """Append consecutive tokens to the cache; logits [n, V] (or [1, V] if last_only), fp32."""
+        return self.score_block(Block.chain(list(token_ids)), last_only=last_only).logits
+
+    def score_block(self, block: Block, with_hidden: bool = False, last_only: bool = False) -> Scores:
+        """Append a tree-shaped block in one pass; logits [n, V] ([1, V] if last_only)."""
+        if with_hidden:
+            raise DraftlabError("the llamacpp backend does not return hidden states; feature drafts and decoder "
+                                "heads need --backend fast")
+        if block.is_chain and last_only and self._fast_prefill and self._len == 0 and len(block.tokens) > 1:
+            return Scores(self._prefill_on_twin(block.tokens))
+        if block.is_chain:
+            return Scores(self._score_chain(block.tokens, last_only))
+        return Scores(self._score_tree(block))
+
+    def keep(self, indices: Sequence[int]) -> None:
+        """Keep the cache before the last block plus the block's tokens at `indices` (ascending)."""
+        indices = list(indices)
+        base = self._block_start
+        if self._tree is not None:
+            self._path_to_seq0(base, indices)
+            self._tree = None
+        self.rollback(base + len(indices))
+        rows = [self._rows[i] for i in indices]  # batch rows (= cells after the cache) of the kept tokens
+        in_place = next((j for j, row in enumerate(rows) if row != j), len(rows))
+        if in_place < len(rows):  # scattered cells: re-score the rest of the path into contiguous cells
+            tokens = [self._tokens[i] for i in indices[in_place:]]
+            self.rollback(base + in_place)
+            self._score_chain(tokens, last_only=True)
+
+    # chains ------------------------------------------------------------------------------------------------------
+
+    def _score_chain(self, tokens: list[int], last_only: bool) -> torch.Tensor:
+        """Decode consecutive tokens in seq 0, split in batches of MAX_BATCH; logits [n, V] or [1, V]."""
+        if not tokens:
+            raise DraftlabError("a block needs at least one token")
+        self._remember(tokens, list(range(len(tokens))), None)
+        rows = []
+        for start in range(0, len(tokens), MAX_BATCH):
+            part = tokens[start:start + MAX_BATCH]
+            last = start + len(part) == len(tokens)
+            wanted = [(last and i == len(part) - 1) or not last_only for i in range(len(part))]
+            self._fill(part, [self._len + i for i in range(len(part))], [[0]] * len(part), wanted)
+            self._decode(len(part))
+            rows.append(self._logits(sum(wanted)))
+            self._len += len(part)
+        return torch.cat(rows)  # [n, V] or [1, V]
+
+    def _prefill_on_twin(self, tokens: list[int]) -> torch.Tensor:
+        """Prefill on the repacked twin, then copy its cache of seq 0 here; the last row's logits [1, V]."""
+        if self._prefiller is None:
+            self._prefiller = LlamaCppBackend(self.model.twin(), fast_prefill=False)
+        twin = self._prefiller
+        twin.reset()
+        logits = twin._score_chain(tokens, last_only=True)  # [1, V]
+        size = self.lib.llama_state_seq_get_size(twin._ctx, 0)
+        state = (ctypes.c_uint8 * size)()
+        written = self.lib.llama_state_seq_get_data(twin._ctx, state, size, 0)
+        twin.reset()
+        self.reset()
+        if not written or self.lib.llama_state_seq_set_data(self._ctx, state, written, 0) == 0:
+            raise DraftlabError("llama.cpp could not copy a prefilled cache between contexts")
+        self._remember(tokens, list(range(len(tokens))), None)
+        self._len = len(tokens)
+        return logits
+
+    def _remember(self, tokens: list[int], rows: list[int], tree: tuple | None) -> None:
+        """What `keep` needs of the block about to be scored."""
+        self._block_start, self._tokens, self._rows, self._tree = self._len, tokens, rows, tree
+
+    # trees -------------------------------------------------------------------------------------------------------
+
+    def _score_tree(self, block: Block) -> torch.Tensor:
+        """Decode a tree block with one sequence per leaf; logits [n, V] in the block's order."""
+        layout = block.layout()
+        order = dfs_order(block.parents, layout.children)
+        leaves = [i for i in order if not layout.children[i]]
+        if len(leaves) >= MAX_LEAVES:
+            raise DraftlabError(f"a token tree on llama.cpp may have at most {MAX_LEAVES - 1} leaves, got {len(leaves)}")
+        seq_of_leaf = {leaf: s + 1 for s, leaf in enumerate(leaves)}
+        below = leaves_below(layout.children, order)
+        for s in seq_of_leaf.values():
+            self.lib.llama_memory_seq_cp(self._memory, 0, s, -1, -1)
+        depths = layout.depths.tolist()
+        self._fill([block.tokens[i] for i in order], [self._len + depths[i] for i in order],
+                   [[seq_of_leaf[leaf] for leaf in below[i]] for i in order], [True] * len(order))
+        self._decode(len(order))
+        logits = self._logits(len(order))  # [n, V] in batch order
+        rows = inverse(order)
+        self._remember(list(block.tokens), rows, (seq_of_leaf, below))
+        self._len += len(order)
+        return logits[torch.tensor(rows)]  # [n, V] in block order
+
+    def _path_to_seq0(self, base: int, indices: list[int]) -> None:
+        """Add seq 0 to the kept path's cells (through a leaf below its end), then drop every leaf sequence."""
+        seq_of_leaf, below = self._tree
+        path_seq = seq_of_leaf[below[indices[-1]][0]]
+        self.lib.llama_memory_seq_cp(self._memory, path_seq, 0, base, base + len(indices))
+        for s in seq_of_leaf.values():
+            self.lib.llama_memory_seq_rm(self._memory, s, -1, -1)
+
+    # llama.cpp ---------------------------------------------------------------------------------------------------
+
+    def _new_context(self, flash_attention: bool):
+        params = self.lib.llama_context_default_params()
+        params.n_ctx = self.n_ctx
+        params.n_batch = params.n_ubatch = MAX_BATCH
+        params.n_seq_max = MAX_LEAVES
+        params.kv_unified = True  # leaf sequences share the cache's cells
+        params.n_threads = params.n_threads_batch = threads()
+        params.flash_attn_type = (self.lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attention
+                                  else self.lib.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        params.no_perf = True
+        ctx = self.lib.llama_init_from_model(self.model.handle, params)
+        if not ctx:
+            raise DraftlabError(f"llama.cpp could not create a context of {self.n_ctx} tokens for {self.model.path}")
+        return ctx
+
+    def _fill(self, tokens: list[int], positions: list[int], seqs: list[list[int]], wanted: list[bool]) -> None:
+        batch = self._batch
+        batch.n_tokens = len(tokens)
+        for i, (token, pos, seq_ids, out) in enumerate(zip(tokens, positions, seqs, wanted)):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, len(seq_ids), out
+            for j, s in enumerate(seq_ids):
+                batch.seq_id[i][j] = s
+
+    def _decode(self, n: int) -> None:
+        if self._len + n > self.n_ctx:
+            raise DraftlabError(f"the llama.cpp context holds {self.n_ctx} tokens; {self._len + n} asked for")
+        status = self.lib.llama_decode(self._ctx, self._batch)
+        if status != 0:
+            raise DraftlabError(f"llama_decode failed with status {status} ({n} tokens after {self._len})")
+
+    def _logits(self, rows: int) -> torch.Tensor:
+        """The last decode's output rows [rows, V], copied out of llama.cpp's buffer."""
+        pointer = self.lib.llama_get_logits(self._ctx)
+        return torch.from_numpy(np.ctypeslib.as_array(pointer, shape=(rows, self.vocab_size)).copy())
+
+    def __del__(self) -> None:
+        lib = getattr(self, "lib", None)
+        if lib is None:
+            return
+        if getattr(self, "_batch", None) is not None:
+            lib.llama_batch_free(self._batch)
+            self._batch = None
+        if getattr(self, "_ctx", None):
+            lib.llama_free(self._ctx)
+            self._ctx = None
+
+
+def dfs_order(parents: tuple[int, ...], children: tuple[tuple[int, ...], ...]) -> list[int]:
+    """Block indices in depth-first order from the root (or roots: a draft scores forests), first children first:
+    a topological order in which the first children's path comes right after the cache."""
+    order, stack = [], [i for i in reversed(range(len(parents))) if parents[i] < 0]
+    while stack:
+        node = stack.pop()
+        order.append(node)
+        stack.extend(reversed(children[node]))
+    return order
+
+
+def leaves_below(children: tuple[tuple[int, ...], ...], order: list[int]) -> dict[int, list[int]]:
+    """Each node's leaves (itself if a leaf), in depth-first order."""
+    below: dict[int, list[int]] = {}
+    for node in reversed(order):
+        below[node] = [leaf for child in children[node] for leaf in below[child]] or [node]
+    return below
+
+
+def inverse(order: list[int]) -> list[int]:
+    """Position of each block index in `order`."""
+    where = [0] * len(order)
+    for row, node in enumerate(order):
+        where[node] = row
+    return where

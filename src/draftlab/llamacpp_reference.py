@@ -1,0 +1,64 @@
+"""llama-cpp-python's own high-level API as a peer: its plain `generate`, and its prompt-lookup decoding.
+
+What a llama.cpp user runs without draftlab: `Llama(model_path=...)` with the library's default kernels
+(repacked weights), and `Llama(..., draft_model=LlamaPromptLookupDecoding(num_pred_tokens=K))`, its speculative
+decoding (which makes it compute logits for every row). Each run starts from an empty cache (`Llama.reset`), so
+no run reuses an earlier run's prefill. Greedy runs of the lookup are compared with the plain `generate` of the
+same library, as AsG is compared with HF's own `generate`.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Sequence
+
+from draftlab.backends.gguf import llama_lib, threads
+from draftlab.backends.llamacpp import MAX_CONTEXT
+from draftlab.errors import DraftlabError
+from draftlab.sampling import SamplingConfig
+
+
+class LlamaCppPeer:
+    """One GGUF in llama-cpp-python's `Llama`, plain and with prompt lookup (two instances, loaded on first use)."""
+
+    def __init__(self, path: Path, max_ngram: int = 2) -> None:
+        """`max_ngram`: the lookup's longest n-gram (llama-cpp-python's default, 2)."""
+        self.path = Path(path)
+        self.max_ngram = max_ngram
+        self._plain = None
+        self._lookup = None
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, eos: Sequence[int], sampling: SamplingConfig,
+                 seed: int, k: int = 0) -> tuple[list[int], float]:
+        """New tokens and wall seconds: plain `generate` (k=0) or with prompt lookup drafting k tokens a step."""
+        llm = self._llama(k)
+        llm.set_seed(seed)
+        llm.reset()
+        start = time.perf_counter()
+        tokens: list[int] = []
+        for token in llm.generate(list(prompt_ids), temp=sampling.temperature, top_k=sampling.top_k,
+                                  top_p=sampling.top_p, min_p=0.0, repeat_penalty=1.0, reset=True):
+            tokens.append(int(token))
+            if token in eos or len(tokens) >= max_new_tokens:
+                break
+        return tokens, time.perf_counter() - start
+
+    def _llama(self, k: int):
+        """The plain instance, or the lookup instance set to draft k tokens."""
+        llama_lib()  # draftlab's kernel settings before the library loads
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        if k < 0:
+            raise DraftlabError(f"prompt lookup drafts k >= 1 tokens, got {k}")
+        common = dict(model_path=str(self.path), n_ctx=MAX_CONTEXT, n_threads=threads(), n_threads_batch=threads(),
+                      verbose=False)
+        if k == 0:
+            if self._plain is None:
+                self._plain = Llama(**common)
+            return self._plain
+        if self._lookup is None:
+            self._lookup = Llama(**common, draft_model=LlamaPromptLookupDecoding(self.max_ngram, k))
+        self._lookup.draft_model.num_pred_tokens = k
+        return self._lookup
