@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up draftlab in ./.venv and run the main job on the embedded default model:
-# the quick study (sweep over drafts x K x SpS/AsG on smollm2-135m, then the report).
+# the quick study (sweep over drafts x K x SpS/AsG on smollm2-135m, on draftlab's torch backend and on llama.cpp,
+# with llama-cpp-python's own prompt lookup; then the report).
 #   ./run.sh              set up, then the quick study into results/quick/
 #   ./run.sh --preset full   the full study (extra arguments go to `draftlab study`)
 #   ./run.sh --setup-only set up only (what CI does before the tests)
@@ -17,7 +18,9 @@ fi
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/python -m pip install --quiet "torch==2.13.0"
 fi
-.venv/bin/python -m pip install --quiet -e ".[test]"
+# llama.cpp (the llamacpp backend) compiles with this machine's compiler, ~4 minutes on 2 cores the first time
+# (pip caches the wheel). Without llamafile's sgemm, a row of a block rounds as the row scored alone.
+CMAKE_ARGS="${CMAKE_ARGS:-} -DGGML_LLAMAFILE=OFF" .venv/bin/python -m pip install --quiet -e ".[test,llamacpp]"
 if [ "${1:-}" = "--setup-only" ]; then
   exit 0
 fi

@@ -14,7 +14,6 @@ from draftlab.backends import FastLlamaBackend
 from draftlab.drafters.feature import FeatureDrafter, is_feature_draft, load_feature_draft, new_feature_draft
 from draftlab.policy import FixedK
 from draftlab.step import Block
-from draftlab.sampling import SamplingConfig
 from tests.conftest import tiny_llama
 from tests.test_engine_sampling import K, SAMPLINGS, VOCAB, assert_joint_matches, empirical_joint, exact_joint
 

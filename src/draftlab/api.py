@@ -11,22 +11,22 @@ Drafter spec strings: see `draftlab.registry` (the same grammar everywhere).
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from draftlab.backends import Backend, FastLlamaBackend, make_backend
+from draftlab.backends import Backend, FastLlamaBackend, gguf, make_backend
 from draftlab.backends.routes import Route, parse_route, plain_contenders
 from draftlab.drafters.base import Drafter, NoDrafter
 from draftlab.engine import GenerationConfig, GenerationResult, SpeculativeEngine
 from draftlab.errors import DraftlabError
 from draftlab.defaults import DEFAULT_BACKEND, DraftSettings
-from draftlab.models import DEFAULT_TARGET, DTYPES, LoadedModel, ModelSpec, dtype_name, load_model
+from draftlab.models import DEFAULT_TARGET, DTYPES, LoadedModel, ModelSpec, dtype_name, is_gguf, load_model
 from draftlab.policy import DraftLengthPolicy, DynamicK, FixedK
 from draftlab.registry import DraftPlan, build_drafter, parse_drafter_spec, parse_layers  # noqa: F401 (API)
 from draftlab.sampling import SamplingConfig
 
 
 LLAMACPP_NUMERICS = ("auto", "exact", "repack")
+LLAMACPP_PLAIN = "llama.cpp repack"  # the label of plain decoding on llama.cpp's default kernels
 
 
 def make_policy(k: int, dynamic: bool = False) -> DraftLengthPolicy:
@@ -157,19 +157,36 @@ class SpeculativeDecoder:
         """Plain decoding of this target in another mode: the route's dtype (the weights copied) and products."""
         target = self.target
         if route.dtype != dtype_name(target.dtype):
-            model = copy.deepcopy(target.model).to(DTYPES[route.dtype], target.source)
+            model = copy.deepcopy(target.model).to(DTYPES[route.dtype])
             target = LoadedModel(target.name, model, target.tokenizer, target.device, DTYPES[route.dtype], target.source)
         backend = FastLlamaBackend(target.model, target.device, route=route)
         return SpeculativeDecoder(target, NoDrafter(), FixedK(1), backend=self.backend, target_backend=backend)
 
     def host_plain(self) -> dict[str, "SpeculativeDecoder"]:
-        """Plain decoding in the host's fastest mode of each dtype other than this decoder's own, by route label:
-        what a speedup must also beat (empty unless draftlab's own forward runs the target on a CPU)."""
+        """Plain decoding in the host's other fast modes, by label: the fastest route of each dtype other than this
+        decoder's own (draftlab's forward on a CPU), and llama.cpp's default kernels where the model is a GGUF and
+        llama-cpp-python is installed. What a speedup must also beat."""
+        modes: dict[str, SpeculativeDecoder] = {}
         own = self.target_backend
-        if not isinstance(own, FastLlamaBackend):
-            return {}
-        routes = plain_contenders(self.target.model.config, str(self.target.device), own.route)
-        return {route.label: self.plain_in(route) for route in routes}
+        if isinstance(own, FastLlamaBackend):
+            routes = plain_contenders(self.target.model.config, str(self.target.device), own.route)
+            modes.update({route.label: self.plain_in(route) for route in routes})
+        if self._llamacpp_contender():
+            modes[LLAMACPP_PLAIN] = self.llamacpp_plain()
+        return modes
+
+    def llamacpp_plain(self) -> "SpeculativeDecoder":
+        """Plain decoding of this target's GGUF in llama.cpp with its default (repacked) kernels."""
+        if self.target.engine == "llamacpp" and self.target.model.repack:
+            return self.autoregressive()
+        return SpeculativeDecoder.from_names(self.target.source, drafter="none", k=1, backend="llamacpp",
+                                             numerics="repack")
+
+    def _llamacpp_contender(self) -> bool:
+        """Whether llama.cpp's default kernels are another plain mode of this target here."""
+        on_cpu = str(self.target.device) == "cpu"
+        repacked = self.target.engine == "llamacpp" and self.target.model.repack
+        return on_cpu and not repacked and gguf.available() and is_gguf(self.target.source)
 
     def autoregressive(self) -> "SpeculativeDecoder":
         """A decoder for the same target and backend with no drafter: the baseline."""

@@ -226,6 +226,11 @@ def load_gguf_model(spec: ModelSpec, repack: bool = False) -> LoadedModel:
     return LoadedModel(Path(spec.source).name, model, tokenizer, torch.device("cpu"), torch.float32, spec.source)
 
 
+def is_gguf(source: str) -> bool:
+    """True when `source` names a GGUF file: a short name, or a path ending in .gguf."""
+    return source in assets.MODEL_ASSETS or Path(source).suffix == ".gguf"
+
+
 def gguf_path(source: str) -> Path:
     """The GGUF file of a short name or a .gguf path; a clear error for anything else."""
     if source in assets.MODEL_ASSETS:

@@ -20,12 +20,13 @@ own top path, the usual accepted one, needs no extra pass.
 from __future__ import annotations
 
 import ctypes
+import warnings
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from draftlab.backends.gguf import LlamaCppModel, llama_lib, threads
+from draftlab.backends.gguf import INSTALL_HINT, LlamaCppModel, llama_lib, threads
 from draftlab.errors import DraftlabError
 from draftlab.step import Block, Scores
 
@@ -55,6 +56,10 @@ class LlamaCppBackend:
         self.model = model
         self.vocab_size = model.vocab_size
         self.batch_invariant = not model.sgemm and not model.repack
+        if model.sgemm and not model.repack:
+            warnings.warn("this llama.cpp build has llamafile's sgemm: rows of a block round differently from single "
+                          "rows, so greedy speculative output may differ from plain decoding; reinstall with "
+                          f"{INSTALL_HINT.removeprefix('install it with: ')}", stacklevel=2)
         self.numerics = model.kernels()
         self.n_ctx = min(model.n_ctx_train, MAX_CONTEXT)
         self._ctx = self._new_context(flash_attention)

@@ -28,7 +28,7 @@ def add_audit_command(sub) -> None:
     audit.add_argument("--no-hf", action="store_true", help="leave out Hugging Face assisted generation")
     audit.add_argument("--device", default=ModelSpec.device)
     audit.add_argument("--dtype", default=ModelSpec.dtype)
-    audit.add_argument("--backend", default=DEFAULT_BACKEND)
+    audit.add_argument("--backend", default=DEFAULT_BACKEND, help="auto | fast | hf | llamacpp")
     audit.add_argument("--threads", type=int, default=None)
     audit.add_argument("--json", action="store_true", help="end stdout with one JSON object")
     audit.set_defaults(run=cmd_audit)
@@ -47,7 +47,7 @@ def cmd_audit(args) -> None:
     if sampling.greedy:
         raise DraftlabError("--temperature must be > 0: the audit checks sampling (greedy output is checked by bench)")
     settings = AuditSettings(args.positions, args.samples, args.budget, args.alpha)
-    target = load_model(args.target, device=args.device, dtype=args.dtype)
+    target = load_model(args.target, device=args.device, dtype=args.dtype, backend=args.backend)
     prompt_ids = encode_prompt(target.tokenizer, args.prompt)
     eos = eos_ids(target)
     plain = SpeculativeDecoder.from_names(target, drafter="none", k=1, backend=args.backend)
@@ -60,7 +60,7 @@ def cmd_audit(args) -> None:
     for spec in args.drafters:
         decoder = SpeculativeDecoder.from_names(target, drafter=spec, k=args.k, backend=args.backend)
         methods[f"draftlab {spec} K={args.k}"] = ours(decoder)
-        if not args.no_hf:
+        if not args.no_hf and target.engine == "torch":
             try:
                 assist = hf_assist(parse_drafter_spec(spec), decoder.draft_model, args.k)
             except DraftlabError:

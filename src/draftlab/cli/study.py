@@ -33,13 +33,14 @@ def add_study_commands(sub) -> None:
 
 def _add_sweep_args(parser: argparse.ArgumentParser, db_required: bool = True) -> None:
     parser.add_argument("--db", required=db_required, help="study database (SQLite); resumes if it exists")
-    parser.add_argument("--preset", default="quick", help="quick (the main job: ~15 minutes on 2 CPU cores), full, or family "
+    parser.add_argument("--preset", default="quick", help="quick (the main job: ~15 minutes on 2 CPU cores; torch and llama.cpp), full, or family "
                                                           "(the Qwen2.5-Coder pair: hours on a CPU)")
     parser.add_argument("--config", help="TOML file with the grid (keys as the flags, in a [sweep] table)")
     parser.add_argument("--targets", nargs="+")
     parser.add_argument("--drafters", nargs="+")
     parser.add_argument("--ks", help="K values: 1-7 or 1,2,4")
-    parser.add_argument("--methods", nargs="+", help="sps asg hf (ar always runs; hf, HF's own plain decoding, runs with asg)")
+    parser.add_argument("--methods", nargs="+", help="sps asg hf lcp llama (ar always runs; hf, HF's own plain "
+                        "decoding, runs with asg; llama, llama-cpp-python's, with lcp, its prompt lookup)")
     parser.add_argument("--datasets", nargs="+", help="bundled prompt sets or JSONL prompt files")
     parser.add_argument("--prompts", help="your own workload: a JSONL file (draftlab lines or MT-Bench/Spec-Bench "
                                           "questions); added to --datasets")
@@ -53,7 +54,7 @@ def _add_sweep_args(parser: argparse.ArgumentParser, db_required: bool = True) -
     parser.add_argument("--seed", type=int)
     parser.add_argument("--device")
     parser.add_argument("--dtype")
-    parser.add_argument("--backend")
+    parser.add_argument("--backend", help="auto | fast | hf | llamacpp (or name a target llamacpp:NAME)")
     parser.add_argument("--no-host-baselines", action="store_true",
                         help="do not time plain decoding in the host's other dtypes and routes ('plain' cells)")
     parser.add_argument("--threads", type=int, default=None)
@@ -98,6 +99,7 @@ def cmd_study(args) -> None:
     from draftlab.study.page import build_report
     from draftlab.study.report import (baseline_drift, format_lossy, format_optimal, load_checks, load_study,
                                        lossy_cells, optimal_table, recommend, summarize)
+    from draftlab.study.answer import engine_answer
 
     out = Path(args.out)
     db = args.db or str(out / "study.sqlite")
@@ -109,7 +111,7 @@ def cmd_study(args) -> None:
     drift = baseline_drift(rows, checks)
     print(f"report: {page}")
     print(drift.describe())
-    print("\n".join(recommend(summaries, drift)))
+    print("\n".join(engine_answer(summaries) + recommend(summaries, drift)))
     print(format_optimal(optimal_table(summaries, params)))
     lossy = lossy_cells(summaries)
     if lossy:
@@ -120,13 +122,14 @@ def cmd_report(args) -> None:
     """Write the HTML report of a study database; print the recommendation and the seeds' findings beside ours."""
     from draftlab.study.findings import format_findings, gather_evidence, seeds_findings
     from draftlab.study.page import build_report
+    from draftlab.study.answer import engine_answer
     from draftlab.study.report import baseline_drift, load_checks, load_study, recommend, summarize
 
     print(f"report: {build_report(args.db, args.out, args.profile, args.microbench, args.correlate)}")
     rows, params, _ = load_study(args.db)
     checks = load_checks(args.db)
     summaries = summarize(rows, checks)
-    print("\n".join(recommend(summaries, baseline_drift(rows, checks))))
+    print("\n".join(engine_answer(summaries) + recommend(summaries, baseline_drift(rows, checks))))
     evidence = gather_evidence(summaries, params, rows, args.profile, args.microbench, args.correlate)
     print("The seeds' findings beside this study:")
     print(format_findings(seeds_findings(evidence)))

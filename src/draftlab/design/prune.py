@@ -17,7 +17,6 @@ from typing import Sequence
 
 import torch
 
-from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel
 
 from draftlab.drafters.pruned import DesignedDraft, build_draft

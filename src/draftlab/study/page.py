@@ -12,6 +12,7 @@ from draftlab.study.report import (
     CellSummary, Drift, OptimalRow, baseline_drift, load_checks, load_study, lossy_cells, optimal_table,
     recommend, summarize, write_csv,
 )
+from draftlab.study.answer import engine_answer
 
 
 def build_report(db: str | Path, out: str | Path, profile_path: str | Path | None = None,
@@ -40,7 +41,7 @@ def build_report(db: str | Path, out: str | Path, profile_path: str | Path | Non
     model_section = _model_section(profile_path, evidence.comparisons, out) if profile_path else ""
     findings = seeds_findings(evidence)
     drift = baseline_drift(rows, checks)
-    page = _html(db, summaries, optimal, figures, envs, drift, recommend(summaries, drift))
+    page = _html(db, summaries, optimal, figures, envs, drift, engine_answer(summaries) + recommend(summaries, drift))
     page = page.replace("<h2>Figures</h2>", _findings_section(findings) + "<h2>Figures</h2>")
     page = page.replace("<h2>Every cell</h2>", model_section + "<h2>Every cell</h2>")
     (out / "index.html").write_text(page, encoding="utf-8")

@@ -15,7 +15,7 @@ from typing import Callable
 
 from draftlab.baselines import baseline_timings, nearest_baseline
 from draftlab.errors import DraftlabError
-from draftlab.study.store import ResultsStore
+from draftlab.study.store import PEER_PLAIN, ResultsStore
 
 ALL = "all"
 NOISY_DRIFT = 0.10  # a baseline that moved more than this (relative) during the study makes it noisy
@@ -74,10 +74,11 @@ def summarize(rows: list[dict], checks: list[dict] = ()) -> list[CellSummary]:
         groups[config + (row["dataset"],)].append(row)
         groups[config + (ALL,)].append(row)
     baseline_speed = nearest_baseline(rows, checks)
-    hf_plain = {(r["target"], r["dataset"], r["temperature"], r["prompt_id"]): r for r in rows if r["method"] == "hf"}
+    peer_plain = {(r["method"], r["target"], r["dataset"], r["temperature"], r["prompt_id"]): r for r in rows
+                  if r["method"] in PEER_PLAIN.values()}
     summaries = [_summarize_group(key, group, baseline_speed) for key, group in sorted(groups.items(), key=_sort_key)]
     for summary in summaries:
-        _add_engine_speedup(summary, groups[(*summary.config_key, summary.dataset)], hf_plain)
+        _add_engine_speedup(summary, groups[(*summary.config_key, summary.dataset)], peer_plain)
     _add_host_speedups(summaries)
     return summaries
 
@@ -136,7 +137,9 @@ def baseline_drift(rows: list[dict], checks: list[dict]) -> Drift:
     return Drift(len(spreads), max(spreads, default=0.0), statistics.median(spreads) if spreads else 0.0)
 
 
-METHOD_ORDER = {"ar": 0, "plain": 1, "hf": 2, "sps": 3, "asg": 4}
+METHOD_ORDER = {"ar": 0, "plain": 1, "hf": 2, "llama": 2, "sps": 3, "asg": 4, "lcp": 4}
+METHOD_NAMES = {"sps": "SpS", "asg": "AsG", "lcp": "llama-cpp-python's prompt lookup"}
+PLAIN_METHODS = ("ar", "plain", "hf", "llama")
 
 
 def _sort_key(item):
@@ -181,15 +184,17 @@ def _add_speedups(summary: CellSummary, rows: list[dict], baseline_speed: Callab
     summary.speedup_median = statistics.median(per_prompt)
 
 
-def _add_engine_speedup(summary: CellSummary, rows: list[dict], hf_plain: dict[tuple, dict]) -> None:
-    """AsG against HF's own plain decoding on the same prompts (its engine); draftlab's cells against draftlab's."""
-    if summary.method not in ("asg", "hf"):
+def _add_engine_speedup(summary: CellSummary, rows: list[dict], peer_plain: dict[tuple, dict]) -> None:
+    """A peer's method against its own library's plain decoding on the same prompts (AsG vs HF `generate`, lcp vs
+    llama-cpp-python's `generate`); draftlab's cells against draftlab's."""
+    plain_method = PEER_PLAIN.get(summary.method, summary.method if summary.method in PEER_PLAIN.values() else None)
+    if plain_method is None:
         summary.engine_speedup = summary.speedup
         summary.engine_plain_tokens_per_s = summary.tokens_per_s / summary.speedup if summary.speedup else None
         return
-    plain = [hf_plain.get((r["target"], r["dataset"], r["temperature"], r["prompt_id"])) for r in rows]
+    plain = [peer_plain.get((plain_method, r["target"], r["dataset"], r["temperature"], r["prompt_id"])) for r in rows]
     if not rows or any(p is None or p["wall_s"] <= 0 for p in plain):
-        return  # studies made before HF's plain decoding was measured
+        return  # studies made before the peer's plain decoding was measured
     plain_time = sum(p["wall_s"] for p in plain)
     summary.engine_plain_tokens_per_s = sum(p["new_tokens"] for p in plain) / plain_time
     summary.engine_speedup = summary.tokens_per_s / summary.engine_plain_tokens_per_s
@@ -239,7 +244,7 @@ def optimal_table(summaries: list[CellSummary], params: dict[str, int]) -> list[
     """
     best: dict[tuple, CellSummary] = {}
     for s in summaries:
-        if s.lossy or s.method == "hf":  # HF's plain decoding shows as AsG's "own plain"
+        if s.lossy or s.method in PEER_PLAIN.values():  # a peer's plain decoding shows as its "own plain"
             continue
         key = (s.target, s.dataset, s.temperature, s.method)
         if key not in best or s.speedup > best[key].speedup:
@@ -321,7 +326,7 @@ def recommend(summaries: list[CellSummary], drift: Drift) -> list[str]:
                    if s.dataset == ALL and s.method == "plain" and s.drafter == s.host_plain}
     timed_others = {(s.target, s.temperature) for s in summaries if s.dataset == ALL and s.method == "plain"}
     for s in summaries:
-        if s.dataset == ALL and s.method not in ("ar", "hf", "plain") and s.speedup > 0:
+        if s.dataset == ALL and s.method not in ("ar", "plain", *PEER_PLAIN.values()) and s.speedup > 0:
             groups[(s.target, s.temperature)].append(s)
     temperatures = defaultdict(set)
     for target, temperature in groups:
@@ -349,7 +354,7 @@ def recommend(summaries: list[CellSummary], drift: Drift) -> list[str]:
             versus = f"{gain:.2f}x plain decoding"
         measured = (f"{versus}, {best.speedup_min:.2f}-{best.speedup_max:.2f}x over {best.prompts} prompts, "
                     f"{best.tokens_per_s:.1f} tok/s")
-        name = f"{best.drafter} at K={best.k} ({'SpS' if best.method == 'sps' else 'AsG'})"
+        name = f"{best.drafter} at K={best.k} ({METHOD_NAMES.get(best.method, best.method)})"
         if gain <= 1.0:
             plain = f"plain decoding ({fastest})" if fastest else "plain decoding"
             sentences.append(f"Use {plain} for {where} on this machine: no configuration beat it "

@@ -31,9 +31,10 @@ Schema (version 4), readable with `sqlite3` or `pandas.read_sql`:
                                                -- so each cell is compared with the baseline closest in time
 
 `method` is 'ar' (our autoregressive loop), 'sps' (our speculative engine),
-'asg' (Hugging Face assisted generation) or 'hf' (Hugging Face `generate` without
-an assistant: AsG's own plain decoding, run whenever asg cells are). `dtype` is resolved ('fp32', not
-'auto'). Older databases are migrated in place when opened: version 1 (whose cell key
+'asg' (Hugging Face assisted generation), 'hf' (Hugging Face `generate` without
+an assistant: AsG's own plain decoding, run whenever asg cells are), 'lcp' (llama-cpp-python's prompt lookup)
+and 'llama' (its plain `generate`), or 'plain' (our plain decoding in another mode: a dtype and route, or
+llama.cpp's default kernels). `dtype` is resolved ('fp32', not 'auto'; 'gguf' on llama.cpp). Older databases are migrated in place when opened: version 1 (whose cell key
 lacked seed, dtype, backend, device and skip) gets those settings from the
 run's recorded environment and the stored sweep config; version 2 gets the
 `finished_at` column and the `baseline_checks` table; version 3 gets `levels_per_step`. Each record is committed on its own,
@@ -46,7 +47,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -89,6 +90,11 @@ CREATE TABLE IF NOT EXISTS baseline_checks (
 """
 
 
+# A peer's speculative method -> the same library's plain decoding (its reference for equality and speed):
+# HF assisted generation vs HF `generate`, llama-cpp-python's prompt lookup vs its own `generate`.
+PEER_PLAIN = {"asg": "hf", "lcp": "llama"}
+
+
 @dataclass(frozen=True)
 class Cell:
     """One point of the grid."""
@@ -96,7 +102,7 @@ class Cell:
     target: str
     drafter: str  # 'none' for ar
     k: int  # 0 for ar
-    method: str  # ar | sps | asg | hf
+    method: str  # ar | sps | plain | asg | hf | lcp | llama
     dataset: str
     temperature: float
     max_new_tokens: int
@@ -117,8 +123,9 @@ class Cell:
         return replace(self, drafter="none", k=0, method="ar")
 
     def engine_baseline(self) -> "Cell":
-        """Plain decoding on this cell's own engine (HF's `generate` for asg), whose output it must equal."""
-        return replace(self, drafter="none", k=0, method="hf" if self.method == "asg" else "ar")
+        """Plain decoding on this cell's own engine (HF's `generate` for asg, llama-cpp-python's for lcp), whose
+        output it must equal."""
+        return replace(self, drafter="none", k=0, method=PEER_PLAIN.get(self.method, "ar"))
 
 
 @dataclass

@@ -22,22 +22,33 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from draftlab.backends import check_backend_name
+from draftlab.backends import check_backend_name, gguf
 from draftlab.backends.fast_llama import SUPPORTED_MODEL_TYPES
-from draftlab.backends.routes import Route, cpu_flags, cpu_model, default_route, parse_route, plain_contenders
-from draftlab.api import SpeculativeDecoder, build_drafter, encode_prompt, eos_ids, parse_drafter_spec
+from draftlab.backends.routes import cpu_flags, cpu_model, default_route, parse_route, plain_contenders
+from draftlab.api import LLAMACPP_PLAIN, SpeculativeDecoder, build_drafter, encode_prompt, eos_ids, parse_drafter_spec
 from draftlab.policy import FixedK
 from draftlab.datasets import Prompt, load_prompts
 from draftlab.defaults import DEFAULT_BACKEND, SHORT_RUN_TOKENS
 from draftlab.engine import GenerationConfig
 from draftlab.errors import DraftlabError
 from draftlab.hf_reference import hf_assist, hf_generate
-from draftlab.models import (LoadedModel, ModelSpec, auto_dtype, check_device, check_dtype_name, load_model,
-                             model_config, resolve_dtype_name)
+from draftlab.llamacpp_reference import LlamaCppPeer
+from draftlab.models import (LoadedModel, ModelSpec, auto_dtype, check_device, check_dtype_name, gguf_path, is_gguf,
+                             load_model, model_config, resolve_dtype_name)
 from draftlab.sampling import SamplingConfig
-from draftlab.study.store import Cell, Record, ResultsStore
+from draftlab.study.store import PEER_PLAIN, Cell, Record, ResultsStore
 
-METHODS = ("ar", "sps", "asg", "hf")  # 'plain' cells follow host_baselines, not --methods
+METHODS = ("ar", "sps", "asg", "hf", "lcp", "llama")  # 'plain' cells follow host_baselines, not --methods
+TORCH_ONLY = ("asg", "hf")  # HF's methods run torch targets
+LLAMACPP_ONLY = ("lcp", "llama")  # llama-cpp-python's run targets on llama.cpp
+LLAMACPP = "llamacpp:"  # a target name's prefix: the target runs on llama.cpp (`--backend llamacpp` for one)
+
+
+def target_backend(target: str, backend: str) -> tuple[str, str]:
+    """(backend, model source) of a target name: 'llamacpp:NAME' runs NAME on llama.cpp, others on `backend`."""
+    if target.startswith(LLAMACPP):
+        return "llamacpp", target.removeprefix(LLAMACPP)
+    return backend, target
 
 
 @dataclass(frozen=True)
@@ -80,28 +91,38 @@ class SweepConfig:
             SamplingConfig(t)
 
     def cells(self, target: str, dataset: str, temperature: float) -> list[Cell]:
-        """The baseline cell (and HF's plain decoding when AsG runs), then every (method, drafter, K) cell."""
-        base = Cell(target, "none", 0, "ar", dataset, temperature, self.max_new_tokens, self.seed,
-                    resolve_dtype_name(self.dtype, self.device, target), self.backend, self.device, self.skip)
-        hf_plain = [replace(base, method="hf")] if {"asg", "hf"} & set(self.methods) else []
-        host = [replace(base, drafter=route.label, method="plain", dtype=route.dtype)
-                for route in self.host_routes(target, base.dtype)]
+        """The baseline cell (and the peers' own plain decoding when they run), then every (method, drafter, K)
+        cell that runs on the target's engine."""
+        backend, source = target_backend(target, self.backend)
+        dtype = "gguf" if backend == "llamacpp" else resolve_dtype_name(self.dtype, self.device, source)
+        base = Cell(target, "none", 0, "ar", dataset, temperature, self.max_new_tokens, self.seed, dtype, backend,
+                    self.device, self.skip)
+        methods = [m for m in self.methods if m not in (TORCH_ONLY if backend == "llamacpp" else LLAMACPP_ONLY)]
+        peers = [replace(base, method=plain) for peer, plain in PEER_PLAIN.items() if {peer, plain} & set(methods)]
+        host = [replace(base, drafter=label, method="plain", dtype=dtype) for label, dtype in self.host_modes(target)]
         others = [
             replace(base, drafter=drafter, k=k, method=method)
-            for method in self.methods if method not in ("ar", "hf")
-            for drafter in self.drafters
+            for method in methods if method not in ("ar", *PEER_PLAIN.values())
+            for drafter in self.drafters if method != "lcp" or drafter.startswith("ngram")
             for k in self.ks
         ]
-        return [base, *hf_plain, *host, *others]
+        return [base, *peers, *host, *others]
 
-    def host_routes(self, target: str, dtype: str) -> list[Route]:
-        """The other modes of plain decoding to time beside the baseline (none unless draftlab's own forward runs)."""
-        if not self.host_baselines or self.backend == "hf" or self.device != "cpu":
+    def host_modes(self, target: str) -> list[tuple[str, str]]:
+        """(label, dtype) of the other modes of plain decoding timed beside the baseline: the host's fastest route
+        of each other dtype (draftlab's own forward), and llama.cpp's default kernels where the model is a GGUF."""
+        if not self.host_baselines or self.device != "cpu":
             return []
-        config = model_config(target)
+        backend, source = target_backend(target, self.backend)
+        modes = [(LLAMACPP_PLAIN, "gguf")] if gguf.available() and is_gguf(source) else []
+        if backend in ("hf", "llamacpp"):
+            return modes
+        config = model_config(source)
         if config.model_type not in SUPPORTED_MODEL_TYPES:
-            return []
-        return plain_contenders(config, self.device, default_route(config, dtype))
+            return modes
+        dtype = resolve_dtype_name(self.dtype, self.device, source)
+        routes = plain_contenders(config, self.device, default_route(config, dtype))
+        return [(route.label, route.dtype) for route in routes] + modes
 
     def to_json(self) -> str:
         """The config as JSON (stored with the results)."""
@@ -113,16 +134,20 @@ PRESETS = {
     # in: the best tree in `benchmarks/trees.py`), n-gram lookup and a layer self-draft on prompts the
     # designed draft never saw (2 each of code, summarization, chat, math). 3 prompts each at K = 1..5
     # (`--limit 12 --ks 1-5`) takes about an hour on 2 CPU cores; this takes about 19 minutes.
-    "quick": SweepConfig(drafters=("designed", "merged:ngram/tree:1:designed", "ngram", "layers:0-3"),
-                         ks=(1, 2, 3), datasets=("heldout",), limit=8),
+    "quick": SweepConfig(targets=("smollm2-135m", f"{LLAMACPP}smollm2-135m"),
+                         drafters=("designed", "merged:ngram/tree:1:designed", "ngram", "layers:0-3"),
+                         methods=("sps", "asg", "lcp"), ks=(1, 2, 3), datasets=("heldout",), limit=8),
     # The seeds' study on a second family (the Qwen2.5-Coder pair, ~1.6 GB of downloads): the 0.5B stand-alone
     # draft (in the target's dtype and in bf16, which drafts ~2x faster on CPUs; README), layer self-drafts of the
     # 1.5B at two depths (it has 28 layers) and n-gram lookup, SpS and AsG, K 1..7,
     # on code, chat, math and summarization. In fp32 on 2 CPU cores the 1.5B decodes ~3 tokens/s, so this grid
-    # (5 drafts x 7 K x 2 methods x 16 prompts x 64 tokens) takes hours there; on a GPU, minutes.
+    # (5 drafts x 7 K x 2 methods x 16 prompts x 64 tokens) takes hours there; on a GPU, minutes. With
+    # `--backend llamacpp` the Q4_K_M files run as shipped: the 0.5B and n-gram drafts (the others need torch
+    # weights and are skipped), SpS and llama-cpp-python's prompt lookup (lcp).
     "family": SweepConfig(
         targets=("qwen2.5-coder-1.5b",),
         drafters=("model:qwen2.5-coder-0.5b", "model:qwen2.5-coder-0.5b@bf16", "layers:0-3", "layers:0-27:4", "ngram"),
+        methods=("sps", "asg", "lcp"),  # with --backend llamacpp: SpS and llama-cpp-python's lookup (asg needs torch)
         datasets=("humaneval", "mt-bench", "math", "xsum"),
         limit=4,
         max_new_tokens=64,
@@ -197,30 +222,48 @@ def dtype_reason(dtype: str, device: str, source: str | None = None) -> str:
 class CellRunner:
     """Builds each drafter once per target and runs one (cell, prompt) at a time."""
 
-    def __init__(self, target: LoadedModel, config: SweepConfig) -> None:
+    def __init__(self, target: LoadedModel, config: SweepConfig, backend: str | None = None) -> None:
+        """`backend`: the target's (llamacpp for a 'llamacpp:' target); the config's by default."""
         self.target = target
         self.config = config
+        self.backend = backend or config.backend
         self.eos = eos_ids(target)
-        self.baseline = SpeculativeDecoder.from_names(target, drafter="none", k=1, backend=config.backend)
+        self.baseline = SpeculativeDecoder.from_names(target, drafter="none", k=1, backend=self.backend)
         self.by_drafter: dict[str, SpeculativeDecoder] = {}
         self.by_route: dict[str, SpeculativeDecoder] = {}  # plain decoding in the host's other modes
+        self._peer: LlamaCppPeer | None = None
 
     def decoder(self, drafter: str, k: int) -> SpeculativeDecoder:
         """Our decoder for (drafter, K); drafter 'none' is the baseline. One drafter and target backend are shared."""
         if drafter == "none":
             return self.baseline
         if drafter not in self.by_drafter:
-            built = build_drafter(drafter, self.target, self.config.backend)
+            built = build_drafter(drafter, self.target, self.backend)
             self.by_drafter[drafter] = SpeculativeDecoder(
-                self.target, built.drafter, FixedK(1), built.model, self.config.backend, self.baseline.target_backend
+                self.target, built.drafter, FixedK(1), built.model, self.backend, self.baseline.target_backend
             )
         return self.by_drafter[drafter].with_policy(FixedK(k))
 
     def plain_in(self, label: str) -> SpeculativeDecoder:
-        """Plain decoding of the target in another mode (a route label), built once."""
+        """Plain decoding of the target in another mode (a route label, or llama.cpp's default kernels), built once."""
         if label not in self.by_route:
-            self.by_route[label] = self.baseline.plain_in(parse_route(label))
+            self.by_route[label] = (self.baseline.llamacpp_plain() if label == LLAMACPP_PLAIN
+                                    else self.baseline.plain_in(parse_route(label)))
         return self.by_route[label]
+
+    def peer(self) -> LlamaCppPeer:
+        """llama-cpp-python's own API on the target's GGUF (loaded on first use)."""
+        if self._peer is None:
+            self._peer = LlamaCppPeer(gguf_path(self.target.source))
+        return self._peer
+
+    def runs_here(self, drafter: str) -> bool:
+        """Whether the drafter runs on this target's engine (drafts built from torch weights do not on llama.cpp)."""
+        try:
+            self.decoder(drafter, 1)
+        except DraftlabError:
+            return False
+        return True
 
     def run(self, cell: Cell, prompt: Prompt, prompt_ids: list[int]) -> Record:
         """Measure one prompt in one cell."""
@@ -228,6 +271,11 @@ class CellRunner:
         if cell.method == "hf":  # AsG's own plain decoding: HF generate without an assistant
             tokens, wall = hf_generate(self.target, prompt_ids, cell.max_new_tokens, self.eos, sampling,
                                        self.config.seed)
+            return Record(cell, prompt.id, prompt.category, len(tokens), 0, 0, 0, wall_s=wall,
+                          output_sha=token_sha(tokens))
+        if cell.method in LLAMACPP_ONLY:  # llama-cpp-python's plain generate, or its prompt lookup at K
+            tokens, wall = self.peer().generate(prompt_ids, cell.max_new_tokens, self.eos, sampling, self.config.seed,
+                                                cell.k if cell.method == "lcp" else 0)
             return Record(cell, prompt.id, prompt.category, len(tokens), 0, 0, 0, wall_s=wall,
                           output_sha=token_sha(tokens))
         if cell.method == "asg":
@@ -278,15 +326,15 @@ def run_sweep(config: SweepConfig, store: ResultsStore, progress: bool = True) -
     bar = tqdm(total=todo, desc="sweep", unit="run", disable=not progress)
     added = 0
     for target_name in config.targets:
-        target = load_model(target_name, device=config.device, dtype=config.dtype)
-        runner = CellRunner(target, config)
-        run_id = store.start_run(environment(config, target, runner.baseline.target_backend.numerics, target_name))
-        _record_params(store, runner, config, target_name)
-        skipped = {d for d in config.drafters if "asg" in config.methods and not runner.asg_supported(d)}
-        for drafter in sorted(skipped):
-            print(f"sweep: no HF assisted-generation counterpart for {drafter}; its asg cells are skipped")
+        backend, source = target_backend(target_name, config.backend)
+        target = load_model(source, device=config.device, dtype="auto" if backend == "llamacpp" else config.dtype,
+                            backend=backend)
+        runner = CellRunner(target, config, backend)
+        run_id = store.start_run(environment(config, target, runner.baseline.target_backend.numerics, source))
+        gone, no_asg = _unrunnable(runner, config)
+        _record_params(store, runner, config, target_name, gone)
         for cells, prompts in plan[target_name]:
-            cells = [c for c in cells if not (c.method == "asg" and c.drafter in skipped)]
+            cells = [c for c in cells if c.drafter not in gone and not (c.method == "asg" and c.drafter in no_asg)]
             encoded = {p.id: encode_prompt(target.tokenizer, p.text, p.chat) for p in prompts}
             pending = [(c, p) for p in prompts for c in cells if (c.key, p.id) not in done]
             if pending and config.warmup:
@@ -308,16 +356,31 @@ def run_sweep(config: SweepConfig, store: ResultsStore, progress: bool = True) -
     return added
 
 
+def _unrunnable(runner: CellRunner, config: SweepConfig) -> tuple[set[str], set[str]]:
+    """Drafters that do not run on the target's engine, and those with no HF counterpart for asg; says which."""
+    gone = {d for d in config.drafters if not runner.runs_here(d)}
+    asg = "asg" in config.methods and runner.backend != "llamacpp"
+    no_asg = {d for d in config.drafters if asg and d not in gone and not runner.asg_supported(d)}
+    for drafter in sorted(gone):
+        print(f"sweep: {drafter} does not run on {runner.target.name} with the {runner.backend} backend; "
+              "its cells are skipped")
+    for drafter in sorted(no_asg):
+        print(f"sweep: no HF assisted-generation counterpart for {drafter}; its asg cells are skipped")
+    return gone, no_asg
+
+
 def _check_due(since_check: int, every: int, pending: list[tuple[Cell, Prompt]], index: int) -> bool:
     """Re-time the baseline after pending[index]? Every `every` cells, and after the last cell of a prompt."""
     last_of_prompt = index + 1 == len(pending) or pending[index + 1][1].id != pending[index][1].id
     return since_check >= every or last_of_prompt
 
 
-def _record_params(store: ResultsStore, runner: CellRunner, config: SweepConfig, target_name: str) -> None:
-    """Parameter counts of the target and of every model draft, for the scaling ratio."""
+def _record_params(store: ResultsStore, runner: CellRunner, config: SweepConfig, target_name: str,
+                   gone: set[str] = frozenset()) -> None:
+    """Parameter counts of the target and of every model draft that runs (`gone`: those that do not), for the
+    scaling ratio."""
     store.set_params(target_name, runner.target.num_parameters())
-    for drafter in config.drafters:
+    for drafter in set(config.drafters) - gone:
         draft = runner.decoder(drafter, 1).draft_model
         if draft is not None:
             store.set_params(f"{target_name}::{drafter}", draft.num_parameters())
@@ -341,7 +404,7 @@ def _work(plan):
 
 def _identical(store: ResultsStore, cell: Cell, prompt_id: str, output_sha: str) -> bool | None:
     """Equality with the output of plain decoding on the cell's own engine: only defined for greedy decoding."""
-    if cell.temperature > 0 or cell.method == "plain":  # another mode's plain decoding is its own reference
+    if cell.temperature > 0 or cell.method in ("plain", "llama"):  # another mode's or library's plain decoding
         return None
     if cell.method == "ar":
         return True

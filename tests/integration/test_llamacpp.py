@@ -1,0 +1,161 @@
+"""The llama.cpp backend on the real SmolLM2 GGUF (Q4_1, as shipped): exact block rows, trees, rollback, greedy
+equality for every drafter that runs there, sampling, clear errors, and llama-cpp-python's own API as a peer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftlab.api import SpeculativeDecoder, encode_prompt, eos_ids
+from draftlab.backends.llamacpp import LlamaCppBackend, dfs_order, inverse, leaves_below
+from draftlab.errors import DraftlabError
+from draftlab.models import gguf_path, load_model
+from draftlab.sampling import SamplingConfig
+from draftlab.step import Block, tree_layout
+
+pytestmark = pytest.mark.integration
+SLOW = pytest.mark.slow
+
+PROMPTS = [
+    "Write a Python function that returns the squares of a list of numbers, then show how to call it.",
+    "Rewrite this code with type hints and return it whole:\ndef add(a, b):\n    total = a + b\n    return total\n",
+]
+DRAFT = "model:smollm2-135m"  # the target's own GGUF as a draft: it runs in its own llama.cpp context (repacked)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_model("smollm2-135m", backend="llamacpp")
+
+
+@pytest.fixture(scope="module")
+def plain_rows(target):
+    """A fresh backend, a 21-token prefix prefilled, then 24 greedy tokens scored one at a time: (tokens, rows)."""
+    backend = LlamaCppBackend(target.model)
+    backend.score(list(range(100, 120)), last_only=True)
+    tokens, rows = [120], []
+    for _ in range(24):
+        row = backend.score(tokens[-1:])[0]  # [V]
+        rows.append(row)
+        tokens.append(int(row.argmax()))
+    return backend, tokens, rows
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    plain = SpeculativeDecoder.from_names(target, drafter="none", k=1)
+    return [plain.generate(p, max_new_tokens=40).token_ids for p in PROMPTS]
+
+
+def test_the_model_runs_as_shipped(target):
+    assert target.engine == "llamacpp" and target.precision == "Q4_1"
+    assert target.vocab_size == 49152 and target.num_parameters() > 100_000_000
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8, 16])
+def test_block_rows_are_bitwise_single_rows(plain_rows, n):
+    backend, tokens, rows = plain_rows
+    backend.rollback(20)
+    block = backend.score(tokens[:n])  # [n, V]
+    assert all(torch.equal(block[i], rows[i]) for i in range(n))
+
+
+def test_a_tree_scores_every_branch_exactly_and_keeps_a_scattered_path(plain_rows):
+    """The first branch is wrong: the kept path lies in scattered cells, and what follows must still be exact."""
+    backend, tokens, rows = plain_rows
+    backend.rollback(20)
+    wrong = (tokens[1] + 1) % 49152
+    logits = backend.score_block(Block([tokens[0], wrong, tokens[1], wrong, tokens[2]], (-1, 0, 0, 1, 2))).logits
+    assert torch.equal(logits[0], rows[0]) and torch.equal(logits[2], rows[1]) and torch.equal(logits[4], rows[2])
+    backend.keep([0, 2, 4])
+    assert backend.cache_len == 23
+    after = backend.score(tokens[3:7])  # [4, V]
+    assert all(torch.equal(after[i], rows[3 + i]) for i in range(4))
+
+
+def test_a_forest_scored_then_rolled_back_leaves_the_cache_as_it_was(plain_rows):
+    backend, tokens, rows = plain_rows
+    backend.rollback(21)  # the cache holds the prefix and tokens[0]
+    forest = backend.score_block(Block([tokens[1], 7, tokens[2]], (-1, -1, 0))).logits  # two roots, as drafts score
+    assert torch.equal(forest[0], rows[1]) and torch.equal(forest[2], rows[2])
+    backend.rollback(21)
+    assert torch.equal(backend.score(tokens[1:2])[0], rows[1])
+
+
+def test_tree_bookkeeping():
+    parents = (-1, 0, 0, 1, 2, 2)
+    layout = tree_layout(parents)
+    order = dfs_order(parents, layout.children)
+    assert order == [0, 1, 3, 2, 4, 5]
+    assert leaves_below(layout.children, order)[2] == [4, 5]
+    assert [order[i] for i in inverse(order)] == list(range(6)) and inverse(order)[3] == 2
+
+
+@pytest.mark.parametrize("drafter,k", [("ngram", 3), (f"tree:2x2:{DRAFT}", 2), (f"merged:ngram/{DRAFT}", 3),
+                                       *(pytest.param(d, k, marks=SLOW) for d in
+                                         ("ngram", DRAFT, f"tree:2x2:{DRAFT}", f"merged:ngram/{DRAFT}",
+                                          f"staged:ngram/{DRAFT}") for k in (1, 2, 3, 5, 8))])
+def test_greedy_equals_plain_decoding_on_llamacpp(target, reference, drafter, k):
+    decoder = SpeculativeDecoder.from_names(target, drafter=drafter, k=k)
+    assert decoder.target_backend.batch_invariant
+    for prompt, expected in zip(PROMPTS, reference):
+        assert decoder.generate(prompt, max_new_tokens=40).token_ids == expected
+
+
+def test_plain_decoding_on_repacked_kernels_is_the_same_text_here(target, reference):
+    """Q4_1 has no repacked kernels on x86: llama.cpp's default plain decoding gives the exact kernels' output."""
+    fast = SpeculativeDecoder.from_names("smollm2-135m", drafter="none", k=1, backend="llamacpp", numerics="repack")
+    assert fast.target.model.repack and not fast.target_backend.batch_invariant
+    assert fast.generate(PROMPTS[0], max_new_tokens=40).token_ids == reference[0]
+
+
+def test_sampling_is_reproducible_and_drafts_change_nothing_at_one_seed_per_draft(target):
+    """Same seed, same draft: same tokens; the statistical check of the distribution is `draftlab audit` (slow test)."""
+    decoder = SpeculativeDecoder.from_names(target, drafter="ngram", k=3)
+    first = decoder.generate(PROMPTS[0], max_new_tokens=24, temperature=0.8, seed=3).token_ids
+    assert decoder.generate(PROMPTS[0], max_new_tokens=24, temperature=0.8, seed=3).token_ids == first
+
+
+@SLOW
+def test_the_audit_passes_on_llamacpp(tmp_path):
+    """Speculative sampling on llama.cpp keeps the target's distribution (chi-square against plain sampling and
+    the exact first-token distribution), with a model draft in its own context and with n-gram lookup."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "draftlab", "audit", "--backend", "llamacpp", "--drafters", "ngram",
+                          DRAFT, "--k", "3", "--samples", "150", "--budget", "150", "--top-p", "0.9"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "PASS" in out.stdout
+
+
+@pytest.mark.parametrize("drafter", ["layers:0-3", "designed"])
+def test_drafts_built_from_torch_weights_are_refused_clearly(target, drafter):
+    with pytest.raises(DraftlabError, match="torch weights"):
+        SpeculativeDecoder.from_names(target, drafter=drafter, k=2)
+
+
+def test_bad_inputs_get_one_line_errors(tmp_path):
+    with pytest.raises(DraftlabError, match="GGUF's own weight types"):
+        load_model("smollm2-135m", dtype="bf16", backend="llamacpp")
+    with pytest.raises(DraftlabError, match="loads GGUF files"):
+        load_model(str(tmp_path), backend="llamacpp")
+    with pytest.raises(DraftlabError, match="numerics on llama.cpp"):
+        SpeculativeDecoder.from_names("smollm2-135m", drafter="none", backend="llamacpp", numerics="fp32 exact-wm/2")
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + b"\0" * 64)
+    with pytest.raises(DraftlabError):
+        load_model(str(broken), backend="llamacpp")
+
+
+def test_llama_cpp_pythons_own_generate_and_prompt_lookup(target, reference):
+    from draftlab.llamacpp_reference import LlamaCppPeer
+
+    peer = LlamaCppPeer(gguf_path("smollm2-135m"))
+    ids = encode_prompt(target.tokenizer, PROMPTS[1])
+    greedy = SamplingConfig()
+    plain, _ = peer.generate(ids, 40, eos_ids(target), greedy, 0)
+    lookup, wall = peer.generate(ids, 40, eos_ids(target), greedy, 0, k=3)
+    assert 0 < len(plain) <= 40 and (len(plain) == 40 or plain[-1] in eos_ids(target)) and wall > 0
+    assert lookup == plain  # its lookup is lossless against its own plain decoding on this prompt

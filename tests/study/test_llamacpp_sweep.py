@@ -1,0 +1,49 @@
+"""A real sweep of the embedded GGUF on both engines: draftlab's torch backend and llama.cpp, with llama-cpp-python's
+own plain decoding and prompt lookup beside draftlab's, and the answer naming the fastest engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from draftlab.study import sweep
+from draftlab.study.answer import engine_answer
+from draftlab.study.report import load_study, optimal_table, summarize
+from draftlab.study.store import ResultsStore
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engines")
+    config = sweep.SweepConfig(targets=("smollm2-135m", "llamacpp:smollm2-135m"), drafters=("ngram", "layers:0-3"),
+                               ks=(2,), methods=("sps", "lcp"), datasets=("humaneval",), limit=2, max_new_tokens=16,
+                               warmup=0, baseline_every=0, dtype="fp32", host_baselines=True)
+    store = ResultsStore(root / "study.sqlite")
+    sweep.run_sweep(config, store, progress=False)
+    store.close()
+    return root / "study.sqlite"
+
+
+def test_each_engine_runs_its_own_cells(study, capsys):
+    rows, params, envs = load_study(study)
+    on_llamacpp = [r for r in rows if r["target"] == "llamacpp:smollm2-135m"]
+    methods = {(r["method"], r["drafter"]) for r in on_llamacpp}
+    assert {("ar", "none"), ("llama", "none"), ("sps", "ngram"), ("lcp", "ngram"), ("plain", "llama.cpp repack")} == methods
+    assert all(r["backend"] == "llamacpp" and r["dtype"] == "gguf" for r in on_llamacpp)
+    on_torch = {(r["method"], r["drafter"]) for r in rows if r["target"] == "smollm2-135m"}
+    assert ("sps", "layers:0-3") in on_torch and ("plain", "llama.cpp repack") in on_torch
+    assert not any(m in ("lcp", "llama") for m, _ in on_torch)
+    assert all(r["identical"] for r in on_llamacpp if r["method"] == "sps")  # lossless on llama.cpp
+    assert all(r["identical"] is not None for r in on_llamacpp if r["method"] == "lcp")  # vs its own generate
+    assert any("llama.cpp" in env["numerics"] for env in envs)
+
+
+def test_the_answer_names_the_engine(study):
+    rows, params, _ = load_study(study)
+    summaries = summarize(rows)
+    sentences = engine_answer(summaries)
+    assert len(sentences) == 1 and "smollm2-135m" in sentences[0]
+    assert "llama.cpp" in sentences[0] and "draftlab's torch backend" in sentences[0]
+    lcp = [r for r in optimal_table(summaries, params) if r.method == "lcp"]
+    assert lcp and lcp[0].engine_plain_tokens_per_s  # llama-cpp-python's lookup against its own plain decoding
