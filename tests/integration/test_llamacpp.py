@@ -60,6 +60,20 @@ def test_block_rows_are_bitwise_single_rows(plain_rows, n):
     assert all(torch.equal(block[i], rows[i]) for i in range(n))
 
 
+def test_block_rows_are_bitwise_single_rows_after_a_long_prompt(target):
+    """Past ~256 cached tokens llama.cpp's flash attention rounds blocks differently: the backend must not use it."""
+    backend = LlamaCppBackend(target.model)
+    prompt = [100 + (i * 37) % 20000 for i in range(600)]
+    backend.score(prompt, last_only=True)
+    tokens, rows = [5], []
+    for _ in range(8):
+        rows.append(backend.score(tokens[-1:])[0])
+        tokens.append(int(rows[-1].argmax()))
+    backend.rollback(600)
+    block = backend.score(tokens[:8])  # [8, V]
+    assert all(torch.equal(block[i], rows[i]) for i in range(8))
+
+
 def test_a_tree_scores_every_branch_exactly_and_keeps_a_scattered_path(plain_rows):
     """The first branch is wrong: the kept path lies in scattered cells, and what follows must still be exact."""
     backend, tokens, rows = plain_rows

@@ -9,8 +9,10 @@ the sequences of the leaves below it, and llama.cpp's mask lets a token see exac
 sequence, i.e. the cache, its ancestors and itself. `keep` gives the accepted path back to sequence 0 and drops
 the leaf sequences.
 
-Exactness: with the kernel settings of `draftlab.backends.gguf`, every row of a block is bitwise the row scored
-alone, provided the visible cells lie in position order (llama.cpp sums attention over cells in cell order).
+Exactness: with the kernel settings of `draftlab.backends.gguf` and flash attention off, every row of a block is
+bitwise the row scored alone (flash attention's CPU kernel reduces over the cache differently for one row and for
+several once the cache passes ~256 cells), provided the visible cells lie in position order (llama.cpp sums
+attention over cells in cell order).
 A tree's accepted path is in position order inside the block, but when it is not the block's first rows
 its cells are scattered; `keep` then re-scores those tokens as a chain into contiguous cells (an extra pass of
 at most K tokens, only on such steps). The block order put first children first (`dfs_order`), so the draft's
@@ -41,7 +43,7 @@ class LlamaCppBackend:
     provides_hidden = False  # llama.cpp's embeddings are post-norm only and need a context of their own
 
     def __init__(self, model: LlamaCppModel, device: str = "cpu", batch_invariant: bool | None = None,
-                 head_rows: torch.Tensor | None = None, flash_attention: bool = True, fast_prefill: bool = True) -> None:
+                 head_rows: torch.Tensor | None = None, flash_attention: bool = False, fast_prefill: bool = True) -> None:
         """`batch_invariant` is accepted for the registry's sake: rows are exact whenever the library's kernels are
         (`LlamaCppModel.kernels`); `head_rows` (cut vocabularies) is refused: llama.cpp computes the whole head.
 

@@ -60,6 +60,7 @@ def _add_tune_args(parser: argparse.ArgumentParser) -> None:
 
 
 DEFAULT_DRAFTS = ["ngram", "ngram:2-4", "layers:0-3", "layers:0-7"]
+LLAMACPP_DRAFTS = ["ngram", "ngram:2-4"]  # layer drafts need the target's torch weights
 
 
 def _calibration_inputs(args):
@@ -75,13 +76,14 @@ def _search_inputs(args):
     settings = CalibrationSettings(args.k_max, args.max_new_tokens, args.repeats, args.backend)
     if settings.k_max < 1:
         raise DraftlabError(f"--k-max must be >= 1, got {settings.k_max}")
-    return args.drafts or DEFAULT_DRAFTS, load_prompts(args.prompts or args.dataset, args.limit), settings
+    defaults = LLAMACPP_DRAFTS if args.backend == "llamacpp" else DEFAULT_DRAFTS
+    return args.drafts or defaults, load_prompts(args.prompts or args.dataset, args.limit), settings
 
 
 def _load_target(args, dtype: str):
     from draftlab.models import load_model
 
-    target = load_model(args.target, device=args.device, dtype=dtype)
+    target = load_model(args.target, device=args.device, dtype=dtype, backend=args.backend)
     target.name = args.target
     return target
 

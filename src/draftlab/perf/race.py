@@ -123,7 +123,9 @@ def race(target: LoadedModel, entrants: list[Prediction], prompts: list[Prompt],
                                  "the drafts")
         return outcome
     outcome.notes.extend(_plan_notes(plan, len(entrants), len(prompts), settings.max_new_tokens))
-    decoders = {PLAIN: SpeculativeDecoder.from_names(target, drafter="none", k=1, backend=settings.backend)}
+    plain = SpeculativeDecoder.from_names(target, drafter="none", k=1, backend=settings.backend)
+    # On llama.cpp the drafts race plain decoding on its default kernels, the fastest plain decoding there.
+    decoders = {PLAIN: plain.llamacpp_plain() if target.engine == "llamacpp" else plain}
     for p in entrants[: plan.contenders]:
         decoders[(p.draft, p.k)] = SpeculativeDecoder.from_names(target, drafter=p.draft, k=p.k,
                                                                  backend=settings.backend)
