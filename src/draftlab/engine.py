@@ -159,12 +159,25 @@ class SpeculativeEngine:
             scores = self.target.score_block(block, with_hidden=self.reads_hidden)  # logits [n, V], hidden [n, D]
         verdict = self.verifier(block, proposal.draft_probs, scores.logits, config.sampling, generator)
         kept = verdict.kept_rows()
+        if config.sampling.greedy and not set(kept) <= self.target.exact_rows(block):
+            with watch.time("target"):
+                block, proposal, scores, verdict = self._reverify(block, kept, config, generator)
+            kept = verdict.kept_rows()
         self.target.keep(kept)
         if scores.hidden is not None:  # rows of the tokens now committed and cached
             self.drafter.observe(scores.hidden[kept])
         levels = proposal.levels
         self.policy.observe(len(levels), verdict.num_accepted)  # K is the depth: a full path is all accepted
         return verdict.committed(proposal), levels, verdict.num_accepted
+
+    def _reverify(self, block: Block, kept: list[int], config, generator):
+        """Greedy, a tree path over rows the backend could not score exactly: score that path again as a chain
+        (exact rows) and verify it there, so that what is committed is what plain decoding commits."""
+        self.target.rollback(self.target.cache_len - len(block.tokens))
+        path = Block.chain([block.tokens[i] for i in kept])
+        proposal = Proposal(path.tokens[1:])
+        scores = self.target.score_block(path, with_hidden=self.reads_hidden)  # logits [m, V]
+        return path, proposal, scores, self.verifier(path, None, scores.logits, config.sampling, generator)
 
     def _room(self, tokens, config) -> int:
         """Deepest draft worth proposing: a step commits at most depth + 1 tokens."""

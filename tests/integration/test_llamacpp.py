@@ -173,3 +173,10 @@ def test_llama_cpp_pythons_own_generate_and_prompt_lookup(target, reference):
     lookup, wall = peer.generate(ids, 40, eos_ids(target), greedy, 0, k=3)
     assert 0 < len(plain) <= 40 and (len(plain) == 40 or plain[-1] in eos_ids(target)) and wall > 0
     assert lookup == plain  # its lookup is lossless against its own plain decoding on this prompt
+
+
+def test_only_a_trees_first_branch_counts_as_exact(plain_rows):
+    """Other branches' cells are shifted from their positions: greedy decoding re-verifies a path through them."""
+    backend, tokens, rows = plain_rows
+    assert backend.exact_rows(Block([1, 2, 3, 4, 5], (-1, 0, 0, 1, 2))) == {0, 1, 3}
+    assert backend.exact_rows(Block.chain([1, 2, 3])) == {0, 1, 2}

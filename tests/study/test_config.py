@@ -48,11 +48,15 @@ def test_bad_grids_are_refused(tmp_path):
 
 
 def test_family_preset_is_the_seeds_grid_on_the_qwen_pair():
-    """The second family's study: the 0.5B stand-alone draft, two layer self-drafts and n-gram, SpS and AsG, K 1..7."""
+    """The second family's study: the 0.5B stand-alone draft, two layer self-drafts and n-gram, SpS and AsG, K 1..7;
+    on llama.cpp, SpS and llama-cpp-python's prompt lookup (for n-gram drafts) instead of AsG."""
     config = make_config("family")
     assert config.targets == ("qwen2.5-coder-1.5b",) and "model:qwen2.5-coder-0.5b" in config.drafters
-    assert config.ks == tuple(range(1, 8)) and set(config.methods) == {"sps", "asg"}
+    assert config.ks == tuple(range(1, 8)) and set(config.methods) == {"sps", "asg", "lcp"}
     assert {"humaneval", "mt-bench", "math", "xsum"} == set(config.datasets)
     assert "model:qwen2.5-coder-0.5b@bf16" in config.drafters
     fixed = replace(config, dtype="fp32", host_baselines=False)
     assert len(fixed.cells("t", "d", 0.0)) == 2 + 2 * 5 * 7  # ar, HF plain, then the grid
+    on_llamacpp = fixed.cells("llamacpp:t", "d", 0.0)  # ar, llama-cpp-python's plain, SpS x 5 drafts, lcp x ngram
+    assert len(on_llamacpp) == 2 + 5 * 7 + 7 and {c.method for c in on_llamacpp} == {"ar", "llama", "sps", "lcp"}
+    assert all(c.backend == "llamacpp" and c.dtype == "gguf" for c in on_llamacpp)

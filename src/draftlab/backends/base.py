@@ -56,6 +56,11 @@ class Backend(Protocol):
         """Keep the cache before the last block plus that block's tokens at `indices` (ascending)."""
         ...
 
+    def exact_rows(self, block: Block) -> set[int]:
+        """The block rows scored bitwise as plain decoding would score them (every row, for a batch-invariant
+        backend that scores trees exactly); greedy decoding re-verifies a path that leaves them."""
+        ...
+
     def rollback(self, length: int) -> None:
         """Keep only the first `length` cached tokens."""
         ...
@@ -63,6 +68,11 @@ class Backend(Protocol):
     def synchronize(self) -> None:
         """Wait for queued device work, so that wall-clock timings are honest."""
         ...
+
+
+def all_rows(block: Block) -> set[int]:
+    """Every row of a block: `exact_rows` of a backend whose rows do not depend on the tree's shape."""
+    return set(range(len(block.tokens)))
 
 
 def is_prefix(indices: Sequence[int]) -> bool:

@@ -49,7 +49,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from draftlab.backends.base import is_prefix
+from draftlab.backends.base import all_rows, is_prefix
 from draftlab.backends.numerics import (
     INVARIANT_ROWS,
     UpcastLinear,
@@ -185,6 +185,10 @@ class FastLlamaBackend:
                 keys[:, start : start + len(indices)] = keys[:, rows]
                 values[:, start : start + len(indices)] = values[:, rows]
         self._len = start + len(indices)
+
+    def exact_rows(self, block: Block) -> set[int]:
+        """Every row: a tree's rows are computed as its chains' would be (no re-verification needed)."""
+        return all_rows(block)
 
     def _route(self, route: Route | None, batch_invariant: bool | None, invariant_rows: int | None, config
                ) -> Route | None:

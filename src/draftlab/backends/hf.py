@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from draftlab.backends.base import is_prefix
+from draftlab.backends.base import all_rows, is_prefix
 from draftlab.backends.numerics import checked_rows
 from draftlab.step import Block, Scores
 
@@ -77,6 +77,11 @@ class HFBackend:
             layer.keys = torch.cat([layer.keys[:, :, : self._block_start], layer.keys[:, :, rows]], dim=2)
             layer.values = torch.cat([layer.values[:, :, : self._block_start], layer.values[:, :, rows]], dim=2)
         self._len = self._block_start + len(indices)
+
+    def exact_rows(self, block: Block) -> set[int]:
+        """Every row: transformers' rows never equal single rows bitwise, chains included, so scoring a tree's
+        path again as a chain would bring it no closer to plain decoding."""
+        return all_rows(block)
 
     def rollback(self, length: int) -> None:
         """Keep only the first `length` cached tokens."""

@@ -127,6 +127,17 @@ class LlamaCppBackend:
             self.rollback(base + in_place)
             self._score_chain(tokens, last_only=True)
 
+    def exact_rows(self, block: Block) -> set[int]:
+        """A chain's every row; in a tree, the root's first-child path only: the other branches' cells are shifted
+        from their positions, and llama.cpp's attention sums over cells in SIMD lanes by cell index."""
+        if block.is_chain or not self.batch_invariant:
+            return set(range(len(block.tokens)))
+        children, rows, node = block.layout().children, {0}, 0
+        while children[node]:
+            node = children[node][0]
+            rows.add(node)
+        return rows
+
     # chains ------------------------------------------------------------------------------------------------------
 
     def _score_chain(self, tokens: list[int], last_only: bool) -> torch.Tensor:
