@@ -137,7 +137,7 @@ def test_the_audit_passes_on_llamacpp(tmp_path):
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "draftlab", "audit", "--backend", "llamacpp", "--drafters", "ngram",
+    out = subprocess.run([sys.executable, "-m", "draftlab.cli", "audit", "--backend", "llamacpp", "--drafters", "ngram",
                           DRAFT, "--k", "3", "--samples", "150", "--budget", "150", "--top-p", "0.9"],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
