@@ -16,4 +16,4 @@ __all__ = [
     "NoDrafter", "Proposal", "SamplingConfig", "SpeculativeDecoder", "SpeculativeEngine",
     "build_layer_draft", "encode_prompt", "load_model", "parse_drafter_spec",
 ]
-__version__ = "0.8.0"
+__version__ = "0.9.0"
