@@ -39,7 +39,8 @@ def engine_answer(summaries: list[CellSummary]) -> list[str]:
 
 def _engine(s: CellSummary) -> str:
     """The engine a cell ran on, in words."""
-    if s.target.startswith(LLAMACPP_TARGET) or s.drafter.startswith("llama.cpp") or s.method in ("lcp", "llama"):
+    on_llamacpp = s.backend == "llamacpp" or s.target.startswith(LLAMACPP_TARGET)
+    if on_llamacpp or s.drafter.startswith("llama.cpp") or s.method in ("lcp", "llama"):
         return "llama.cpp (llama-cpp-python)" if s.method in ("lcp", "llama") else "llama.cpp (draftlab)"
     if s.method in ("asg", "hf"):
         return "HF transformers"

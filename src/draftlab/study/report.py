@@ -51,6 +51,7 @@ class CellSummary:
     engine_speedup: float | None = None  # over that engine's own plain decoding on the same prompts
     host_speedup: float | None = None  # over the fastest plain decoding measured on the host (any dtype or route)
     host_plain: str = ""  # which plain decoding that was ('ar': the study's own, else a route label)
+    backend: str = ""  # the backend its records ran on ('llamacpp', 'fast', 'auto', ...)
 
     @property
     def lossy(self) -> bool:
@@ -155,7 +156,7 @@ def _summarize_group(key: tuple, rows: list[dict], baseline_speed: Callable[[dic
     drafted = sum(r["drafted"] for r in rows)
     per_step = lambda name: 1000 * sum(r[name] for r in rows) / steps if steps else None  # noqa: E731
     summary = CellSummary(
-        target, method, drafter, k, dataset, temperature, len(rows), new_tokens, wall,
+        target, method, drafter, k, dataset, temperature, len(rows), new_tokens, wall, backend=rows[0].get("backend") or "",
         tokens_per_s=new_tokens / wall if wall else 0.0,
         ms_per_token=1000 * wall / new_tokens if new_tokens else 0.0,
         tokens_per_step=new_tokens / steps if steps else None,
