@@ -159,7 +159,7 @@ class SpeculativeEngine:
             scores = self.target.score_block(block, with_hidden=self.reads_hidden)  # logits [n, V], hidden [n, D]
         verdict = self.verifier(block, proposal.draft_probs, scores.logits, config.sampling, generator)
         kept = verdict.kept_rows()
-        if config.sampling.greedy and not set(kept) <= self.target.exact_rows(block):
+        if config.sampling.greedy and not block.is_chain and not set(kept) <= self.target.exact_rows(block):
             with watch.time("target"):
                 block, proposal, scores, verdict = self._reverify(block, kept, config, generator)
             kept = verdict.kept_rows()

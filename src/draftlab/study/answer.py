@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from draftlab.study.report import ALL, METHOD_NAMES, PLAIN_METHODS, CellSummary
-
-LLAMACPP_TARGET = "llamacpp:"  # the sweep's prefix of a target run on llama.cpp
+from draftlab.study.store import LLAMACPP_TARGET
 
 
 def engine_answer(summaries: list[CellSummary]) -> list[str]:

@@ -93,6 +93,7 @@ CREATE TABLE IF NOT EXISTS baseline_checks (
 # A peer's speculative method -> the same library's plain decoding (its reference for equality and speed):
 # HF assisted generation vs HF `generate`, llama-cpp-python's prompt lookup vs its own `generate`.
 PEER_PLAIN = {"asg": "hf", "lcp": "llama"}
+LLAMACPP_TARGET = "llamacpp:"  # a target name's prefix: the target runs on llama.cpp (`--backend llamacpp` for one)
 
 
 @dataclass(frozen=True)

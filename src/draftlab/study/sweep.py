@@ -36,12 +36,11 @@ from draftlab.llamacpp_reference import LlamaCppPeer
 from draftlab.models import (LoadedModel, ModelSpec, auto_dtype, check_device, check_dtype_name, gguf_path, is_gguf,
                              load_model, model_config, resolve_dtype_name)
 from draftlab.sampling import SamplingConfig
-from draftlab.study.store import PEER_PLAIN, Cell, Record, ResultsStore
+from draftlab.study.store import LLAMACPP_TARGET as LLAMACPP, PEER_PLAIN, Cell, Record, ResultsStore
 
 METHODS = ("ar", "sps", "asg", "hf", "lcp", "llama")  # 'plain' cells follow host_baselines, not --methods
 TORCH_ONLY = ("asg", "hf")  # HF's methods run torch targets
 LLAMACPP_ONLY = ("lcp", "llama")  # llama-cpp-python's run targets on llama.cpp
-LLAMACPP = "llamacpp:"  # a target name's prefix: the target runs on llama.cpp (`--backend llamacpp` for one)
 
 
 def target_backend(target: str, backend: str) -> tuple[str, str]:
