@@ -21,6 +21,13 @@ fi
 # llama.cpp (the llamacpp backend) compiles with this machine's compiler, ~4 minutes on 2 cores the first time
 # (pip caches the wheel). Without llamafile's sgemm, a row of a block rounds as the row scored alone.
 CMAKE_ARGS="${CMAKE_ARGS:-} -DGGML_LLAMAFILE=OFF" .venv/bin/python -m pip install --quiet -e ".[test,llamacpp]"
+# Suffix decoding (--drafter suffix) runs Arctic Inference's suffix trees, as vLLM does. 0.3.0 is a source package
+# (~20 s to build) whose build needs these tools and this venv's Python first on PATH (else CMake finds another).
+if ! .venv/bin/python -c "import arctic_inference.suffix_decoding" 2>/dev/null; then
+  .venv/bin/python -m pip install --quiet "nanobind==2.9.2" grpcio-tools "protobuf==5.29.6" cmake ninja
+  PATH="$PWD/.venv/bin:$PATH" .venv/bin/python -m pip install --quiet --no-build-isolation --no-deps \
+    "arctic-inference==0.3.0"
+fi
 if [ "${1:-}" = "--setup-only" ]; then
   exit 0
 fi

@@ -5,8 +5,9 @@ first four generated tokens (256 sequences) is computable from its logits. The
 engine drafts K=3 tokens in the first step (asserted: the drafted counts are
 checked, so positions 2 and 3 of a block are really drafted and verified) with
 a noisy copy of the target (a draft that is often wrong), an adversarial draft
-that puts its mass where the target puts little, and n-gram lookup on a prompt
-whose last token recurs (one-hot drafts). Over many seeded runs the empirical
+that puts its mass where the target puts little, n-gram lookup on a prompt
+whose last token recurs (one-hot drafts), and suffix decoding, whose chains
+and trees come from what earlier runs generated. Over many seeded runs the empirical
 joint distribution must match the exact one (chi-square over the sequences,
 sparse cells pooled), at temperature 1, with top-k and with top-p.
 """
@@ -23,6 +24,7 @@ from draftlab.backends import FastLlamaBackend
 from draftlab.drafters import ModelDrafter, NGramDrafter
 from draftlab.engine import GenerationConfig, SpeculativeEngine
 from draftlab.policy import FixedK
+from draftlab.registry import build_drafter
 from draftlab.sampling import SamplingConfig, logits_to_probs
 from tests.conftest import noisy_copy, tiny_llama
 
@@ -123,6 +125,22 @@ def test_ngram_drafts_keep_the_joint_distribution(toy, name):
     counts, first_drafted = empirical_joint(engine, sampling)
     assert set(first_drafted) == {K}
     assert_joint_matches(counts, exact_joint(toy.model, sampling))
+
+
+@pytest.mark.parametrize("spec", ["suffix:factor=0,offset=3,min_prob=0", "suffix:tree,factor=0,offset=3,min_prob=0"])
+@pytest.mark.slow  # statistical: `pytest -m slow`, which CI runs too
+def test_suffix_drafts_keep_the_joint_distribution(toy, spec):
+    """Suffix decoding (chains, and trees of the continuations earlier runs took) over a cache that learns from
+    every earlier run: what it proposes changes from run to run, and the output distribution does not."""
+    pytest.importorskip("arctic_inference")
+    drafter = build_drafter(spec, toy).drafter
+    engine = SpeculativeEngine(FastLlamaBackend(toy.model), drafter, FixedK(K), context_length=512)
+    counts, first_drafted = empirical_joint(engine, SAMPLINGS["t1"])
+    assert first_drafted[0] == K and drafter.cache.held == RUNS
+    assert_joint_matches(counts, exact_joint(toy.model, SAMPLINGS["t1"]))
+    later = [engine.generate(PROMPT, GenerationConfig(max_new_tokens=12, sampling=SAMPLINGS["t1"], seed=seed))
+             for seed in range(20)]
+    assert any(out.stats.has_trees for out in later) == ("tree" in spec)
 
 
 def test_the_joint_check_detects_a_lossy_engine(toy):

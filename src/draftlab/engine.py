@@ -131,6 +131,7 @@ class SpeculativeEngine:
             tokens.extend(kept)
             if on_tokens is not None:
                 on_tokens(kept)
+        self.drafter.finish(tokens)
         stats.wall_s = time.perf_counter() - start
         stats.new_tokens = len(new)
         stats.prefill_s = watch.seconds.get("prefill", 0.0)

@@ -22,6 +22,10 @@ HF reference runs alike. Spec grammar:
   staged:HELPER/SPEC          model draft SPEC (layers, model, a pruned draft) whose own drafting
                               is speculated by HELPER (ngram[:...] or layers:...), see
                               `draftlab.drafters.staged`
+  suffix[:OPTIONS]            suffix decoding (vLLM's `suffix`, Arctic Inference's trees) over this request and earlier
+                              responses; OPTIONS, comma-separated: depth=N, factor=F, offset=F, min_prob=P, tree|chain,
+                              responses=N (held across requests; 0: none), cache=DIR (load, and append each
+                              response); K is the most tokens a step proposes. See `draftlab.drafters.suffix`
   merged:GUIDE/SPEC           n-gram lookup GUIDE (ngram[:...]) merged into the tree (or chain) of SPEC
                               (tree:SHAPE:... or a drafter with logits): the guide's continuation
                               is one branch, the draft's tokens the others, see `draftlab.drafters.tree`
@@ -48,11 +52,12 @@ from draftlab.drafters.model import ModelDrafter, check_compatible
 from draftlab.drafters.ngram import NGramDrafter
 from draftlab.drafters.shipped import shipped_draft
 from draftlab.drafters.staged import StagedDrafter
+from draftlab.drafters.suffix import SuffixDrafter, SuffixOptions, tokenizer_fingerprint
 from draftlab.drafters.tree import TreeDrafter, TreeShape
 from draftlab.errors import DraftlabError
 from draftlab.models import DTYPES, LoadedModel, ModelSpec, dtype_name, dtype_suffix, load_model
 
-SPEC_HELP = ("none | ngram[:N|:A-B] | layers:0-3 (or 0,2,4 / 0-29:2) | model:NAME_OR_PATH | designed | "
+SPEC_HELP = ("none | ngram[:N|:A-B] | suffix[:depth=N,tree,responses=N,cache=DIR,...] | layers:0-3 (or 0,2,4 / 0-29:2) | model:NAME_OR_PATH | designed | "
              "tree:SHAPE:SPEC | staged:HELPER/SPEC | merged:GUIDE/SPEC; layer and model drafts take @fp32/@bf16/@fp16")
 
 
@@ -68,6 +73,7 @@ class DraftPlan:
     inner: "DraftPlan | None" = None  # kinds "tree", "staged" and "merged": the drafter they wrap
     helper: "DraftPlan | None" = None  # kinds "staged" and "merged": the cheaper drafter (guesses, or the guide)
     dtype: str = ""  # kinds "layers" and "model": the draft's dtype name; "" runs it in the target's
+    suffix: SuffixOptions | None = None  # kind "suffix": its options
 
 
 @dataclass
@@ -91,6 +97,8 @@ def parse_drafter_spec(spec: str, num_layers: int | None = None) -> DraftPlan:
     if kind == "model" and arg:
         arg, dtype = _split_dtype(arg)
         return DraftPlan("model", model=arg, dtype=dtype)
+    if kind == "suffix":
+        return DraftPlan("suffix", suffix=SuffixOptions.parse(arg))
     if kind == "designed" and not arg:
         return DraftPlan("designed")
     if kind == "tree" and ":" in arg:
@@ -171,6 +179,11 @@ def _build_none(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraf
 
 def _build_ngram(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
     return BuiltDraft(NGramDrafter(max_n=plan.ngram[1], min_n=plan.ngram[0]))
+
+
+def _build_suffix(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
+    tokenizer_id = tokenizer_fingerprint(target.tokenizer) if plan.suffix.cache else ""
+    return BuiltDraft(SuffixDrafter(plan.suffix, tokenizer_id=tokenizer_id))
 
 
 def _build_layers(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
@@ -277,6 +290,7 @@ def _refuse_dtype(plan: DraftPlan, what: str) -> None:
 DRAFTERS: dict[str, Callable[[DraftPlan, LoadedModel, str], BuiltDraft]] = {
     "none": _build_none,
     "ngram": _build_ngram,
+    "suffix": _build_suffix,
     "layers": _build_layers,
     "model": _build_model,
     "designed": _build_designed,

@@ -10,13 +10,16 @@ verified as one-hot drafts.
 Every drafter also says whether it reads the target's hidden states
 (`reads_target_hidden`) and has `observe`, which the engine calls with the
 target's final hidden states of each newly committed and cached token (a no-op
-for drafters that do not read them).
+for drafters that do not read them), and `finish`, called with the whole
+sequence when a generation ends (drafters that learn across requests keep the
+response there).
 
 Draft sources, one file each: `ngram.py` (prompt lookup), `model.py` (a
 separate causal LM), `layers.py` (a self-draft of the target's layers),
 `pruned.py` (designed layer drafts and their file format), `feature.py`
 (EAGLE-style feature drafts and their file format), `heads.py` (Medusa-style
-decoder heads and their file format); wrappers: `tree.py` (token
+decoder heads and their file format), `suffix.py` (suffix decoding over trees of
+this and earlier requests); wrappers: `tree.py` (token
 trees grown by a drafter with logits), `staged.py` (a model draft whose own
 drafting a cheaper drafter speculates). `draftlab.registry` builds them from
 spec strings.
@@ -52,8 +55,20 @@ class Drafter(Protocol):
         """The target's hidden states [n, D] of the next n committed and cached tokens, in order."""
         ...
 
+    def finish(self, context: Sequence[int]) -> None:
+        """The generation ended with `context` (prompt and every committed token): drafters that learn across
+        requests (`suffix.py`) keep its response; the others forget nothing they need."""
+        ...
 
-class BlindDrafter:
+
+class PerRequest:
+    """Base for drafters that keep nothing across requests: `finish` does nothing."""
+
+    def finish(self, context: Sequence[int]) -> None:
+        """Nothing to keep across requests."""
+
+
+class BlindDrafter(PerRequest):
     """Base for drafters that do not read the target's hidden states: `observe` does nothing."""
 
     reads_target_hidden = False

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftlab.backends.numerics import causal_mask, rms_norm, rope, scatter_vocab
-from draftlab.drafters.base import draft_chain
+from draftlab.drafters.base import PerRequest, draft_chain
 from draftlab.drafters.files import RECORD, WEIGHTS, check_target_vocab, draft_format, load_strict, read_draft_files
 from draftlab.step import Proposal, tree_layout
 from draftlab.errors import DraftlabError
@@ -265,7 +265,7 @@ def load_feature_draft(path: str | Path, target: LoadedModel) -> FeatureDraft:
     return draft
 
 
-class FeatureDrafter:
+class FeatureDrafter(PerRequest):
     """Drafts with a `FeatureDraft`, re-anchored on the target's hidden states after every step.
 
     State: `_features` holds real target features not yet fed to the draft

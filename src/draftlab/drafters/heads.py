@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftlab.backends.numerics import scatter_vocab
+from draftlab.drafters.base import PerRequest
 from draftlab.drafters.files import RECORD, WEIGHTS, check_target_vocab, draft_format, load_strict, read_draft_files
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel
@@ -144,7 +145,7 @@ def load_heads_draft(path: str | Path, target: LoadedModel) -> HeadsDraft:
     return draft
 
 
-class HeadsDrafter:
+class HeadsDrafter(PerRequest):
     """Drafts up to H tokens (a chain or a tree) from the newest real target feature.
 
     Invariant, as in the engine: real features exist for every committed token

@@ -55,6 +55,7 @@ from typing import Protocol, Sequence
 import torch
 
 from draftlab.backends.numerics import scatter_vocab
+from draftlab.drafters.base import PerRequest
 from draftlab.errors import DraftlabError
 from draftlab.sampling import SamplingConfig, logits_to_probs
 from draftlab.step import ROOT, Proposal, node_depths
@@ -189,7 +190,7 @@ class ChainGuide(Protocol):
     def propose(self, context, k, sampling, generator) -> Proposal: ...
 
 
-class TreeDrafter:
+class TreeDrafter(PerRequest):
     """Wraps a `TreeSource`: proposes a tree of the given shape whose depth is K (with a guide's chain merged in)."""
 
     def __init__(self, source: TreeSource, shape: TreeShape, target_vocab_size: int,
