@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from draftlab.api import SpeculativeDecoder, encode_prompt, eos_ids, parse_drafter_spec
+from draftlab.api import SpeculativeDecoder, eos_ids, parse_drafter_spec, prompt_ids
 from draftlab.hf_reference import hf_assist, hf_generate
 from draftlab.datasets import load_prompts
 from draftlab.models import load_model
@@ -79,7 +79,7 @@ def main() -> None:
     hf_logging.set_verbosity_error()
     target = load_model(args.target)
     prompts = load_prompts(args.dataset, args.limit)
-    encoded = [encode_prompt(target.tokenizer, p.text, p.chat) for p in prompts]
+    encoded = [prompt_ids(target.tokenizer, p) for p in prompts]
     results = [bench_drafter(target, spec, args.k, encoded, args.max_new_tokens) for spec in args.drafters]
     print(f"target={args.target} k={args.k} dataset={args.dataset} prompts={len(prompts)} "
           f"max_new_tokens={args.max_new_tokens} torch={torch.__version__} threads={torch.get_num_threads()}")

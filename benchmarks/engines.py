@@ -19,7 +19,7 @@ import platform
 import sys
 from collections import defaultdict
 
-from draftlab.api import SpeculativeDecoder, encode_prompt, eos_ids
+from draftlab.api import SpeculativeDecoder, encode_prompt, eos_ids, prompt_ids
 from draftlab.backends.routes import cpu_flags, cpu_model
 from draftlab.datasets import load_prompts
 from draftlab.llamacpp_reference import LlamaCppPeer
@@ -95,13 +95,13 @@ def main() -> None:
     runs, exact = methods(args)
     first = load_prompts(args.datasets[0], 1)[0]
     for run in runs.values():  # untimed: first calls pay one-off costs
-        run(encode_prompt(exact.tokenizer, first.text, first.chat))
+        run(prompt_ids(exact.tokenizer, first))
     totals = defaultdict(lambda: [0, 0.0])  # (dataset, method) -> tokens, seconds
     outputs = defaultdict(list)  # (dataset, method) -> token lists
     for dataset in args.datasets:
         prompts = load_prompts(dataset, args.limit)
         for prompt in prompts:
-            ids = encode_prompt(exact.tokenizer, prompt.text, prompt.chat)
+            ids = prompt_ids(exact.tokenizer, prompt)
             for name, run in runs.items():
                 tokens, seconds = run(ids)
                 totals[(dataset, name)][0] += len(tokens)

@@ -193,13 +193,13 @@ def speedup_errors(comparisons, calibration_ar: float, sweep_ar: float) -> dict:
 
 def head_to_head(target, best: tuple[str, int], picked: tuple[str, int], prompts, settings, rounds: int) -> dict:
     """Re-measure the sweep's best and the pick beside plain decoding, interleaved, on the same prompts."""
-    from draftlab.api import SpeculativeDecoder, encode_prompt
+    from draftlab.api import SpeculativeDecoder, prompt_ids
     from draftlab.perf.race import run_interleaved
 
     keys = list(dict.fromkeys([PLAIN, best, picked]))
     decoders = {key: SpeculativeDecoder.from_names(target, drafter=key[0], k=max(key[1], 1), backend=settings.backend)
                 for key in keys}
-    encoded = [encode_prompt(target.tokenizer, p.text, p.chat) for p in prompts]
+    encoded = [prompt_ids(target.tokenizer, p) for p in prompts]
     totals = {key: [0, 0.0] for key in keys}
     per_prompt = {key: [] for key in keys}
     for _ in range(rounds):

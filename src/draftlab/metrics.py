@@ -31,6 +31,7 @@ class GenerationStats:
     target_s: float = 0.0
     wall_s: float = 0.0
     stop_reason: str = ""
+    cache_held: int | None = None  # earlier responses the drafter's cross-request cache held at the start; None: none
 
     def record_step(self, levels: list[int], num_accepted: int) -> None:
         """Count one draft-verify step: its drafted tokens per level (a chain of d tokens: [1] * d), accepted count."""

@@ -10,7 +10,7 @@ import sys
 
 from draftlab.study.page import build_report
 from draftlab.study.report import baseline_drift, load_checks, load_study, summarize
-from draftlab.study.store import Cell, Record, ResultsStore
+from draftlab.study.store import SCHEMA_VERSION, Cell, Record, ResultsStore
 from draftlab.study.sweep import SweepConfig, run_sweep
 from tests.conftest import tiny_model_dir
 
@@ -87,11 +87,12 @@ def test_version_2_database_gains_finish_times_and_the_checks_table(tmp_path):
     store.close()
     conn = sqlite3.connect(path)  # make it a version-2 file, as draftlab 0.2.0's first cut wrote them
     conn.executescript("ALTER TABLE records DROP COLUMN finished_at; ALTER TABLE records DROP COLUMN levels_per_step; "
+                       "ALTER TABLE records DROP COLUMN cache_held; "
                        "DROP TABLE baseline_checks; "
                        "UPDATE meta SET value = '2' WHERE key = 'schema_version';")
     conn.close()
     store = ResultsStore(path)
-    assert store.get_meta("schema_version") == "4"
+    assert store.get_meta("schema_version") == SCHEMA_VERSION
     assert store.rows()[0]["finished_at"] is None and store.baseline_checks() == []
     assert store.rows()[0]["levels_per_step"] == []
     store.close()

@@ -7,7 +7,7 @@ import sqlite3
 import pytest
 
 from draftlab.errors import DraftlabError
-from draftlab.study.store import Cell, Record, ResultsStore
+from draftlab.study.store import SCHEMA_VERSION, Cell, Record, ResultsStore
 
 CELL = Cell("t", "ngram", 2, "sps", "d", 0.0, 16)
 
@@ -84,7 +84,7 @@ def test_version_1_database_is_migrated_with_its_settings_in_the_key(tmp_path):
     store = ResultsStore(path)
     migrated = Cell("t", "ngram", 2, "sps", "d", 0.0, 16, seed=3, dtype="fp32", backend="auto", device="cpu", skip=2)
     assert store.done() == {(migrated.key, "p1")}
-    assert store.get_meta("schema_version") == "4"
+    assert store.get_meta("schema_version") == SCHEMA_VERSION
     run = store.start_run({})
     bf16 = Cell("t", "ngram", 2, "sps", "d", 0.0, 16, seed=3, dtype="bf16", skip=2)
     store.add(Record(bf16, "p1", "code", 16, 8, 16, 8), run)
@@ -128,13 +128,28 @@ def test_version_3_database_gains_tree_levels_and_keeps_its_records(tmp_path):
     store.add(Record(cell, "p1", "code", 16, 8, 16, 8, [1] * 8, [2] * 8), store.start_run({}))
     store.close()
     conn = sqlite3.connect(path)  # make it a version-3 file, as draftlab 0.3.0 wrote them
-    conn.executescript("ALTER TABLE records DROP COLUMN levels_per_step; "
+    conn.executescript("ALTER TABLE records DROP COLUMN levels_per_step; ALTER TABLE records DROP COLUMN cache_held; "
                        "UPDATE meta SET value = '3' WHERE key = 'schema_version';")
     conn.close()
     store = ResultsStore(path)
-    assert store.get_meta("schema_version") == "4"
+    assert store.get_meta("schema_version") == SCHEMA_VERSION
     (row,) = store.rows()
     assert row["levels_per_step"] == [] and row["drafted_per_step"] == [2] * 8
     tree = Cell("t", "tree:2:ngram", 2, "sps", "d", 0.0, 16)
     store.add(Record(tree, "p1", "code", 16, 8, 24, 8, [1] * 8, [3] * 8, levels_per_step=[[2, 1]] * 8), 1)
     assert store.rows()[1]["levels_per_step"] == [[2, 1]] * 8
+
+
+def test_version_4_database_gains_the_cache_column(tmp_path):
+    path = tmp_path / "v4.sqlite"
+    store = ResultsStore(path)
+    store.add(Record(Cell("t", "ngram", 2, "sps", "d", 0.0, 16), "p1", "code", 16, 8, 16, 8), store.start_run({}))
+    store.close()
+    conn = sqlite3.connect(path)  # make it a version-4 file, as draftlab 0.9.0 wrote them
+    conn.executescript("ALTER TABLE records DROP COLUMN cache_held; "
+                       "UPDATE meta SET value = '4' WHERE key = 'schema_version';")
+    conn.close()
+    store = ResultsStore(path)
+    assert store.get_meta("schema_version") == SCHEMA_VERSION and store.rows()[0]["cache_held"] is None
+    store.add(Record(Cell("t", "suffix", 8, "sps", "d", 0.0, 16), "p1", "code", 16, 8, 16, 8, cache_held=3), 1)
+    assert store.rows()[1]["cache_held"] == 3

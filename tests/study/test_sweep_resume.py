@@ -19,7 +19,7 @@ from draftlab.study.store import ResultsStore
 from tests.conftest import tiny_model_dir
 
 DETERMINISTIC = ("cell", "prompt_id", "method", "drafter", "k", "new_tokens", "steps", "drafted", "accepted",
-                 "accepted_per_step", "output_sha", "identical")
+                 "accepted_per_step", "output_sha", "identical", "cache_held")
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def setup(tmp_path_factory):
 
 def sweep_command(db, model, prompts):
     return [sys.executable, "-m", "draftlab.cli", "sweep", "--db", str(db), "--targets", str(model),
-            "--drafters", "ngram", "layers:0-1", "--ks", "1-3", "--datasets", str(prompts), "--limit", "6",
+            "--drafters", "ngram", "layers:0-1", "suffix", "--ks", "1-3", "--datasets", str(prompts), "--limit", "6",
             "--max-new-tokens", "48", "--warmup", "0", "--no-progress", "--dtype", "fp32", "--no-host-baselines"]
 
 
@@ -63,7 +63,10 @@ def test_killed_sweep_resumes_to_the_same_records(setup):
     full_db, killed_db = root / "full.sqlite", root / "killed.sqlite"
     subprocess.run(sweep_command(full_db, model, prompts), check=True, capture_output=True, timeout=600)
     total = count(full_db)
-    assert total == 6 * (2 + 2 * 2 * 3)  # prompts x (ar + HF's plain decoding + methods x drafters x K)
+    # prompts x (ar + HF's plain decoding + methods x drafters x K); HF has no suffix decoding
+    assert total == 6 * (2 + 2 * 2 * 3 + 3)
+    held = [r["cache_held"] for r in ResultsStore(full_db).rows() if r["drafter"] == "suffix" and r["k"] == 2]
+    assert held == list(range(6))  # each cell learns from its own earlier prompts only
 
     process = subprocess.Popen(sweep_command(killed_db, model, prompts), stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)

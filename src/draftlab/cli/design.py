@@ -352,7 +352,7 @@ def cmd_correlate(args) -> None:
     """Quality vs TAR for a set of drafts."""
     import random
 
-    from draftlab.api import encode_prompt
+    from draftlab.api import prompt_ids
     from draftlab.datasets import load_prompts, mmlu_items
     from draftlab.design import correlate
     from draftlab.design.corpus import prompt_sequences
@@ -363,7 +363,7 @@ def cmd_correlate(args) -> None:
     held_out = [s[:256] for s in prompt_sequences(target, ["xsum"], None)[-8:]]
     items = mmlu_items()
     mmlu = random.Random(0).sample(items, min(args.mmlu, len(items)))
-    prompts = [encode_prompt(target.tokenizer, p.text, p.chat) for p in load_prompts(args.dataset, args.limit, args.skip)]
+    prompts = [prompt_ids(target.tokenizer, p) for p in load_prompts(args.dataset, args.limit, args.skip)]
     results = correlate.measure(target, args.drafts, held_out, mmlu, prompts, args.k, args.max_new_tokens,
                                 progress=not args.no_progress)
     corr = correlate.write(results, Path(args.out))

@@ -149,6 +149,10 @@ def format_bench_table(summary: dict, args) -> str:
         f"time split (speculative): draft {summary['draft_s']:.1f}s, target {summary['target_s']:.1f}s, "
         f"overhead {summary['overhead_s']:.1f}s of {summary['wall_s']:.1f}s"
     )
+    if "cache_held" in summary:
+        held = summary["cache_held"]
+        lines.append(f"cross-request cache: held {held['first_prompt']} earlier responses at the first prompt, "
+                     f"{held['last_prompt']} at the last")
     plain = ", ".join(f"{label} {speed:.1f}" for label, speed in summary["host_plain_tokens_per_s"].items())
     lines.append(f"plain decoding on this host (tok/s): {plain}; speedup over the fastest "
                  f"({summary['fastest_plain']}): {summary['speedup_vs_fastest_plain']:.2f}x")

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from draftlab.api import encode_prompt, eos_ids
+from draftlab.api import eos_ids, prompt_ids
 from draftlab.datasets import load_prompts
 from draftlab.errors import DraftlabError
 from draftlab.models import DTYPES, LoadedModel, batch_dtype_name
@@ -35,7 +35,7 @@ def prompt_sequences(target: LoadedModel, datasets: list[str], limit: int | None
     for entry in datasets:
         name, skip, count = _selection(entry, limit)
         for p in load_prompts(name, count, skip=skip):
-            out.append(encode_prompt(target.tokenizer, p.text, p.chat))
+            out.append(prompt_ids(target.tokenizer, p))
     return out
 
 

@@ -111,7 +111,8 @@ class SuffixCache:
     def __init__(self, depth: int = SuffixOptions.depth, responses: int = SuffixOptions.responses,
                  store: str | os.PathLike = "", tokenizer_id: str = "") -> None:
         """responses: how many earlier responses are held (0: none); store: a directory to load from and append
-        to; tokenizer_id: what the token ids mean (a store written with another tokenizer is refused)."""
+        each finished response to; tokenizer_id: what the token ids mean (a store written with another tokenizer
+        is refused)."""
         self.depth, self.responses = depth, responses
         self._trees = library()(max_tree_depth=depth, max_cached_requests=responses)
         self._held: deque[list[int]] = deque(maxlen=responses or None)  # what the store holds, oldest first
@@ -166,14 +167,14 @@ class SuffixCache:
         meta = self.store / META_FILE
         if meta.exists():
             _check_meta(self.store, tokenizer_id)
-            for response in _read_responses(self.store / RESPONSES_FILE, self.responses):
-                self._remember(response)
+            for response in read_responses(self.store / RESPONSES_FILE, self.responses):
+                self.remember(response)
             if (self.store / RESPONSES_FILE).exists() and _count_lines(self.store / RESPONSES_FILE) > 2 * self.responses:
                 self.save(self.store, tokenizer_id)  # compact: the store stays bounded too
         else:
             self.save(self.store, tokenizer_id)
 
-    def _remember(self, response: list[int]) -> None:
+    def remember(self, response: list[int]) -> None:
         """Put an earlier response in the cross-request tree (and the held list) without a prompt."""
         request = self.start([])
         self.extend(request, response)
@@ -207,11 +208,11 @@ def _check_meta(path: Path, tokenizer_id: str) -> None:
                             f"({meta['tokenizer']}, this target's is {tokenizer_id}); use another directory")
 
 
-def _read_responses(path: Path, keep: int) -> list[list[int]]:
-    """The newest `keep` responses of a store (a line cut short by a kill is skipped)."""
+def read_responses(path: Path, keep: int | None = None) -> list[list[int]]:
+    """The newest `keep` (None: all) responses of a responses file (a line cut short by a kill is skipped)."""
     if not path.exists():
         return []
-    responses: deque[list[int]] = deque(maxlen=keep)
+    responses: deque[list[int]] = deque(maxlen=keep or None)
     for line in path.read_text().splitlines():
         try:
             tokens = json.loads(line)
@@ -225,6 +226,17 @@ def _read_responses(path: Path, keep: int) -> list[list[int]]:
 def _count_lines(path: Path) -> int:
     with open(path, "rb") as f:
         return sum(1 for _ in f)
+
+
+def cache_held(drafter) -> int | None:
+    """Earlier responses a drafter holds across requests now; None for drafters that keep none."""
+    return drafter.cache.held if isinstance(drafter, SuffixDrafter) else None
+
+
+def without_memory(drafter):
+    """The drafter as it is, or, for suffix decoding, the same options over a throwaway cache: for warm-up runs,
+    which must not teach a run's cache the answers it is about to be timed on."""
+    return drafter.with_cache(drafter.fresh_cache()) if isinstance(drafter, SuffixDrafter) else drafter
 
 
 class SuffixDrafter(BlindDrafter):
@@ -245,9 +257,9 @@ class SuffixDrafter(BlindDrafter):
         """The same options over another cache (a sweep cell's, or a throwaway one for warm-up runs)."""
         return SuffixDrafter(self.options, cache, self.tokenizer_id)
 
-    def fresh_cache(self, store: str | os.PathLike = "") -> SuffixCache:
-        """An empty cache of this drafter's depth and bound (loaded from `store` when given)."""
-        return SuffixCache(self.options.depth, self.options.responses, store, self.tokenizer_id)
+    def fresh_cache(self) -> SuffixCache:
+        """An empty cache of this drafter's depth and bound, kept in memory only."""
+        return SuffixCache(self.options.depth, self.options.responses)
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         """Start a request on the cache (ending one an error left open, without storing its response)."""

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from draftlab.api import SpeculativeDecoder, build_drafter, encode_prompt
+from draftlab.api import SpeculativeDecoder, build_drafter, prompt_ids
 from draftlab.policy import FixedK
 from draftlab.backends.base import Backend
 from draftlab.datasets import Prompt
@@ -139,7 +139,7 @@ def calibrate(
 ) -> Profile:
     """Measure the target's block times and each draft's cost and acceptance."""
     start = time.perf_counter()
-    encoded = [encode_prompt(target.tokenizer, p.text, p.chat) for p in prompts]
+    encoded = [prompt_ids(target.tokenizer, p) for p in prompts]
     context_len = int(statistics.mean(len(e) for e in encoded)) + settings.max_new_tokens // 2
     context = _context_of_length(encoded, context_len)
     ar = SpeculativeDecoder.from_names(target, drafter="none", k=1, backend=settings.backend)

@@ -113,7 +113,7 @@ def race(target: LoadedModel, entrants: list[Prediction], prompts: list[Prompt],
     (`plan_race`); before each later round, the round is checked against the time left at the pace the
     race has measured; what did not fit is noted.
     """
-    from draftlab.api import SpeculativeDecoder, encode_prompt
+    from draftlab.api import SpeculativeDecoder, prompt_ids
 
     outcome = RaceOutcome(PLAIN)
     plan = plan_race(len(entrants), len(prompts), settings.max_new_tokens, pilot, deadline - time.perf_counter())
@@ -129,7 +129,7 @@ def race(target: LoadedModel, entrants: list[Prediction], prompts: list[Prompt],
     for p in entrants[: plan.contenders]:
         decoders[(p.draft, p.k)] = SpeculativeDecoder.from_names(target, drafter=p.draft, k=p.k,
                                                                  backend=settings.backend)
-    encoded = [encode_prompt(target.tokenizer, p.text, p.chat) for p in prompts[: plan.prompts]]
+    encoded = [prompt_ids(target.tokenizer, p) for p in prompts[: plan.prompts]]
     alive = [key for key in decoders if key != PLAIN]
     totals = {key: [0, 0.0] for key in decoders}  # new tokens, decode seconds
     per_prompt: dict = {key: [] for key in decoders}  # decode tokens/s per prompt, aligned across keys
@@ -218,7 +218,7 @@ def label(key: tuple[str, str, int]) -> str:
 def head_to_head(decoders: dict, keys: list, target: LoadedModel, prompts: list[Prompt],
                   settings: CalibrationSettings, deadline: float) -> tuple[dict, dict, list[str]]:
     """Decode tokens/s and outputs of every key on as many prompts as fit before the deadline (at least one)."""
-    from draftlab.api import encode_prompt
+    from draftlab.api import prompt_ids
 
     totals = {key: [0, 0.0] for key in keys}
     per_prompt: dict = {key: [] for key in keys}
@@ -228,7 +228,7 @@ def head_to_head(decoders: dict, keys: list, target: LoadedModel, prompts: list[
         if done and time.perf_counter() + round_s > deadline:
             break
         started = time.perf_counter()
-        ids = encode_prompt(target.tokenizer, prompt.text, prompt.chat)
+        ids = prompt_ids(target.tokenizer, prompt)
         run_interleaved(decoders, keys[done % len(keys):] + keys[: done % len(keys)], [ids],
                         settings.max_new_tokens, totals, per_prompt, outputs)
         round_s, done = time.perf_counter() - started, done + 1

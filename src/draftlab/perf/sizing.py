@@ -51,10 +51,10 @@ class Pilot:
 
 def run_pilot(target: LoadedModel, prompt: Prompt, settings: CalibrationSettings) -> Pilot:
     """Time one plain generation of `settings.max_new_tokens` on `prompt` (after an untimed warm-up)."""
-    from draftlab.api import SpeculativeDecoder, encode_prompt
+    from draftlab.api import SpeculativeDecoder, prompt_ids
 
     plain = SpeculativeDecoder.from_names(target, drafter="none", k=1, backend=settings.backend)
-    ids = encode_prompt(target.tokenizer, prompt.text, prompt.chat)
+    ids = prompt_ids(target.tokenizer, prompt)
     plain.generate(ids, max_new_tokens=4)
     stats = plain.generate(ids, max_new_tokens=settings.max_new_tokens).stats
     return Pilot((stats.wall_s - stats.prefill_s) / max(stats.new_tokens, 1), stats.prefill_s)

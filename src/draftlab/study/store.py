@@ -1,9 +1,9 @@
 """The results store: one SQLite database per study, one row per prompt per cell.
 
-Schema (version 4), readable with `sqlite3` or `pandas.read_sql`:
+Schema (version 5), readable with `sqlite3` or `pandas.read_sql`:
 
     meta(key TEXT PRIMARY KEY, value TEXT)
-        app = 'draftlab-study', schema_version = '4', config = the sweep's JSON
+        app = 'draftlab-study', schema_version = '5', config = the sweep's JSON
     models(name TEXT PRIMARY KEY, params INTEGER)
         parameter counts of targets and model drafts ("target" or "target::drafter"),
         for the report's scaling ratio (target params / draft params)
@@ -25,6 +25,9 @@ Schema (version 4), readable with `sqlite3` or `pandas.read_sql`:
         levels_per_step TEXT)                  -- JSON list of lists: drafted tokens per tree level, each step;
                                                -- '[]' when every step drafted a chain (then a step's depth
                                                -- is its drafted count)
+        cache_held INTEGER)                    -- earlier responses the drafter's cross-request cache held when
+                                               -- the prompt started (suffix decoding: each cell has its own
+                                               -- cache, over its prompts in order); NULL for other drafters
     baseline_checks(
         target, dataset, temperature, prompt_id, run_id, new_tokens, wall_s,
         finished_at REAL)                      -- the 'ar' cell re-timed on the same prompt between other cells,
@@ -37,7 +40,7 @@ and 'llama' (its plain `generate`), or 'plain' (our plain decoding in another mo
 llama.cpp's default kernels). `dtype` is resolved ('fp32', not 'auto'; 'gguf' on llama.cpp). Older databases are migrated in place when opened: version 1 (whose cell key
 lacked seed, dtype, backend, device and skip) gets those settings from the
 run's recorded environment and the stored sweep config; version 2 gets the
-`finished_at` column and the `baseline_checks` table; version 3 gets `levels_per_step`. Each record is committed on its own,
+`finished_at` column and the `baseline_checks` table; version 3 gets `levels_per_step`; version 4 `cache_held`. Each record is committed on its own,
 so a killed sweep loses at most the record in flight; resuming skips every
 (cell, prompt) already present.
 """
@@ -57,13 +60,13 @@ from draftlab.errors import DraftlabError
 from draftlab.models import ModelSpec
 
 APP = "draftlab-study"
-SCHEMA_VERSION = "4"
+SCHEMA_VERSION = "5"
 SETTINGS = ("seed", "dtype", "backend", "device", "skip")
 RECORD_COLUMNS = (
     "cell", "prompt_id", "target", "drafter", "k", "method", "dataset", "temperature", "max_new_tokens", *SETTINGS,
     "category", "run_id", "new_tokens", "steps", "drafted", "accepted", "accepted_per_step", "drafted_per_step",
     "prefill_s", "draft_s", "target_s", "overhead_s", "wall_s", "output_sha", "identical", "created_at", "finished_at",
-    "levels_per_step",
+    "levels_per_step", "cache_held",
 )
 
 SCHEMA = """
@@ -77,7 +80,7 @@ CREATE TABLE IF NOT EXISTS records (
     category TEXT, run_id INTEGER, new_tokens INTEGER, steps INTEGER, drafted INTEGER, accepted INTEGER,
     accepted_per_step TEXT, drafted_per_step TEXT,
     prefill_s REAL, draft_s REAL, target_s REAL, overhead_s REAL, wall_s REAL,
-    output_sha TEXT, identical INTEGER, created_at TEXT, finished_at REAL, levels_per_step TEXT,
+    output_sha TEXT, identical INTEGER, created_at TEXT, finished_at REAL, levels_per_step TEXT, cache_held INTEGER,
     PRIMARY KEY (cell, prompt_id)
 );
 """
@@ -93,6 +96,7 @@ CREATE TABLE IF NOT EXISTS baseline_checks (
 # A peer's speculative method -> the same library's plain decoding (its reference for equality and speed):
 # HF assisted generation vs HF `generate`, llama-cpp-python's prompt lookup vs its own `generate`.
 PEER_PLAIN = {"asg": "hf", "lcp": "llama"}
+LLAMACPP_ONLY = ("lcp", "llama")  # llama-cpp-python's methods: they run targets on llama.cpp
 LLAMACPP_TARGET = "llamacpp:"  # a target name's prefix: the target runs on llama.cpp (`--backend llamacpp` for one)
 
 
@@ -150,6 +154,7 @@ class Record:
     output_sha: str = ""
     identical: bool | None = None
     levels_per_step: list[list[int]] = field(default_factory=list)  # drafted tokens per tree level; [] for chains
+    cache_held: int | None = None  # earlier responses the drafter's cross-request cache held; None: it keeps none
 
 
 class ResultsStore:
@@ -206,9 +211,12 @@ class ResultsStore:
             version = "3"
         if version == "3":
             self._migrate_from_3()
+            version = "4"
+        if version == "4":
+            self._migrate_from_4()
         elif version != SCHEMA_VERSION:
             raise DraftlabError(
-                f"{self.path} has schema version {version}, this draftlab reads {SCHEMA_VERSION} (and migrates 1-2); "
+                f"{self.path} has schema version {version}, this draftlab reads {SCHEMA_VERSION} (and migrates 1-4); "
                 "upgrade draftlab to read it; the file was left untouched"
             )
 
@@ -240,6 +248,12 @@ class ResultsStore:
         """Add the drafted tokens per tree level (unknown, so '[]': chains, for old records)."""
         with self.conn:
             self.conn.execute("ALTER TABLE records ADD COLUMN levels_per_step TEXT")
+            self.conn.execute("UPDATE meta SET value = '4' WHERE key = 'schema_version'")
+
+    def _migrate_from_4(self) -> None:
+        """Add the responses a drafter's cross-request cache held (NULL: no such drafter before version 5)."""
+        with self.conn:
+            self.conn.execute("ALTER TABLE records ADD COLUMN cache_held INTEGER")
             self.conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (SCHEMA_VERSION,))
 
     def close(self) -> None:
@@ -293,7 +307,7 @@ class ResultsStore:
             json.dumps(record.accepted_per_step), json.dumps(record.drafted_per_step),
             record.prefill_s, record.draft_s, record.target_s, record.overhead_s, record.wall_s,
             record.output_sha, None if record.identical is None else int(record.identical), _now(), time.time(),
-            json.dumps(record.levels_per_step),
+            json.dumps(record.levels_per_step), record.cache_held,
         )
         with self.conn:  # columns named: a migrated table has the settings columns at its end
             self.conn.execute(f"INSERT INTO records ({', '.join(RECORD_COLUMNS)}) VALUES ({', '.join('?' * len(row))})",

@@ -7,12 +7,13 @@ re-timed every `baseline_every` cells and after the prompt's last cell (the
 baseline checks): the report compares each cell with the baseline measured
 closest in time and flags the study as noisy when the baseline drifted.
 Finished (cell, prompt) pairs in the database are skipped, which makes a killed sweep resume where it stopped
-and a finished sweep a no-op.
+and a finished sweep a no-op. Suffix decoding learns across requests: each of its cells keeps its own cache over
+its prompts in order (beside the database, so a resumed cell goes on with what it had learned), and `cache_held`
+records how many earlier responses it held at each prompt.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import platform
@@ -24,23 +25,20 @@ from tqdm import tqdm
 
 from draftlab.backends import check_backend_name, gguf
 from draftlab.backends.fast_llama import SUPPORTED_MODEL_TYPES
-from draftlab.backends.routes import cpu_flags, cpu_model, default_route, parse_route, plain_contenders
-from draftlab.api import LLAMACPP_PLAIN, SpeculativeDecoder, build_drafter, encode_prompt, eos_ids, parse_drafter_spec
-from draftlab.policy import FixedK
+from draftlab.backends.routes import cpu_flags, cpu_model, default_route, plain_contenders
+from draftlab.api import LLAMACPP_PLAIN, parse_drafter_spec, prompt_ids
 from draftlab.datasets import Prompt, load_prompts
 from draftlab.defaults import DEFAULT_BACKEND, SHORT_RUN_TOKENS
 from draftlab.engine import GenerationConfig
 from draftlab.errors import DraftlabError
-from draftlab.hf_reference import hf_assist, hf_generate
-from draftlab.llamacpp_reference import LlamaCppPeer
-from draftlab.models import (LoadedModel, ModelSpec, auto_dtype, check_device, check_dtype_name, gguf_path, is_gguf,
+from draftlab.models import (LoadedModel, ModelSpec, auto_dtype, check_device, check_dtype_name, is_gguf,
                              load_model, model_config, resolve_dtype_name)
 from draftlab.sampling import SamplingConfig
-from draftlab.study.store import LLAMACPP_TARGET as LLAMACPP, PEER_PLAIN, Cell, Record, ResultsStore
+from draftlab.study.runner import CellRunner
+from draftlab.study.store import LLAMACPP_ONLY, LLAMACPP_TARGET as LLAMACPP, PEER_PLAIN, Cell, ResultsStore
 
 METHODS = ("ar", "sps", "asg", "hf", "lcp", "llama")  # 'plain' cells follow host_baselines, not --methods
 TORCH_ONLY = ("asg", "hf")  # HF's methods run torch targets
-LLAMACPP_ONLY = ("lcp", "llama")  # llama-cpp-python's run targets on llama.cpp
 
 
 def target_backend(target: str, backend: str) -> tuple[str, str]:
@@ -218,102 +216,6 @@ def dtype_reason(dtype: str, device: str, source: str | None = None) -> str:
     return f"auto chose {name}: {reason}"
 
 
-class CellRunner:
-    """Builds each drafter once per target and runs one (cell, prompt) at a time."""
-
-    def __init__(self, target: LoadedModel, config: SweepConfig, backend: str | None = None) -> None:
-        """`backend`: the target's (llamacpp for a 'llamacpp:' target); the config's by default."""
-        self.target = target
-        self.config = config
-        self.backend = backend or config.backend
-        self.eos = eos_ids(target)
-        self.baseline = SpeculativeDecoder.from_names(target, drafter="none", k=1, backend=self.backend)
-        self.by_drafter: dict[str, SpeculativeDecoder] = {}
-        self.by_route: dict[str, SpeculativeDecoder] = {}  # plain decoding in the host's other modes
-        self._peer: LlamaCppPeer | None = None
-
-    def decoder(self, drafter: str, k: int) -> SpeculativeDecoder:
-        """Our decoder for (drafter, K); drafter 'none' is the baseline. One drafter and target backend are shared."""
-        if drafter == "none":
-            return self.baseline
-        if drafter not in self.by_drafter:
-            built = build_drafter(drafter, self.target, self.backend)
-            self.by_drafter[drafter] = SpeculativeDecoder(
-                self.target, built.drafter, FixedK(1), built.model, self.backend, self.baseline.target_backend
-            )
-        return self.by_drafter[drafter].with_policy(FixedK(k))
-
-    def plain_in(self, label: str) -> SpeculativeDecoder:
-        """Plain decoding of the target in another mode (a route label, or llama.cpp's default kernels), built once."""
-        if label not in self.by_route:
-            self.by_route[label] = (self.baseline.llamacpp_plain() if label == LLAMACPP_PLAIN
-                                    else self.baseline.plain_in(parse_route(label)))
-        return self.by_route[label]
-
-    def peer(self) -> LlamaCppPeer:
-        """llama-cpp-python's own API on the target's GGUF (loaded on first use)."""
-        if self._peer is None:
-            self._peer = LlamaCppPeer(gguf_path(self.target.source))
-        return self._peer
-
-    def runs_here(self, drafter: str) -> bool:
-        """Whether the drafter runs on this target's engine (drafts built from torch weights do not on llama.cpp)."""
-        try:
-            self.decoder(drafter, 1)
-        except DraftlabError:
-            return False
-        return True
-
-    def run(self, cell: Cell, prompt: Prompt, prompt_ids: list[int]) -> Record:
-        """Measure one prompt in one cell."""
-        sampling = SamplingConfig(cell.temperature)
-        if cell.method == "hf":  # AsG's own plain decoding: HF generate without an assistant
-            tokens, wall = hf_generate(self.target, prompt_ids, cell.max_new_tokens, self.eos, sampling,
-                                       self.config.seed)
-            return Record(cell, prompt.id, prompt.category, len(tokens), 0, 0, 0, wall_s=wall,
-                          output_sha=token_sha(tokens))
-        if cell.method in LLAMACPP_ONLY:  # llama-cpp-python's plain generate, or its prompt lookup at K
-            tokens, wall = self.peer().generate(prompt_ids, cell.max_new_tokens, self.eos, sampling, self.config.seed,
-                                                cell.k if cell.method == "lcp" else 0)
-            return Record(cell, prompt.id, prompt.category, len(tokens), 0, 0, 0, wall_s=wall,
-                          output_sha=token_sha(tokens))
-        if cell.method == "asg":
-            decoder = self.decoder(cell.drafter, cell.k)
-            assist = hf_assist(parse_drafter_spec(cell.drafter), decoder.draft_model, cell.k)
-            tokens, wall = hf_generate(self.target, prompt_ids, cell.max_new_tokens, self.eos, sampling,
-                                       self.config.seed, assist)
-            return Record(cell, prompt.id, prompt.category, len(tokens), 0, 0, 0, wall_s=wall,
-                          output_sha=token_sha(tokens))
-        decoder = self.plain_in(cell.drafter) if cell.method == "plain" else self.decoder(cell.drafter, cell.k)
-        result = decoder.generate(
-            prompt_ids, max_new_tokens=cell.max_new_tokens, temperature=cell.temperature, seed=self.config.seed
-        )
-        s = result.stats
-        return Record(
-            cell, prompt.id, prompt.category, s.new_tokens, s.steps, s.drafted, s.accepted,
-            s.accepted_per_step_list, s.drafted_per_step_list, s.prefill_s, s.draft_s, s.target_s, s.overhead_s,
-            s.wall_s, token_sha(result.token_ids), levels_per_step=s.levels_per_step_list if s.has_trees else [],
-        )
-
-    def asg_supported(self, drafter: str) -> bool:
-        """Whether HF assisted generation can run this drafter (n-gram, or a full-vocabulary model draft)."""
-        try:
-            hf_assist(parse_drafter_spec(drafter), self.decoder(drafter, 1).draft_model, 1)
-        except DraftlabError:
-            return False
-        return True
-
-    def warm_up(self, cells: list[Cell], prompt: Prompt, prompt_ids: list[int]) -> None:
-        """Untimed short runs through every path: first calls pay one-off costs."""
-        for cell in cells:
-            self.run(replace(cell, max_new_tokens=8), prompt, prompt_ids)
-
-
-def token_sha(tokens: list[int]) -> str:
-    """SHA256 of a token id list."""
-    return hashlib.sha256(json.dumps(tokens).encode()).hexdigest()
-
-
 def run_sweep(config: SweepConfig, store: ResultsStore, progress: bool = True) -> int:
     """Run every cell not yet in `store`; returns the number of records added."""
     store.set_meta("config", config.to_json())
@@ -328,13 +230,13 @@ def run_sweep(config: SweepConfig, store: ResultsStore, progress: bool = True) -
         backend, source = target_backend(target_name, config.backend)
         target = load_model(source, device=config.device, dtype="auto" if backend == "llamacpp" else config.dtype,
                             backend=backend)
-        runner = CellRunner(target, config, backend)
+        runner = CellRunner(target, config, backend, store.path.with_name(store.path.stem + ".suffix-caches"), done)
         run_id = store.start_run(environment(config, target, runner.baseline.target_backend.numerics, source))
         gone, no_asg = _unrunnable(runner, config)
         _record_params(store, runner, config, target_name, gone)
         for cells, prompts in plan[target_name]:
             cells = [c for c in cells if c.drafter not in gone and not (c.method == "asg" and c.drafter in no_asg)]
-            encoded = {p.id: encode_prompt(target.tokenizer, p.text, p.chat) for p in prompts}
+            encoded = {p.id: prompt_ids(target.tokenizer, p) for p in prompts}
             pending = [(c, p) for p in prompts for c in cells if (c.key, p.id) not in done]
             if pending and config.warmup:
                 runner.warm_up(cells, prompts[0], encoded[prompts[0].id])
@@ -343,6 +245,7 @@ def run_sweep(config: SweepConfig, store: ResultsStore, progress: bool = True) -
                 bar.set_postfix_str(f"{cell.method} {cell.drafter} k={cell.k}", refresh=False)
                 record = runner.run(cell, prompt, encoded[prompt.id])
                 record.identical = _identical(store, cell, prompt.id, record.output_sha)
+                runner.keep_cache(cell, prompt.id)
                 store.add(record, run_id)
                 added += 1
                 bar.update()

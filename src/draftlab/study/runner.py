@@ -1,0 +1,168 @@
+"""Running one (cell, prompt) of a sweep: our decoders, HF's and llama-cpp-python's, built once per target."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from draftlab.api import LLAMACPP_PLAIN, SpeculativeDecoder, build_drafter, eos_ids, parse_drafter_spec
+from draftlab.backends.routes import parse_route
+from draftlab.datasets import Prompt
+from draftlab.drafters.suffix import RESPONSES_FILE, SuffixCache, SuffixDrafter, read_responses, without_memory
+from draftlab.errors import DraftlabError
+from draftlab.hf_reference import hf_assist, hf_generate
+from draftlab.llamacpp_reference import LlamaCppPeer
+from draftlab.models import LoadedModel, gguf_path
+from draftlab.policy import FixedK
+from draftlab.sampling import SamplingConfig
+from draftlab.study.store import LLAMACPP_ONLY, Cell, Record
+
+if TYPE_CHECKING:
+    from draftlab.study.sweep import SweepConfig
+
+PROMPTS_FILE = "prompts.json"  # beside a sweep cell's suffix cache: the prompt of each response, in order
+
+
+class CellRunner:
+    """Builds each drafter once per target and runs one (cell, prompt) at a time."""
+
+    def __init__(self, target: LoadedModel, config: "SweepConfig", backend: str | None = None,
+                 cache_root: Path | None = None, done: set[tuple[str, str]] = frozenset()) -> None:
+        """`backend`: the target's (llamacpp for a 'llamacpp:' target); the config's by default. `cache_root`: where
+        each suffix-decoding cell keeps its cache across the cell's prompts, so that a resumed sweep (`done`: the
+        stored (cell key, prompt id) pairs) continues with what the cell had learned from exactly those."""
+        self.target = target
+        self.cache_root = cache_root
+        self.done = done
+        self.cell_caches: dict[str, SuffixCache] = {}
+        self.cell_prompts: dict[str, list[str]] = {}  # prompt ids whose responses each cell's cache holds, in order
+        self.config = config
+        self.backend = backend or config.backend
+        self.eos = eos_ids(target)
+        self.baseline = SpeculativeDecoder.from_names(target, drafter="none", k=1, backend=self.backend)
+        self.by_drafter: dict[str, SpeculativeDecoder] = {}
+        self.by_route: dict[str, SpeculativeDecoder] = {}  # plain decoding in the host's other modes
+        self._peer: LlamaCppPeer | None = None
+
+    def decoder(self, drafter: str, k: int) -> SpeculativeDecoder:
+        """Our decoder for (drafter, K); drafter 'none' is the baseline. One drafter and target backend are shared."""
+        if drafter == "none":
+            return self.baseline
+        if drafter not in self.by_drafter:
+            built = build_drafter(drafter, self.target, self.backend)
+            self.by_drafter[drafter] = SpeculativeDecoder(
+                self.target, built.drafter, FixedK(1), built.model, self.backend, self.baseline.target_backend
+            )
+        return self.by_drafter[drafter].with_policy(FixedK(k))
+
+    def cell_decoder(self, cell: Cell, warm_up: bool = False) -> SpeculativeDecoder:
+        """The cell's decoder. Suffix decoding learns across requests: each cell has its own cache over its prompts
+        in order (never another K's answers to the same prompt), and warm-up runs teach none."""
+        decoder = self.decoder(cell.drafter, cell.k)
+        drafter = decoder.drafter
+        if not isinstance(drafter, SuffixDrafter):
+            return decoder
+        if warm_up:
+            return decoder.with_drafter(without_memory(drafter))
+        if cell.key not in self.cell_caches:
+            self.cell_caches[cell.key] = self._reload_cache(cell, drafter)
+        return decoder.with_drafter(drafter.with_cache(self.cell_caches[cell.key]))
+
+    def keep_cache(self, cell: Cell, prompt_id: str) -> None:
+        """Write the cell's suffix cache after a prompt (before its record is stored: a record never exists without
+        the response its cell learned; a response whose record a kill lost is dropped on reload)."""
+        if cell.key in self.cell_caches and self.cache_root is not None:
+            self.cell_prompts[cell.key].append(prompt_id)
+            where = self.cell_caches[cell.key].save(self._cache_dir(cell))
+            (where / PROMPTS_FILE).write_text(json.dumps(self.cell_prompts[cell.key]))
+
+    def _reload_cache(self, cell: Cell, drafter: SuffixDrafter) -> SuffixCache:
+        """The cell's cache as a resumed sweep left it: the responses to its stored prompts, in order."""
+        cache, prompts = drafter.fresh_cache(), []
+        where = self._cache_dir(cell) if self.cache_root is not None else None
+        if where is not None and (where / PROMPTS_FILE).exists():
+            stored = json.loads((where / PROMPTS_FILE).read_text())
+            for prompt_id, response in zip(stored, read_responses(where / RESPONSES_FILE)):
+                if (cell.key, prompt_id) not in self.done:
+                    break
+                cache.remember(response)
+                prompts.append(prompt_id)
+        self.cell_prompts[cell.key] = prompts
+        return cache
+
+    def _cache_dir(self, cell: Cell) -> Path:
+        return self.cache_root / hashlib.sha256(cell.key.encode()).hexdigest()[:16]
+
+    def plain_in(self, label: str) -> SpeculativeDecoder:
+        """Plain decoding of the target in another mode (a route label, or llama.cpp's default kernels), built once."""
+        if label not in self.by_route:
+            self.by_route[label] = (self.baseline.llamacpp_plain() if label == LLAMACPP_PLAIN
+                                    else self.baseline.plain_in(parse_route(label)))
+        return self.by_route[label]
+
+    def peer(self) -> LlamaCppPeer:
+        """llama-cpp-python's own API on the target's GGUF (loaded on first use)."""
+        if self._peer is None:
+            self._peer = LlamaCppPeer(gguf_path(self.target.source))
+        return self._peer
+
+    def runs_here(self, drafter: str) -> bool:
+        """Whether the drafter runs on this target's engine (drafts built from torch weights do not on llama.cpp)."""
+        try:
+            self.decoder(drafter, 1)
+        except DraftlabError:
+            return False
+        return True
+
+    def run(self, cell: Cell, prompt: Prompt, prompt_ids: list[int], warm_up: bool = False) -> Record:
+        """Measure one prompt in one cell (`warm_up`: an untimed run that must leave no trace)."""
+        sampling = SamplingConfig(cell.temperature)
+        if cell.method == "hf":  # AsG's own plain decoding: HF generate without an assistant
+            tokens, wall = hf_generate(self.target, prompt_ids, cell.max_new_tokens, self.eos, sampling,
+                                       self.config.seed)
+            return Record(cell, prompt.id, prompt.category, len(tokens), 0, 0, 0, wall_s=wall,
+                          output_sha=token_sha(tokens))
+        if cell.method in LLAMACPP_ONLY:  # llama-cpp-python's plain generate, or its prompt lookup at K
+            tokens, wall = self.peer().generate(prompt_ids, cell.max_new_tokens, self.eos, sampling, self.config.seed,
+                                                cell.k if cell.method == "lcp" else 0)
+            return Record(cell, prompt.id, prompt.category, len(tokens), 0, 0, 0, wall_s=wall,
+                          output_sha=token_sha(tokens))
+        if cell.method == "asg":
+            decoder = self.decoder(cell.drafter, cell.k)
+            assist = hf_assist(parse_drafter_spec(cell.drafter), decoder.draft_model, cell.k)
+            tokens, wall = hf_generate(self.target, prompt_ids, cell.max_new_tokens, self.eos, sampling,
+                                       self.config.seed, assist)
+            return Record(cell, prompt.id, prompt.category, len(tokens), 0, 0, 0, wall_s=wall,
+                          output_sha=token_sha(tokens))
+        decoder = self.plain_in(cell.drafter) if cell.method == "plain" else self.cell_decoder(cell, warm_up)
+        result = decoder.generate(
+            prompt_ids, max_new_tokens=cell.max_new_tokens, temperature=cell.temperature, seed=self.config.seed
+        )
+        s = result.stats
+        return Record(
+            cell, prompt.id, prompt.category, s.new_tokens, s.steps, s.drafted, s.accepted,
+            s.accepted_per_step_list, s.drafted_per_step_list, s.prefill_s, s.draft_s, s.target_s, s.overhead_s,
+            s.wall_s, token_sha(result.token_ids), levels_per_step=s.levels_per_step_list if s.has_trees else [],
+            cache_held=s.cache_held,
+        )
+
+    def asg_supported(self, drafter: str) -> bool:
+        """Whether HF assisted generation can run this drafter (n-gram, or a full-vocabulary model draft)."""
+        try:
+            hf_assist(parse_drafter_spec(drafter), self.decoder(drafter, 1).draft_model, 1)
+        except DraftlabError:
+            return False
+        return True
+
+    def warm_up(self, cells: list[Cell], prompt: Prompt, prompt_ids: list[int]) -> None:
+        """Untimed short runs through every path: first calls pay one-off costs."""
+        for cell in cells:
+            self.run(replace(cell, max_new_tokens=8), prompt, prompt_ids, warm_up=True)
+
+
+def token_sha(tokens: list[int]) -> str:
+    """SHA256 of a token id list."""
+    return hashlib.sha256(json.dumps(tokens).encode()).hexdigest()
