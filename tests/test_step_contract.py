@@ -114,6 +114,9 @@ class AsTree:
     def observe(self, target_hidden):
         self.inner.observe(target_hidden)
 
+    def finish(self, context):
+        self.inner.finish(context)
+
     def propose(self, context, k, sampling, generator):
         chain = self.inner.propose(context, k, sampling, generator)
         return Proposal(chain.tokens, tuple(range(-1, len(chain) - 1)), chain.draft_probs)

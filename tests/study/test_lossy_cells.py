@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from draftlab.study import plots, sweep
+from draftlab.study import plots, runner, sweep
 from draftlab.study.page import build_report
 from draftlab.study.report import ALL, load_checks, load_study, lossy_cells, optimal_table, recommend, summarize
 from draftlab.study.report import baseline_drift
@@ -28,7 +28,7 @@ def lossy_study(tmp_path_factory):
     prompts.write_text("".join(
         json.dumps({"prompt": " ".join(f"w{(i * 5 + j) % 60}" for j in range(10)), "category": "code", "id": f"q{i}"})
         + "\n" for i in range(2)))
-    real_generate = sweep.hf_generate
+    real_generate = runner.hf_generate
 
     def drifting_hf_generate(target, prompt_ids, max_new_tokens, eos, sampling, seed, assist=None):
         tokens, wall = real_generate(target, prompt_ids, max_new_tokens, eos, sampling, seed, assist)
@@ -40,7 +40,7 @@ def lossy_study(tmp_path_factory):
                                datasets=(str(prompts),), limit=2, max_new_tokens=12, warmup=0, baseline_every=0)
     store = ResultsStore(root / "study.sqlite")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(sweep, "hf_generate", drifting_hf_generate)
+        patch.setattr(runner, "hf_generate", drifting_hf_generate)
         sweep.run_sweep(config, store, progress=False)
     store.close()
     return root / "study.sqlite"

@@ -113,9 +113,19 @@ def cmd_study(args) -> None:
     print(drift.describe())
     print("\n".join(engine_answer(summaries) + recommend(summaries, drift)))
     print(format_optimal(optimal_table(summaries, params)))
+    _print_learning(summaries, rows)
     lossy = lossy_cells(summaries)
     if lossy:
         print(format_lossy(lossy))
+
+
+def _print_learning(summaries, rows) -> None:
+    """Suffix decoding cold and warm per workload, when the study has suffix cells."""
+    from draftlab.study.learning import format_learning, learning_rows
+
+    table = format_learning(learning_rows(summaries, rows))
+    if table:
+        print(table)
 
 
 def cmd_report(args) -> None:
@@ -130,6 +140,7 @@ def cmd_report(args) -> None:
     checks = load_checks(args.db)
     summaries = summarize(rows, checks)
     print("\n".join(engine_answer(summaries) + recommend(summaries, baseline_drift(rows, checks))))
+    _print_learning(summaries, rows)
     evidence = gather_evidence(summaries, params, rows, args.profile, args.microbench, args.correlate)
     print("The seeds' findings beside this study:")
     print(format_findings(seeds_findings(evidence)))

@@ -91,6 +91,15 @@ def usage(target: str, draft: str, k: int) -> list[str]:
             f'"prompt_lookup_max": {high}, "prompt_lookup_min": {low}}}',
             f"llama.cpp:    llama-lookup -m TARGET.gguf --draft {k}  (prompt-lookup decoding)",
         ]
+    elif plan.kind == "suffix":
+        o = plan.suffix
+        lines += [
+            f'vLLM:         speculative_config={{"method": "suffix", "num_speculative_tokens": {k}, '
+            f'"suffix_decoding_max_tree_depth": {o.depth}, "suffix_decoding_max_spec_factor": {o.factor}, '
+            f'"suffix_decoding_min_token_prob": {o.min_prob}, "suffix_decoding_max_cached_requests": {o.responses}}}',
+            "transformers: no suffix decoding (prompt_lookup_num_tokens is the per-request n-gram lookup); "
+            "llama.cpp: its --spec-type ngram-cache keeps a cross-request n-gram cache, not suffix trees",
+        ]
     elif plan.kind == "model" and draft_format(plan.model) == heads.FORMAT:
         lines += ["transformers / llama.cpp: no decoder heads; vLLM: its Medusa method, with the heads converted "
                   "to Medusa's checkpoint format"]

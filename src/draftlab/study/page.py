@@ -13,6 +13,7 @@ from draftlab.study.report import (
     recommend, summarize, write_csv,
 )
 from draftlab.study.answer import engine_answer
+from draftlab.study.learning import format_learning, learning_rows
 
 
 def build_report(db: str | Path, out: str | Path, profile_path: str | Path | None = None,
@@ -42,6 +43,10 @@ def build_report(db: str | Path, out: str | Path, profile_path: str | Path | Non
     findings = seeds_findings(evidence)
     drift = baseline_drift(rows, checks)
     page = _html(db, summaries, optimal, figures, envs, drift, engine_answer(summaries) + recommend(summaries, drift))
+    learning = format_learning(learning_rows(summaries, rows))
+    if learning:  # suffix cells: cold and warm per workload
+        page = page.replace("<h2>Figures</h2>", f"<h2>Drafts that learn across requests</h2><pre>{html.escape(learning)}"
+                                                "</pre><h2>Figures</h2>")
     page = page.replace("<h2>Figures</h2>", _findings_section(findings) + "<h2>Figures</h2>")
     page = page.replace("<h2>Every cell</h2>", model_section + "<h2>Every cell</h2>")
     (out / "index.html").write_text(page, encoding="utf-8")
