@@ -132,3 +132,23 @@ def test_greedy_output_equals_plain_decoding_on_a_tiny_model_cold_and_warm(tiny_
             assert out.token_ids == plain.generate(prompt, config).token_ids, f"{spec} k={k}"
             accepted += out.stats.accepted
     assert accepted > 0 and drafter.cache.held == 12
+
+
+def test_a_race_never_times_a_prompt_with_its_own_earlier_answer(tmp_path):
+    """The tuner's race repeats its prompts each round: a suffix candidate sees them as one stream per round."""
+    from draftlab.api import SpeculativeDecoder
+    from draftlab.models import load_model
+    from draftlab.perf.race import run_interleaved
+    from tests.conftest import tiny_model_dir
+
+    target = load_model(str(tiny_model_dir(tmp_path / "tiny")), dtype="fp32")
+    decoders = {"suffix": SpeculativeDecoder.from_names(target, drafter="suffix", k=8)}
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8, 9]]
+    rounds = []
+    for _ in range(2):
+        totals, per_prompt, outputs = {"suffix": [0, 0.0]}, {"suffix": []}, {}
+        run_interleaved(decoders, ["suffix"], prompts, 24, totals, per_prompt, outputs)
+        rounds.append(outputs["suffix"])
+    assert rounds[0] == rounds[1] and decoders["suffix"].drafter.cache.held == 0
+    recalled = suffix.recalling(decoders["suffix"].drafter, rounds[0])
+    assert recalled.cache.held == 2 and decoders["suffix"].drafter.cache.held == 0

@@ -239,6 +239,18 @@ def without_memory(drafter):
     return drafter.with_cache(drafter.fresh_cache()) if isinstance(drafter, SuffixDrafter) else drafter
 
 
+def recalling(drafter, responses: list[list[int]]):
+    """The drafter as it is, or, for suffix decoding, the same options over a new cache holding exactly
+    `responses`: what a run that repeats prompts (the tuner's race) gives each prompt, so that no prompt is
+    timed with its own earlier answer in the cache."""
+    if not isinstance(drafter, SuffixDrafter):
+        return drafter
+    cache = drafter.fresh_cache()
+    for response in responses[-drafter.options.responses:] if drafter.options.responses else []:
+        cache.remember(response)
+    return drafter.with_cache(cache)
+
+
 class SuffixDrafter(BlindDrafter):
     """Suffix decoding over a `SuffixCache` (its own, or one shared with other drafters of the same options)."""
 

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from draftlab.datasets import Prompt
+from draftlab.drafters.suffix import recalling
 from draftlab.models import LoadedModel
 from draftlab.perf.calibrate import CalibrationSettings
 from draftlab.perf.model import Prediction
@@ -189,12 +190,17 @@ def run_interleaved(decoders: dict, keys: list, prompts: list, max_new_tokens: i
     """Every key on every prompt, the order rotated per prompt so that drift hits all alike.
 
     Adds (new tokens, decode seconds) to `totals[key]` and each run's decode tokens/s to `per_prompt[key]`;
-    with `outputs`, each run's token ids to `outputs[key]` (in prompt order).
+    with `outputs`, each run's token ids to `outputs[key]` (in prompt order). A drafter that learns across requests
+    (suffix decoding) sees the prompts as a stream: it holds its answers to the earlier prompts of this call, never
+    a prompt's own answer from an earlier call (a race round repeats the prompts).
     """
+    answers: dict = {key: [] for key in keys}  # key -> its answers to the prompts run so far in this call
     for i, ids in enumerate(prompts):
         order = keys[i % len(keys):] + keys[: i % len(keys)]
         for key in order:
-            result = decoders[key].generate(ids, max_new_tokens=max_new_tokens)
+            decoder = decoders[key].with_drafter(recalling(decoders[key].drafter, answers[key]))
+            result = decoder.generate(ids, max_new_tokens=max_new_tokens)
+            answers[key].append(result.token_ids)
             stats = result.stats
             seconds = max(stats.wall_s - stats.prefill_s, 1e-9)
             totals[key][0] += stats.new_tokens
