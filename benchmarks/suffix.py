@@ -45,13 +45,13 @@ def build_methods(args, target) -> tuple[dict, dict]:
     if target.engine == "llamacpp":
         peer, peer_plain = LlamaCppPeer(gguf_path(args.target)), "plain (llama-cpp-python)"
         factories[peer_plain] = lambda: lambda ids: (*peer.generate(ids, args.max_new_tokens, eos, GREEDY, 0), None)
-        for k in args.ks:
+        for k in args.peer_ks or args.ks:
             factories[f"lookup llama-cpp-python K={k}"] = lambda k=k: lambda ids: (
                 *peer.generate(ids, args.max_new_tokens, eos, GREEDY, 0, k), None)
     elif not args.no_hf:
         peer_plain = "plain (HF generate)"
         factories[peer_plain] = lambda: lambda ids: (*hf_generate(target, ids, args.max_new_tokens, eos), None)
-        for k in args.ks:
+        for k in args.peer_ks or args.ks:
             factories[f"lookup HF K={k}"] = lambda k=k: lambda ids: (
                 *hf_generate(target, ids, args.max_new_tokens, eos, assist=HFAssist(k, ngram_max=3)), None)
     for k in args.ks:
@@ -150,6 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workloads", nargs="+", default=["code-edit:20", "humaneval:8"],
                         help="prompt sets with a count each, NAME:N, run in order as a stream of requests")
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8], help="n-gram lookup's K (and the peers')")
+    parser.add_argument("--peer-ks", type=int, nargs="+", default=None, help="the peers' K (default: --ks)")
     parser.add_argument("--k", type=int, default=24, help="suffix decoding: the most tokens one step proposes")
     parser.add_argument("--suffix", default="suffix", help="the suffix drafter spec (warm); cold adds responses=0")
     parser.add_argument("--max-new-tokens", type=int, default=128)
