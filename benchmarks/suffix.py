@@ -56,8 +56,11 @@ def build_methods(args, target) -> tuple[dict, dict]:
                 *hf_generate(target, ids, args.max_new_tokens, eos, assist=HFAssist(k, ngram_max=3)), None)
     for k in args.ks:
         factories[f"ngram K={k}"] = lambda k=k: ours(speculative(plain, "ngram", k), args)
-    for name, spec in (("suffix warm", args.suffix), ("suffix cold", cold(args.suffix))):
-        factories[f"{name} K={args.k}"] = lambda spec=spec: ours(speculative(plain, spec, args.k), args)
+    for number, spec in enumerate(args.suffix):
+        prefix = "suffix" if number == 0 else spec
+        for k in args.suffix_ks:
+            for name, variant in ((f"{prefix} warm", spec), (f"{prefix} cold", cold(spec))):
+                factories[f"{name} K={k}"] = lambda variant=variant, k=k: ours(speculative(plain, variant, k), args)
     references = {name: (peer_plain if name.startswith("lookup") else own) for name in factories}
     return factories, references
 
@@ -132,15 +135,19 @@ def print_workload(workload: str, result: dict, args) -> None:
         per_step = f"{m['tokens_per_step']:.2f}" if m["tokens_per_step"] else "-"
         print(f"{name:<34}{m['tokens_per_s']:>8.1f}{m['tokens_per_s'] / own:>13.2f}x"
               f"{m['tokens_per_s'] / plain[fastest]:>11.2f}x{per_step:>10}{m['identical']:>8}/{result['prompts']}")
-    ngram = max((n for n in methods if n.startswith("ngram")), key=lambda n: methods[n]["tokens_per_s"])
-    warm = next(n for n in methods if n.startswith("suffix warm"))
-    coldest = next(n for n in methods if n.startswith("suffix cold"))
-    print(f"suffix warm / best n-gram ({ngram}): {methods[warm]['tokens_per_s'] / methods[ngram]['tokens_per_s']:.2f}x;"
+    best = lambda prefix: max((n for n in methods if n.startswith(prefix)), key=lambda n: methods[n]["tokens_per_s"])  # noqa: E731
+    ngram = best("ngram")
+    warm = max((n for n in methods if n.startswith("suffix") and " warm " in n), key=lambda n: methods[n]["tokens_per_s"])
+    coldest = max((n for n in methods if n.startswith("suffix") and " cold " in n),
+                  key=lambda n: methods[n]["tokens_per_s"])
+    print(f"best suffix warm ({warm}) / best n-gram ({ngram}): {methods[warm]['tokens_per_s'] / methods[ngram]['tokens_per_s']:.2f}x;"
           f" suffix warm / own plain: {methods[warm]['tokens_per_s'] / own:.2f}x; / fastest plain: "
           f"{methods[warm]['tokens_per_s'] / plain[fastest]:.2f}x")
     tail = result["last"]
-    print(f"tokens per step over the last {min(args.last, result['prompts'])} prompts: suffix warm {tail[warm]:.2f}, "
-          f"suffix cold {tail[coldest]:.2f} ({tail[warm] / tail[coldest]:.2f}x), {ngram} {tail[ngram]:.2f}")
+    pairs = ", ".join(f"K={k} warm {tail[f'suffix warm K={k}']:.2f} / cold {tail[f'suffix cold K={k}']:.2f} = "
+                      f"{tail[f'suffix warm K={k}'] / tail[f'suffix cold K={k}']:.2f}x" for k in args.suffix_ks)
+    print(f"tokens per step over the last {min(args.last, result['prompts'])} prompts: {pairs}; "
+          f"{ngram} {tail[ngram]:.2f}; best cold: {coldest}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -151,8 +158,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="prompt sets with a count each, NAME:N, run in order as a stream of requests")
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8], help="n-gram lookup's K (and the peers')")
     parser.add_argument("--peer-ks", type=int, nargs="+", default=None, help="the peers' K (default: --ks)")
-    parser.add_argument("--k", type=int, default=24, help="suffix decoding: the most tokens one step proposes")
-    parser.add_argument("--suffix", default="suffix", help="the suffix drafter spec (warm); cold adds responses=0")
+    parser.add_argument("--suffix-ks", type=int, nargs="+", default=[24],
+                        help="suffix decoding's K: the most tokens one step proposes")
+    parser.add_argument("--suffix", nargs="+", default=["suffix"],
+                        help="suffix drafter specs (warm); cold adds responses=0; the first is named 'suffix'")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--last", type=int, default=20, help="prompts at the end over which warm and cold compare")
     parser.add_argument("--no-hf", action="store_true", help="skip HF generate and its prompt lookup")
@@ -169,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nhost: {cpu_model()} ({' '.join(flags)}), Python {platform.python_version()}; "
           f"{time.perf_counter() - started:.0f} s")
     print("command: python benchmarks/suffix.py " + " ".join(sys.argv[1:] if argv is None else argv))
-    print(json.dumps({"target": args.target, "backend": target.engine, "k": args.k, "ks": args.ks,
+    print(json.dumps({"target": args.target, "backend": target.engine, "suffix_ks": args.suffix_ks, "ks": args.ks,
                       "max_new_tokens": args.max_new_tokens, "results": results}))
 
 

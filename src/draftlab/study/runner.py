@@ -75,8 +75,10 @@ class CellRunner:
         """Write the cell's suffix cache after a prompt (before its record is stored: a record never exists without
         the response its cell learned; a response whose record a kill lost is dropped on reload)."""
         if cell.key in self.cell_caches and self.cache_root is not None:
-            self.cell_prompts[cell.key].append(prompt_id)
-            where = self.cell_caches[cell.key].save(self._cache_dir(cell))
+            cache = self.cell_caches[cell.key]
+            held = [*self.cell_prompts[cell.key], prompt_id]
+            self.cell_prompts[cell.key] = held[len(held) - cache.held:]  # a bounded cache drops its oldest
+            where = cache.save(self._cache_dir(cell))
             (where / PROMPTS_FILE).write_text(json.dumps(self.cell_prompts[cell.key]))
 
     def _reload_cache(self, cell: Cell, drafter: SuffixDrafter) -> SuffixCache:
