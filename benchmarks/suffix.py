@@ -135,14 +135,12 @@ def print_workload(workload: str, result: dict, args) -> None:
         per_step = f"{m['tokens_per_step']:.2f}" if m["tokens_per_step"] else "-"
         print(f"{name:<34}{m['tokens_per_s']:>8.1f}{m['tokens_per_s'] / own:>13.2f}x"
               f"{m['tokens_per_s'] / plain[fastest]:>11.2f}x{per_step:>10}{m['identical']:>8}/{result['prompts']}")
-    best = lambda prefix: max((n for n in methods if n.startswith(prefix)), key=lambda n: methods[n]["tokens_per_s"])  # noqa: E731
-    ngram = best("ngram")
-    warm = max((n for n in methods if n.startswith("suffix") and " warm " in n), key=lambda n: methods[n]["tokens_per_s"])
-    coldest = max((n for n in methods if n.startswith("suffix") and " cold " in n),
-                  key=lambda n: methods[n]["tokens_per_s"])
-    print(f"best suffix warm ({warm}) / best n-gram ({ngram}): {methods[warm]['tokens_per_s'] / methods[ngram]['tokens_per_s']:.2f}x;"
-          f" suffix warm / own plain: {methods[warm]['tokens_per_s'] / own:.2f}x; / fastest plain: "
-          f"{methods[warm]['tokens_per_s'] / plain[fastest]:.2f}x")
+    speed = {n: m["tokens_per_s"] for n, m in methods.items()}
+    ngram = max((n for n in speed if n.startswith("ngram")), key=speed.get)
+    warm = max((n for n in speed if n.startswith("suffix") and " warm " in n), key=speed.get)
+    coldest = max((n for n in speed if n.startswith("suffix") and " cold " in n), key=speed.get)
+    print(f"best suffix warm ({warm}) / best n-gram ({ngram}): {speed[warm] / speed[ngram]:.2f}x; suffix warm / own "
+          f"plain: {speed[warm] / own:.2f}x; / fastest plain: {speed[warm] / plain[fastest]:.2f}x")
     tail = result["last"]
     pairs = ", ".join(f"K={k} warm {tail[f'suffix warm K={k}']:.2f} / cold {tail[f'suffix cold K={k}']:.2f} = "
                       f"{tail[f'suffix warm K={k}'] / tail[f'suffix cold K={k}']:.2f}x" for k in args.suffix_ks)

