@@ -121,17 +121,22 @@ def test_every_setting_that_changes_a_record_is_in_the_cell_key(tmp_path):
     assert SweepConfig(dtype="auto").cells(tiny, "d", 0.0)[0].key == resolved  # the key holds the resolved dtype
 
 
-def test_version_3_database_gains_tree_levels_and_keeps_its_records(tmp_path):
-    path = tmp_path / "v3.sqlite"
+def older_database(path, record: Record, version: str, dropped: tuple[str, ...]) -> ResultsStore:
+    """A database holding `record` made into what an older draftlab wrote (`dropped` columns gone), reopened."""
     store = ResultsStore(path)
-    cell = Cell("t", "ngram", 2, "sps", "d", 0.0, 16)
-    store.add(Record(cell, "p1", "code", 16, 8, 16, 8, [1] * 8, [2] * 8), store.start_run({}))
+    store.add(record, store.start_run({}))
     store.close()
-    conn = sqlite3.connect(path)  # make it a version-3 file, as draftlab 0.3.0 wrote them
-    conn.executescript("ALTER TABLE records DROP COLUMN levels_per_step; ALTER TABLE records DROP COLUMN cache_held; "
-                       "UPDATE meta SET value = '3' WHERE key = 'schema_version';")
+    conn = sqlite3.connect(path)
+    conn.executescript("".join(f"ALTER TABLE records DROP COLUMN {column}; " for column in dropped) +
+                       f"UPDATE meta SET value = '{version}' WHERE key = 'schema_version';")
     conn.close()
-    store = ResultsStore(path)
+    return ResultsStore(path)
+
+
+def test_version_3_database_gains_tree_levels_and_keeps_its_records(tmp_path):
+    cell = Cell("t", "ngram", 2, "sps", "d", 0.0, 16)  # a version-3 file, as draftlab 0.3.0 wrote them
+    store = older_database(tmp_path / "v3.sqlite", Record(cell, "p1", "code", 16, 8, 16, 8, [1] * 8, [2] * 8), "3",
+                           ("levels_per_step", "cache_held"))
     assert store.get_meta("schema_version") == SCHEMA_VERSION
     (row,) = store.rows()
     assert row["levels_per_step"] == [] and row["drafted_per_step"] == [2] * 8
@@ -141,15 +146,8 @@ def test_version_3_database_gains_tree_levels_and_keeps_its_records(tmp_path):
 
 
 def test_version_4_database_gains_the_cache_column(tmp_path):
-    path = tmp_path / "v4.sqlite"
-    store = ResultsStore(path)
-    store.add(Record(Cell("t", "ngram", 2, "sps", "d", 0.0, 16), "p1", "code", 16, 8, 16, 8), store.start_run({}))
-    store.close()
-    conn = sqlite3.connect(path)  # make it a version-4 file, as draftlab 0.9.0 wrote them
-    conn.executescript("ALTER TABLE records DROP COLUMN cache_held; "
-                       "UPDATE meta SET value = '4' WHERE key = 'schema_version';")
-    conn.close()
-    store = ResultsStore(path)
+    cell = Cell("t", "ngram", 2, "sps", "d", 0.0, 16)  # a version-4 file, as draftlab 0.9.0 wrote them
+    store = older_database(tmp_path / "v4.sqlite", Record(cell, "p1", "code", 16, 8, 16, 8), "4", ("cache_held",))
     assert store.get_meta("schema_version") == SCHEMA_VERSION and store.rows()[0]["cache_held"] is None
     store.add(Record(Cell("t", "suffix", 8, "sps", "d", 0.0, 16), "p1", "code", 16, 8, 16, 8, cache_held=3), 1)
     assert store.rows()[1]["cache_held"] == 3

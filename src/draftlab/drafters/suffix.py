@@ -236,7 +236,7 @@ def cache_held(drafter) -> int | None:
 def without_memory(drafter):
     """The drafter as it is, or, for suffix decoding, the same options over a throwaway cache: for warm-up runs,
     which must not teach a run's cache the answers it is about to be timed on."""
-    return drafter.with_cache(drafter.fresh_cache()) if isinstance(drafter, SuffixDrafter) else drafter
+    return recalling(drafter, [])
 
 
 def recalling(drafter, responses: list[list[int]]):
