@@ -2,6 +2,7 @@
 
 from draftlab.api import SpeculativeDecoder, encode_prompt, parse_drafter_spec
 from draftlab.drafters import Drafter, ModelDrafter, NGramDrafter, NoDrafter, build_layer_draft
+from draftlab.drafters.adapt import AdaptingDrafter, AdaptSettings
 from draftlab.drafters.suffix import SuffixCache, SuffixDrafter, SuffixOptions
 from draftlab.step import Proposal
 from draftlab.engine import GenerationConfig, GenerationResult, SpeculativeEngine
@@ -12,10 +13,10 @@ from draftlab.policy import DraftLengthPolicy, DynamicK, FixedK
 from draftlab.sampling import SamplingConfig
 
 __all__ = [
-    "Drafter", "DraftLengthPolicy", "DraftlabError", "DynamicK", "FixedK", "GenerationConfig",
+    "AdaptingDrafter", "AdaptSettings", "Drafter", "DraftLengthPolicy", "DraftlabError", "DynamicK", "FixedK", "GenerationConfig",
     "GenerationResult", "GenerationStats", "LoadedModel", "ModelDrafter", "ModelSpec", "NGramDrafter",
     "NoDrafter", "Proposal", "SamplingConfig", "SpeculativeDecoder", "SpeculativeEngine", "SuffixCache",
     "SuffixDrafter", "SuffixOptions",
     "build_layer_draft", "encode_prompt", "load_model", "parse_drafter_spec",
 ]
-__version__ = "0.10.0"
+__version__ = "0.11.0"

@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 from draftlab.backends import Backend, FastLlamaBackend, gguf, make_backend
 from draftlab.backends.routes import Route, parse_route, plain_contenders
 from draftlab.datasets import Prompt
+from draftlab.drafters.adapt import AdaptingDrafter, AdaptSettings
 from draftlab.drafters.base import Drafter, NoDrafter
 from draftlab.drafters.suffix import cache_held
 from draftlab.engine import GenerationConfig, GenerationResult, SpeculativeEngine
@@ -23,7 +24,7 @@ from draftlab.errors import DraftlabError
 from draftlab.defaults import DEFAULT_BACKEND, DraftSettings
 from draftlab.models import DEFAULT_TARGET, DTYPES, LoadedModel, ModelSpec, dtype_name, is_gguf, load_model
 from draftlab.policy import DraftLengthPolicy, DynamicK, FixedK
-from draftlab.registry import DraftPlan, build_drafter, parse_drafter_spec, parse_layers  # noqa: F401 (API)
+from draftlab.registry import DraftPlan, adapt_spec, build_drafter, parse_drafter_spec, parse_layers  # noqa: F401 (API)
 from draftlab.sampling import SamplingConfig
 
 
@@ -70,7 +71,12 @@ class SpeculativeDecoder:
     def __init__(
         self, target: LoadedModel, drafter: Drafter, policy: DraftLengthPolicy,
         draft_model: LoadedModel | None = None, backend: str = DEFAULT_BACKEND, target_backend: Backend | None = None,
+        adapt: AdaptSettings | None = None,
     ) -> None:
+        """adapt: let the drafter's feature draft keep learning from every generation (`draftlab.drafters.adapt`);
+        `save_draft` then writes what it learned."""
+        if adapt is not None:
+            drafter = AdaptingDrafter(drafter, adapt, target.name, base=drafter.name)
         self.target = target
         self.drafter = drafter
         self.policy = policy
@@ -91,10 +97,11 @@ class SpeculativeDecoder:
     def from_names(
         cls, target: str | LoadedModel = DEFAULT_TARGET, drafter: str = DraftSettings.drafter, k: int = DraftSettings.k,
         *, dynamic_k: bool = DraftSettings.dynamic_k, device: str = ModelSpec.device, dtype: str = ModelSpec.dtype,
-        backend: str = DEFAULT_BACKEND, numerics: str = "auto",
+        backend: str = DEFAULT_BACKEND, numerics: str = "auto", adapt: AdaptSettings | None = None,
     ) -> "SpeculativeDecoder":
         """Load the target (unless given) and build the drafter from its spec string.
 
+        adapt: online adaptation of a feature draft (as the spec `adapt[:OPTIONS]/SPEC`).
         backend: "auto" (draftlab's lean Llama forward where it applies, else
         transformers), "fast" (require the lean forward), "hf" (transformers) or "llamacpp" (the GGUF file as it
         is, in llama.cpp; drafts then run there too).
@@ -105,6 +112,7 @@ class SpeculativeDecoder:
         from single rows: output equals plain decoding only up to rounding). Its dtype is loaded when dtype is auto.
         """
         policy = make_policy(k, dynamic_k)
+        drafter = adapt_spec(drafter, adapt.label if adapt is not None else None)
         if backend == "llamacpp" or (isinstance(target, LoadedModel) and target.engine == "llamacpp"):
             return cls._on_llamacpp(target, drafter, policy, dtype, numerics)
         route = None if numerics == "auto" else parse_route(numerics, None if dtype == "auto" else dtype)
@@ -159,6 +167,12 @@ class SpeculativeDecoder:
         result = self.engine.generate(prompt_ids, config, on_tokens)
         result.stats.cache_held = held
         return result
+
+    def save_draft(self, out: str) -> str:
+        """Write the draft as online adaptation left it (a feature-draft directory `model:DIR` loads); its path."""
+        if not isinstance(self.drafter, AdaptingDrafter):
+            raise DraftlabError(f"drafter {self.drafter.name} does not adapt; nothing learned to save (use --adapt)")
+        return str(self.drafter.save(out))
 
     def with_policy(self, policy: DraftLengthPolicy) -> "SpeculativeDecoder":
         """The same target, backend and drafter with another K policy."""

@@ -18,7 +18,8 @@ from tqdm import tqdm
 
 from draftlab.api import SpeculativeDecoder, prompt_ids
 from draftlab.datasets import Prompt
-from draftlab.drafters.suffix import without_memory
+from draftlab.drafters.adapt import AdaptingDrafter
+from draftlab.drafters.base import without_memory
 from draftlab.engine import GenerationConfig
 from draftlab.sampling import SamplingConfig
 from draftlab.metrics import GenerationStats
@@ -60,6 +61,7 @@ class BenchReport:
     """Every prompt's outcome and the aggregates derived from them."""
 
     outcomes: list[PromptOutcome] = field(default_factory=list)
+    adapt: dict | None = None  # online adaptation's record (`AdaptingDrafter.record`), when the draft learned
 
     def summary(self) -> dict:
         """Aggregates over all prompts, then per category."""
@@ -70,6 +72,10 @@ class BenchReport:
         held = [o.speculative.cache_held for o in self.outcomes]
         if any(h is not None for h in held):  # a drafter that learns across requests: cold at first, then warm
             out["cache_held"] = {"first_prompt": held[0], "last_prompt": held[-1]}
+        if self.adapt is not None:
+            new_tokens = out["new_tokens"]
+            out["adapt"] = {**self.adapt, "train_ms_per_token": 1000 * self.adapt["train_s"] / new_tokens
+                            if new_tokens else 0.0}
         return out
 
 
@@ -133,6 +139,8 @@ def run_bench(decoder: SpeculativeDecoder, prompts: list[Prompt], settings: Benc
         report.outcomes.append(
             PromptOutcome(prompt.id, prompt.category, base.stats, spec.stats, difference is None, difference, others)
         )
+    if isinstance(decoder.drafter, AdaptingDrafter):
+        report.adapt = decoder.drafter.record()
     return report
 
 

@@ -57,6 +57,8 @@ def hf_assist(plan: DraftPlan, draft: LoadedModel | None, k: int) -> HFAssist:
         raise DraftlabError("HF assisted generation drafts chains only; a token tree has no counterpart there")
     if plan.kind == "staged":
         raise DraftlabError("HF assisted generation has no staged drafting; run the inner draft alone there")
+    if plan.kind == "adapt":
+        raise DraftlabError("HF assisted generation has no online adaptation; run the static draft there")
     if plan.kind == "suffix":
         raise DraftlabError("HF assisted generation has no suffix decoding; its prompt lookup is ngram's counterpart")
     if draft is None or draft.vocab_size != draft.model.config.vocab_size:

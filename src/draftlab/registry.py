@@ -26,6 +26,10 @@ HF reference runs alike. Spec grammar:
                               responses; OPTIONS, comma-separated: depth=N, factor=F, offset=F, min_prob=P, tree|chain,
                               responses=N (held across requests; 0: none), cache=DIR (load, and append each
                               response); K is the most tokens a step proposes. See `draftlab.drafters.suffix`
+  adapt[:OPTIONS]/SPEC        feature draft SPEC (designed, model:DIR of a feature draft, tree:...:designed, merged:...)
+                              that keeps learning from the target's hidden states of what it decodes (online
+                              adaptation, lossless); OPTIONS: lr=F, every=N, steps=N, window=N, batch=N, buffer=N,
+                              noise=F, seed=N. See `draftlab.drafters.adapt`
   merged:GUIDE/SPEC           n-gram lookup GUIDE (ngram[:...]) merged into the tree (or chain) of SPEC
                               (tree:SHAPE:... or a drafter with logits): the guide's continuation
                               is one branch, the draft's tokens the others, see `draftlab.drafters.tree`
@@ -45,6 +49,7 @@ import torch
 from draftlab.backends import make_backend
 from draftlab.defaults import DEFAULT_BACKEND
 from draftlab.drafters import cut, feature, heads, pruned
+from draftlab.drafters.adapt import AdaptingDrafter, AdaptSettings
 from draftlab.drafters.base import Drafter, NoDrafter
 from draftlab.drafters.files import draft_format
 from draftlab.drafters.layers import build_layer_draft
@@ -58,7 +63,8 @@ from draftlab.errors import DraftlabError
 from draftlab.models import DTYPES, LoadedModel, ModelSpec, dtype_name, dtype_suffix, load_model
 
 SPEC_HELP = ("none | ngram[:N|:A-B] | suffix[:depth=N,tree,responses=N,cache=DIR,...] | layers:0-3 (or 0,2,4 / "
-             "0-29:2) | model:NAME_OR_PATH | designed | tree:SHAPE:SPEC | staged:HELPER/SPEC | merged:GUIDE/SPEC; "
+             "0-29:2) | model:NAME_OR_PATH | designed | tree:SHAPE:SPEC | staged:HELPER/SPEC | merged:GUIDE/SPEC | "
+             "adapt[:lr=F,every=N,...]/SPEC; "
              "layer and model drafts take @fp32/@bf16/@fp16")
 
 
@@ -75,6 +81,7 @@ class DraftPlan:
     helper: "DraftPlan | None" = None  # kinds "staged" and "merged": the cheaper drafter (guesses, or the guide)
     dtype: str = ""  # kinds "layers" and "model": the draft's dtype name; "" runs it in the target's
     suffix: SuffixOptions | None = None  # kind "suffix": its options
+    adapt: AdaptSettings | None = None  # kind "adapt": how `inner` learns
 
 
 @dataclass
@@ -87,6 +94,10 @@ class BuiltDraft:
 
 def parse_drafter_spec(spec: str, num_layers: int | None = None) -> DraftPlan:
     """Parse a drafter spec string (see the module docstring)."""
+    if spec.startswith(("adapt/", "adapt:")):
+        options, _, inner = spec[len("adapt") :].lstrip(":").partition("/")
+        if inner:
+            return DraftPlan("adapt", inner=parse_drafter_spec(inner, num_layers), adapt=AdaptSettings.parse(options))
     kind, _, arg = spec.partition(":")
     if kind in ("none", "ar") and not arg:
         return DraftPlan("none")
@@ -247,6 +258,33 @@ def _build_merged(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDr
     return BuiltDraft(TreeDrafter(tree.drafter.source, inner_plan.tree, target.vocab_size, guide), tree.model)
 
 
+def _build_adapt(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
+    inner = build_drafter(plan.inner, target, backend)
+    return BuiltDraft(AdaptingDrafter(inner.drafter, plan.adapt, target.name, base=inner.drafter.name), inner.model)
+
+
+def can_adapt(spec: str) -> bool:
+    """Whether online adaptation applies to a spec: a feature draft, or a tree (merged or not) grown by one."""
+    plan = parse_drafter_spec(spec)
+    while plan.kind in ("tree", "merged"):
+        plan = plan.inner
+    return plan.kind == "designed" or (plan.kind == "model" and draft_format(plan.model) == feature.FORMAT)
+
+
+def with_adapting(specs: tuple[str, ...], options: str | None) -> tuple[str, ...]:
+    """Each spec, followed by its adapting twin where online adaptation applies (`options` None: specs as given)."""
+    if options is None:
+        return specs
+    return tuple(x for spec in specs for x in ([spec, adapt_spec(spec, options)] if can_adapt(spec) else [spec]))
+
+
+def adapt_spec(spec: str, options: str | None) -> str:
+    """`spec` wrapped for online adaptation with these options (None: `spec` as it is)."""
+    if options is None or spec.startswith(("adapt/", "adapt:")):
+        return spec
+    return f"adapt{':' + options if options else ''}/{spec}"
+
+
 def _model_draft(draft: LoadedModel, backend: str) -> BuiltDraft:
     drafter = ModelDrafter(make_backend(draft.model, draft.device, backend, batch_invariant=False), name=draft.name)
     return BuiltDraft(drafter, draft)
@@ -298,6 +336,7 @@ DRAFTERS: dict[str, Callable[[DraftPlan, LoadedModel, str], BuiltDraft]] = {
     "tree": _build_tree,
     "staged": _build_staged,
     "merged": _build_merged,
+    "adapt": _build_adapt,
 }
 DRAFT_FORMATS: dict[str, Callable[[DraftPlan, LoadedModel, str], BuiltDraft]] = {
     pruned.FORMAT: _load_pruned,

@@ -36,6 +36,16 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     add_sampling_args(parser)
     parser.add_argument("--seed", type=int, default=GenerationConfig.seed)
     parser.add_argument("--json", action="store_true", help="end stdout with one JSON object")
+    add_adapt_args(parser)
+
+
+def add_adapt_args(parser: argparse.ArgumentParser) -> None:
+    """--adapt [OPTIONS] and --adapt-save DIR: online adaptation of a feature draft (`draftlab.drafters.adapt`)."""
+    parser.add_argument("--adapt", nargs="?", const="", default=None, metavar="OPTIONS",
+                        help="let the feature draft (designed, model:DIR, a tree of one) keep learning from the "
+                             "target's hidden states while it decodes; OPTIONS e.g. lr=3e-4,every=64,steps=1")
+    parser.add_argument("--adapt-save", default=None, metavar="DIR",
+                        help="with --adapt: write the adapted draft here at the end (load it with model:DIR)")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, temperature: float = SamplingConfig.temperature) -> None:
@@ -75,7 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _decoder(args):
     from draftlab.api import SpeculativeDecoder
+    from draftlab.registry import adapt_spec
 
+    if args.adapt_save and args.adapt is None and not args.drafter.startswith("adapt"):
+        raise DraftlabError("--adapt-save writes what --adapt learned: add --adapt (or an adapt/... drafter)")
+    args.drafter = adapt_spec(args.drafter, args.adapt)  # what the tables and JSON name
     return SpeculativeDecoder.from_names(
         args.target, drafter=args.drafter, k=args.k, dynamic_k=args.dynamic_k, device=args.device, dtype=args.dtype,
         backend=args.backend, numerics=args.numerics,
@@ -103,6 +117,7 @@ def cmd_generate(args) -> None:
         top_p=args.top_p, seed=args.seed, stop_strings=args.stop, chat=not args.no_chat, on_tokens=stream,
     )
     sys.stdout.write("\n")
+    _save_adapted(decoder, args)
     stats = result.stats.to_dict()
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "target": args.target,
@@ -127,11 +142,19 @@ def cmd_bench(args) -> None:
     settings = BenchSettings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.warmup,
                              not args.no_host_baselines)
     summary = run_bench(decoder, prompts, settings).summary()
+    _save_adapted(decoder, args)
     print(format_bench_table(summary, args))
     if args.json:
         print(json.dumps({"target": args.target, "drafter": args.drafter, "k": args.k,
                           "dtype": str(decoder.target.dtype).removeprefix("torch."),
                           "numerics": decoder.target_backend.numerics, **summary}))
+
+
+def _save_adapted(decoder, args) -> None:
+    """Write the adapted draft where --adapt-save says (and say so)."""
+    if args.adapt_save:
+        path = decoder.save_draft(args.adapt_save)
+        print(f"adapted draft saved to {path} (load it with --drafter model:{path})", file=sys.stderr)
 
 
 def format_bench_table(summary: dict, args) -> str:
@@ -149,6 +172,12 @@ def format_bench_table(summary: dict, args) -> str:
         f"time split (speculative): draft {summary['draft_s']:.1f}s, target {summary['target_s']:.1f}s, "
         f"overhead {summary['overhead_s']:.1f}s of {summary['wall_s']:.1f}s"
     )
+    if "adapt" in summary:
+        adapt = summary["adapt"]
+        lines.append(f"online adaptation: {adapt['steps']} optimizer steps over {adapt['requests']} requests, "
+                     f"{adapt['train_s']:.1f}s ({adapt['train_ms_per_token']:.1f} ms per new token, in the draft time); "
+                     f"acceptance first {adapt['window_requests']} requests {adapt['acceptance_first']:.1%}, last "
+                     f"{adapt['acceptance_last']:.1%}")
     if "cache_held" in summary:
         held = summary["cache_held"]
         lines.append(f"cross-request cache: held {held['first_prompt']} earlier responses at the first prompt, "

@@ -57,23 +57,30 @@ def _add_sweep_args(parser: argparse.ArgumentParser, db_required: bool = True) -
     parser.add_argument("--backend", help="auto | fast | hf | llamacpp (or name a target llamacpp:NAME)")
     parser.add_argument("--no-host-baselines", action="store_true",
                         help="do not time plain decoding in the host's other dtypes and routes ('plain' cells)")
+    parser.add_argument("--adapt", nargs="?", const="", default=None, metavar="OPTIONS",
+                        help="add an adapting twin (adapt[:OPTIONS]/SPEC) of every feature draft among the drafters: "
+                             "it learns over its cell's prompts, in order")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--no-progress", action="store_true")
 
 
 def _sweep_config(args):
+    from dataclasses import replace
+
     from draftlab.api import parse_layers
+    from draftlab.registry import with_adapting
     from draftlab.study.sweep import make_config
 
     ks = tuple(parse_layers(args.ks)) if args.ks else None
     tuple_or_none = lambda v: tuple(v) if v else None  # noqa: E731
-    return make_config(
+    config = make_config(
         args.preset, args.config, targets=tuple_or_none(args.targets), drafters=tuple_or_none(args.drafters), ks=ks,
         methods=tuple_or_none(args.methods), datasets=tuple_or_none([*(args.datasets or []), *([args.prompts] if args.prompts else [])]),
         temperatures=tuple_or_none(args.temperatures), limit=args.limit, skip=args.skip, max_new_tokens=args.max_new_tokens,
         warmup=args.warmup, baseline_every=args.baseline_every, seed=args.seed, device=args.device, dtype=args.dtype,
         backend=args.backend, host_baselines=False if args.no_host_baselines else None,
     )
+    return replace(config, drafters=with_adapting(config.drafters, args.adapt))
 
 
 def _run_sweep(args, db) -> None:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from draftlab.design.distill import windows
 from draftlab.design.training import LoopSettings, train
 from draftlab.errors import DraftlabError
-from draftlab.drafters.feature import FeatureDraft, save_feature_draft
+from draftlab.drafters.feature import FeatureDraft, feature_loss, save_feature_draft
 from draftlab.models import DTYPES, LoadedModel, batch_dtype_name
 
 FEATURES = "features.pt"
@@ -118,15 +118,8 @@ class FeatureStudent:
     def loss(self, rows: list[int]) -> torch.Tensor:
         features = self.data["features"][rows].float()  # [B, T, D]
         tokens = self.data["tokens"][rows]  # [B, T]
-        noise = (torch.rand(features[:, :-1].shape, generator=self.generator) - 0.5) * self.settings.noise * self.scale
-        predicted = self.draft.predict(features[:, :-1] + noise, tokens[:, 1:])  # [B, T-1, D]
-        target_next = features[:, 1:]  # [B, T-1, D]
-        with torch.no_grad():
-            target_probs = torch.softmax(self.draft.logits(target_next), dim=-1)  # [B, T-1, V']
-        log_draft = torch.log_softmax(self.draft.logits(predicted), dim=-1)  # [B, T-1, V']
-        classification = -(target_probs * log_draft).sum(-1).mean()
-        regression = F.smooth_l1_loss(predicted, target_next)
-        return classification + self.settings.regression_weight * regression
+        return feature_loss(self.draft, features, tokens, self.settings.noise * self.scale, self.generator,
+                            self.settings.regression_weight)
 
     @torch.no_grad()
     def agreement(self) -> float:

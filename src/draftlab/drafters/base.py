@@ -90,6 +90,13 @@ class NoDrafter(BlindDrafter):
         return Proposal([])
 
 
+def without_memory(drafter: Drafter) -> Drafter:
+    """The drafter as it is, or, for one that learns across requests (suffix decoding, online adaptation), a view
+    that learns nothing: for warm-up runs, which must not teach it the answers about to be timed."""
+    forget = getattr(drafter, "without_memory", None)
+    return forget() if forget is not None else drafter
+
+
 def draft_chain(
     logits: torch.Tensor,
     k: int,

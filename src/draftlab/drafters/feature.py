@@ -178,6 +178,24 @@ class FeatureDraft:
         return F.linear(features, self.head.to(features.dtype))
 
 
+def feature_loss(draft: FeatureDraft, features: torch.Tensor, tokens: torch.Tensor, noise: float,
+                 generator: torch.Generator, regression_weight: float = 1.0) -> torch.Tensor:
+    """EAGLE's two terms on real target features [B, T, D] (fp32) and their tokens [B, T] (token t at feature t).
+
+    The draft sees (f_t + uniform noise of width `noise`, x_{t+1}) and is scored on the target's distribution at
+    t+1 (the head rows applied to the real f_{t+1}: cross-entropy) and on f_{t+1} itself (smooth L1). The one loss
+    of offline training (`draftlab.design.feature`) and online adaptation (`draftlab.drafters.adapt`)."""
+    jitter = (torch.rand(features[:, :-1].shape, generator=generator) - 0.5) * noise
+    predicted = draft.predict(features[:, :-1] + jitter.to(features.device), tokens[:, 1:])  # [B, T-1, D]
+    target_next = features[:, 1:]  # [B, T-1, D]
+    with torch.no_grad():
+        target_probs = torch.softmax(draft.logits(target_next), dim=-1)  # [B, T-1, V']
+    log_draft = torch.log_softmax(draft.logits(predicted), dim=-1)  # [B, T-1, V']
+    classification = -(target_probs * log_draft).sum(-1).mean()
+    regression = F.smooth_l1_loss(predicted, target_next)
+    return classification + regression_weight * regression
+
+
 def new_feature_draft(target: LoadedModel, vocab_map: torch.Tensor, init_layer: int | None = -1) -> FeatureDraft:
     """A feature draft for `target` whose layer copies the target's layer `init_layer` (None: random)."""
     shape = FeatureShape.of(target.model.config)
@@ -347,6 +365,12 @@ class FeatureDrafter(PerRequest):
         for i, row in enumerate(rows):
             self._tree_features[row] = predicted[i]
         return self.draft.logits(predicted)
+
+    def reanchor(self, features: torch.Tensor) -> None:
+        """Forget the draft cache: the next proposal feeds these real features [n, D] (every committed token's but
+        the newest) again, with the draft's weights as they are now (after an online update, `drafters/adapt.py`)."""
+        self._cache.length = self._anchored = 0
+        self._features = [features.to(self.draft.head.dtype)]
 
     def _advance(self, token: int) -> torch.Tensor:
         """Feed (last predicted features, drafted token) as a speculative pair; draft logits [V'] after it."""

@@ -233,12 +233,6 @@ def cache_held(drafter) -> int | None:
     return drafter.cache.held if isinstance(drafter, SuffixDrafter) else None
 
 
-def without_memory(drafter):
-    """The drafter as it is, or, for suffix decoding, the same options over a throwaway cache: for warm-up runs,
-    which must not teach a run's cache the answers it is about to be timed on."""
-    return recalling(drafter, [])
-
-
 def recalling(drafter, responses: list[list[int]]):
     """The drafter as it is, or, for suffix decoding, the same options over a new cache holding exactly
     `responses`: what a run that repeats prompts (the tuner's race) gives each prompt, so that no prompt is
@@ -268,6 +262,11 @@ class SuffixDrafter(BlindDrafter):
     def with_cache(self, cache: SuffixCache) -> "SuffixDrafter":
         """The same options over another cache (a sweep cell's, or a throwaway one for warm-up runs)."""
         return SuffixDrafter(self.options, cache, self.tokenizer_id)
+
+    def without_memory(self) -> "SuffixDrafter":
+        """The same options over a throwaway cache: for warm-up runs, which must not teach a run's cache the
+        answers it is about to be timed on (`drafters.base.without_memory`)."""
+        return recalling(self, [])
 
     def fresh_cache(self) -> SuffixCache:
         """An empty cache of this drafter's depth and bound, kept in memory only."""

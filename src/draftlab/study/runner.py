@@ -8,10 +8,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from draftlab.api import LLAMACPP_PLAIN, SpeculativeDecoder, build_drafter, eos_ids, parse_drafter_spec
 from draftlab.backends.routes import parse_route
 from draftlab.datasets import Prompt
-from draftlab.drafters.suffix import RESPONSES_FILE, SuffixCache, SuffixDrafter, read_responses, without_memory
+from draftlab.drafters.adapt import AdaptingDrafter
+from draftlab.drafters.base import without_memory
+from draftlab.drafters.suffix import RESPONSES_FILE, SuffixCache, SuffixDrafter, read_responses
 from draftlab.errors import DraftlabError
 from draftlab.hf_reference import hf_assist, hf_generate
 from draftlab.llamacpp_reference import LlamaCppPeer
@@ -24,6 +28,7 @@ if TYPE_CHECKING:
     from draftlab.study.sweep import SweepConfig
 
 PROMPTS_FILE = "prompts.json"  # beside a sweep cell's suffix cache: the prompt of each response, in order
+ADAPT_FILES = ("adapt-0.pt", "adapt-1.pt")  # an adapting cell's two newest states (what it learned, from which prompts)
 
 
 class CellRunner:
@@ -39,6 +44,7 @@ class CellRunner:
         self.done = done
         self.cell_caches: dict[str, SuffixCache] = {}
         self.cell_prompts: dict[str, list[str]] = {}  # prompt ids whose responses each cell's cache holds, in order
+        self.cell_learners: dict[str, AdaptingDrafter] = {}  # each adapting cell's own draft, learning its prompts
         self.config = config
         self.backend = backend or config.backend
         self.eos = eos_ids(target)
@@ -63,6 +69,11 @@ class CellRunner:
         in order (never another K's answers to the same prompt), and warm-up runs teach none."""
         decoder = self.decoder(cell.drafter, cell.k)
         drafter = decoder.drafter
+        if isinstance(drafter, AdaptingDrafter):
+            if cell.key not in self.cell_learners:
+                self.cell_learners[cell.key] = self._reload_learner(cell, drafter)
+            learner = self.cell_learners[cell.key]
+            return decoder.with_drafter(without_memory(learner) if warm_up else learner)
         if not isinstance(drafter, SuffixDrafter):
             return decoder
         if warm_up:
@@ -73,7 +84,10 @@ class CellRunner:
 
     def keep_cache(self, cell: Cell, prompt_id: str) -> None:
         """Write the cell's suffix cache after a prompt (before its record is stored: a record never exists without
-        the response its cell learned; a response whose record a kill lost is dropped on reload)."""
+        the response its cell learned; a response whose record a kill lost is dropped on reload), or its adapted
+        draft's state."""
+        if cell.key in self.cell_learners and self.cache_root is not None:
+            self._keep_learner(cell, prompt_id)
         if cell.key in self.cell_caches and self.cache_root is not None:
             cache = self.cell_caches[cell.key]
             held = [*self.cell_prompts[cell.key], prompt_id]
@@ -94,6 +108,31 @@ class CellRunner:
                 prompts.append(prompt_id)
         self.cell_prompts[cell.key] = prompts
         return cache
+
+    def _keep_learner(self, cell: Cell, prompt_id: str) -> None:
+        """Save the adapting cell's state after its n-th prompt in file n % 2, over the older state: a kill before
+        the prompt's record is stored leaves the other, which learned from stored prompts only."""
+        learner, where = self.cell_learners[cell.key], self._cache_dir(cell)
+        where.mkdir(parents=True, exist_ok=True)
+        prompts = [*self.cell_prompts.get(cell.key, []), prompt_id]
+        self.cell_prompts[cell.key] = prompts
+        name = ADAPT_FILES[len(prompts) % 2]
+        torch.save({"prompts": prompts, **learner.state()}, where / (name + ".tmp"))
+        (where / (name + ".tmp")).replace(where / name)
+
+    def _reload_learner(self, cell: Cell, drafter: AdaptingDrafter) -> AdaptingDrafter:
+        """The cell's own adapting draft as a resumed sweep left it: the newest state that learned from stored
+        prompts only (from the base weights when there is none)."""
+        learner, self.cell_prompts[cell.key] = drafter.fork(), []
+        where = self._cache_dir(cell) if self.cache_root is not None else None
+        states = [torch.load(where / name, weights_only=False) for name in ADAPT_FILES
+                  if where is not None and (where / name).exists()]
+        usable = [s for s in states if all((cell.key, p) in self.done for p in s["prompts"])]
+        if usable:
+            state = max(usable, key=lambda s: len(s["prompts"]))
+            learner.load_state(state)
+            self.cell_prompts[cell.key] = state["prompts"]
+        return learner
 
     def _cache_dir(self, cell: Cell) -> Path:
         return self.cache_root / hashlib.sha256(cell.key.encode()).hexdigest()[:16]

@@ -1,0 +1,305 @@
+"""Online adaptation: a feature draft that keeps learning from the target's own verification.
+
+Online speculative decoding (Liu et al., 2023) distills the draft on the queries it actually serves. Every
+verification step hands draftlab what a feature draft is distilled on offline (`draftlab.design.feature`): the
+target's final hidden states of the committed positions (`Drafter.observe`), and with them the target's
+distribution there (its LM-head rows applied to them). `AdaptingDrafter` wraps a drafter whose proposals come from
+a feature draft (`designed`, `model:DIR` of a feature draft, or a tree grown by one, merged or not), keeps every
+position it sees (prompt and committed tokens) in a bounded replay buffer, and every `every` new positions takes
+`steps` AdamW steps of the offline loss (`feature_loss`) on a window of the newest positions and windows replayed
+from earlier requests. An fp32 copy of the draft layer trains; the drafting layer (the target's dtype) takes its
+weights after each update and the draft re-reads the request's real features with them.
+
+Lossless: the target, its scores and the verifier are untouched; an update changes only what is proposed next,
+and each proposal carries the draft probabilities of the weights that drew it. Its cost is in every figure: the
+updates run inside `propose` and `finish`, so they count as drafting time.
+
+Spec: `adapt[:OPTIONS]/SPEC`, OPTIONS comma-separated `lr=F, every=N, steps=N, window=N, batch=N, buffer=N,
+noise=F, seed=N` (`AdaptSettings`). `save(DIR)` writes the adapted draft as a feature-draft directory
+(`model:DIR` loads it) whose record says what it learned from.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from draftlab.drafters.feature import FeatureDraft, FeatureDrafter, feature_loss, save_feature_draft
+from draftlab.errors import DraftlabError
+from draftlab.step import ROOT, Proposal
+
+WINDOW_HISTORY = 10  # requests in the record's "acceptance before/after" windows
+
+
+@dataclass(frozen=True)
+class AdaptSettings:
+    """How a draft learns while it decodes (the spec's options)."""
+
+    lr: float = 3e-4  # AdamW's learning rate (constant)
+    every: int = 64  # new positions (prompt and committed tokens) between updates
+    steps: int = 1  # optimizer steps per update
+    window: int = 128  # positions per training window
+    batch: int = 2  # windows per step: the newest positions, then windows replayed from the buffer
+    buffer: int = 8192  # positions the replay buffer holds (the oldest requests leave first)
+    noise: float = 0.1  # input-feature noise, a fraction of the features' RMS (as offline)
+    regression_weight: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or self.every < 1 or self.steps < 1 or self.window < 3 or self.batch < 1 or self.buffer < 0:
+            raise DraftlabError("adapt options need lr > 0, every >= 1, steps >= 1, window >= 3, batch >= 1, "
+                                "buffer >= 0")
+
+    @classmethod
+    def parse(cls, text: str) -> "AdaptSettings":
+        """'lr=1e-4,every=32' -> settings; '' -> the defaults."""
+        kinds = {f.name: f.type for f in fields(cls)}
+        values: dict = {}
+        for item in filter(None, text.split(",")):
+            key, _, value = item.partition("=")
+            if key not in kinds or not value:
+                raise DraftlabError(f"unknown adapt option {item!r}: use " + ", ".join(f"{k}=..." for k in kinds))
+            try:
+                values[key] = float(value) if kinds[key] == "float" else int(value)
+            except ValueError as exc:
+                raise DraftlabError(f"adapt option {key} needs a number, got {value!r}") from exc
+        return cls(**values)
+
+    @property
+    def label(self) -> str:
+        """The options that differ from the defaults, as the spec writes them ('' for none)."""
+        default = AdaptSettings()
+        return ",".join(f"{f.name}={getattr(self, f.name):g}" for f in fields(self)
+                        if getattr(self, f.name) != getattr(default, f.name))
+
+
+class FeatureLearner:
+    """The trainable side of an adapting feature draft: an fp32 copy of its layer, AdamW and the replay buffer."""
+
+    def __init__(self, draft: FeatureDraft, settings: AdaptSettings) -> None:
+        self.live = draft  # the drafting copy, in the target's dtype
+        self.settings = settings
+        self.master = replace(draft, layer=copy.deepcopy(draft.layer).float().train(), head=draft.head.float(),
+                              cos=draft.cos.float(), sin=draft.sin.float())
+        params = list(self.master.layer.parameters())
+        for param in params:
+            param.requires_grad_(True)
+        self.optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
+        self.generator = torch.Generator().manual_seed(settings.seed)
+        self.buffer: deque[tuple[torch.Tensor, torch.Tensor]] = deque()  # (features [n, D] fp32, tokens [n])
+        self.scale = 0.0  # the features' RMS, from the first update
+        self.steps = self.positions = 0
+        self.train_s = 0.0
+
+    def remember(self, features: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Keep a finished request's positions for replay, within the buffer's bound."""
+        self.positions += int(tokens.shape[0])
+        if self.settings.buffer == 0:
+            return
+        self.buffer.append((features[-self.settings.buffer :], tokens[-self.settings.buffer :]))
+        while sum(int(t.shape[0]) for _, t in self.buffer) > self.settings.buffer:
+            self.buffer.popleft()
+
+    def update(self, features: torch.Tensor, tokens: torch.Tensor) -> None:
+        """`steps` optimizer steps on the newest window of this request (features [n, D], tokens [n]) and replayed
+        windows; then the drafting layer takes the new weights."""
+        start = time.perf_counter()
+        if not self.scale:
+            self.scale = float(features.pow(2).mean().sqrt())
+        newest = (features[-self.settings.window :], tokens[-self.settings.window :])
+        for _ in range(self.settings.steps):
+            batch = [newest, *(self._replayed() for _ in range(self.settings.batch - 1))]
+            self._step([w for w in batch if w is not None and w[1].shape[0] >= 3])
+        self._sync()
+        self.train_s += time.perf_counter() - start
+
+    def _step(self, windows: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """One AdamW step on the mean loss of `windows` (each its own [1, T] sequence)."""
+        if not windows:
+            return
+        self.optimizer.zero_grad(set_to_none=True)
+        for features, tokens in windows:
+            loss = feature_loss(self.master, features[None], tokens[None], self.settings.noise * self.scale,
+                                self.generator, self.settings.regression_weight)
+            (loss / len(windows)).backward()
+        torch.nn.utils.clip_grad_norm_(self.master.layer.parameters(), 1.0)
+        self.optimizer.step()
+        self.steps += 1
+
+    def _replayed(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A random window of a random earlier request, or None when the buffer is empty."""
+        if not self.buffer:
+            return None
+        features, tokens = self.buffer[int(torch.randint(len(self.buffer), (1,), generator=self.generator))]
+        room = max(1, tokens.shape[0] - self.settings.window + 1)
+        start = int(torch.randint(room, (1,), generator=self.generator))
+        return features[start : start + self.settings.window], tokens[start : start + self.settings.window]
+
+    def state(self) -> dict:
+        """Everything learned so far (weights, optimizer, buffer, counters), for `torch.save`."""
+        return {"layer": self.master.layer.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "buffer": list(self.buffer), "scale": self.scale, "steps": self.steps, "positions": self.positions,
+                "train_s": self.train_s, "generator": self.generator.get_state()}
+
+    def load_state(self, state: dict) -> None:
+        """Go on from a `state()`; the drafting layer takes its weights."""
+        self.master.layer.load_state_dict(state["layer"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.buffer = deque(state["buffer"])
+        self.scale, self.steps, self.positions = state["scale"], state["steps"], state["positions"]
+        self.train_s = state["train_s"]
+        self.generator.set_state(state["generator"])
+        self._sync()
+
+    @torch.no_grad()
+    def _sync(self) -> None:
+        """Copy the trained fp32 weights into the drafting layer (its dtype)."""
+        for live, trained in zip(self.live.layer.parameters(), self.master.layer.parameters()):
+            live.copy_(trained)
+
+
+class AdaptingDrafter:
+    """A drafter whose feature draft learns online from the target's hidden states of every position it decodes."""
+
+    reads_target_hidden = True
+
+    def __init__(self, inner, settings: AdaptSettings, target_name: str, base: str) -> None:
+        """inner: the drafter (a feature drafter, or a tree grown by one); base: what it was built from (the
+        record names it)."""
+        self.inner = inner
+        self.source = feature_source(inner)
+        self.settings = settings
+        self.target_name = target_name
+        self.base = base
+        self._base = {k: v.clone() for k, v in self.source.draft.layer.state_dict().items()}  # before any update
+        self.learner = FeatureLearner(self.source.draft, settings)
+        self.name = f"adapt{':' + settings.label if settings.label else ''}/{inner.name}"
+        self.requests: list[tuple[int, int]] = []  # (drafted, accepted) of each finished request
+        self._begin_request()
+
+    def _begin_request(self) -> None:
+        self._features: list[torch.Tensor] = []  # real features [n, D] of this request's positions, in order
+        self._pending = 0  # positions seen since the last update
+        self._proposed: tuple[int, Proposal] | None = None  # (context length, proposal) of the last step
+        self._drafted = self._accepted = 0
+
+    def begin(self, prompt_ids: Sequence[int]) -> None:
+        """Start a request: the inner drafter too."""
+        self.inner.begin(prompt_ids)
+        self._begin_request()
+
+    def observe(self, target_hidden: torch.Tensor) -> None:
+        """Keep the target's hidden states [n, D] of the next committed positions; pass them on."""
+        self.inner.observe(target_hidden)
+        if target_hidden.shape[0]:
+            self._features.append(target_hidden.detach().float().clone())  # a normal tensor, usable by autograd
+            self._pending += int(target_hidden.shape[0])
+
+    def propose(self, context, k, sampling, generator) -> Proposal:
+        """Update the draft when `every` new positions arrived; then the inner drafter's proposal."""
+        self._count_accepted(context)
+        if self._pending >= self.settings.every:
+            self._update(context)
+        proposal = self.inner.propose(context, k, sampling, generator)
+        self._proposed = (len(context), proposal)
+        self._drafted += len(proposal)
+        return proposal
+
+    def finish(self, context: Sequence[int]) -> None:
+        """Keep the request's positions for replay; count its acceptance."""
+        self._count_accepted(context)
+        self.inner.finish(context)
+        if self._features:
+            features = torch.cat(self._features)  # [n, D]
+            self.learner.remember(features, torch.tensor(list(context[: features.shape[0]])))
+        self.requests.append((self._drafted, self._accepted))
+        self._features, self._proposed = [], None
+
+    def fork(self) -> "AdaptingDrafter":
+        """An independent drafter that starts from the base weights (a sweep cell's own): the frozen target
+        tensors are shared, the draft layer is copied."""
+        draft = self.source.draft
+        shared = {id(t): t for t in (draft.embed, draft.head, draft.vocab_map, draft.cos, draft.sin)}
+        inner = copy.deepcopy(self.inner, memo=shared)
+        feature_source(inner).draft.layer.load_state_dict(self._base)
+        return AdaptingDrafter(inner, self.settings, self.target_name, self.base)
+
+    def state(self) -> dict:
+        """What this drafter learned, for `torch.save` (a sweep cell's checkpoint)."""
+        return {"learner": self.learner.state(), "requests": list(self.requests)}
+
+    def load_state(self, state: dict) -> None:
+        """Go on from a `state()`."""
+        self.learner.load_state(state["learner"])
+        self.requests = [tuple(r) for r in state["requests"]]
+
+    def without_memory(self):
+        """The inner drafter, drafting with the weights learned so far and learning nothing (warm-up runs)."""
+        return self.inner
+
+    def _update(self, context: Sequence[int]) -> None:
+        """Train on this request so far, then let the draft re-read its real features with the new weights."""
+        features = torch.cat(self._features)  # [n, D], n = len(context) - 1
+        self._features = [features]
+        self.learner.update(features, torch.tensor(list(context[: features.shape[0]])))
+        self.source.reanchor(features)
+        self._pending = 0
+
+    def _count_accepted(self, context: Sequence[int]) -> None:
+        """Accepted tokens of the last proposal: the path of it that the committed tokens follow."""
+        if self._proposed is None:
+            return
+        start, proposal = self._proposed
+        self._accepted += accepted_depth(proposal, list(context[start:]))
+        self._proposed = None
+
+    def acceptance(self, last: int | None = None) -> float:
+        """Accepted / drafted over the finished requests (the last `last` of them)."""
+        window = self.requests[-last:] if last else self.requests
+        drafted = sum(d for d, _ in window)
+        return sum(a for _, a in window) / drafted if drafted else 0.0
+
+    def record(self) -> dict:
+        """What was learned, from what, for the saved draft's record."""
+        first = self.requests[:WINDOW_HISTORY]
+        drafted = sum(d for d, _ in first)
+        return {"base": self.base, "settings": asdict(self.settings), "requests": len(self.requests),
+                "positions": self.learner.positions, "steps": self.learner.steps,
+                "train_s": round(self.learner.train_s, 2),
+                "acceptance_first": round(sum(a for _, a in first) / drafted, 4) if drafted else 0.0,
+                "acceptance_last": round(self.acceptance(WINDOW_HISTORY), 4), "window_requests": WINDOW_HISTORY}
+
+    def save(self, out: str | Path) -> Path:
+        """Write the adapted draft (fp32 weights) as a feature-draft directory that `model:DIR` loads."""
+        draft = self.learner.master
+        made = dict(self.source.draft.made)
+        made["adapt"] = {**self.record(), **({"previous": made["adapt"]} if "adapt" in made else {})}
+        saved = replace(draft, made=made)
+        return save_feature_draft(saved, out, self.target_name, dtype=torch.float32)
+
+
+def feature_source(drafter) -> FeatureDrafter:
+    """The feature drafter a drafter proposes from (itself, or the source of its tree), or a one-line error."""
+    source = getattr(drafter, "source", drafter)
+    if not isinstance(source, FeatureDrafter):
+        raise DraftlabError(f"adapt learns feature drafts (designed, model:DIR of a feature draft, or a tree of "
+                            f"one); {drafter.name} is not one")
+    return source
+
+
+def accepted_depth(proposal: Proposal, committed: list[int]) -> int:
+    """How deep the committed tokens follow the proposal's tree from its root (the accepted count)."""
+    parents = proposal.tree
+    node, depth = ROOT, 0
+    for token in committed:
+        children = [i for i, p in enumerate(parents) if p == node and proposal.tokens[i] == token]
+        if not children:
+            break
+        node, depth = children[0], depth + 1
+    return depth

@@ -1,0 +1,157 @@
+"""Online adaptation: the draft learns from the target's own hidden states, and outputs stay the target's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from draftlab.api import SpeculativeDecoder
+from draftlab.backends import FastLlamaBackend
+from draftlab.drafters import NoDrafter
+from draftlab.drafters.adapt import AdaptingDrafter, AdaptSettings, accepted_depth
+from draftlab.drafters.base import without_memory
+from draftlab.drafters.feature import FeatureDrafter, new_feature_draft, save_feature_draft
+from draftlab.engine import GenerationConfig, SpeculativeEngine
+from draftlab.errors import DraftlabError
+from draftlab.policy import FixedK
+from draftlab.registry import adapt_spec, build_drafter, parse_drafter_spec
+from draftlab.step import Proposal
+from tests.conftest import tiny_llama
+from tests.test_engine_sampling import K, SAMPLINGS, VOCAB, assert_joint_matches, empirical_joint, exact_joint
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 9, 10, 9, 10, 11], [42, 17, 5], [30, 31, 32, 33]]
+FAST = AdaptSettings(lr=3e-3, every=8, steps=2, window=32, batch=2)
+
+
+def engine_for(target, drafter, k=3):
+    return SpeculativeEngine(FastLlamaBackend(target.model), drafter, FixedK(k), context_length=512)
+
+
+def adapting(target, settings=FAST):
+    return AdaptingDrafter(FeatureDrafter(new_feature_draft(target, torch.arange(64))), settings, "tiny", "new")
+
+
+def test_options_parse_and_bad_options_fail_in_one_line():
+    assert AdaptSettings.parse("") == AdaptSettings()
+    settings = AdaptSettings.parse("lr=1e-3,every=16,steps=2")
+    assert (settings.lr, settings.every, settings.steps) == (1e-3, 16, 2)
+    assert settings.label == "lr=0.001,every=16,steps=2"
+    plan = parse_drafter_spec("adapt:every=16/tree:2x2:designed")
+    assert plan.kind == "adapt" and plan.adapt.every == 16 and plan.inner.kind == "tree"
+    assert parse_drafter_spec("adapt/designed").inner.kind == "designed"
+    assert adapt_spec("designed", "") == "adapt/designed" and adapt_spec("designed", None) == "designed"
+    for bad in ("adapt:rate=1/designed", "adapt:every=x/designed", "adapt:every=0/designed"):
+        with pytest.raises(DraftlabError) as info:
+            parse_drafter_spec(bad)
+        assert "\n" not in str(info.value)
+
+
+def test_drafts_without_a_feature_layer_are_refused(tiny_target):
+    with pytest.raises(DraftlabError, match="adapt learns feature drafts"):
+        build_drafter("adapt/ngram", tiny_target)
+
+
+def test_accepted_depth_follows_the_committed_path():
+    chain = Proposal([5, 6, 7])
+    assert accepted_depth(chain, [5, 6, 9]) == 2 and accepted_depth(chain, [4]) == 0
+    tree = Proposal([5, 8, 6, 9], (-1, -1, 0, 1))
+    assert accepted_depth(tree, [8, 9, 1]) == 2 and accepted_depth(tree, [5, 6]) == 2
+
+
+def test_greedy_output_equals_plain_decoding_while_the_draft_learns(tiny_target):
+    drafter = adapting(tiny_target)
+    start = {k: v.clone() for k, v in drafter.source.draft.layer.state_dict().items()}
+    engine, plain = engine_for(tiny_target, drafter), engine_for(tiny_target, NoDrafter(), 1)
+    for prompt in PROMPTS * 2:
+        config = GenerationConfig(max_new_tokens=40)
+        assert engine.generate(prompt, config).token_ids == plain.generate(prompt, config).token_ids
+    assert drafter.learner.steps >= 2 * len(PROMPTS) * 2 and len(drafter.requests) == 2 * len(PROMPTS)
+    changed = [k for k, v in drafter.source.draft.layer.state_dict().items() if not torch.equal(v, start[k])]
+    assert "fc.weight" in changed and "q_proj.weight" in changed
+
+
+def test_acceptance_rises_on_a_stream_it_learns_from(tiny_target):
+    """A draft that starts from a copy of the target's last layer learns the tiny target's own continuations."""
+    static = FeatureDrafter(new_feature_draft(tiny_target, torch.arange(64)))
+    learning = adapting(tiny_target)
+    stream = [[i, i + 1, (3 * i) % 64] for i in range(0, 48, 4)]
+
+    def acceptance(drafter, prompts):
+        runs = [engine_for(tiny_target, drafter).generate(p, GenerationConfig(max_new_tokens=40)) for p in prompts]
+        return sum(r.stats.accepted for r in runs) / sum(r.stats.drafted for r in runs)
+
+    before = acceptance(static, stream)
+    acceptance(learning, stream * 2)  # two passes to learn
+    after = acceptance(without_memory(learning), stream)
+    assert after > before + 0.1, (before, after)
+    assert learning.acceptance(len(stream)) > learning.acceptance() - 1e-9
+
+
+def test_warm_up_views_learn_nothing(tiny_target):
+    drafter = adapting(tiny_target)
+    view = without_memory(drafter)
+    assert view is drafter.inner
+    engine_for(tiny_target, view).generate(PROMPTS[0], GenerationConfig(max_new_tokens=30))
+    assert drafter.learner.steps == 0 and drafter.requests == []
+
+
+def test_save_writes_a_draft_that_reloads_and_drafts_the_same(tiny_target, tmp_path):
+    drafter = adapting(tiny_target)
+    engine = engine_for(tiny_target, drafter)
+    for prompt in PROMPTS:
+        engine.generate(prompt, GenerationConfig(max_new_tokens=30))
+    out = drafter.save(tmp_path / "adapted")
+    record = json.loads((out / "draftlab_draft.json").read_text())["made"]["adapt"]
+    assert record["base"] == "new" and record["requests"] == len(PROMPTS) and record["steps"] == drafter.learner.steps
+    assert 0 <= record["acceptance_last"] <= 1 and record["positions"] > 0
+    reloaded = build_drafter(f"model:{out}", tiny_target).drafter
+    for prompt in PROMPTS:
+        ours = engine_for(tiny_target, without_memory(drafter)).generate(prompt, GenerationConfig(max_new_tokens=30))
+        theirs = engine_for(tiny_target, reloaded).generate(prompt, GenerationConfig(max_new_tokens=30))
+        assert ours.stats.accepted_per_step_list == theirs.stats.accepted_per_step_list
+    again = AdaptingDrafter(reloaded, FAST, "tiny", "reloaded")
+    engine_for(tiny_target, again).generate(PROMPTS[0], GenerationConfig(max_new_tokens=20))
+    made = json.loads((again.save(tmp_path / "twice") / "draftlab_draft.json").read_text())["made"]
+    assert made["adapt"]["previous"]["requests"] == len(PROMPTS)
+
+
+def test_a_damaged_adapted_draft_is_refused(tiny_target, tmp_path):
+    out = save_feature_draft(new_feature_draft(tiny_target, torch.arange(64)), tmp_path / "d", "tiny")
+    (out / "weights.safetensors").write_bytes(b"not weights")
+    with pytest.raises(DraftlabError):
+        build_drafter(f"adapt/model:{out}", tiny_target)
+
+
+def test_the_api_adapts_and_saves(tmp_path):
+    from tests.conftest import tiny_model_dir
+
+    path = tiny_model_dir(tmp_path / "tiny")
+    target = SpeculativeDecoder.from_names(str(path), drafter="none", k=1).target
+    draft = save_feature_draft(new_feature_draft(target, torch.arange(64)), tmp_path / "feature", target.name)
+    decoder = SpeculativeDecoder.from_names(target, drafter=f"model:{draft}", k=2, adapt=FAST)
+    assert decoder.drafter.name.startswith("adapt:lr=0.003")
+    decoder.generate("w1 w2 w3 w4", max_new_tokens=24, chat=False)
+    assert decoder.drafter.learner.steps > 0
+    assert (tmp_path / "out" / "weights.safetensors").exists() is False
+    decoder.save_draft(str(tmp_path / "out"))
+    assert (tmp_path / "out" / "weights.safetensors").exists()
+    with pytest.raises(DraftlabError, match="does not adapt"):
+        SpeculativeDecoder.from_names(target, drafter="ngram", k=2).save_draft(str(tmp_path / "x"))
+
+
+@pytest.mark.parametrize("name", ["t1", "t1-top0.85"])
+@pytest.mark.slow  # statistical: `pytest -m slow`, which CI runs too
+def test_adaptation_keeps_the_joint_distribution(name):
+    """A half-vocabulary feature draft that takes an optimizer step every position: what it proposes changes all
+    the time, and the joint law of the first K+1 tokens stays the target's."""
+    toy = tiny_llama(vocab=VOCAB, layers=1, seed=5, hidden=16)
+    with torch.no_grad():
+        toy.model.lm_head.weight.mul_(0.15)
+    settings = AdaptSettings(lr=1e-2, every=1, window=8, batch=2, buffer=64)
+    drafter = AdaptingDrafter(FeatureDrafter(new_feature_draft(toy, torch.arange(0, VOCAB, 2))), settings, "toy", "new")
+    engine = SpeculativeEngine(FastLlamaBackend(toy.model), drafter, FixedK(K), context_length=512)
+    counts, first_drafted = empirical_joint(engine, SAMPLINGS[name])
+    assert set(first_drafted) == {K} and drafter.learner.steps > 1000
+    assert_joint_matches(counts, exact_joint(toy.model, SAMPLINGS[name]))
