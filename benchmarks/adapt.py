@@ -7,7 +7,9 @@ machine drift hits all alike. Per window of `--window` prompts it prints accepta
 each, the adaptation's own cost (optimizer time per new token, inside every adapting tok/s) and equality with plain
 decoding. Plain decoding also runs in the host's other modes (other dtypes, llama.cpp's default kernels), so every
 speed is stated against the fastest plain decoding measured too. With `--save DIR` the first adapting draft is
-saved at the end, reloaded with `model:DIR` and run once more over the last window, as a static draft.
+saved at the end and reloaded with `model:DIR` as a static draft: over the last window it must accept what the
+adapted draft frozen as it ended accepts, and on `--fresh` prompts after the stream it is compared with the static
+draft.
 The last line of stdout is one JSON document.
 
     python benchmarks/adapt.py --dataset humaneval --skip 60 --limit 60 --k 3
@@ -127,18 +129,34 @@ def print_summary(summary: dict[str, dict], last: int) -> None:
 
 
 def reload_check(args, plain: SpeculativeDecoder, adapting: SpeculativeDecoder, streams: list[list[int]],
-                 rows: list[dict]) -> dict:
-    """Save the adapting draft, reload it as a static draft and run it over the last window once more."""
+                 rows: list[dict], fresh: list[list[int]]) -> dict:
+    """Save the adapting draft and reload it as a static draft: over the last window it must draft what the adapted
+    draft, frozen as it ended, drafts (the same weights); on `fresh` prompts after the stream it is compared with the
+    static draft (what was learned, on prompts neither saw)."""
     path = adapting.save_draft(args.save)
     reloaded = speculative(plain, f"model:{path}", args.k)
+    frozen = adapting.with_drafter(without_memory(adapting.drafter))
+    static = speculative(plain, args.drafter, args.k)
     tail = streams[-args.window :]
-    runs = [reloaded.generate(ids, max_new_tokens=args.max_new_tokens).stats for ids in tail]
-    acceptance = sum(s.accepted for s in runs) / sum(s.drafted for s in runs)
-    learned = rows[-args.window :]
-    during = sum(r["accepted"] for r in learned) / sum(r["drafted"] for r in learned)
-    print(f"\nsaved to {path}; reloaded (static) over the last {len(tail)} prompts: acceptance {acceptance:.1%}, "
-          f"while adapting over them: {during:.1%}")
-    return {"path": path, "reloaded_acceptance_last": acceptance, "adapting_acceptance_last": during}
+    out = {"path": path,
+           "reloaded_last": acceptance(reloaded, tail, args), "frozen_last": acceptance(frozen, tail, args),
+           "adapting_last": sum(r["accepted"] for r in rows[-args.window :])
+           / sum(r["drafted"] for r in rows[-args.window :])}
+    if fresh:
+        out.update(reloaded_fresh=acceptance(reloaded, fresh, args), static_fresh=acceptance(static, fresh, args))
+    print(f"\nsaved to {path}; over the last {len(tail)} prompts the reloaded draft accepts "
+          f"{out['reloaded_last']:.1%}, "
+          f"the adapted draft frozen as it ended {out['frozen_last']:.1%} (while it was still adapting over them: "
+          f"{out['adapting_last']:.1%})")
+    if fresh:
+        print(f"on the {len(fresh)} prompts after the stream: reloaded {out['reloaded_fresh']:.1%}, static "
+              f"{out['static_fresh']:.1%} = {out['reloaded_fresh'] / out['static_fresh']:.2f}x")
+    return out
+
+
+def acceptance(decoder: SpeculativeDecoder, streams: list[list[int]], args) -> float:
+    runs = [decoder.generate(ids, max_new_tokens=args.max_new_tokens).stats for ids in streams]
+    return sum(s.accepted for s in runs) / sum(s.drafted for s in runs)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -154,7 +172,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--window", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--save", default=None, help="save the first adapting draft here, reload it, rerun the "
-                                                     "last window")
+                                                     "last window and --fresh prompts")
+    parser.add_argument("--fresh", type=int, default=10, help="with --save: prompts after the stream on which the "
+                                                              "reloaded draft and the static one are compared")
     parser.add_argument("--no-host-plain", action="store_true", help="skip plain decoding in the host's other modes")
     args = parser.parse_args(argv)
     started = time.perf_counter()
@@ -172,7 +192,9 @@ def main(argv: list[str] | None = None) -> None:
     saved = None
     if args.save:
         first = next(name for name in runs if name.startswith("adapt"))
-        saved = reload_check(args, plain, runs[first], streams, rows[first])
+        fresh = [prompt_ids(target.tokenizer, p)
+                 for p in load_prompts(args.dataset, args.fresh, args.skip + len(streams))] if args.fresh else []
+        saved = reload_check(args, plain, runs[first], streams, rows[first], fresh)
     flags = sorted(cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16"})
     print(f"\nhost: {cpu_model()} ({' '.join(flags)}), Python {platform.python_version()}; "
           f"{time.perf_counter() - started:.0f} s")

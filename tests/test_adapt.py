@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from draftlab.drafters import NoDrafter
 from draftlab.drafters.adapt import AdaptingDrafter, AdaptSettings, accepted_depth
 from draftlab.drafters.base import without_memory
 from draftlab.drafters.feature import FeatureDrafter, new_feature_draft, save_feature_draft
+from draftlab.drafters.heads import HeadsDrafter, new_heads_draft
 from draftlab.engine import GenerationConfig, SpeculativeEngine
 from draftlab.errors import DraftlabError
 from draftlab.policy import FixedK
@@ -35,9 +37,9 @@ def adapting(target, settings=FAST):
 
 def test_options_parse_and_bad_options_fail_in_one_line():
     assert AdaptSettings.parse("") == AdaptSettings()
-    settings = AdaptSettings.parse("lr=1e-3,every=16,steps=2")
-    assert (settings.lr, settings.every, settings.steps) == (1e-3, 16, 2)
-    assert settings.label == "lr=0.001,every=16,steps=2"
+    settings = AdaptSettings.parse("lr=2e-3,every=16,steps=2")
+    assert (settings.lr, settings.every, settings.steps) == (2e-3, 16, 2)
+    assert settings.label == "lr=0.002,every=16,steps=2"
     plan = parse_drafter_spec("adapt:every=16/tree:2x2:designed")
     assert plan.kind == "adapt" and plan.adapt.every == 16 and plan.inner.kind == "tree"
     assert parse_drafter_spec("adapt/designed").inner.kind == "designed"
@@ -49,7 +51,7 @@ def test_options_parse_and_bad_options_fail_in_one_line():
 
 
 def test_drafts_without_a_feature_layer_are_refused(tiny_target):
-    with pytest.raises(DraftlabError, match="adapt learns feature drafts"):
+    with pytest.raises(DraftlabError, match="adapt learns feature drafts and decoder heads"):
         build_drafter("adapt/ngram", tiny_target)
 
 
@@ -60,8 +62,9 @@ def test_accepted_depth_follows_the_committed_path():
     assert accepted_depth(tree, [8, 9, 1]) == 2 and accepted_depth(tree, [5, 6]) == 2
 
 
-def test_greedy_output_equals_plain_decoding_while_the_draft_learns(tiny_target):
-    drafter = adapting(tiny_target)
+@pytest.mark.parametrize("reread", [0, 1])
+def test_greedy_output_equals_plain_decoding_while_the_draft_learns(tiny_target, reread):
+    drafter = adapting(tiny_target, replace(FAST, reread=reread))
     start = {k: v.clone() for k, v in drafter.source.draft.layer.state_dict().items()}
     engine, plain = engine_for(tiny_target, drafter), engine_for(tiny_target, NoDrafter(), 1)
     for prompt in PROMPTS * 2:
@@ -87,6 +90,26 @@ def test_acceptance_rises_on_a_stream_it_learns_from(tiny_target):
     after = acceptance(without_memory(learning), stream)
     assert after > before + 0.1, (before, after)
     assert learning.acceptance(len(stream)) > learning.acceptance() - 1e-9
+
+
+def test_decoder_heads_adapt_losslessly_and_save_as_heads(tiny_target, tmp_path):
+    drafter = AdaptingDrafter(HeadsDrafter(new_heads_draft(tiny_target, torch.arange(64), 3)), FAST, "tiny", "heads")
+    start = {k: v.clone() for k, v in drafter.source.draft.heads.state_dict().items()}
+    engine, plain = engine_for(tiny_target, drafter), engine_for(tiny_target, NoDrafter(), 1)
+    for prompt in PROMPTS:
+        config = GenerationConfig(max_new_tokens=40)
+        assert engine.generate(prompt, config).token_ids == plain.generate(prompt, config).token_ids
+    assert drafter.learner.steps > 0
+    assert any(not torch.equal(v, start[k]) for k, v in drafter.source.draft.heads.state_dict().items())
+    out = drafter.save(tmp_path / "heads")
+    assert json.loads((out / "draftlab_draft.json").read_text())["made"]["adapt"]["base"] == "heads"
+    reloaded = build_drafter(f"model:{out}", tiny_target).drafter
+    forked = drafter.fork()  # a sweep cell's own: the base weights, shared target tensors
+    assert forked.source.draft.head is drafter.source.draft.head
+    assert all(torch.equal(v, start[k]) for k, v in forked.source.draft.heads.state_dict().items())
+    ours = engine_for(tiny_target, without_memory(drafter)).generate(PROMPTS[0], GenerationConfig(max_new_tokens=30))
+    theirs = engine_for(tiny_target, reloaded).generate(PROMPTS[0], GenerationConfig(max_new_tokens=30))
+    assert ours.stats.accepted_per_step_list == theirs.stats.accepted_per_step_list
 
 
 def test_warm_up_views_learn_nothing(tiny_target):

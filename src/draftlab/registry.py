@@ -26,10 +26,10 @@ HF reference runs alike. Spec grammar:
                               responses; OPTIONS, comma-separated: depth=N, factor=F, offset=F, min_prob=P, tree|chain,
                               responses=N (held across requests; 0: none), cache=DIR (load, and append each
                               response); K is the most tokens a step proposes. See `draftlab.drafters.suffix`
-  adapt[:OPTIONS]/SPEC        feature draft SPEC (designed, model:DIR of a feature draft, tree:...:designed, merged:...)
-                              that keeps learning from the target's hidden states of what it decodes (online
+  adapt[:OPTIONS]/SPEC        feature draft or decoder heads SPEC (designed, model:DIR of either, tree:...:designed,
+                              merged:...) that keeps learning from the target's hidden states of what it decodes (online
                               adaptation, lossless); OPTIONS: lr=F, every=N, steps=N, window=N, batch=N, buffer=N,
-                              noise=F, seed=N. See `draftlab.drafters.adapt`
+                              warmup=N, noise=F, reread=0|1, seed=N. See `draftlab.drafters.adapt`
   merged:GUIDE/SPEC           n-gram lookup GUIDE (ngram[:...]) merged into the tree (or chain) of SPEC
                               (tree:SHAPE:... or a drafter with logits): the guide's continuation
                               is one branch, the draft's tokens the others, see `draftlab.drafters.tree`
@@ -264,11 +264,13 @@ def _build_adapt(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDra
 
 
 def can_adapt(spec: str) -> bool:
-    """Whether online adaptation applies to a spec: a feature draft, or a tree (merged or not) grown by one."""
+    """Whether online adaptation applies to a spec: a feature draft or decoder heads, or a tree (merged or not) grown
+    by one."""
     plan = parse_drafter_spec(spec)
     while plan.kind in ("tree", "merged"):
         plan = plan.inner
-    return plan.kind == "designed" or (plan.kind == "model" and draft_format(plan.model) == feature.FORMAT)
+    return plan.kind == "designed" or (plan.kind == "model" and draft_format(plan.model) in (feature.FORMAT,
+                                                                                              heads.FORMAT))
 
 
 def with_adapting(specs: tuple[str, ...], options: str | None) -> tuple[str, ...]:

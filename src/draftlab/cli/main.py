@@ -40,10 +40,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_adapt_args(parser: argparse.ArgumentParser) -> None:
-    """--adapt [OPTIONS] and --adapt-save DIR: online adaptation of a feature draft (`draftlab.drafters.adapt`)."""
+    """--adapt [OPTIONS] and --adapt-save DIR: online adaptation of a feature draft or heads (`drafters.adapt`)."""
     parser.add_argument("--adapt", nargs="?", const="", default=None, metavar="OPTIONS",
-                        help="let the feature draft (designed, model:DIR, a tree of one) keep learning from the "
-                             "target's hidden states while it decodes; OPTIONS e.g. lr=3e-4,every=64,steps=1")
+                        help="let the feature draft or heads (designed, model:DIR, a tree of one) keep learning from "
+                             "the target's hidden states while it decodes; OPTIONS e.g. lr=5e-4,every=32,steps=2")
     parser.add_argument("--adapt-save", default=None, metavar="DIR",
                         help="with --adapt: write the adapted draft here at the end (load it with model:DIR)")
 
@@ -175,7 +175,8 @@ def format_bench_table(summary: dict, args) -> str:
     if "adapt" in summary:
         adapt = summary["adapt"]
         lines.append(f"online adaptation: {adapt['steps']} optimizer steps over {adapt['requests']} requests, "
-                     f"{adapt['train_s']:.1f}s ({adapt['train_ms_per_token']:.1f} ms per new token, in the draft time); "
+                     f"{adapt['train_s']:.1f}s ({adapt['train_ms_per_token']:.1f} ms per new token, in the draft "
+                     "time); "
                      f"acceptance first {adapt['window_requests']} requests {adapt['acceptance_first']:.1%}, last "
                      f"{adapt['acceptance_last']:.1%}")
     if "cache_held" in summary:

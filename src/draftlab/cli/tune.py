@@ -77,6 +77,11 @@ def _search_inputs(args):
     if settings.k_max < 1:
         raise DraftlabError(f"--k-max must be >= 1, got {settings.k_max}")
     defaults = LLAMACPP_DRAFTS if args.backend == "llamacpp" else DEFAULT_DRAFTS
+    adapting = [d for d in args.drafts or [] if d.startswith(("adapt/", "adapt:"))]
+    if adapting:
+        raise DraftlabError(f"{adapting[0]}: calibration and the race time each prompt more than once, and an adapting "
+                            "draft would be timed on prompts it learned from; give its static draft here and measure "
+                            "adaptation on a stream (draftlab bench --adapt, benchmarks/adapt.py)")
     return args.drafts or defaults, load_prompts(args.prompts or args.dataset, args.limit), settings
 
 

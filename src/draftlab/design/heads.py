@@ -19,7 +19,7 @@ import torch
 
 from draftlab.design.feature import FeatureSettings, load_or_make_features
 from draftlab.design.training import LoopSettings, train
-from draftlab.drafters.heads import HeadsDraft, save_heads_draft
+from draftlab.drafters.heads import HeadsDraft, heads_loss, save_heads_draft
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel
 
@@ -71,15 +71,7 @@ class HeadsStudent:
         return params
 
     def loss(self, rows: list[int]) -> torch.Tensor:
-        features = self.data["features"][rows].float()  # [B, T, D]
-        with torch.no_grad():
-            target_probs = torch.softmax(torch.nn.functional.linear(features, self.draft.head.float()), -1)  # [B, T, V']
-        logits = self.draft.logits(features)  # [B, T, H, V']
-        total = torch.zeros(())
-        for k in range(1, self.draft.heads.count + 1):
-            log_draft = torch.log_softmax(logits[:, :-k, k - 1].float(), dim=-1)  # [B, T-k, V']
-            total = total - self.settings.decay ** (k - 1) * (target_probs[:, k:] * log_draft).sum(-1).mean()
-        return total
+        return heads_loss(self.draft, self.data["features"][rows].float(), self.settings.decay)
 
     @torch.no_grad()
     def agreements(self) -> list[float]:

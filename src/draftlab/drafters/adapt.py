@@ -1,22 +1,23 @@
-"""Online adaptation: a feature draft that keeps learning from the target's own verification.
+"""Online adaptation: drafts that keep learning from the target's own verification.
 
 Online speculative decoding (Liu et al., 2023) distills the draft on the queries it actually serves. Every
-verification step hands draftlab what a feature draft is distilled on offline (`draftlab.design.feature`): the
-target's final hidden states of the committed positions (`Drafter.observe`), and with them the target's
-distribution there (its LM-head rows applied to them). `AdaptingDrafter` wraps a drafter whose proposals come from
-a feature draft (`designed`, `model:DIR` of a feature draft, or a tree grown by one, merged or not), keeps every
-position it sees (prompt and committed tokens) in a bounded replay buffer, and every `every` new positions takes
-`steps` AdamW steps of the offline loss (`feature_loss`) on a window of the newest positions and windows replayed
-from earlier requests. An fp32 copy of the draft layer trains; the drafting layer (the target's dtype) takes its
-weights after each update and the draft re-reads the request's real features with them.
+verification step hands draftlab what the drafts that read the target's features are distilled on offline
+(`draftlab.design.feature`, `draftlab.design.heads`): the target's final hidden states of the committed positions
+(`Drafter.observe`), and with them the target's distribution there (its LM-head rows applied to them).
+`AdaptingDrafter` wraps a drafter whose proposals come from a feature draft or decoder heads (`designed`, `model:DIR`
+of either, or a tree grown by one, merged or not), keeps every position it sees (prompt and committed tokens) in a
+bounded replay buffer, and every `every` new positions takes `steps` AdamW steps of the offline loss
+(`feature_loss`, `heads_loss`) on a window of the newest positions and windows replayed from earlier requests. An
+fp32 copy of the draft's own weights trains (`Learner`); the drafting copy (the target's dtype) takes its weights
+after each update (with `reread=1` a feature draft also re-reads the request's real features with them).
 
 Lossless: the target, its scores and the verifier are untouched; an update changes only what is proposed next,
 and each proposal carries the draft probabilities of the weights that drew it. Its cost is in every figure: the
 updates run inside `propose` and `finish`, so they count as drafting time.
 
-Spec: `adapt[:OPTIONS]/SPEC`, OPTIONS comma-separated `lr=F, every=N, steps=N, window=N, batch=N, buffer=N,
-noise=F, seed=N` (`AdaptSettings`). `save(DIR)` writes the adapted draft as a feature-draft directory
-(`model:DIR` loads it) whose record says what it learned from.
+Spec: `adapt[:OPTIONS]/SPEC`, OPTIONS comma-separated `lr=F, warmup=N, every=N, steps=N, window=N, batch=N,
+buffer=N, noise=F, reread=0|1, seed=N` (`AdaptSettings`). `save(DIR)` writes the adapted draft as a draft directory
+of its format (`model:DIR` loads it) whose record says what it learned from.
 """
 
 from __future__ import annotations
@@ -31,30 +32,36 @@ from typing import Sequence
 import torch
 
 from draftlab.drafters.feature import FeatureDraft, FeatureDrafter, feature_loss, save_feature_draft
+from draftlab.drafters.heads import HeadsDraft, HeadsDrafter, heads_loss, save_heads_draft
 from draftlab.errors import DraftlabError
 from draftlab.step import ROOT, Proposal
 
 WINDOW_HISTORY = 10  # requests in the record's "acceptance before/after" windows
+HEADS_DECAY = 0.8  # head k's loss weight is HEADS_DECAY ** (k - 1), as `draftlab design heads` trains them
 
 
 @dataclass(frozen=True)
 class AdaptSettings:
     """How a draft learns while it decodes (the spec's options)."""
 
-    lr: float = 3e-4  # AdamW's learning rate (constant)
-    every: int = 64  # new positions (prompt and committed tokens) between updates
+    lr: float = 1e-3  # AdamW's learning rate, after a linear warm-up
+    warmup: int = 10  # optimizer steps over which the learning rate rises to lr (Adam's first steps are large)
+    every: int = 32  # new positions (prompt and committed tokens) between updates
     steps: int = 1  # optimizer steps per update
-    window: int = 128  # positions per training window
+    window: int = 64  # positions per training window
     batch: int = 2  # windows per step: the newest positions, then windows replayed from the buffer
     buffer: int = 8192  # positions the replay buffer holds (the oldest requests leave first)
     noise: float = 0.1  # input-feature noise, a fraction of the features' RMS (as offline)
+    reread: int = 0  # 1: after an update a feature draft re-reads the request's features (its cache) with the new
+    # weights; 0 (measured as accepting as much, for less): positions after the update use them
     regression_weight: float = 1.0
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.lr <= 0 or self.every < 1 or self.steps < 1 or self.window < 3 or self.batch < 1 or self.buffer < 0:
+        if (self.lr <= 0 or self.every < 1 or self.steps < 1 or self.window < 3 or self.batch < 1 or self.buffer < 0
+                or self.warmup < 0 or self.reread not in (0, 1)):
             raise DraftlabError("adapt options need lr > 0, every >= 1, steps >= 1, window >= 3, batch >= 1, "
-                                "buffer >= 0")
+                                "buffer >= 0, warmup >= 0, reread 0 or 1")
 
     @classmethod
     def parse(cls, text: str) -> "AdaptSettings":
@@ -79,23 +86,41 @@ class AdaptSettings:
                         if getattr(self, f.name) != getattr(default, f.name))
 
 
-class FeatureLearner:
-    """The trainable side of an adapting feature draft: an fp32 copy of its layer, AdamW and the replay buffer."""
+class Learner:
+    """The trainable side of an adapting draft: an fp32 copy of its own weights, AdamW and the replay buffer.
 
-    def __init__(self, draft: FeatureDraft, settings: AdaptSettings) -> None:
-        self.live = draft  # the drafting copy, in the target's dtype
+    Subclasses name the draft's trained module, the target tensors it shares, its loss and how it is saved."""
+
+    def __init__(self, live, master, settings: AdaptSettings) -> None:
+        self.live, self.master = live, master  # the drafting draft (the target's dtype) and its fp32 copy
         self.settings = settings
-        self.master = replace(draft, layer=copy.deepcopy(draft.layer).float().train(), head=draft.head.float(),
-                              cos=draft.cos.float(), sin=draft.sin.float())
-        params = list(self.master.layer.parameters())
+        params = list(self.module(master).parameters())
         for param in params:
             param.requires_grad_(True)
+        self.module(master).train()
         self.optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
         self.generator = torch.Generator().manual_seed(settings.seed)
         self.buffer: deque[tuple[torch.Tensor, torch.Tensor]] = deque()  # (features [n, D] fp32, tokens [n])
         self.scale = 0.0  # the features' RMS, from the first update
         self.steps = self.positions = 0
         self.train_s = 0.0
+
+    @staticmethod
+    def module(draft) -> torch.nn.Module:
+        """The draft's own trained weights."""
+        raise NotImplementedError
+
+    def loss(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The offline training loss on real features [B, T, D] and their tokens [B, T]."""
+        raise NotImplementedError
+
+    def frozen(self) -> list[torch.Tensor]:
+        """The target's tensors the draft reads (shared, never copied)."""
+        raise NotImplementedError
+
+    def save(self, out: str | Path, target_name: str, made: dict) -> Path:
+        """Write the trained draft (fp32) with this record as a draft directory."""
+        raise NotImplementedError
 
     def remember(self, features: torch.Tensor, tokens: torch.Tensor) -> None:
         """Keep a finished request's positions for replay, within the buffer's bound."""
@@ -108,7 +133,7 @@ class FeatureLearner:
 
     def update(self, features: torch.Tensor, tokens: torch.Tensor) -> None:
         """`steps` optimizer steps on the newest window of this request (features [n, D], tokens [n]) and replayed
-        windows; then the drafting layer takes the new weights."""
+        windows; then the drafting draft takes the new weights."""
         start = time.perf_counter()
         if not self.scale:
             self.scale = float(features.pow(2).mean().sqrt())
@@ -120,15 +145,18 @@ class FeatureLearner:
         self.train_s += time.perf_counter() - start
 
     def _step(self, windows: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """One AdamW step on the mean loss of `windows` (each its own [1, T] sequence)."""
+        """One AdamW step on the mean loss of `windows`, those of one length in one batch [B, T]."""
         if not windows:
             return
         self.optimizer.zero_grad(set_to_none=True)
-        for features, tokens in windows:
-            loss = feature_loss(self.master, features[None], tokens[None], self.settings.noise * self.scale,
-                                self.generator, self.settings.regression_weight)
-            (loss / len(windows)).backward()
-        torch.nn.utils.clip_grad_norm_(self.master.layer.parameters(), 1.0)
+        for length in sorted({int(t.shape[0]) for _, t in windows}):
+            group = [(f, t) for f, t in windows if t.shape[0] == length]
+            features = torch.stack([f for f, _ in group])  # [B, T, D]
+            tokens = torch.stack([t for _, t in group])  # [B, T]
+            (self.loss(features, tokens) * len(group) / len(windows)).backward()
+        torch.nn.utils.clip_grad_norm_(self.module(self.master).parameters(), 1.0)
+        for param_group in self.optimizer.param_groups:
+            param_group["lr"] = self.settings.lr * min(1.0, (self.steps + 1) / max(1, self.settings.warmup))
         self.optimizer.step()
         self.steps += 1
 
@@ -143,13 +171,13 @@ class FeatureLearner:
 
     def state(self) -> dict:
         """Everything learned so far (weights, optimizer, buffer, counters), for `torch.save`."""
-        return {"layer": self.master.layer.state_dict(), "optimizer": self.optimizer.state_dict(),
+        return {"weights": self.module(self.master).state_dict(), "optimizer": self.optimizer.state_dict(),
                 "buffer": list(self.buffer), "scale": self.scale, "steps": self.steps, "positions": self.positions,
                 "train_s": self.train_s, "generator": self.generator.get_state()}
 
     def load_state(self, state: dict) -> None:
-        """Go on from a `state()`; the drafting layer takes its weights."""
-        self.master.layer.load_state_dict(state["layer"])
+        """Go on from a `state()`; the drafting draft takes its weights."""
+        self.module(self.master).load_state_dict(state["weights"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.buffer = deque(state["buffer"])
         self.scale, self.steps, self.positions = state["scale"], state["steps"], state["positions"]
@@ -159,13 +187,58 @@ class FeatureLearner:
 
     @torch.no_grad()
     def _sync(self) -> None:
-        """Copy the trained fp32 weights into the drafting layer (its dtype)."""
-        for live, trained in zip(self.live.layer.parameters(), self.master.layer.parameters()):
+        """Copy the trained fp32 weights into the drafting draft (its dtype)."""
+        for live, trained in zip(self.module(self.live).parameters(), self.module(self.master).parameters()):
             live.copy_(trained)
 
 
+class FeatureLearner(Learner):
+    """A feature draft's layer (and fc), trained on EAGLE's two terms (`feature_loss`)."""
+
+    def __init__(self, draft: FeatureDraft, settings: AdaptSettings) -> None:
+        master = replace(draft, layer=copy.deepcopy(draft.layer).float(), head=draft.head.float(),
+                         cos=draft.cos.float(), sin=draft.sin.float())
+        super().__init__(draft, master, settings)
+
+    @staticmethod
+    def module(draft: FeatureDraft) -> torch.nn.Module:
+        return draft.layer
+
+    def loss(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return feature_loss(self.master, features, tokens, self.settings.noise * self.scale, self.generator,
+                            self.settings.regression_weight)
+
+    def frozen(self) -> list[torch.Tensor]:
+        return [self.live.embed, self.live.head, self.live.vocab_map, self.live.cos, self.live.sin]
+
+    def save(self, out: str | Path, target_name: str, made: dict) -> Path:
+        return save_feature_draft(replace(self.master, made=made), out, target_name, dtype=torch.float32)
+
+
+class HeadsLearner(Learner):
+    """Decoder heads, trained on Medusa's loss (`heads_loss`, decay `HEADS_DECAY`); tokens are not needed."""
+
+    def __init__(self, draft: HeadsDraft, settings: AdaptSettings) -> None:
+        super().__init__(draft, replace(draft, heads=copy.deepcopy(draft.heads).float(), head=draft.head.float()),
+                         settings)
+
+    @staticmethod
+    def module(draft: HeadsDraft) -> torch.nn.Module:
+        return draft.heads
+
+    def loss(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return heads_loss(self.master, features, HEADS_DECAY)
+
+    def frozen(self) -> list[torch.Tensor]:
+        return [self.live.head, self.live.vocab_map]
+
+    def save(self, out: str | Path, target_name: str, made: dict) -> Path:
+        return save_heads_draft(replace(self.master, made=made), out, target_name, dtype=torch.float32)
+
+
 class AdaptingDrafter:
-    """A drafter whose feature draft learns online from the target's hidden states of every position it decodes."""
+    """A drafter whose feature draft or heads learn online from the target's hidden states of every position it
+    decodes."""
 
     reads_target_hidden = True
 
@@ -173,12 +246,13 @@ class AdaptingDrafter:
         """inner: the drafter (a feature drafter, or a tree grown by one); base: what it was built from (the
         record names it)."""
         self.inner = inner
-        self.source = feature_source(inner)
+        self.source = learning_source(inner)
         self.settings = settings
         self.target_name = target_name
         self.base = base
-        self._base = {k: v.clone() for k, v in self.source.draft.layer.state_dict().items()}  # before any update
-        self.learner = FeatureLearner(self.source.draft, settings)
+        learner = FeatureLearner if isinstance(self.source, FeatureDrafter) else HeadsLearner
+        self.learner: Learner = learner(self.source.draft, settings)
+        self._base = {k: v.clone() for k, v in learner.module(self.source.draft).state_dict().items()}  # as built
         self.name = f"adapt{':' + settings.label if settings.label else ''}/{inner.name}"
         self.requests: list[tuple[int, int]] = []  # (drafted, accepted) of each finished request
         self._begin_request()
@@ -224,10 +298,8 @@ class AdaptingDrafter:
     def fork(self) -> "AdaptingDrafter":
         """An independent drafter that starts from the base weights (a sweep cell's own): the frozen target
         tensors are shared, the draft layer is copied."""
-        draft = self.source.draft
-        shared = {id(t): t for t in (draft.embed, draft.head, draft.vocab_map, draft.cos, draft.sin)}
-        inner = copy.deepcopy(self.inner, memo=shared)
-        feature_source(inner).draft.layer.load_state_dict(self._base)
+        inner = copy.deepcopy(self.inner, memo={id(t): t for t in self.learner.frozen()})
+        self.learner.module(learning_source(inner).draft).load_state_dict(self._base)
         return AdaptingDrafter(inner, self.settings, self.target_name, self.base)
 
     def state(self) -> dict:
@@ -248,7 +320,8 @@ class AdaptingDrafter:
         features = torch.cat(self._features)  # [n, D], n = len(context) - 1
         self._features = [features]
         self.learner.update(features, torch.tensor(list(context[: features.shape[0]])))
-        self.source.reanchor(features)
+        if self.settings.reread and isinstance(self.source, FeatureDrafter):  # heads have no cache to re-read
+            self.source.reanchor(features)
         self._pending = 0
 
     def _count_accepted(self, context: Sequence[int]) -> None:
@@ -276,20 +349,19 @@ class AdaptingDrafter:
                 "acceptance_last": round(self.acceptance(WINDOW_HISTORY), 4), "window_requests": WINDOW_HISTORY}
 
     def save(self, out: str | Path) -> Path:
-        """Write the adapted draft (fp32 weights) as a feature-draft directory that `model:DIR` loads."""
-        draft = self.learner.master
+        """Write the adapted draft (fp32 weights) as a draft directory of its format, which `model:DIR` loads."""
         made = dict(self.source.draft.made)
         made["adapt"] = {**self.record(), **({"previous": made["adapt"]} if "adapt" in made else {})}
-        saved = replace(draft, made=made)
-        return save_feature_draft(saved, out, self.target_name, dtype=torch.float32)
+        return self.learner.save(out, self.target_name, made)
 
 
-def feature_source(drafter) -> FeatureDrafter:
-    """The feature drafter a drafter proposes from (itself, or the source of its tree), or a one-line error."""
+def learning_source(drafter) -> FeatureDrafter | HeadsDrafter:
+    """The feature draft or decoder heads a drafter proposes from (itself, or its tree's source), or a one-line
+    error."""
     source = getattr(drafter, "source", drafter)
-    if not isinstance(source, FeatureDrafter):
-        raise DraftlabError(f"adapt learns feature drafts (designed, model:DIR of a feature draft, or a tree of "
-                            f"one); {drafter.name} is not one")
+    if not isinstance(source, (FeatureDrafter, HeadsDrafter)):
+        raise DraftlabError(f"adapt learns feature drafts and decoder heads (designed, model:DIR of either, or a "
+                            f"tree of one); {drafter.name} is neither")
     return source
 
 

@@ -87,6 +87,20 @@ class HeadsDraft:
         return F.linear(outputs, self.head)
 
 
+def heads_loss(draft: HeadsDraft, features: torch.Tensor, decay: float) -> torch.Tensor:
+    """Medusa's loss on real target features [B, T, D] (fp32): head k's cross-entropy against the target's
+    distribution k places ahead (its head rows on f_{t+k}), weighted decay ** (k - 1). The one loss of offline
+    training (`draftlab.design.heads`) and online adaptation (`draftlab.drafters.adapt`)."""
+    with torch.no_grad():
+        target_probs = torch.softmax(F.linear(features, draft.head.float()), -1)  # [B, T, V']
+    logits = draft.logits(features)  # [B, T, H, V']
+    total = torch.zeros(())
+    for k in range(1, draft.heads.count + 1):
+        log_draft = torch.log_softmax(logits[:, :-k, k - 1].float(), dim=-1)  # [B, T-k, V']
+        total = total - decay ** (k - 1) * (target_probs[:, k:] * log_draft).sum(-1).mean()
+    return total
+
+
 def new_heads_draft(target: LoadedModel, vocab_map: torch.Tensor, count: int) -> HeadsDraft:
     """`count` untrained heads (each repeats the target's next-token guess) for `target`."""
     hidden_size = target.model.get_output_embeddings().weight.shape[1]
