@@ -73,8 +73,8 @@ class SpeculativeDecoder:
         draft_model: LoadedModel | None = None, backend: str = DEFAULT_BACKEND, target_backend: Backend | None = None,
         adapt: AdaptSettings | None = None,
     ) -> None:
-        """adapt: let the drafter's feature draft keep learning from every generation (`draftlab.drafters.adapt`);
-        `save_draft` then writes what it learned."""
+        """adapt: let the drafter's feature draft or heads keep learning from every generation
+        (`draftlab.drafters.adapt`); `save_draft` then writes what it learned."""
         if adapt is not None:
             drafter = AdaptingDrafter(drafter, adapt, target.name, base=drafter.name)
         self.target = target
@@ -101,7 +101,7 @@ class SpeculativeDecoder:
     ) -> "SpeculativeDecoder":
         """Load the target (unless given) and build the drafter from its spec string.
 
-        adapt: online adaptation of a feature draft (as the spec `adapt[:OPTIONS]/SPEC`).
+        adapt: online adaptation of a feature draft or heads (as the spec `adapt[:OPTIONS]/SPEC`).
         backend: "auto" (draftlab's lean Llama forward where it applies, else
         transformers), "fast" (require the lean forward), "hf" (transformers) or "llamacpp" (the GGUF file as it
         is, in llama.cpp; drafts then run there too).
@@ -169,7 +169,8 @@ class SpeculativeDecoder:
         return result
 
     def save_draft(self, out: str) -> str:
-        """Write the draft as online adaptation left it (a feature-draft directory `model:DIR` loads); its path."""
+        """Write the draft as online adaptation left it (a draft directory of its format, which `model:DIR` loads);
+        its path."""
         if not isinstance(self.drafter, AdaptingDrafter):
             raise DraftlabError(f"drafter {self.drafter.name} does not adapt; nothing learned to save (use --adapt)")
         return str(self.drafter.save(out))

@@ -243,8 +243,8 @@ class AdaptingDrafter:
     reads_target_hidden = True
 
     def __init__(self, inner, settings: AdaptSettings, target_name: str, base: str) -> None:
-        """inner: the drafter (a feature drafter, or a tree grown by one); base: what it was built from (the
-        record names it)."""
+        """inner: the drafter (a feature drafter or heads, or a tree grown by one); base: what it was built from
+        (the record names it)."""
         self.inner = inner
         self.source = learning_source(inner)
         self.settings = settings
@@ -297,7 +297,7 @@ class AdaptingDrafter:
 
     def fork(self) -> "AdaptingDrafter":
         """An independent drafter that starts from the base weights (a sweep cell's own): the frozen target
-        tensors are shared, the draft layer is copied."""
+        tensors are shared, the draft's own weights are copied."""
         inner = copy.deepcopy(self.inner, memo={id(t): t for t in self.learner.frozen()})
         self.learner.module(learning_source(inner).draft).load_state_dict(self._base)
         return AdaptingDrafter(inner, self.settings, self.target_name, self.base)
@@ -316,7 +316,7 @@ class AdaptingDrafter:
         return self.inner
 
     def _update(self, context: Sequence[int]) -> None:
-        """Train on this request so far, then let the draft re-read its real features with the new weights."""
+        """Train on this request so far (with `reread`, a feature draft then re-reads its features)."""
         features = torch.cat(self._features)  # [n, D], n = len(context) - 1
         self._features = [features]
         self.learner.update(features, torch.tensor(list(context[: features.shape[0]])))

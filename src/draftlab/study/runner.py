@@ -125,9 +125,8 @@ class CellRunner:
         prompts only (from the base weights when there is none)."""
         learner, self.cell_prompts[cell.key] = drafter.fork(), []
         where = self._cache_dir(cell) if self.cache_root is not None else None
-        states = [torch.load(where / name, weights_only=False) for name in ADAPT_FILES
-                  if where is not None and (where / name).exists()]
-        usable = [s for s in states if all((cell.key, p) in self.done for p in s["prompts"])]
+        states = [_read_state(where / name) for name in ADAPT_FILES if where is not None]
+        usable = [s for s in states if s is not None and all((cell.key, p) in self.done for p in s["prompts"])]
         if usable:
             state = max(usable, key=lambda s: len(s["prompts"]))
             learner.load_state(state)
@@ -202,6 +201,15 @@ class CellRunner:
         """Untimed short runs through every path: first calls pay one-off costs."""
         for cell in cells:
             self.run(replace(cell, max_new_tokens=8), prompt, prompt_ids, warm_up=True)
+
+
+def _read_state(path: Path) -> dict | None:
+    """An adapting cell's saved state, or None when it is missing or unreadable (a kill mid-write leaves only
+    the .tmp file; the cell then goes on from its other state, or from the base weights)."""
+    try:
+        return torch.load(path, weights_only=False) if path.exists() else None
+    except Exception:  # a damaged file counts as missing: the cell learns less, never from an unstored prompt
+        return None
 
 
 def token_sha(tokens: list[int]) -> str:
