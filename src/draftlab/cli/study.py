@@ -58,8 +58,8 @@ def _add_sweep_args(parser: argparse.ArgumentParser, db_required: bool = True) -
     parser.add_argument("--no-host-baselines", action="store_true",
                         help="do not time plain decoding in the host's other dtypes and routes ('plain' cells)")
     parser.add_argument("--adapt", nargs="?", const="", default=None, metavar="OPTIONS",
-                        help="add an adapting twin (adapt[:OPTIONS]/SPEC) of every feature or heads draft among the drafters: "
-                             "it learns over its cell's prompts, in order")
+                        help="add an adapting twin (adapt[:OPTIONS]/SPEC) of every feature or heads draft among the "
+                             "drafters: it learns over its cell's prompts, in order")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--no-progress", action="store_true")
 
