@@ -12,8 +12,9 @@ questions (open chat questions: FiQA, HealthSearchQA, MedicationQA, LiveQA,
 TruthfulQA, NQ-open), which serves as training text for designed drafts.
 `mixed` interleaves all of them (code, summarization, chat, math, mmlu,
 commonsense); `heldout` interleaves code, summarization, chat and math prompts
-beyond those the shipped designed draft was trained on (the quick study's set). A user file holds one JSON object per line with `prompt` and optional
-`category` and `id`.
+beyond those the shipped designed draft was trained on (the quick study's set). A user file holds one JSON object per
+line with `prompt` and optional `category`, `id`, `chat` (false: the text as it is, without the chat template) and
+`history` (earlier turns, user and assistant in turn, before `prompt`).
 """
 
 from __future__ import annotations
@@ -243,6 +244,12 @@ def _user_file(path: Path) -> list[Prompt]:
     return prompts
 
 
+def prompt_line(prompt: Prompt) -> str:
+    """A prompt as one line of a user prompt file (read back by `load_prompts` as the same prompt)."""
+    return json.dumps({"prompt": prompt.text, "category": prompt.category, "id": prompt.id, "chat": prompt.chat,
+                       "history": list(prompt.history)}) + "\n"
+
+
 def _prompt_of(row: dict, default_id: str) -> Prompt:
     """One prompt from a draftlab line or a Spec-Bench / MT-Bench question."""
     if "prompt" in row:
@@ -251,7 +258,12 @@ def _prompt_of(row: dict, default_id: str) -> Prompt:
         text, pid = row["turns"][0], row.get("question_id", default_id)
     if not isinstance(text, str) or not text.strip():
         raise TypeError("the prompt is empty or not text")
-    return Prompt(str(pid), str(row.get("category", "custom")), text)
+    history, chat = row.get("history", []), row.get("chat", True)
+    if not isinstance(history, list) or len(history) % 2 or not all(isinstance(t, str) for t in history):
+        raise TypeError("'history' must be a list of earlier turns, user and assistant in turn")
+    if not isinstance(chat, bool):
+        raise TypeError("'chat' must be true or false")
+    return Prompt(str(pid), str(row.get("category", "custom")), text, chat, tuple(history))
 
 
 def balanced(prompts: list[Prompt], limit: int | None) -> list[Prompt]:

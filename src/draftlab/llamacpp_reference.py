@@ -59,6 +59,9 @@ class LlamaCppPeer:
                 self._plain = Llama(**common)
             return self._plain
         if self._lookup is None:
-            self._lookup = Llama(**common, draft_model=LlamaPromptLookupDecoding(self.max_ngram, k))
+            # With a draft model the library computes logits for every row, but sizes its score buffer from the
+            # `logits_all` argument (n_batch rows when False): say True, or any prompt longer than 512 tokens fails.
+            self._lookup = Llama(**common, logits_all=True,
+                                 draft_model=LlamaPromptLookupDecoding(self.max_ngram, k))
         self._lookup.draft_model.num_pred_tokens = k
         return self._lookup

@@ -8,6 +8,8 @@ keyed by the GGUF's SHA256, so later loads take about a second.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -270,9 +272,11 @@ def convert_gguf(gguf_path: Path) -> Path:
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    try:  # transformers' GGUF reader draws its own tqdm bar, outside its progress-bar switch: keep it off our output
+        with quiet_transformers(), contextlib.redirect_stderr(io.StringIO()):
+            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+            model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                         dtype=torch.float32)
     except Exception as exc:  # transformers raises many types for unreadable GGUF
         raise DraftlabError(f"transformers cannot read GGUF {gguf_path}: {exc}") from exc
     partial = out.with_name(out.name + ".partial")

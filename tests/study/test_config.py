@@ -22,12 +22,17 @@ def test_toml_file_then_flags(tmp_path):
     assert len({c.key for c in cells}) == len(cells)
 
 
-def test_the_quick_study_runs_every_kind_of_draft():
-    """The main job has the shipped draft as a chain and as its best tree, n-gram lookup and a layer draft."""
+def test_the_quick_study_races_and_the_full_grid_stays():
+    """The main job has the shipped draft as a chain and as its best tree and n-gram lookup, and races them; the
+    layer self-draft (which never won on a CPU) and the whole grid stay in the full preset."""
     from draftlab.registry import parse_drafter_spec
 
-    kinds = {parse_drafter_spec(spec, 30).kind for spec in make_config("quick").drafters}
-    assert kinds == {"designed", "merged", "ngram", "layers"}
+    quick, full = make_config("quick"), make_config("full")
+    assert {parse_drafter_spec(spec, 30).kind for spec in quick.drafters} == {"designed", "merged", "ngram"}
+    assert quick.race_after >= 1 and full.race_after == 0
+    assert "layers" in {parse_drafter_spec(spec, 30).kind for spec in full.drafters}
+    with pytest.raises(DraftlabError, match="race_after"):
+        make_config("quick", race_after=-1)
 
 
 def test_bad_grids_are_refused(tmp_path):

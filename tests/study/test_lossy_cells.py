@@ -12,7 +12,8 @@ import pytest
 
 from draftlab.study import plots, runner, sweep
 from draftlab.study.page import build_report
-from draftlab.study.report import ALL, load_checks, load_study, lossy_cells, optimal_table, recommend, summarize
+from draftlab.study.answer import recommend
+from draftlab.study.report import ALL, load_checks, load_study, lossy_cells, optimal_table, summarize
 from draftlab.study.report import baseline_drift
 from draftlab.study.store import ResultsStore
 from tests.conftest import tiny_model_dir

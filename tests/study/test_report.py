@@ -97,7 +97,8 @@ def test_report_with_profile_checks_the_model(study, tmp_path):
 
 
 def test_recommendation_names_the_measured_best_lossless_configuration(study, tmp_path):
-    from draftlab.study.report import Drift, recommend
+    from draftlab.study.answer import recommend
+    from draftlab.study.report import Drift
 
     rows, _, _ = load_study(study)
     sentences = recommend(summarize(rows), Drift(2, 0.02))
@@ -117,7 +118,8 @@ def _summary(method, drafter, k, speedup, identical=2):
 
 
 def test_recommendation_says_plain_decoding_when_nothing_wins():
-    from draftlab.study.report import Drift, recommend
+    from draftlab.study.answer import recommend
+    from draftlab.study.report import Drift
 
     cells = [_summary("ar", "none", 0, 1.0), _summary("sps", "ngram", 3, 0.9), _summary("asg", "ngram", 3, 0.8)]
     (sentence,) = recommend(cells, Drift(2, 0.03))
@@ -126,7 +128,8 @@ def test_recommendation_says_plain_decoding_when_nothing_wins():
 
 
 def test_recommendation_flags_a_gain_within_the_drift():
-    from draftlab.study.report import Drift, recommend
+    from draftlab.study.answer import recommend
+    from draftlab.study.report import Drift
 
     cells = [_summary("sps", "designed", 1, 1.08)]
     assert "within the machine's drift" in recommend(cells, Drift(2, 0.2))[0]
@@ -164,7 +167,8 @@ def test_the_answer_is_judged_against_the_fastest_plain_decoding_on_the_host(tmp
     """Plain decoding in another mode ran twice as fast as the study's own: speedups are stated against it."""
     from dataclasses import replace
 
-    from draftlab.study.report import Drift, recommend
+    from draftlab.study.answer import recommend
+    from draftlab.study.report import Drift
 
     store = ResultsStore(tmp_path / "study.sqlite")
     run = store.start_run({})

@@ -37,7 +37,8 @@ def setup(tmp_path_factory):
 def sweep_command(db, model, prompts):
     return [sys.executable, "-m", "draftlab.cli", "sweep", "--db", str(db), "--targets", str(model),
             "--drafters", "ngram", "layers:0-1", "suffix", "--ks", "1-3", "--datasets", str(prompts), "--limit", "6",
-            "--max-new-tokens", "48", "--warmup", "0", "--no-progress", "--dtype", "fp32", "--no-host-baselines"]
+            "--max-new-tokens", "48", "--warmup", "0", "--no-progress", "--dtype", "fp32", "--no-host-baselines",
+            "--race-after", "0"]
 
 
 def count(db) -> int:

@@ -33,7 +33,7 @@ def add_study_commands(sub) -> None:
 
 def _add_sweep_args(parser: argparse.ArgumentParser, db_required: bool = True) -> None:
     parser.add_argument("--db", required=db_required, help="study database (SQLite); resumes if it exists")
-    parser.add_argument("--preset", default="quick", help="quick (the main job: ~15 minutes on 2 CPU cores; torch and llama.cpp), full, or family "
+    parser.add_argument("--preset", default="quick", help="quick (the main job: minutes on 2 CPU cores; torch and llama.cpp), full, or family "
                                                           "(the Qwen2.5-Coder pair: hours on a CPU)")
     parser.add_argument("--config", help="TOML file with the grid (keys as the flags, in a [sweep] table)")
     parser.add_argument("--targets", nargs="+")
@@ -51,6 +51,9 @@ def _add_sweep_args(parser: argparse.ArgumentParser, db_required: bool = True) -
     parser.add_argument("--warmup", type=int)
     parser.add_argument("--baseline-every", type=int,
                         help="re-time the baseline after this many cells of a prompt (0: never; default 6)")
+    parser.add_argument("--race-after", type=int, metavar="N",
+                        help="after N prompts of a dataset, stop measuring cells that trail the fastest one by more "
+                             "than the machine's noise (0: run the whole grid; quick: 4)")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--device")
     parser.add_argument("--dtype")
@@ -77,7 +80,7 @@ def _sweep_config(args):
         args.preset, args.config, targets=tuple_or_none(args.targets), drafters=tuple_or_none(args.drafters), ks=ks,
         methods=tuple_or_none(args.methods), datasets=tuple_or_none([*(args.datasets or []), *([args.prompts] if args.prompts else [])]),
         temperatures=tuple_or_none(args.temperatures), limit=args.limit, skip=args.skip, max_new_tokens=args.max_new_tokens,
-        warmup=args.warmup, baseline_every=args.baseline_every, seed=args.seed, device=args.device, dtype=args.dtype,
+        warmup=args.warmup, baseline_every=args.baseline_every, race_after=args.race_after, seed=args.seed, device=args.device, dtype=args.dtype,
         backend=args.backend, host_baselines=False if args.no_host_baselines else None,
     )
     return replace(config, drafters=with_adapting(config.drafters, args.adapt))
@@ -105,8 +108,9 @@ def cmd_study(args) -> None:
     """Sweep into OUT/study.sqlite, write OUT/report, print the recommendation and the optimal table."""
     from draftlab.study.page import build_report
     from draftlab.study.report import (baseline_drift, format_lossy, format_optimal, load_checks, load_study,
-                                       lossy_cells, optimal_table, recommend, summarize)
-    from draftlab.study.answer import engine_answer
+                                       lossy_cells, optimal_table, summarize)
+    from draftlab.study.answer import engine_answer, recommend
+    from draftlab.study.pruning import format_skips, load_skips
 
     out = Path(args.out)
     db = args.db or str(out / "study.sqlite")
@@ -118,12 +122,15 @@ def cmd_study(args) -> None:
     drift = baseline_drift(rows, checks)
     print(f"report: {page}")
     print(drift.describe())
-    print("\n".join(engine_answer(summaries) + recommend(summaries, drift)))
+    print("\n".join(engine_answer(summaries, drift) + recommend(summaries, drift)))
     print(format_optimal(optimal_table(summaries, params)))
     _print_learning(summaries, rows)
     lossy = lossy_cells(summaries)
     if lossy:
         print(format_lossy(lossy))
+    skipped = format_skips(load_skips(db))
+    if skipped:
+        print(skipped)
 
 
 def _print_learning(summaries, rows) -> None:
@@ -139,14 +146,15 @@ def cmd_report(args) -> None:
     """Write the HTML report of a study database; print the recommendation and the seeds' findings beside ours."""
     from draftlab.study.findings import format_findings, gather_evidence, seeds_findings
     from draftlab.study.page import build_report
-    from draftlab.study.answer import engine_answer
-    from draftlab.study.report import baseline_drift, load_checks, load_study, recommend, summarize
+    from draftlab.study.answer import engine_answer, recommend
+    from draftlab.study.report import baseline_drift, load_checks, load_study, summarize
 
     print(f"report: {build_report(args.db, args.out, args.profile, args.microbench, args.correlate)}")
     rows, params, _ = load_study(args.db)
     checks = load_checks(args.db)
     summaries = summarize(rows, checks)
-    print("\n".join(engine_answer(summaries) + recommend(summaries, baseline_drift(rows, checks))))
+    drift = baseline_drift(rows, checks)
+    print("\n".join(engine_answer(summaries, drift) + recommend(summaries, drift)))
     _print_learning(summaries, rows)
     evidence = gather_evidence(summaries, params, rows, args.profile, args.microbench, args.correlate)
     print("The seeds' findings beside this study:")

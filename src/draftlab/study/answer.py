@@ -4,16 +4,17 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from draftlab.study.report import ALL, METHOD_NAMES, PLAIN_METHODS, CellSummary
-from draftlab.study.store import LLAMACPP_TARGET
+from draftlab.study.report import ALL, METHOD_NAMES, PLAIN_METHODS, CellSummary, Drift
+from draftlab.study.store import LLAMACPP_TARGET, PEER_PLAIN
 
 
-def engine_answer(summaries: list[CellSummary]) -> list[str]:
+def engine_answer(summaries: list[CellSummary], drift: Drift | None = None) -> list[str]:
     """One sentence per model and temperature measured on more than one engine: the fastest lossless way to decode
-    it on this machine (engine, and draft and K or plain decoding), beside each engine's plain decoding."""
+    it on this machine (engine, and draft and K or plain decoding), beside each engine's plain decoding. `drift`:
+    the study's; when the runner-up is within it, the sentence says so (another run may swap the two)."""
     groups: dict[tuple, list[CellSummary]] = defaultdict(list)
     for s in summaries:
-        if s.dataset == ALL and s.tokens_per_s > 0 and not s.lossy:
+        if s.dataset == ALL and s.tokens_per_s > 0 and not s.lossy and s.complete:
             groups[(s.target.removeprefix(LLAMACPP_TARGET), s.temperature)].append(s)
     temperatures = defaultdict(set)
     for model, temperature in groups:
@@ -26,14 +27,30 @@ def engine_answer(summaries: list[CellSummary]) -> list[str]:
                 plain[_engine(s)] = max(plain.get(_engine(s), 0.0), s.tokens_per_s)
         if len(plain) < 2:
             continue
-        best = max(cells, key=lambda s: s.tokens_per_s)
-        what = "plain decoding" if best.method in PLAIN_METHODS else (
-            f"{best.drafter} at K={best.k} ({METHOD_NAMES.get(best.method, best.method)})")
+        best, *rest = sorted(cells, key=lambda s: -s.tokens_per_s)
         at = f" at temperature {temperature:g}" if len(temperatures[model]) > 1 else ""
         engines = ", ".join(f"{engine} {speed:.1f}" for engine, speed in sorted(plain.items(), key=lambda e: -e[1]))
-        sentences.append(f"Fastest measured for {model}{at} on this machine: {what} on {_engine(best)}, "
-                         f"{best.tokens_per_s:.1f} tok/s over {best.prompts} prompts (plain decoding, tok/s: {engines}).")
+        sentences.append(f"Fastest measured for {model}{at} on this machine: {_what(best)} on {_engine(best)}, "
+                         f"{best.tokens_per_s:.1f} tok/s over {best.prompts} prompts (plain decoding, tok/s: {engines})"
+                         f"{_runner_up(best, rest, drift)}.")
     return sentences
+
+
+def _what(s: CellSummary) -> str:
+    return "plain decoding" if s.method in PLAIN_METHODS else (
+        f"{s.drafter} at K={s.k} ({METHOD_NAMES.get(s.method, s.method)})")
+
+
+def _runner_up(best: CellSummary, rest: list[CellSummary], drift: Drift | None) -> str:
+    """A clause naming the runner-up when the lead is within the machine's drift during the study."""
+    if not rest or drift is None or not drift.prompts:
+        return ""
+    second = rest[0]
+    lead = best.tokens_per_s / second.tokens_per_s - 1
+    if lead > drift.spread:
+        return f"; it leads the runner-up by {lead:.0%}, beyond the machine's drift ({drift.spread:.0%})"
+    return (f"; the runner-up, {_what(second)} on {_engine(second)} at {second.tokens_per_s:.1f} tok/s, is within the "
+            f"machine's drift during the study ({lead:.0%} behind, drift {drift.spread:.0%}): another run may swap them")
 
 
 def _engine(s: CellSummary) -> str:
@@ -44,3 +61,86 @@ def _engine(s: CellSummary) -> str:
     if s.method in ("asg", "hf"):
         return "HF transformers"
     return f"draftlab's torch backend ({s.drafter})" if s.method == "plain" else "draftlab's torch backend"
+
+
+def _identical_text(s: CellSummary) -> str:
+    if s.identical is None:
+        return "outputs sampled, so not compared token by token"
+    if s.identical == s.prompts:
+        return f"every output identical to plain decoding ({s.identical}/{s.prompts})"
+    return f"only {s.identical}/{s.prompts} outputs identical to plain decoding"
+
+
+def _judged_speedup(s: CellSummary) -> float:
+    return s.host_speedup if s.host_speedup is not None else s.speedup
+
+
+def recommend(summaries: list[CellSummary], drift: Drift) -> list[str]:
+    """One sentence per target and temperature: which draft and K to use here, or plain decoding.
+
+    Judged on each configuration's speedup over the fastest plain decoding measured on the host (the study's
+    own, or another dtype or route timed beside it), over all the study's prompts (dataset 'all'); configurations
+    whose greedy output differed from plain decoding are never recommended. A gain smaller than the
+    baseline's drift on a noisy machine is said to be within the noise.
+    """
+    groups: dict[tuple, list[CellSummary]] = defaultdict(list)
+    dropped: dict[tuple, list[CellSummary]] = defaultdict(list)
+    plain_modes = {(s.target, s.temperature): f"{s.drafter}, {s.tokens_per_s:.1f} tok/s" for s in summaries
+                   if s.dataset == ALL and s.method == "plain" and s.drafter == s.host_plain and s.complete}
+    timed_others = {(s.target, s.temperature) for s in summaries if s.dataset == ALL and s.method == "plain"}
+    for s in summaries:
+        if s.dataset == ALL and s.method not in ("ar", "plain", *PEER_PLAIN.values()) and s.speedup > 0:
+            (groups if s.complete else dropped)[(s.target, s.temperature)].append(s)
+    for key, cells in dropped.items():
+        groups.setdefault(key, [])
+    temperatures = defaultdict(set)
+    for target, temperature in groups:
+        temperatures[target].add(temperature)
+    sentences = []
+    for (target, temperature), cells in sorted(groups.items()):
+        where = target + (f" at temperature {temperature:g}" if len(temperatures[target]) > 1 else "")
+        lossless = [s for s in cells if not s.lossy]
+        lossy = len(cells) - len(lossless)
+        warning = (f" ({lossy} configuration(s) produced output different from plain decoding and were not "
+                   "considered: see the report)") if lossy else ""
+        if not cells:
+            sentences.append(_all_dropped(where, dropped[(target, temperature)], plain_modes.get((target, temperature))))
+            continue
+        if not lossless:
+            sentences.append(f"Use plain decoding for {where}: every configuration measured differed from it{warning}.")
+            continue
+        best = max(lossless, key=_judged_speedup)
+        gain = _judged_speedup(best)
+        fastest = plain_modes.get((target, temperature), "") if best.host_plain not in ("", "ar") else ""
+        if fastest:
+            versus = (f"{gain:.2f}x the fastest plain decoding measured here ({fastest}), {best.speedup:.2f}x plain "
+                      "decoding in the study's own mode")
+        elif (target, temperature) in timed_others:
+            versus = (f"{gain:.2f}x plain decoding, the fastest measured here (other dtypes and routes were timed "
+                      "slower)")
+        else:
+            versus = f"{gain:.2f}x plain decoding"
+        measured = (f"{versus}, {best.speedup_min:.2f}-{best.speedup_max:.2f}x over {best.prompts} prompts, "
+                    f"{best.tokens_per_s:.1f} tok/s")
+        name = f"{best.drafter} at K={best.k} ({METHOD_NAMES.get(best.method, best.method)})"
+        if gain <= 1.0:
+            plain = f"plain decoding ({fastest})" if fastest else "plain decoding"
+            sentences.append(f"Use {plain} for {where} on this machine: no configuration beat it "
+                             f"(the best, {name}, ran at {measured}; {_identical_text(best)}){warning}.")
+            continue
+        noise = (f"; the gain is within the machine's drift during the study ({drift.spread:.0%}), so confirm it "
+                 "on a quiet machine" if drift.noisy and gain - 1.0 <= drift.spread else "")
+        sentences.append(f"Use {name} for {where} on this machine: {measured}; {_identical_text(best)}"
+                         f"{noise}{warning}.")
+    return sentences
+
+
+def _all_dropped(where: str, cells: list[CellSummary], fastest: str | None) -> str:
+    """The sentence for a target whose every configuration the race dropped before the study's last prompt."""
+    best = max(cells, key=lambda s: s.speedup)
+    plain = f"plain decoding ({fastest})" if fastest else "plain decoding"
+    return (f"Use {plain} for {where} on this machine: every configuration trailed the fastest cell by more than "
+            f"the margin and was dropped by the race (the closest, {best.drafter} at K={best.k} "
+            f"({METHOD_NAMES.get(best.method, best.method)}), ran at {best.speedup:.2f}x the study's own plain decoding "
+            f"over the {best.prompts} prompts it ran; {_identical_text(best)}; the report gives each cell's ratio "
+            "to the leader).")

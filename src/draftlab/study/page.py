@@ -10,10 +10,11 @@ from pathlib import Path
 
 from draftlab.study.report import (
     CellSummary, Drift, OptimalRow, baseline_drift, load_checks, load_study, lossy_cells, optimal_table,
-    recommend, summarize, write_csv,
+    summarize, write_csv,
 )
-from draftlab.study.answer import engine_answer
+from draftlab.study.answer import engine_answer, recommend
 from draftlab.study.learning import format_learning, learning_rows
+from draftlab.study.pruning import load_skips, skipped_cells
 
 
 def build_report(db: str | Path, out: str | Path, profile_path: str | Path | None = None,
@@ -42,7 +43,8 @@ def build_report(db: str | Path, out: str | Path, profile_path: str | Path | Non
     model_section = _model_section(profile_path, evidence.comparisons, out) if profile_path else ""
     findings = seeds_findings(evidence)
     drift = baseline_drift(rows, checks)
-    page = _html(db, summaries, optimal, figures, envs, drift, engine_answer(summaries) + recommend(summaries, drift))
+    page = _html(db, summaries, optimal, figures, envs, drift, engine_answer(summaries, drift) + recommend(summaries, drift))
+    page = page.replace("<h2>Figures</h2>", _skips_section(load_skips(db)) + "<h2>Figures</h2>")
     learning = format_learning(learning_rows(summaries, rows))
     if learning:  # suffix cells: cold and warm per workload
         page = page.replace("<h2>Figures</h2>", f"<h2>Drafts that learn across requests</h2><pre>{html.escape(learning)}"
@@ -51,6 +53,16 @@ def build_report(db: str | Path, out: str | Path, profile_path: str | Path | Non
     page = page.replace("<h2>Every cell</h2>", model_section + "<h2>Every cell</h2>")
     (out / "index.html").write_text(page, encoding="utf-8")
     return out / "index.html"
+
+
+def _skips_section(skips: list[dict]) -> str:
+    """Cells not measured on every prompt (dropped by the race, or a peer that could not run a prompt)."""
+    rows = "".join(f"<tr><td style='text-align:left'>{html.escape(cell)}</td><td>{count}</td>"
+                   f"<td style='text-align:left'>{html.escape(reason)}</td></tr>"
+                   for cell, count, reason in skipped_cells(skips))
+    return ("<h2>Cells not measured on every prompt (not ranked)</h2><p>Dropped by the race once they trailed the "
+            "fastest cell by more than the margin, or skipped where their library could not run a prompt.</p><table>"
+            f"<tr><th>cell</th><th>prompts skipped</th><th>why (first)</th></tr>{rows}</table>") if rows else ""
 
 
 def _findings_section(findings) -> str:

@@ -52,6 +52,7 @@ class CellSummary:
     host_speedup: float | None = None  # over the fastest plain decoding measured on the host (any dtype or route)
     host_plain: str = ""  # which plain decoding that was ('ar': the study's own, else a route label)
     backend: str = ""  # the backend its records ran on ('llamacpp', 'fast', 'auto', ...)
+    complete: bool = True  # ran every prompt its group ran (False: dropped by the race, or skipped prompts)
 
     @property
     def lossy(self) -> bool:
@@ -80,8 +81,19 @@ def summarize(rows: list[dict], checks: list[dict] = ()) -> list[CellSummary]:
     summaries = [_summarize_group(key, group, baseline_speed) for key, group in sorted(groups.items(), key=_sort_key)]
     for summary in summaries:
         _add_engine_speedup(summary, groups[(*summary.config_key, summary.dataset)], peer_plain)
+    _mark_complete(summaries)
     _add_host_speedups(summaries)
     return summaries
+
+
+def _mark_complete(summaries: list[CellSummary]) -> None:
+    """A cell is complete when it ran as many prompts as the most of its group: only those are ranked, since a cell
+    the race dropped (or that skipped prompts) was measured on other prompts than the rest."""
+    most: dict[tuple, int] = defaultdict(int)
+    for s in summaries:
+        most[(s.target, s.dataset, s.temperature)] = max(most[(s.target, s.dataset, s.temperature)], s.prompts)
+    for s in summaries:
+        s.complete = s.prompts == most[(s.target, s.dataset, s.temperature)]
 
 
 def _add_host_speedups(summaries: list[CellSummary]) -> None:
@@ -89,7 +101,7 @@ def _add_host_speedups(summaries: list[CellSummary]) -> None:
     cell timed in another dtype or route on the same prompts."""
     fastest: dict[tuple, CellSummary] = {}
     for s in summaries:
-        if s.method in ("ar", "plain") and s.speedup > 0:
+        if s.method in ("ar", "plain") and s.speedup > 0 and s.complete:
             key = (s.target, s.dataset, s.temperature)
             if key not in fastest or s.speedup > fastest[key].speedup:
                 fastest[key] = s
@@ -245,7 +257,7 @@ def optimal_table(summaries: list[CellSummary], params: dict[str, int]) -> list[
     """
     best: dict[tuple, CellSummary] = {}
     for s in summaries:
-        if s.lossy or s.method in PEER_PLAIN.values():  # a peer's plain decoding shows as its "own plain"
+        if s.lossy or not s.complete or s.method in PEER_PLAIN.values():  # a peer's plain shows as "own plain"
             continue
         key = (s.target, s.dataset, s.temperature, s.method)
         if key not in best or s.speedup > best[key].speedup:
@@ -300,72 +312,6 @@ def format_optimal(rows: list[OptimalRow]) -> str:
             f"{r.speedup_min:.2f}-{r.speedup_max:<7.2f}{r.tokens_per_s:>7.1f}{scaling:>9}{own:>11}{vs_own:>8}{vs_fastest:>12}"
         )
     return "\n".join(lines)
-
-
-def _identical_text(s: CellSummary) -> str:
-    if s.identical is None:
-        return "outputs sampled, so not compared token by token"
-    if s.identical == s.prompts:
-        return f"every output identical to plain decoding ({s.identical}/{s.prompts})"
-    return f"only {s.identical}/{s.prompts} outputs identical to plain decoding"
-
-
-def _judged_speedup(s: CellSummary) -> float:
-    return s.host_speedup if s.host_speedup is not None else s.speedup
-
-
-def recommend(summaries: list[CellSummary], drift: Drift) -> list[str]:
-    """One sentence per target and temperature: which draft and K to use here, or plain decoding.
-
-    Judged on each configuration's speedup over the fastest plain decoding measured on the host (the study's
-    own, or another dtype or route timed beside it), over all the study's prompts (dataset 'all'); configurations
-    whose greedy output differed from plain decoding are never recommended. A gain smaller than the
-    baseline's drift on a noisy machine is said to be within the noise.
-    """
-    groups: dict[tuple, list[CellSummary]] = defaultdict(list)
-    plain_modes = {(s.target, s.temperature): f"{s.drafter}, {s.tokens_per_s:.1f} tok/s" for s in summaries
-                   if s.dataset == ALL and s.method == "plain" and s.drafter == s.host_plain}
-    timed_others = {(s.target, s.temperature) for s in summaries if s.dataset == ALL and s.method == "plain"}
-    for s in summaries:
-        if s.dataset == ALL and s.method not in ("ar", "plain", *PEER_PLAIN.values()) and s.speedup > 0:
-            groups[(s.target, s.temperature)].append(s)
-    temperatures = defaultdict(set)
-    for target, temperature in groups:
-        temperatures[target].add(temperature)
-    sentences = []
-    for (target, temperature), cells in sorted(groups.items()):
-        where = target + (f" at temperature {temperature:g}" if len(temperatures[target]) > 1 else "")
-        lossless = [s for s in cells if not s.lossy]
-        lossy = len(cells) - len(lossless)
-        warning = (f" ({lossy} configuration(s) produced output different from plain decoding and were not "
-                   "considered: see the report)") if lossy else ""
-        if not lossless:
-            sentences.append(f"Use plain decoding for {where}: every configuration measured differed from it{warning}.")
-            continue
-        best = max(lossless, key=_judged_speedup)
-        gain = _judged_speedup(best)
-        fastest = plain_modes.get((target, temperature), "") if best.host_plain not in ("", "ar") else ""
-        if fastest:
-            versus = (f"{gain:.2f}x the fastest plain decoding measured here ({fastest}), {best.speedup:.2f}x plain "
-                      "decoding in the study's own mode")
-        elif (target, temperature) in timed_others:
-            versus = (f"{gain:.2f}x plain decoding, the fastest measured here (other dtypes and routes were timed "
-                      "slower)")
-        else:
-            versus = f"{gain:.2f}x plain decoding"
-        measured = (f"{versus}, {best.speedup_min:.2f}-{best.speedup_max:.2f}x over {best.prompts} prompts, "
-                    f"{best.tokens_per_s:.1f} tok/s")
-        name = f"{best.drafter} at K={best.k} ({METHOD_NAMES.get(best.method, best.method)})"
-        if gain <= 1.0:
-            plain = f"plain decoding ({fastest})" if fastest else "plain decoding"
-            sentences.append(f"Use {plain} for {where} on this machine: no configuration beat it "
-                             f"(the best, {name}, ran at {measured}; {_identical_text(best)}){warning}.")
-            continue
-        noise = (f"; the gain is within the machine's drift during the study ({drift.spread:.0%}), so confirm it "
-                 "on a quiet machine" if drift.noisy and gain - 1.0 <= drift.spread else "")
-        sentences.append(f"Use {name} for {where} on this machine: {measured}; {_identical_text(best)}"
-                         f"{noise}{warning}.")
-    return sentences
 
 
 def load_study(db: str | Path) -> tuple[list[dict], dict[str, int], list[dict]]:

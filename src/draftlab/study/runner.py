@@ -22,7 +22,7 @@ from draftlab.llamacpp_reference import LlamaCppPeer
 from draftlab.models import LoadedModel, gguf_path
 from draftlab.policy import FixedK
 from draftlab.sampling import SamplingConfig
-from draftlab.study.store import LLAMACPP_ONLY, Cell, Record
+from draftlab.study.store import LLAMACPP_ONLY, PEER_METHODS, Cell, Record
 
 if TYPE_CHECKING:
     from draftlab.study.sweep import SweepConfig
@@ -158,7 +158,12 @@ class CellRunner:
         return True
 
     def run(self, cell: Cell, prompt: Prompt, prompt_ids: list[int], warm_up: bool = False) -> Record:
-        """Measure one prompt in one cell (`warm_up`: an untimed run that must leave no trace)."""
+        """Measure one prompt in one cell (`warm_up`: an untimed run that must leave no trace). A prompt that does not
+        fit the target's context with the cell's new tokens is refused for every method alike (HF's `generate` would
+        run past the context with a warning)."""
+        if len(prompt_ids) + cell.max_new_tokens > self.target.context_length:
+            raise DraftlabError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({cell.max_new_tokens}) exceeds "
+                                f"the model's context of {self.target.context_length} tokens")
         sampling = SamplingConfig(cell.temperature)
         if cell.method == "hf":  # AsG's own plain decoding: HF generate without an assistant
             tokens, wall = hf_generate(self.target, prompt_ids, cell.max_new_tokens, self.eos, sampling,
@@ -198,9 +203,13 @@ class CellRunner:
         return True
 
     def warm_up(self, cells: list[Cell], prompt: Prompt, prompt_ids: list[int]) -> None:
-        """Untimed short runs through every path: first calls pay one-off costs."""
+        """Untimed short runs through every path: first calls pay one-off costs. A cell that fails here is left to
+        its timed runs, which store the reason."""
         for cell in cells:
-            self.run(replace(cell, max_new_tokens=8), prompt, prompt_ids, warm_up=True)
+            try:
+                self.run(replace(cell, max_new_tokens=8), prompt, prompt_ids, warm_up=True)
+            except (Exception if cell.method in PEER_METHODS else DraftlabError):
+                continue
 
 
 def _read_state(path: Path) -> dict | None:

@@ -1,9 +1,9 @@
 """The results store: one SQLite database per study, one row per prompt per cell.
 
-Schema (version 5), readable with `sqlite3` or `pandas.read_sql`:
+Schema (version 6), readable with `sqlite3` or `pandas.read_sql`:
 
     meta(key TEXT PRIMARY KEY, value TEXT)
-        app = 'draftlab-study', schema_version = '5', config = the sweep's JSON
+        app = 'draftlab-study', schema_version = '6', config = the sweep's JSON
     models(name TEXT PRIMARY KEY, params INTEGER)
         parameter counts of targets and model drafts ("target" or "target::drafter"),
         for the report's scaling ratio (target params / draft params)
@@ -32,6 +32,9 @@ Schema (version 5), readable with `sqlite3` or `pandas.read_sql`:
         target, dataset, temperature, prompt_id, run_id, new_tokens, wall_s,
         finished_at REAL)                      -- the 'ar' cell re-timed on the same prompt between other cells,
                                                -- so each cell is compared with the baseline closest in time
+    skips(cell TEXT, prompt_id TEXT,           -- primary key: a (cell, prompt) that was not measured, and why:
+          run_id INTEGER, reason TEXT,         -- a peer that cannot run the prompt, or a cell dropped by the race
+          created_at TEXT)                     -- (it trailed the best by more than the machine's noise)
 
 `method` is 'ar' (our autoregressive loop), 'sps' (our speculative engine),
 'asg' (Hugging Face assisted generation), 'hf' (Hugging Face `generate` without
@@ -40,7 +43,8 @@ and 'llama' (its plain `generate`), or 'plain' (our plain decoding in another mo
 llama.cpp's default kernels). `dtype` is resolved ('fp32', not 'auto'; 'gguf' on llama.cpp). Older databases are migrated in place when opened: version 1 (whose cell key
 lacked seed, dtype, backend, device and skip) gets those settings from the
 run's recorded environment and the stored sweep config; version 2 gets the
-`finished_at` column and the `baseline_checks` table; version 3 gets `levels_per_step`; version 4 `cache_held`. Each record is committed on its own,
+`finished_at` column and the `baseline_checks` table; version 3 gets `levels_per_step`; version 4 `cache_held`;
+version 5 the `skips` table. A migration runs in one transaction (a kill leaves the old version whole). Each record is committed on its own,
 so a killed sweep loses at most the record in flight; resuming skips every
 (cell, prompt) already present.
 """
@@ -60,7 +64,7 @@ from draftlab.errors import DraftlabError
 from draftlab.models import ModelSpec
 
 APP = "draftlab-study"
-SCHEMA_VERSION = "5"
+SCHEMA_VERSION = "6"
 SETTINGS = ("seed", "dtype", "backend", "device", "skip")
 RECORD_COLUMNS = (
     "cell", "prompt_id", "target", "drafter", "k", "method", "dataset", "temperature", "max_new_tokens", *SETTINGS,
@@ -85,6 +89,13 @@ CREATE TABLE IF NOT EXISTS records (
 );
 """
 
+SKIPS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS skips (
+    cell TEXT NOT NULL, prompt_id TEXT NOT NULL, run_id INTEGER, reason TEXT NOT NULL, created_at TEXT,
+    PRIMARY KEY (cell, prompt_id)
+);
+"""
+
 CHECKS_SCHEMA = """
 CREATE TABLE IF NOT EXISTS baseline_checks (
     target TEXT, dataset TEXT, temperature REAL, prompt_id TEXT, run_id INTEGER,
@@ -97,6 +108,7 @@ CREATE TABLE IF NOT EXISTS baseline_checks (
 # HF assisted generation vs HF `generate`, llama-cpp-python's prompt lookup vs its own `generate`.
 PEER_PLAIN = {"asg": "hf", "lcp": "llama"}
 LLAMACPP_ONLY = ("lcp", "llama")  # llama-cpp-python's methods: they run targets on llama.cpp
+PEER_METHODS = ("asg", "hf", *LLAMACPP_ONLY)  # run by another library: any of its errors skips the prompt
 LLAMACPP_TARGET = "llamacpp:"  # a target name's prefix: the target runs on llama.cpp (`--backend llamacpp` for one)
 
 
@@ -185,7 +197,7 @@ class ResultsStore:
 
     def _create(self) -> None:
         with self.conn:
-            self.conn.executescript(SCHEMA + CHECKS_SCHEMA)
+            self.conn.executescript(SCHEMA + CHECKS_SCHEMA + SKIPS_SCHEMA)
             self.conn.executemany(
                 "INSERT INTO meta VALUES (?, ?)", [("app", APP), ("schema_version", SCHEMA_VERSION)]
             )
@@ -203,58 +215,65 @@ class ResultsStore:
         if problem != "ok":
             raise DraftlabError(f"{self.path} is corrupted ({problem}); restore it or start a new study file")
         version = meta.get("schema_version")
-        if version == "1":
-            self._migrate_from_1(json.loads(meta.get("config") or "{}"))
-            version = "2"
-        if version == "2":
-            self._migrate_from_2()
-            version = "3"
-        if version == "3":
-            self._migrate_from_3()
-            version = "4"
-        if version == "4":
-            self._migrate_from_4()
-        elif version != SCHEMA_VERSION:
+        if version == SCHEMA_VERSION:
+            return
+        steps = {"1": lambda: self._migrate_from_1(json.loads(meta.get("config") or "{}")), "2": self._migrate_from_2,
+                 "3": self._migrate_from_3, "4": self._migrate_from_4, "5": self._migrate_from_5}
+        if version not in steps:
             raise DraftlabError(
-                f"{self.path} has schema version {version}, this draftlab reads {SCHEMA_VERSION} (and migrates 1-4); "
+                f"{self.path} has schema version {version}, this draftlab reads {SCHEMA_VERSION} (and migrates 1-5); "
                 "upgrade draftlab to read it; the file was left untouched"
             )
+        self._migrate(version, steps)
+
+    def _migrate(self, version: str, steps: dict) -> None:
+        """Every step from `version` to the current one in a single transaction: sqlite3 would commit each ALTER
+        TABLE by itself, so a kill between two steps could leave a half-migrated file that no later open reads."""
+        self.conn.isolation_level = None  # explicit BEGIN/COMMIT; DDL joins the transaction
+        try:
+            self.conn.execute("BEGIN IMMEDIATE")
+            while version != SCHEMA_VERSION:
+                steps[version]()
+                version = str(int(version) + 1)
+            self.conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (SCHEMA_VERSION,))
+            self.conn.execute("COMMIT")
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+        finally:
+            self.conn.isolation_level = ""
 
     def _migrate_from_1(self, config: dict) -> None:
         """Add the settings columns, fill them from each run's environment and the sweep config, re-key."""
         environments = dict(self.conn.execute("SELECT run_id, environment FROM runs").fetchall())
         rows = self.conn.execute("SELECT rowid, run_id, target, drafter, k, method, dataset, temperature, "
                                  "max_new_tokens FROM records").fetchall()
-        with self.conn:
-            for column, kind in zip(SETTINGS, ("INTEGER", "TEXT", "TEXT", "TEXT", "INTEGER")):
-                self.conn.execute(f"ALTER TABLE records ADD COLUMN {column} {kind}")
-            for rowid, run_id, *head in rows:
-                env = json.loads(environments.get(run_id) or "{}")
-                cell = Cell(*head, seed=int(config.get("seed", 0)), dtype=_short_dtype(env.get("dtype", "fp32")),
-                            backend=env.get("backend", "auto"), device=env.get("device", "cpu"),
-                            skip=int(config.get("skip", 0)))
-                self.conn.execute("UPDATE records SET cell = ?, seed = ?, dtype = ?, backend = ?, device = ?, skip = ? "
-                                  "WHERE rowid = ?", (cell.key, *(getattr(cell, c) for c in SETTINGS), rowid))
-            self.conn.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")
+        for column, kind in zip(SETTINGS, ("INTEGER", "TEXT", "TEXT", "TEXT", "INTEGER")):
+            self.conn.execute(f"ALTER TABLE records ADD COLUMN {column} {kind}")
+        for rowid, run_id, *head in rows:
+            env = json.loads(environments.get(run_id) or "{}")
+            cell = Cell(*head, seed=int(config.get("seed", 0)), dtype=_short_dtype(env.get("dtype", "fp32")),
+                        backend=env.get("backend", "auto"), device=env.get("device", "cpu"),
+                        skip=int(config.get("skip", 0)))
+            self.conn.execute("UPDATE records SET cell = ?, seed = ?, dtype = ?, backend = ?, device = ?, skip = ? "
+                              "WHERE rowid = ?", (cell.key, *(getattr(cell, c) for c in SETTINGS), rowid))
 
     def _migrate_from_2(self) -> None:
         """Add the records' finish time (unknown for old records) and the baseline re-checks table."""
-        with self.conn:
-            self.conn.execute("ALTER TABLE records ADD COLUMN finished_at REAL")
-            self.conn.executescript(CHECKS_SCHEMA)
-            self.conn.execute("UPDATE meta SET value = '3' WHERE key = 'schema_version'")
+        self.conn.execute("ALTER TABLE records ADD COLUMN finished_at REAL")
+        self.conn.execute(CHECKS_SCHEMA)
 
     def _migrate_from_3(self) -> None:
         """Add the drafted tokens per tree level (unknown, so '[]': chains, for old records)."""
-        with self.conn:
-            self.conn.execute("ALTER TABLE records ADD COLUMN levels_per_step TEXT")
-            self.conn.execute("UPDATE meta SET value = '4' WHERE key = 'schema_version'")
+        self.conn.execute("ALTER TABLE records ADD COLUMN levels_per_step TEXT")
 
     def _migrate_from_4(self) -> None:
         """Add the responses a drafter's cross-request cache held (NULL: no such drafter before version 5)."""
-        with self.conn:
-            self.conn.execute("ALTER TABLE records ADD COLUMN cache_held INTEGER")
-            self.conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (SCHEMA_VERSION,))
+        self.conn.execute("ALTER TABLE records ADD COLUMN cache_held INTEGER")
+
+    def _migrate_from_5(self) -> None:
+        """Add the table of (cell, prompt) pairs that were not measured, with the reason."""
+        self.conn.execute(SKIPS_SCHEMA)
 
     def close(self) -> None:
         """Close the connection."""
@@ -288,8 +307,20 @@ class ResultsStore:
         return dict(self.conn.execute("SELECT name, params FROM models").fetchall())
 
     def done(self) -> set[tuple[str, str]]:
-        """Every finished (cell key, prompt id)."""
-        return set(self.conn.execute("SELECT cell, prompt_id FROM records").fetchall())
+        """Every finished (cell key, prompt id): measured, or skipped with a reason."""
+        return set(self.conn.execute("SELECT cell, prompt_id FROM records UNION SELECT cell, prompt_id FROM skips"))
+
+    def add_skip(self, cell: Cell, prompt_id: str, reason: str, run_id: int) -> None:
+        """Record that (cell, prompt) was not measured and why (one line), and commit it at once."""
+        with self.conn:
+            self.conn.execute("INSERT OR REPLACE INTO skips VALUES (?, ?, ?, ?, ?)",
+                              (cell.key, prompt_id, run_id, reason.splitlines()[0] if reason else "?", _now()))
+
+    def skips(self) -> list[dict]:
+        """Every skipped (cell, prompt) with its reason, oldest first."""
+        cursor = self.conn.execute("SELECT * FROM skips ORDER BY rowid")
+        names = [d[0] for d in cursor.description]
+        return [dict(zip(names, values)) for values in cursor.fetchall()]
 
     def output_sha(self, cell: Cell, prompt_id: str) -> str | None:
         """The output hash recorded for (cell, prompt), if any."""

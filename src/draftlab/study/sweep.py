@@ -35,7 +35,9 @@ from draftlab.models import (LoadedModel, ModelSpec, auto_dtype, check_device, c
                              load_model, model_config, resolve_dtype_name)
 from draftlab.sampling import SamplingConfig
 from draftlab.study.runner import CellRunner
-from draftlab.study.store import LLAMACPP_ONLY, LLAMACPP_TARGET as LLAMACPP, PEER_PLAIN, Cell, ResultsStore
+from draftlab.study.pruning import RaceRule, dropped_cells, model_of
+from draftlab.study.store import (LLAMACPP_ONLY, LLAMACPP_TARGET as LLAMACPP, PEER_METHODS, PEER_PLAIN, Cell, Record,
+                                  ResultsStore)
 
 METHODS = ("ar", "sps", "asg", "hf", "lcp", "llama")  # 'plain' cells follow host_baselines, not --methods
 TORCH_ONLY = ("asg", "hf")  # HF's methods run torch targets
@@ -68,6 +70,7 @@ class SweepConfig:
     dtype: str = ModelSpec.dtype
     backend: str = DEFAULT_BACKEND
     host_baselines: bool = True  # also time plain decoding in the host's fastest mode of each dtype ('plain' cells)
+    race_after: int = 0  # drop cells that trail the leader after this many prompts of a dataset (0: never; pruning.py)
 
     def __post_init__(self) -> None:
         if not self.ks or min(self.ks) < 1:
@@ -77,8 +80,8 @@ class SweepConfig:
             raise DraftlabError(f"unknown method(s) {sorted(unknown)}; use {', '.join(METHODS)}")
         if self.limit < 1 or self.max_new_tokens < 1:
             raise DraftlabError("limit and max_new_tokens must be >= 1")
-        if self.skip < 0 or self.warmup < 0 or self.baseline_every < 0:
-            raise DraftlabError("skip, warmup and baseline_every must be >= 0")
+        if self.skip < 0 or self.warmup < 0 or self.baseline_every < 0 or self.race_after < 0:
+            raise DraftlabError("skip, warmup, baseline_every and race_after must be >= 0")
         check_dtype_name(self.dtype)
         check_device(self.device)
         check_backend_name(self.backend)
@@ -128,12 +131,14 @@ class SweepConfig:
 
 PRESETS = {
     # The main job: the shipped designed draft (as a chain, and as a tree with n-gram lookup's branch merged
-    # in: the best tree in `benchmarks/trees.py`), n-gram lookup and a layer self-draft on prompts the
-    # designed draft never saw (2 each of code, summarization, chat, math). 3 prompts each at K = 1..5
-    # (`--limit 12 --ks 1-5`) takes about an hour on 2 CPU cores; this takes about 19 minutes.
+    # in: the best tree in `benchmarks/trees.py`) and n-gram lookup, on prompts the designed draft never saw (2
+    # each of code, summarization, chat, math), on draftlab's torch backend and on llama.cpp, beside HF's and
+    # llama-cpp-python's own speculation. Every cell runs the first 4 prompts (one of each category); then the
+    # race drops the cells that trail the fastest one (pruning.py), so the answer comes in minutes. The layer
+    # self-draft, which never won on a CPU (docs/results.md), runs in the full preset.
     "quick": SweepConfig(targets=("smollm2-135m", f"{LLAMACPP}smollm2-135m"),
-                         drafters=("designed", "merged:ngram/tree:1:designed", "ngram", "layers:0-3"),
-                         methods=("sps", "asg", "lcp"), ks=(1, 2, 3), datasets=("heldout",), limit=8),
+                         drafters=("designed", "merged:ngram/tree:1:designed", "ngram"),
+                         methods=("sps", "asg", "lcp"), ks=(1, 2, 3), datasets=("heldout",), limit=8, race_after=4),
     # The seeds' study on a second family (the Qwen2.5-Coder pair, ~1.6 GB of downloads): the 0.5B stand-alone
     # draft (in the target's dtype and in bf16, which drafts ~2x faster on CPUs; README), layer self-drafts of the
     # 1.5B at two depths (it has 28 layers) and n-gram lookup, SpS and AsG, K 1..7,
@@ -216,46 +221,146 @@ def dtype_reason(dtype: str, device: str, source: str | None = None) -> str:
     return f"auto chose {name}: {reason}"
 
 
+@dataclass
+class TargetRun:
+    """One target loaded for a sweep: its cell runner, its run id and the drafters that cannot run on it."""
+
+    runner: CellRunner
+    run_id: int
+    gone: set[str]
+    no_asg: set[str]
+
+    def runnable(self, cells: list[Cell]) -> list[Cell]:
+        """The cells whose drafter runs on this target's engine (and has an HF counterpart, for asg)."""
+        return [c for c in cells if c.drafter not in self.gone and not (c.method == "asg" and c.drafter in self.no_asg)]
+
+
+@dataclass(frozen=True)
+class Group:
+    """One dataset at one temperature: its prompts, and the cells of each target that run on them."""
+
+    dataset: str
+    temperature: float
+    prompts: list[Prompt]
+    cells: dict[str, list[Cell]]  # target name -> its cells
+
+
 def run_sweep(config: SweepConfig, store: ResultsStore, progress: bool = True) -> int:
-    """Run every cell not yet in `store`; returns the number of records added."""
+    """Run every cell not yet in `store` (measured or skipped); returns the number of records added.
+
+    Prompts are the outer loop and targets the inner one, so that every engine's cells of a prompt are measured
+    close together in time and the race (`config.race_after`) compares engines on the same prompts."""
     store.set_meta("config", config.to_json())
     done = store.done()
-    plan = _plan(config)
-    todo = sum(1 for cell, prompt in _work(plan) if (cell.key, prompt.id) not in done)
+    groups = _plan(config)
+    todo = sum(1 for g in groups for t, cells in g.cells.items() for c in cells for p in g.prompts
+               if (c.key, p.id) not in done)
     if todo == 0:
         return 0
+    targets = {name: _start_target(name, config, store, done) for name in config.targets}
+    todo = sum(1 for g in groups for t, cells in g.cells.items() for c in targets[t].runnable(cells) for p in g.prompts
+               if (c.key, p.id) not in done)
     bar = tqdm(total=todo, desc="sweep", unit="run", disable=not progress)
-    added = 0
-    for target_name in config.targets:
-        backend, source = target_backend(target_name, config.backend)
-        target = load_model(source, device=config.device, dtype="auto" if backend == "llamacpp" else config.dtype,
-                            backend=backend)
-        runner = CellRunner(target, config, backend, store.path.with_name(store.path.stem + ".suffix-caches"), done)
-        run_id = store.start_run(environment(config, target, runner.baseline.target_backend.numerics, source))
-        gone, no_asg = _unrunnable(runner, config)
-        _record_params(store, runner, config, target_name, gone)
-        for cells, prompts in plan[target_name]:
-            cells = [c for c in cells if c.drafter not in gone and not (c.method == "asg" and c.drafter in no_asg)]
-            encoded = {p.id: prompt_ids(target.tokenizer, p) for p in prompts}
-            pending = [(c, p) for p in prompts for c in cells if (c.key, p.id) not in done]
-            if pending and config.warmup:
-                runner.warm_up(cells, prompts[0], encoded[prompts[0].id])
-            since_check = 0
-            for index, (cell, prompt) in enumerate(pending):
-                bar.set_postfix_str(f"{cell.method} {cell.drafter} k={cell.k}", refresh=False)
-                record = runner.run(cell, prompt, encoded[prompt.id])
-                record.identical = _identical(store, cell, prompt.id, record.output_sha)
-                runner.keep_cache(cell, prompt.id)
-                store.add(record, run_id)
-                added += 1
-                bar.update()
-                since_check = 0 if cell.method == "ar" else since_check + 1
-                if config.baseline_every and since_check and _check_due(since_check, config.baseline_every,
-                                                                       pending, index):
-                    store.add_baseline_check(runner.run(cell.baseline(), prompt, encoded[prompt.id]), run_id)
-                    since_check = 0
+    added = sum(_run_group(g, targets, config, store, done, bar) for g in groups)
     bar.close()
     return added
+
+
+def _start_target(name: str, config: SweepConfig, store: ResultsStore, done: set) -> TargetRun:
+    """Load a target, build its cell runner, record the run's environment and the parameter counts."""
+    backend, source = target_backend(name, config.backend)
+    target = load_model(source, device=config.device, dtype="auto" if backend == "llamacpp" else config.dtype,
+                        backend=backend)
+    runner = CellRunner(target, config, backend, store.path.with_name(store.path.stem + ".suffix-caches"), done)
+    run_id = store.start_run(environment(config, target, runner.baseline.target_backend.numerics, source))
+    gone, no_asg = _unrunnable(runner, config)
+    _record_params(store, runner, config, name, gone)
+    return TargetRun(runner, run_id, gone, no_asg)
+
+
+def _run_group(group: Group, targets: dict[str, TargetRun], config: SweepConfig, store: ResultsStore, done: set,
+               bar: tqdm) -> int:
+    """Every prompt of one dataset and temperature on every target; returns the number of records added."""
+    cells = {name: targets[name].runnable(group.cells[name]) for name in group.cells}
+    encoded = {name: {p.id: prompt_ids(targets[name].runner.target.tokenizer, p) for p in group.prompts}
+               for name in cells}
+    for name, its_cells in cells.items():
+        if config.warmup and any((c.key, p.id) not in done for c in its_cells for p in group.prompts):
+            first = min(group.prompts, key=lambda p: len(encoded[name][p.id]))  # the cheapest; it fits if any does
+            targets[name].runner.warm_up(its_cells, first, encoded[name][first.id])
+    added = 0
+    for index, prompt in enumerate(group.prompts):
+        if index >= config.race_after > 0:
+            _drop_trailing(group, cells, index, store, done, bar, targets, config)
+        for name, its_cells in cells.items():
+            added += _run_prompt(targets[name], its_cells, prompt, encoded[name][prompt.id], store, done, bar, config)
+    return added
+
+
+def _run_prompt(target: TargetRun, cells: list[Cell], prompt: Prompt, ids: list[int], store: ResultsStore,
+                done: set, bar: tqdm, config: SweepConfig) -> int:
+    """The target's pending cells on one prompt, with baseline re-checks between them; returns records added."""
+    pending = [c for c in cells if (c.key, prompt.id) not in done]
+    since_check = added = 0
+    for index, cell in enumerate(pending):
+        bar.set_postfix_str(f"{cell.method} {cell.drafter} k={cell.k}", refresh=False)
+        record = _measure(target, cell, prompt, ids, store)
+        done.add((cell.key, prompt.id))
+        bar.update()
+        if record is None:
+            continue
+        added += 1
+        since_check = 0 if cell.method == "ar" else since_check + 1
+        if config.baseline_every and since_check and (since_check >= config.baseline_every or index + 1 == len(pending)):
+            store.add_baseline_check(target.runner.run(cell.baseline(), prompt, ids), target.run_id)
+            since_check = 0
+    return added
+
+
+def _measure(target: TargetRun, cell: Cell, prompt: Prompt, ids: list[int], store: ResultsStore) -> Record | None:
+    """Run and store one (cell, prompt); a cell that cannot run the prompt is stored as skipped, with the reason in
+    one line (draftlab's own errors for every method; any error of a peer's library, which draftlab does not own)."""
+    peer = cell.method in PEER_METHODS
+    try:
+        record = target.runner.run(cell, prompt, ids)
+    except (Exception if peer else DraftlabError) as exc:
+        reason = f"{type(exc).__name__}: {exc}" if peer and not isinstance(exc, DraftlabError) else str(exc)
+        store.add_skip(cell, prompt.id, reason, target.run_id)
+        print(f"sweep: {cell.method} {cell.drafter} k={cell.k} skipped {prompt.id}: {reason.splitlines()[0][:200]}")
+        return None
+    record.identical = _identical(store, cell, prompt.id, record.output_sha)
+    target.runner.keep_cache(cell, prompt.id)
+    store.add(record, target.run_id)
+    return record
+
+
+def _drop_trailing(group: Group, cells: dict[str, list[Cell]], index: int, store: ResultsStore, done: set,
+                   bar: tqdm, targets: dict[str, TargetRun], config: SweepConfig) -> None:
+    """Before prompt `index`: the race drops, per model, the cells that trail its leader; each dropped cell is
+    stored as skipped on every prompt it has left, so a resumed sweep makes the same decision."""
+    from draftlab.study.report import baseline_drift
+
+    rows = [r for r in store.rows() if r["dataset"] == group.dataset and r["temperature"] == group.temperature]
+    checks = [c for c in store.baseline_checks() if c["dataset"] == group.dataset]
+    drift = baseline_drift(rows, checks).spread
+    models: dict[str, list[str]] = {}
+    for name in cells:
+        models.setdefault(model_of(name), []).append(name)
+    rule = RaceRule(config.race_after)
+    for model, names in models.items():
+        contenders = {c.key: c for name in names for c in cells[name]}
+        newly = []
+        for key, reason in dropped_cells(list(contenders.values()), rows, rule, drift).items():
+            left = [p for p in group.prompts[index:] if (key, p.id) not in done]
+            for prompt in left:
+                store.add_skip(contenders[key], prompt.id, reason, targets[contenders[key].target].run_id)
+                done.add((key, prompt.id))
+            bar.total -= len(left)
+            newly += [contenders[key]] if left else []
+        if newly:
+            print(f"sweep: the race dropped {len(newly)} cell(s) of {model} after {index} prompts of {group.dataset} "
+                  f"(slower than the leader by more than the margin; the report lists each): "
+                  f"{', '.join(f'{c.method} {c.drafter} k={c.k}' for c in newly)}")
 
 
 def _unrunnable(runner: CellRunner, config: SweepConfig) -> tuple[set[str], set[str]]:
@@ -271,12 +376,6 @@ def _unrunnable(runner: CellRunner, config: SweepConfig) -> tuple[set[str], set[
     return gone, no_asg
 
 
-def _check_due(since_check: int, every: int, pending: list[tuple[Cell, Prompt]], index: int) -> bool:
-    """Re-time the baseline after pending[index]? Every `every` cells, and after the last cell of a prompt."""
-    last_of_prompt = index + 1 == len(pending) or pending[index + 1][1].id != pending[index][1].id
-    return since_check >= every or last_of_prompt
-
-
 def _record_params(store: ResultsStore, runner: CellRunner, config: SweepConfig, target_name: str,
                    gone: set[str] = frozenset()) -> None:
     """Parameter counts of the target and of every model draft that runs (`gone`: those that do not), for the
@@ -288,20 +387,11 @@ def _record_params(store: ResultsStore, runner: CellRunner, config: SweepConfig,
             store.set_params(f"{target_name}::{drafter}", draft.num_parameters())
 
 
-def _plan(config: SweepConfig) -> dict[str, list[tuple[list[Cell], list[Prompt]]]]:
+def _plan(config: SweepConfig) -> list[Group]:
+    """One group per (dataset, temperature), with the cells of every target."""
     prompts = {d: load_prompts(d, config.limit, config.skip) for d in config.datasets}
-    return {
-        t: [(config.cells(t, d, temp), prompts[d]) for d in config.datasets for temp in config.temperatures]
-        for t in config.targets
-    }
-
-
-def _work(plan):
-    for groups in plan.values():
-        for cells, prompts in groups:
-            for prompt in prompts:
-                for cell in cells:
-                    yield cell, prompt
+    return [Group(d, temp, prompts[d], {t: config.cells(t, d, temp) for t in config.targets})
+            for d in config.datasets for temp in config.temperatures]
 
 
 def _identical(store: ResultsStore, cell: Cell, prompt_id: str, output_sha: str) -> bool | None:

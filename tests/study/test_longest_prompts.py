@@ -1,0 +1,75 @@
+"""Every method and peer of the quick and family presets on the longest prompt of every shipped prompt set.
+
+Each (cell, prompt) must end as a record or as a skip with a one-line reason: never a traceback that ends the
+study. The quick study once died on llama-cpp-python's prompt lookup with a 1344-token prompt (its score buffer
+held 512 rows); these prompts run up to 4826 tokens.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import pytest
+
+from draftlab.datasets import DATASETS, load_prompts, prompt_line
+from draftlab.study.store import ResultsStore
+from draftlab.study.sweep import make_config, run_sweep
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def longest_prompts() -> list:
+    """The longest prompt of every shipped set (by characters, earlier turns included), each once."""
+    chosen = {}
+    for name in DATASETS:
+        prompt = max(load_prompts(name), key=lambda p: len(p.text) + sum(map(len, p.history)))
+        chosen.setdefault(prompt.id, prompt)
+    return list(chosen.values())
+
+
+def run_preset(tmp_path, preset: str, **overrides):
+    """The preset's grid on the longest prompts, 4 new tokens each, the whole grid (no race); (config, prompts,
+    {(cell, prompt id): None for a record, else the skip's reason})."""
+    prompts = longest_prompts()
+    path = tmp_path / "longest.jsonl"
+    path.write_text("".join(prompt_line(p) for p in prompts), encoding="utf-8")
+    config = replace(make_config(preset), datasets=(str(path),), limit=len(prompts), max_new_tokens=4, warmup=0,
+                     baseline_every=0, race_after=0, **overrides)
+    store = ResultsStore(tmp_path / "study.sqlite")
+    run_sweep(config, store, progress=False)
+    outcome = {(r["cell"], r["prompt_id"]): None for r in store.rows()}
+    outcome.update({(s["cell"], s["prompt_id"]): s["reason"] for s in store.skips()})
+    store.close()
+    return config, prompts, outcome
+
+
+def check_every_cell_ended(config, prompts, outcome) -> set[tuple[str, str]]:
+    """Every cell that ran has a record or a one-line skip on every prompt; returns (target, method) pairs seen."""
+    cells = {key for key, _ in outcome}
+    for cell in cells:
+        for prompt in prompts:
+            assert (cell, prompt.id) in outcome, f"{cell} has neither a record nor a skip on {prompt.id}"
+    for reason in filter(None, outcome.values()):
+        assert "\n" not in reason and "Traceback" not in reason and len(reason) > 10
+    assert max(len(p.text) for p in prompts) > 10_000  # the 4826-token article is among them
+    return {(key.split("|")[0], key.split("|")[1]) for key in cells}
+
+
+def test_quick_preset_on_the_longest_prompts(tmp_path):
+    config, prompts, outcome = run_preset(tmp_path, "quick", ks=(1,))  # every method and draft; K changes no length
+    seen = check_every_cell_ended(config, prompts, outcome)
+    torch_target, llamacpp_target = config.targets
+    assert {m for t, m in seen if t == torch_target} >= {"ar", "plain", "sps", "asg", "hf"}
+    assert {m for t, m in seen if t == llamacpp_target} >= {"ar", "plain", "sps", "lcp", "llama"}
+    # llama-cpp-python's prompt lookup ran the long prompts, not only skipped them
+    lookup = [reason for (cell, _), reason in outcome.items() if "|lcp|" in cell]
+    assert lookup and lookup.count(None) == len(lookup)
+
+
+@pytest.mark.skipif(not os.environ.get("DRAFTLAB_QWEN"), reason="DRAFTLAB_QWEN=1 runs the Qwen2.5-Coder pair")
+def test_family_preset_on_llamacpp_on_the_longest_prompts(tmp_path):
+    """The family preset's cells that run on llama.cpp (its torch cells take hours on a CPU with these prompts)."""
+    config, prompts, outcome = run_preset(tmp_path, "family", backend="llamacpp", ks=(2,))
+    seen = check_every_cell_ended(config, prompts, outcome)
+    assert {m for _, m in seen} >= {"ar", "sps", "lcp", "llama"}
