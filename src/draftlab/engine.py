@@ -18,6 +18,7 @@ too know every committed token but the newest.
 
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -209,7 +210,10 @@ class SpeculativeEngine:
         return kept, ""
 
     def _check_prompt(self, prompt_ids: Sequence[int], config: GenerationConfig) -> list[int]:
-        tokens = list(prompt_ids)
+        try:
+            tokens = [operator.index(t) for t in prompt_ids]
+        except TypeError:
+            raise DraftlabError("prompt token ids must be integers") from None
         if not tokens:
             raise DraftlabError("the prompt is empty; give at least one token of text")
         if len(tokens) + config.max_new_tokens > self.context_length:
@@ -219,4 +223,8 @@ class SpeculativeEngine:
                 f"prompt ({len(tokens)} tokens) + max_new_tokens ({config.max_new_tokens}) exceeds the "
                 f"model's context of {self.context_length} tokens; {hint}"
             )
+        outside = [t for t in tokens if not 0 <= t < self.target.vocab_size]
+        if outside:
+            raise DraftlabError(f"prompt token id {outside[0]} is not in the target's vocabulary "
+                                f"(0..{self.target.vocab_size - 1})")
         return tokens

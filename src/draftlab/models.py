@@ -108,7 +108,11 @@ def model_config(source: str):
     """The transformers config of a model source (short name, .gguf file or HF directory)."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(resolve_directory(source))
+    directory = resolve_directory(source)
+    try:
+        return AutoConfig.from_pretrained(directory)
+    except Exception as exc:  # a broken config.json raises JSON, OS and value errors from transformers
+        raise DraftlabError(f"cannot read the model config in {directory}: {str(exc).splitlines()[0][:200]}") from exc
 
 
 def check_device(device: str) -> str:

@@ -7,6 +7,7 @@ target distribution, exactly what plain sampling from the target would use.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -23,11 +24,11 @@ class SamplingConfig:
     top_p: float = 1.0  # 1.0: off
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise DraftlabError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise DraftlabError(f"temperature must be >= 0 (0 is greedy) and finite, got {self.temperature}")
         if self.top_k < 0:
             raise DraftlabError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
+        if not 0.0 < self.top_p <= 1.0:  # NaN fails this too
             raise DraftlabError(f"top_p must be in (0, 1], got {self.top_p}")
 
     @property

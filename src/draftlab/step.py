@@ -91,7 +91,11 @@ class Block:
 
     @classmethod
     def of(cls, last_token: int, proposal: Proposal) -> "Block":
-        """The block that verifies `proposal` after `last_token`."""
+        """The block that verifies `proposal` after `last_token`; a proposal past MAX_DRAFT_TOKENS is refused before
+        any backend builds its mask, logits or batch for it (a tree's size is its widths' product per level)."""
+        if len(proposal.tokens) > MAX_DRAFT_TOKENS:
+            raise DraftlabError(f"a proposal may hold at most {MAX_DRAFT_TOKENS} drafted tokens (one llama.cpp batch "
+                                f"with its root), got {len(proposal.tokens)}: lower --k or the tree's width")
         return cls([last_token, *proposal.tokens], (-1, *(p + 1 for p in proposal.tree)))
 
     @classmethod
@@ -129,6 +133,10 @@ class TreeLayout:
 def node_depths(parents: tuple[int, ...]) -> list[int]:
     """Each drafted token's level (1 for the children of the root) from its parents."""
     return (tree_layout(tuple(parents)).depths + 1).tolist()
+
+
+MAX_DRAFT_TOKENS = 511  # drafted tokens one step may score: a block of 512 rows (llama.cpp's batch; a torch tree's
+# [n, n] mask and [n, V] logits stay within memory too)
 
 
 def chain_parents(n: int) -> tuple[int, ...]:

@@ -23,6 +23,9 @@ import torch
 from draftlab.step import Block, Scores
 
 
+ROUNDING = "not exact: equal to plain decoding up to rounding"  # said of every mode whose block rows may round apart
+
+
 class Backend(Protocol):
     """A model with a KV cache that can be cut back to any accepted path."""
 

@@ -49,7 +49,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from draftlab.backends.base import all_rows, is_prefix
+from draftlab.backends.base import ROUNDING, all_rows, is_prefix
 from draftlab.backends.numerics import (
     INVARIANT_ROWS,
     UpcastLinear,
@@ -120,7 +120,8 @@ class FastLlamaBackend:
         self.upcast = upcast_pays(config, dtype_label(self.dtype), self.device.type) if upcast is None else upcast
         self._fast_products = self._draft_products()  # prefills (and drafts' blocks): the fastest products
         self._project = self._route_products() if self.route is not None else self._fast_products
-        self.numerics = self.route.label if self.route is not None else "draft products (fastest, not exact)"
+        self.numerics = (self.route.label if self.batch_invariant else
+                         f"{self.route.label if self.route is not None else 'draft products'} ({ROUNDING})")
         self._keys: list[torch.Tensor] = []  # per layer [kv_heads, capacity, head_dim]
         self._values: list[torch.Tensor] = []
         self._cos = self._sin = torch.empty(0)  # [capacity, head_dim]

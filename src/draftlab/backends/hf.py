@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from draftlab.backends.base import all_rows, is_prefix
+from draftlab.backends.base import ROUNDING, all_rows, is_prefix
 from draftlab.backends.numerics import checked_rows
 from draftlab.step import Block, Scores
 
@@ -30,7 +30,7 @@ class HFBackend:
         """
         self.model = model
         self.batch_invariant = False
-        self.numerics = "transformers' forward (rows of a block round differently from single rows)"
+        self.numerics = f"transformers' forward ({ROUNDING}: rows of a block round differently from single rows)"
         self.device = torch.device(device)
         vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self._rows = None if head_rows is None else checked_rows(head_rows, vocab_size)  # [V']

@@ -28,6 +28,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from draftlab.backends.base import ROUNDING
 from draftlab.backends.gguf import INSTALL_HINT, LlamaCppModel, llama_lib, threads
 from draftlab.errors import DraftlabError
 from draftlab.step import Block, Scores
@@ -62,7 +63,7 @@ class LlamaCppBackend:
             warnings.warn("this llama.cpp build has llamafile's sgemm: rows of a block round differently from single "
                           "rows, so greedy speculative output may differ from plain decoding; reinstall with "
                           f"{INSTALL_HINT.removeprefix('install it with: ')}", stacklevel=2)
-        self.numerics = model.kernels()
+        self.numerics = model.kernels() + ("" if self.batch_invariant else f" ({ROUNDING})")
         self.n_ctx = min(model.n_ctx_train, MAX_CONTEXT)
         self._ctx = self._new_context(flash_attention)
         self._memory = self.lib.llama_get_memory(self._ctx)
@@ -227,6 +228,9 @@ class LlamaCppBackend:
         return ctx
 
     def _fill(self, tokens: list[int], positions: list[int], seqs: list[list[int]], wanted: list[bool]) -> None:
+        if len(tokens) > MAX_BATCH or any(len(s) > MAX_LEAVES for s in seqs):  # the batch's arrays hold no more
+            raise DraftlabError(f"a llama.cpp batch holds {MAX_BATCH} tokens in at most {MAX_LEAVES} sequences each, "
+                                f"got {len(tokens)} tokens")
         batch = self._batch
         batch.n_tokens = len(tokens)
         for i, (token, pos, seq_ids, out) in enumerate(zip(tokens, positions, seqs, wanted)):

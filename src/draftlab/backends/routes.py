@@ -100,9 +100,10 @@ def parse_route(text: str, dtype: str | None = None) -> Route:
                             "'fp32 linear' (not exact), or 'auto'")
     name, _, rows = parts[1].partition("/")
     kinds = {"exact-linear": "linear", "exact-wm": "weight-major", "linear": "linear", "weight-major": "weight-major"}
-    if name not in kinds or (name.startswith("exact") != bool(rows)) or (rows and not rows.isdigit()):
-        raise DraftlabError(f"bad numerics {text!r}: the route is exact-linear/R, exact-wm/R (R in {ROWS}), "
-                            "linear or weight-major")
+    exact = name.startswith("exact")
+    if name not in kinds or exact != bool(rows) or (exact and not (rows.isdigit() and int(rows) in ROWS)):
+        raise DraftlabError(f"bad numerics {text!r}: the route is exact-linear/R, exact-wm/R (R one of "
+                            f"{', '.join(map(str, ROWS))}), or linear or weight-major (equal up to rounding)")
     return Route(parts[0], kinds[name], int(rows or 0))
 
 

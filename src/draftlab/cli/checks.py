@@ -17,14 +17,35 @@ from draftlab.errors import DraftlabError
 
 def _at_least(minimum: float) -> Callable[[str, object], None]:
     def check(flag: str, value) -> None:
-        if value < minimum:
-            raise DraftlabError(f"{flag} must be >= {minimum:g}, got {value}")
+        if not value >= minimum or value == float("inf"):  # NaN compares false
+            raise DraftlabError(f"{flag} must be a finite number >= {minimum:g}, got {value}")
     return check
 
 
 def _positive(flag: str, value) -> None:
-    if value <= 0:
-        raise DraftlabError(f"{flag} must be > 0, got {value}")
+    if not value > 0 or value == float("inf"):
+        raise DraftlabError(f"{flag} must be a finite number > 0, got {value}")
+
+
+def _text(flag: str, value) -> None:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise DraftlabError(f"{flag} is not valid UTF-8 text") from None
+
+
+def _output(flag: str, value) -> None:
+    """An output path: no part of the way to it may be a file."""
+    path = Path(value)
+    for parent in path.parents:
+        if parent.exists() and not parent.is_dir():
+            raise DraftlabError(f"{flag} {path}: {parent} is a file, not a directory")
+
+
+def _new_draft_dir(flag: str, value) -> None:
+    _output(flag, value)
+    if Path(value).exists() and not Path(value).is_dir():
+        raise DraftlabError(f"{flag} {value} is a file; give a directory for the adapted draft")
 
 
 def _k(flag: str, value) -> None:
@@ -65,6 +86,8 @@ def _drafter(flag: str, value) -> None:
 
 def _existing_file(flag: str, value) -> None:
     path = Path(value)
+    if path.is_dir():
+        raise DraftlabError(f"{flag}: {path} is a directory, not a file")
     if path.suffix and not path.is_file():  # a file name, not a bundled dataset or model name
         raise DraftlabError(f"{flag}: file not found: {path}")
 
@@ -100,6 +123,12 @@ CHECKS: dict[str, Callable[[str, object], None]] = {
     "drafters": _drafter,
     "drafts": _drafter,
     "prompts": _existing_file,
+    "prompt": _text,
+    "out": _output,
+    "db": _output,
+    "adapt_save": _new_draft_dir,
+    "race_after": _at_least(0),
+    "baseline_every": _at_least(0),
     "profile": _existing_file,
     "config": _existing_file,
 }

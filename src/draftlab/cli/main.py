@@ -58,6 +58,7 @@ def add_sampling_args(parser: argparse.ArgumentParser, temperature: float = Samp
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for every subcommand."""
     parser = argparse.ArgumentParser(prog="draftlab", description="Lossless speculative decoding and its evidence.")
+    parser.add_argument("--debug", action="store_true", help="print the traceback of an unexpected error")
     sub = parser.add_subparsers(dest="command", required=True)
     generate = sub.add_parser("generate", help="generate text with speculative decoding")
     _add_model_args(generate)
@@ -98,7 +99,7 @@ def _decoder(args):
 
 def cmd_generate(args) -> None:
     """Stream the generated text, then the statistics."""
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = _stdin_text() if args.prompt == "-" else args.prompt
     decoder = _decoder(args)
     tokenizer = decoder.target.tokenizer
     new: list[int] = []
@@ -121,13 +122,15 @@ def cmd_generate(args) -> None:
     stats = result.stats.to_dict()
     if args.json:
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, "target": args.target,
-                          "drafter": args.drafter, "k": args.k, **stats}))
+                          "drafter": args.drafter, "k": args.k, "numerics": decoder.target_backend.numerics,
+                          **stats}))
         return
     print(
         f"-- {stats['new_tokens']} tokens in {stats['steps']} steps | {stats['tokens_per_step']:.2f} tokens/step | "
         f"acceptance {stats['acceptance_rate']:.1%} | {stats['tokens_per_s']:.1f} tokens/s | "
         f"draft {stats['draft_s']:.2f}s target {stats['target_s'] + stats['prefill_s']:.2f}s "
-        f"overhead {stats['overhead_s']:.2f}s wall {stats['wall_s']:.2f}s | stop: {stats['stop_reason']}",
+        f"overhead {stats['overhead_s']:.2f}s wall {stats['wall_s']:.2f}s | stop: {stats['stop_reason']}\n"
+        f"-- numerics: {decoder.target_backend.numerics}",
         file=sys.stderr if args.json else sys.stdout,
     )
 
@@ -141,13 +144,12 @@ def cmd_bench(args) -> None:
     decoder = _decoder(args)
     settings = BenchSettings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.warmup,
                              not args.no_host_baselines)
-    summary = run_bench(decoder, prompts, settings).summary()
+    summary = {**run_bench(decoder, prompts, settings).summary(), "numerics": decoder.target_backend.numerics}
     _save_adapted(decoder, args)
     print(format_bench_table(summary, args))
     if args.json:
         print(json.dumps({"target": args.target, "drafter": args.drafter, "k": args.k,
-                          "dtype": str(decoder.target.dtype).removeprefix("torch."),
-                          "numerics": decoder.target_backend.numerics, **summary}))
+                          "dtype": str(decoder.target.dtype).removeprefix("torch."), **summary}))
 
 
 def _save_adapted(decoder, args) -> None:
@@ -160,7 +162,8 @@ def _save_adapted(decoder, args) -> None:
 def format_bench_table(summary: dict, args) -> str:
     """A table per category and overall, for people."""
     header = f"{'category':<16}{'prompts':>8}{'AR tok/s':>10}{'SpS tok/s':>11}{'speedup':>9}{'(min-max)':>14}{'TAR':>6}{'accept':>8}{'identical':>11}"
-    lines = [f"target={args.target} drafter={args.drafter} k={args.k} temperature={args.temperature}", header]
+    lines = [f"target={args.target} drafter={args.drafter} k={args.k} temperature={args.temperature} "
+             f"numerics={summary.get('numerics', '?')}", header]
     rows = [*summary["categories"].items(), ("all", summary)]
     for name, row in rows:
         lines.append(
@@ -204,12 +207,33 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(args.threads)
         args.run(args)
     except DraftlabError as exc:
-        print(f"draftlab: error: {exc}", file=sys.stderr)
+        print(f"draftlab: error: {_one_line(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("draftlab: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # anything not foreseen: one line, the traceback on request
+        if args.debug:
+            raise
+        print(f"draftlab: error: {type(exc).__name__}: {_one_line(str(exc))}\n"
+              "draftlab: this is unexpected; rerun with --debug (draftlab --debug COMMAND ...) for the traceback",
+              file=sys.stderr)
+        return 1
     return 0
+
+
+def _stdin_text() -> str:
+    """The prompt from standard input, which must be UTF-8 text."""
+    try:
+        return sys.stdin.buffer.read().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DraftlabError(f"the prompt on standard input is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+
+
+def _one_line(text: str) -> str:
+    """An error message as one line (the first of several, shortened)."""
+    first = text.strip().splitlines()[0] if text.strip() else "(no message)"
+    return first if len(first) <= 400 else first[:397] + "..."
 
 
 if __name__ == "__main__":

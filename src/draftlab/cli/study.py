@@ -88,12 +88,13 @@ def _sweep_config(args):
 
 def _run_sweep(args, db) -> None:
     from draftlab.study.store import ResultsStore
-    from draftlab.study.sweep import run_sweep
+    from draftlab.study.sweep import plan, run_sweep
 
     config = _sweep_config(args)
+    groups = plan(config)  # a bad prompt set is refused before the database is created
     store = ResultsStore(db)
     try:
-        added = run_sweep(config, store, progress=not args.no_progress)
+        added = run_sweep(config, store, progress=not args.no_progress, groups=groups)
     finally:
         store.close()
     print(f"sweep: {added} new records in {db}" if added else f"sweep: nothing to do, {db} is complete")
@@ -109,20 +110,20 @@ def cmd_study(args) -> None:
     from draftlab.study.page import build_report
     from draftlab.study.report import (baseline_drift, format_lossy, format_optimal, load_checks, load_study,
                                        lossy_cells, optimal_table, summarize)
-    from draftlab.study.answer import engine_answer, recommend
+    from draftlab.study.answer import engine_answer, numerics_notes, recommend
     from draftlab.study.pruning import format_skips, load_skips
 
     out = Path(args.out)
     db = args.db or str(out / "study.sqlite")
     _run_sweep(args, db)
     page = build_report(db, out / "report")
-    rows, params, _ = load_study(db)
+    rows, params, envs = load_study(db)
     checks = load_checks(db)
     summaries = summarize(rows, checks)
     drift = baseline_drift(rows, checks)
     print(f"report: {page}")
     print(drift.describe())
-    print("\n".join(engine_answer(summaries, drift) + recommend(summaries, drift)))
+    print("\n".join(engine_answer(summaries, drift) + recommend(summaries, drift) + numerics_notes(envs)))
     print(format_optimal(optimal_table(summaries, params)))
     _print_learning(summaries, rows)
     lossy = lossy_cells(summaries)
@@ -146,15 +147,15 @@ def cmd_report(args) -> None:
     """Write the HTML report of a study database; print the recommendation and the seeds' findings beside ours."""
     from draftlab.study.findings import format_findings, gather_evidence, seeds_findings
     from draftlab.study.page import build_report
-    from draftlab.study.answer import engine_answer, recommend
+    from draftlab.study.answer import engine_answer, numerics_notes, recommend
     from draftlab.study.report import baseline_drift, load_checks, load_study, summarize
 
     print(f"report: {build_report(args.db, args.out, args.profile, args.microbench, args.correlate)}")
-    rows, params, _ = load_study(args.db)
+    rows, params, envs = load_study(args.db)
     checks = load_checks(args.db)
     summaries = summarize(rows, checks)
     drift = baseline_drift(rows, checks)
-    print("\n".join(engine_answer(summaries, drift) + recommend(summaries, drift)))
+    print("\n".join(engine_answer(summaries, drift) + recommend(summaries, drift) + numerics_notes(envs)))
     _print_learning(summaries, rows)
     evidence = gather_evidence(summaries, params, rows, args.profile, args.microbench, args.correlate)
     print("The seeds' findings beside this study:")

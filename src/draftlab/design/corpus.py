@@ -21,6 +21,7 @@ from draftlab.api import eos_ids, prompt_ids
 from draftlab.datasets import load_prompts
 from draftlab.errors import DraftlabError
 from draftlab.models import DTYPES, LoadedModel, batch_dtype_name
+from draftlab.safeio import load_tensors, save_tensors
 
 TEXT = "text.pt"
 
@@ -135,8 +136,8 @@ def cached_text(out: Path, target: LoadedModel, datasets: list[str], limit: int 
         sources["reuse"] = [str(Path(r).resolve()) for r in reuse]
     path = Path(out) / TEXT
     if path.exists():
-        cached = torch.load(path)
-        if cached.get("sources") != sources:
+        cached = load_tensors(path, "the training text cache")
+        if not isinstance(cached, dict) or cached.get("sources") != sources:
             raise DraftlabError(f"{path} was made from other text ({cached.get('sources')}); delete it or use "
                                 "another --out")
         return cached["sequences"]
@@ -146,8 +147,7 @@ def cached_text(out: Path, target: LoadedModel, datasets: list[str], limit: int 
     if not sequences:
         raise DraftlabError("no training text: give --datasets, --corpus or --reuse-text")
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"sources": sources, "sequences": sequences}, path.with_suffix(".tmp"))
-    path.with_suffix(".tmp").replace(path)
+    save_tensors({"sources": sources, "sequences": sequences}, path)
     return sequences
 
 
@@ -155,6 +155,6 @@ def _reused(path: Path) -> list[list[int]]:
     """The sequences of an earlier text cache."""
     path = path / TEXT if path.is_dir() else path
     try:
-        return list(torch.load(path)["sequences"])
-    except (OSError, KeyError, RuntimeError, EOFError) as exc:
+        return list(load_tensors(path, "training text")["sequences"])
+    except (KeyError, TypeError) as exc:
         raise DraftlabError(f"cannot reuse training text from {path} ({exc})") from exc

@@ -20,10 +20,11 @@ from pathlib import Path
 
 import torch
 
-from draftlab.drafters.pruned import DesignedDraft, build_draft, draft_state, save_draft
 from draftlab.design.training import LoopSettings, train
+from draftlab.drafters.pruned import DesignedDraft, build_draft, draft_state, save_draft
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel
+from draftlab.safeio import load_tensors, save_tensors
 
 TEACHER = "teacher.pt"
 LOG = "distill_log.jsonl"
@@ -79,11 +80,9 @@ def load_or_make_teacher(out: Path, target: LoadedModel, sequences: list[list[in
     """Cached teacher targets from `out`, or computed and cached."""
     path = out / TEACHER
     if path.exists():
-        return torch.load(path)
+        return load_tensors(path, "the cached teacher targets")
     teacher = teacher_targets(target, windows(sequences, settings.seq_len), settings.top_k, progress)
-    tmp = path.with_suffix(".tmp")
-    torch.save(teacher, tmp)
-    tmp.replace(path)
+    save_tensors(teacher, path)
     return teacher
 
 

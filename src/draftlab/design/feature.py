@@ -27,9 +27,10 @@ import torch.nn.functional as F
 
 from draftlab.design.distill import windows
 from draftlab.design.training import LoopSettings, train
-from draftlab.errors import DraftlabError
 from draftlab.drafters.feature import FeatureDraft, feature_loss, save_feature_draft
+from draftlab.errors import DraftlabError
 from draftlab.models import DTYPES, LoadedModel, batch_dtype_name
+from draftlab.safeio import load_tensors, save_tensors
 
 FEATURES = "features.pt"
 LOG = "train_log.jsonl"
@@ -86,15 +87,10 @@ def load_or_make_features(out: Path, target: LoadedModel, sequences: list[list[i
     """Cached features from `out`, or computed and cached."""
     path = out / FEATURES
     if path.exists():
-        try:
-            return torch.load(path)
-        except Exception as exc:
-            raise DraftlabError(f"cannot read {path} ({exc}); delete it to recompute") from exc
+        return load_tensors(path, "the cached target features")
     dtype = DTYPES[batch_dtype_name(settings.feature_dtype, str(target.device))]
     data = target_features(target, windows(sequences, settings.seq_len), dtype=dtype, progress=progress)
-    tmp = path.with_suffix(".tmp")
-    torch.save(data, tmp)
-    tmp.replace(path)
+    save_tensors(data, path)
     return data
 
 

@@ -23,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-from draftlab.errors import DraftlabError
+from draftlab.safeio import load_tensors, save_tensors
 
 CHECKPOINT = "checkpoint.pt"
 
@@ -138,9 +138,7 @@ def _checkpoint(out, student, optimizer, step, position, elapsed, order, generat
     """Write the checkpoint atomically, then refresh the draft directory."""
     state = {"weights": student.weights(), "optimizer": optimizer.state_dict(), "step": step, "position": position,
              "elapsed": elapsed, "order": order, "rng": generator.get_state(), "history": history}
-    tmp = out / (CHECKPOINT + ".tmp")
-    torch.save(state, tmp)
-    tmp.replace(out / CHECKPOINT)
+    save_tensors(state, out / CHECKPOINT)
     student.save(history)
 
 
@@ -149,10 +147,7 @@ def _resume(out: Path, student: Student, optimizer, settings: LoopSettings) -> d
     path = out / CHECKPOINT
     if not path.exists():
         return {}
-    try:
-        state = torch.load(path, weights_only=False)
-    except Exception as exc:  # a torn or foreign file
-        raise DraftlabError(f"cannot read checkpoint {path} ({exc}); delete it to start over") from exc
+    state = load_tensors(path, "the training checkpoint")
     student.load_weights(state["weights"])
     optimizer.load_state_dict(state["optimizer"])
     print(f"train: resuming from step {state['step']} ({state['elapsed']:.0f}s of {settings.budget_s:.0f}s done)")

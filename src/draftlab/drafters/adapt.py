@@ -23,6 +23,7 @@ of its format (`model:DIR` loads it) whose record says what it learned from.
 from __future__ import annotations
 
 import copy
+import math
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, fields, replace
@@ -58,10 +59,12 @@ class AdaptSettings:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if (self.lr <= 0 or self.every < 1 or self.steps < 1 or self.window < 3 or self.batch < 1 or self.buffer < 0
-                or self.warmup < 0 or self.reread not in (0, 1)):
-            raise DraftlabError("adapt options need lr > 0, every >= 1, steps >= 1, window >= 3, batch >= 1, "
-                                "buffer >= 0, warmup >= 0, reread 0 or 1")
+        finite = all(math.isfinite(v) for v in (self.lr, self.noise, self.regression_weight))
+        if (not finite or self.lr <= 0 or self.noise < 0 or self.regression_weight < 0 or self.every < 1
+                or self.steps < 1 or self.window < 3 or self.batch < 1 or self.buffer < 0 or self.warmup < 0
+                or self.reread not in (0, 1)):
+            raise DraftlabError("adapt options need finite numbers: lr > 0, noise >= 0, every >= 1, steps >= 1, "
+                                "window >= 3, batch >= 1, buffer >= 0, warmup >= 0, reread 0 or 1")
 
     @classmethod
     def parse(cls, text: str) -> "AdaptSettings":

@@ -20,24 +20,30 @@ keeps what it learned.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
+import sys
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
 from draftlab.drafters.base import BlindDrafter
 from draftlab.errors import DraftlabError
+from draftlab.safeio import write_atomic
 from draftlab.step import ROOT, Proposal
 
 LIBRARY = "arctic-inference==0.3.0"
 INSTALL_HINT = (f"--drafter suffix needs {LIBRARY} (Arctic Inference's suffix trees, as vLLM runs them): "
                 "run ./run.sh --setup-only, or see docs/engine-and-drafters.md#suffix-decoding")
 STORE_FORMAT = "draftlab-suffix-cache/1"
+LOCK_FILE = "suffix-cache.lock"  # flock'ed by each writer
+MAX_TOKEN_ID = 2**31 - 1  # the suffix trees hold int32 ids
 RESPONSES_FILE = "responses.jsonl"
 META_FILE = "suffix-cache.json"
 
@@ -153,18 +159,21 @@ class SuffixCache:
                 self._append(list(response))
 
     def save(self, directory: str | os.PathLike, tokenizer_id: str = "") -> Path:
-        """Write the held responses (what this cache learned, as far as it was stored) to a directory."""
+        """Write the held responses (what this cache learned, as far as it was stored) to a directory: one that
+        is new, empty, or a suffix cache already (never over another directory's files), atomically, under the
+        directory's lock (another process appending waits)."""
         path = Path(directory)
+        _check_store_dir(path)
         path.mkdir(parents=True, exist_ok=True)
-        _write_meta(path, tokenizer_id)
-        tmp = path / (RESPONSES_FILE + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in self._held))
-        tmp.replace(path / RESPONSES_FILE)
+        with _locked(path):
+            write_atomic(path / RESPONSES_FILE, "".join(json.dumps(r) + "\n" for r in self._held))
+            write_atomic(path / META_FILE, json.dumps({"format": STORE_FORMAT, "tokenizer": tokenizer_id}) + "\n")
         return path
 
     def _open_store(self, tokenizer_id: str) -> None:
         """Load the store's responses (the newest `responses` of them), or create it."""
         meta = self.store / META_FILE
+        _check_store_dir(self.store)
         if meta.exists():
             _check_meta(self.store, tokenizer_id)
             for response in read_responses(self.store / RESPONSES_FILE, self.responses):
@@ -182,8 +191,19 @@ class SuffixCache:
         self._held.append(response)
 
     def _append(self, response: list[int]) -> None:
-        with open(self.store / RESPONSES_FILE, "a") as f:
-            f.write(json.dumps(response) + "\n")
+        """One line per response, under the directory's lock, flushed to disk; a line a kill left unfinished is
+        closed first, so that it stays one damaged line (dropped on reading) and does not swallow this one."""
+        with _locked(self.store), open(self.store / RESPONSES_FILE, "ab+") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell():
+                f.seek(-1, os.SEEK_END)
+                torn = f.read(1) != b"\n"
+                f.seek(0, os.SEEK_END)
+                if torn:
+                    f.write(b"\n")
+            f.write((json.dumps(response) + "\n").encode())
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -192,8 +212,26 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
 
 
-def _write_meta(path: Path, tokenizer_id: str) -> None:
-    (path / META_FILE).write_text(json.dumps({"format": STORE_FORMAT, "tokenizer": tokenizer_id}) + "\n")
+def _check_store_dir(path: Path) -> None:
+    """Refuse a path that is a file, or a directory holding files but no suffix cache record: its files are not
+    ours to overwrite."""
+    if path.exists() and not path.is_dir():
+        raise DraftlabError(f"cache={path} is a file; give a directory for the suffix cache")
+    if path.is_dir() and not (path / META_FILE).exists() and any(
+            p.name not in (LOCK_FILE,) for p in path.iterdir()):
+        raise DraftlabError(f"cache={path} holds files but no {META_FILE}: not a suffix cache, left untouched; give "
+                            "a new or empty directory")
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """The directory's lock: one writer at a time (appends and rewrites), across processes."""
+    with open(path / LOCK_FILE, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _check_meta(path: Path, tokenizer_id: str) -> None:
@@ -213,13 +251,20 @@ def read_responses(path: Path, keep: int | None = None) -> list[list[int]]:
     if not path.exists():
         return []
     responses: deque[list[int]] = deque(maxlen=keep or None)
-    for line in path.read_text().splitlines():
+    damaged = 0
+    for line in path.read_bytes().splitlines():
         try:
-            tokens = json.loads(line)
-        except ValueError:
+            tokens = json.loads(line.decode("utf-8"))
+        except ValueError:  # UnicodeDecodeError too: a torn or foreign line
+            damaged += 1
             continue
-        if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens):
+        if isinstance(tokens, list) and all(type(t) is int and 0 <= t < MAX_TOKEN_ID for t in tokens):
             responses.append(tokens)
+        else:
+            damaged += 1
+    if damaged:
+        print(f"suffix cache: {damaged} damaged line(s) of {path} dropped (a write cut short, or not token ids)",
+              file=sys.stderr)
     return list(responses)
 
 

@@ -58,7 +58,7 @@ from draftlab.backends.numerics import scatter_vocab
 from draftlab.drafters.base import PerRequest
 from draftlab.errors import DraftlabError
 from draftlab.sampling import SamplingConfig, logits_to_probs
-from draftlab.step import ROOT, Proposal, node_depths
+from draftlab.step import MAX_DRAFT_TOKENS, ROOT, Proposal, node_depths
 
 SHAPE_HELP = ("BxBx... (static branching per depth, optional -N node budget) or dyn-T-N (dynamic, EAGLE-2), "
               "either optionally with @P (confidence stop)")
@@ -81,6 +81,10 @@ class TreeShape:
             raise DraftlabError(f"a tree's confidence stop must be in [0, 1), got {self.min_prob}")
         if self.expand and not self.nodes:
             raise DraftlabError("a dynamic tree needs a node budget (dyn-T-N)")
+        width = self.expand * self.expand if self.expand else math.prod(self.branching)
+        if max(width, self.nodes) > MAX_DRAFT_TOKENS:
+            raise DraftlabError(f"tree shape {self}: {max(width, self.nodes)} nodes in a level or budget, past the "
+                                f"{MAX_DRAFT_TOKENS} drafted tokens a step may score")
 
     @classmethod
     def parse(cls, text: str) -> "TreeShape":

@@ -33,6 +33,7 @@ from draftlab.defaults import DEFAULT_BACKEND, SHORT_RUN_TOKENS
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel
 from draftlab.perf.model import DraftProfile, TargetProfile, accepted_at_least, at_least, prompt_standard_errors
+from draftlab.safeio import write_atomic
 
 WARMUP_TOKENS = 4  # an untimed generation per draft before its measured runs
 
@@ -59,7 +60,7 @@ class Profile:
 
     def save(self, path: str | Path) -> None:
         """Write the profile as JSON."""
-        Path(path).write_text(json.dumps(asdict(self), indent=2))
+        write_atomic(path, json.dumps(asdict(self), indent=2))
 
     @classmethod
     def load(cls, path: str | Path) -> "Profile":
@@ -72,8 +73,9 @@ class Profile:
             drafts = [DraftProfile(**d) for d in data["drafts"]]
         except FileNotFoundError as exc:
             raise DraftlabError(f"profile not found: {path}; run `draftlab calibrate` first") from exc
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise DraftlabError(f"{path} is not a draftlab profile ({exc})") from exc
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # a directory, not UTF-8, not ours
+            raise DraftlabError(f"{path} is not a draftlab profile ({type(exc).__name__}: "
+                                f"{str(exc).splitlines()[0][:120] if str(exc) else ''})") from exc
         return cls(target, drafts, data.get("context_tokens", 0), data.get("seconds", 0.0))
 
 

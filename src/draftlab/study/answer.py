@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from draftlab.study.report import ALL, METHOD_NAMES, PLAIN_METHODS, CellSummary, Drift
-from draftlab.study.store import LLAMACPP_TARGET, PEER_PLAIN
+from draftlab.study.cells import LLAMACPP_TARGET, PEER_PLAIN
 
 
 def engine_answer(summaries: list[CellSummary], drift: Drift | None = None) -> list[str]:
@@ -34,6 +34,16 @@ def engine_answer(summaries: list[CellSummary], drift: Drift | None = None) -> l
                          f"{best.tokens_per_s:.1f} tok/s over {best.prompts} prompts (plain decoding, tok/s: {engines})"
                          f"{_runner_up(best, rest, drift)}.")
     return sentences
+
+
+def numerics_notes(envs: list[dict]) -> list[str]:
+    """A sentence per target whose speculative cells ran on products that are not exact (every row of a block the
+    row alone): their outputs equal plain decoding only up to rounding, whatever the count of identical outputs."""
+    from draftlab.backends.base import ROUNDING
+
+    notes = {f"Numerics of {env.get('target') or 'the target'}: {env['numerics']}; its speculative outputs are "
+             "lossless only up to rounding." for env in envs if ROUNDING in (env.get("numerics") or "")}
+    return sorted(notes)
 
 
 def _what(s: CellSummary) -> str:

@@ -12,7 +12,7 @@ from draftlab.study.report import (
     CellSummary, Drift, OptimalRow, baseline_drift, load_checks, load_study, lossy_cells, optimal_table,
     summarize, write_csv,
 )
-from draftlab.study.answer import engine_answer, recommend
+from draftlab.study.answer import engine_answer, numerics_notes, recommend
 from draftlab.study.learning import format_learning, learning_rows
 from draftlab.study.pruning import load_skips, skipped_cells
 
@@ -43,7 +43,8 @@ def build_report(db: str | Path, out: str | Path, profile_path: str | Path | Non
     model_section = _model_section(profile_path, evidence.comparisons, out) if profile_path else ""
     findings = seeds_findings(evidence)
     drift = baseline_drift(rows, checks)
-    page = _html(db, summaries, optimal, figures, envs, drift, engine_answer(summaries, drift) + recommend(summaries, drift))
+    page = _html(db, summaries, optimal, figures, envs, drift,
+                 engine_answer(summaries, drift) + recommend(summaries, drift) + numerics_notes(envs))
     page = page.replace("<h2>Figures</h2>", _skips_section(load_skips(db)) + "<h2>Figures</h2>")
     learning = format_learning(learning_rows(summaries, rows))
     if learning:  # suffix cells: cold and warm per workload

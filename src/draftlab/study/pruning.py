@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from draftlab.study.store import LLAMACPP_TARGET, PEER_PLAIN, Cell
+from draftlab.study.cells import LLAMACPP_TARGET, PEER_PLAIN, Cell
+from draftlab.study.store import ResultsStore
 
 
 @dataclass(frozen=True)
@@ -94,9 +95,7 @@ def _describe(cell: Cell) -> str:
 
 def load_skips(db) -> list[dict]:
     """The skipped (cell, prompt) pairs of a study database, with their reasons."""
-    from draftlab.study.store import ResultsStore
-
-    store = ResultsStore(db)
+    store = ResultsStore(db, read_only=True)
     try:
         return store.skips()
     finally:

@@ -318,7 +318,7 @@ def load_study(db: str | Path) -> tuple[list[dict], dict[str, int], list[dict]]:
     """Records, parameter counts and environments of a study database."""
     if not Path(db).exists():
         raise DraftlabError(f"study database not found: {db}")
-    store = ResultsStore(db)
+    store = ResultsStore(db, read_only=True)
     try:
         rows, params, envs = store.rows(), store.params(), store.environments()
     finally:
@@ -330,7 +330,7 @@ def load_study(db: str | Path) -> tuple[list[dict], dict[str, int], list[dict]]:
 
 def load_checks(db: str | Path) -> list[dict]:
     """The baseline re-checks of a study database (empty for studies made before they existed)."""
-    store = ResultsStore(db)
+    store = ResultsStore(db, read_only=True)
     try:
         return store.baseline_checks()
     finally:

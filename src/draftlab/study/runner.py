@@ -21,8 +21,9 @@ from draftlab.hf_reference import hf_assist, hf_generate
 from draftlab.llamacpp_reference import LlamaCppPeer
 from draftlab.models import LoadedModel, gguf_path
 from draftlab.policy import FixedK
+from draftlab.safeio import load_tensors, save_tensors, write_atomic
 from draftlab.sampling import SamplingConfig
-from draftlab.study.store import LLAMACPP_ONLY, PEER_METHODS, Cell, Record
+from draftlab.study.cells import LLAMACPP_ONLY, PEER_METHODS, Cell, Record
 
 if TYPE_CHECKING:
     from draftlab.study.sweep import SweepConfig
@@ -45,6 +46,7 @@ class CellRunner:
         self.cell_caches: dict[str, SuffixCache] = {}
         self.cell_prompts: dict[str, list[str]] = {}  # prompt ids whose responses each cell's cache holds, in order
         self.cell_learners: dict[str, AdaptingDrafter] = {}  # each adapting cell's own draft, learning its prompts
+        self.cell_drafts: dict[str, str] = {}  # digest of the weights each adapting cell started from (its states' key)
         self.config = config
         self.backend = backend or config.backend
         self.eos = eos_ids(target)
@@ -93,15 +95,16 @@ class CellRunner:
             held = [*self.cell_prompts[cell.key], prompt_id]
             self.cell_prompts[cell.key] = held[len(held) - cache.held:]  # a bounded cache drops its oldest
             where = cache.save(self._cache_dir(cell))
-            (where / PROMPTS_FILE).write_text(json.dumps(self.cell_prompts[cell.key]))
+            digest = hashlib.sha256((where / RESPONSES_FILE).read_bytes()).hexdigest()
+            write_atomic(where / PROMPTS_FILE, json.dumps({"prompts": self.cell_prompts[cell.key],
+                                                           "responses_sha256": digest}))
 
     def _reload_cache(self, cell: Cell, drafter: SuffixDrafter) -> SuffixCache:
         """The cell's cache as a resumed sweep left it: the responses to its stored prompts, in order."""
         cache, prompts = drafter.fresh_cache(), []
         where = self._cache_dir(cell) if self.cache_root is not None else None
-        if where is not None and (where / PROMPTS_FILE).exists():
-            stored = json.loads((where / PROMPTS_FILE).read_text())
-            for prompt_id, response in zip(stored, read_responses(where / RESPONSES_FILE)):
+        if where is not None:
+            for prompt_id, response in _stored_pairs(where):
                 if (cell.key, prompt_id) not in self.done:
                     break
                 cache.remember(response)
@@ -117,16 +120,17 @@ class CellRunner:
         prompts = [*self.cell_prompts.get(cell.key, []), prompt_id]
         self.cell_prompts[cell.key] = prompts
         name = ADAPT_FILES[len(prompts) % 2]
-        torch.save({"prompts": prompts, **learner.state()}, where / (name + ".tmp"))
-        (where / (name + ".tmp")).replace(where / name)
+        save_tensors({"prompts": prompts, "draft": self.cell_drafts[cell.key], **learner.state()}, where / name)
 
     def _reload_learner(self, cell: Cell, drafter: AdaptingDrafter) -> AdaptingDrafter:
         """The cell's own adapting draft as a resumed sweep left it: the newest state that learned from stored
         prompts only (from the base weights when there is none)."""
         learner, self.cell_prompts[cell.key] = drafter.fork(), []
+        self.cell_drafts[cell.key] = weights_digest(learner.state()["learner"]["weights"])
         where = self._cache_dir(cell) if self.cache_root is not None else None
         states = [_read_state(where / name) for name in ADAPT_FILES if where is not None]
-        usable = [s for s in states if s is not None and all((cell.key, p) in self.done for p in s["prompts"])]
+        usable = [s for s in states if s is not None and s.get("draft") == self.cell_drafts[cell.key]
+                  and all((cell.key, p) in self.done for p in s["prompts"])]
         if usable:
             state = max(usable, key=lambda s: len(s["prompts"]))
             learner.load_state(state)
@@ -212,13 +216,39 @@ class CellRunner:
                 continue
 
 
+def _stored_pairs(where: Path) -> list[tuple[str, list[int]]]:
+    """(prompt id, response) of a suffix cell's saved cache, in order; none when the prompt list is torn, foreign,
+    or was not written after the responses it pairs with (a kill between the two writes): the cell then starts
+    cold, which costs speed, never a prompt timed with its own answer."""
+    try:
+        stored = json.loads((where / PROMPTS_FILE).read_text(encoding="utf-8"))
+        digest = hashlib.sha256((where / RESPONSES_FILE).read_bytes()).hexdigest()
+    except (OSError, ValueError):
+        return []
+    if not isinstance(stored, dict) or stored.get("responses_sha256") != digest:
+        return []
+    prompts = stored.get("prompts")
+    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+        return []
+    return list(zip(prompts, read_responses(where / RESPONSES_FILE)))
+
+
 def _read_state(path: Path) -> dict | None:
     """An adapting cell's saved state, or None when it is missing or unreadable (a kill mid-write leaves only
     the .tmp file; the cell then goes on from its other state, or from the base weights)."""
     try:
-        return torch.load(path, weights_only=False) if path.exists() else None
-    except Exception:  # a damaged file counts as missing: the cell learns less, never from an unstored prompt
+        return load_tensors(path, "an adapting cell's state") if path.exists() else None
+    except DraftlabError:  # a damaged or foreign file counts as missing: the cell learns less, never runs its code
         return None
+
+
+def weights_digest(weights: dict[str, torch.Tensor]) -> str:
+    """SHA256 over a state dict's names and bytes: a saved state only resumes a cell whose draft it started from."""
+    digest = hashlib.sha256()
+    for name in sorted(weights):
+        digest.update(name.encode())
+        digest.update(weights[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def token_sha(tokens: list[int]) -> str:

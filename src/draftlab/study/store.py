@@ -51,17 +51,20 @@ so a killed sweep loses at most the record in flight; resuming skips every
 
 from __future__ import annotations
 
+import fcntl
 import json
 import sqlite3
 import time
-from dataclasses import asdict, dataclass, field, replace
+from contextlib import contextmanager
+from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Iterator
 
-from draftlab.defaults import DEFAULT_BACKEND
-from draftlab.engine import GenerationConfig
 from draftlab.errors import DraftlabError
-from draftlab.models import ModelSpec
+from draftlab.study.cells import (  # noqa: F401  (re-exported: the store's row types)
+    LLAMACPP_ONLY, LLAMACPP_TARGET, PEER_METHODS, PEER_PLAIN, Cell, Record,
+)
 
 APP = "draftlab-study"
 SCHEMA_VERSION = "6"
@@ -104,77 +107,17 @@ CREATE TABLE IF NOT EXISTS baseline_checks (
 """
 
 
-# A peer's speculative method -> the same library's plain decoding (its reference for equality and speed):
-# HF assisted generation vs HF `generate`, llama-cpp-python's prompt lookup vs its own `generate`.
-PEER_PLAIN = {"asg": "hf", "lcp": "llama"}
-LLAMACPP_ONLY = ("lcp", "llama")  # llama-cpp-python's methods: they run targets on llama.cpp
-PEER_METHODS = ("asg", "hf", *LLAMACPP_ONLY)  # run by another library: any of its errors skips the prompt
-LLAMACPP_TARGET = "llamacpp:"  # a target name's prefix: the target runs on llama.cpp (`--backend llamacpp` for one)
-
-
-@dataclass(frozen=True)
-class Cell:
-    """One point of the grid."""
-
-    target: str
-    drafter: str  # 'none' for ar
-    k: int  # 0 for ar
-    method: str  # ar | sps | plain | asg | hf | lcp | llama
-    dataset: str
-    temperature: float
-    max_new_tokens: int
-    seed: int = GenerationConfig.seed
-    dtype: str = "fp32"  # resolved, never 'auto'
-    backend: str = DEFAULT_BACKEND
-    device: str = ModelSpec.device
-    skip: int = 0
-
-    @property
-    def key(self) -> str:
-        """Stable text id of the cell: every setting that changes its records."""
-        return (f"{self.target}|{self.method}|{self.drafter}|k={self.k}|{self.dataset}|t={self.temperature}"
-                f"|n={self.max_new_tokens}|seed={self.seed}|{self.dtype}|{self.backend}|{self.device}|skip={self.skip}")
-
-    def baseline(self) -> "Cell":
-        """draftlab's plain decoding on the same grid point: every cell's speedup is measured against it."""
-        return replace(self, drafter="none", k=0, method="ar")
-
-    def engine_baseline(self) -> "Cell":
-        """Plain decoding on this cell's own engine (HF's `generate` for asg, llama-cpp-python's for lcp), whose
-        output it must equal."""
-        return replace(self, drafter="none", k=0, method=PEER_PLAIN.get(self.method, "ar"))
-
-
-@dataclass
-class Record:
-    """One prompt's measurement in one cell."""
-
-    cell: Cell
-    prompt_id: str
-    category: str
-    new_tokens: int
-    steps: int
-    drafted: int
-    accepted: int
-    accepted_per_step: list[int] = field(default_factory=list)
-    drafted_per_step: list[int] = field(default_factory=list)
-    prefill_s: float = 0.0
-    draft_s: float = 0.0
-    target_s: float = 0.0
-    overhead_s: float = 0.0
-    wall_s: float = 0.0
-    output_sha: str = ""
-    identical: bool | None = None
-    levels_per_step: list[list[int]] = field(default_factory=list)  # drafted tokens per tree level; [] for chains
-    cache_held: int | None = None  # earlier responses the drafter's cross-request cache held; None: it keeps none
-
-
 class ResultsStore:
     """A study database; refuses files that are not draftlab study databases."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, read_only: bool = False) -> None:
+        """`read_only` (report, export): the file is never written; an older schema is migrated in a copy held in
+        memory, so that reading a study does not change it."""
         self.path = Path(path)
+        self.read_only = read_only
         existed = self.path.exists() and self.path.stat().st_size > 0
+        if read_only and not existed:
+            raise DraftlabError(f"study database not found: {self.path}")
         if not existed:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         self.conn = self._connect()
@@ -183,7 +126,23 @@ class ResultsStore:
         except DraftlabError:
             self.conn.close()
             raise
-        self._use_wal()
+        if not read_only:
+            self._use_wal()
+
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        """This process is the database's only writer for the block (a lock file beside it): a second sweep on the
+        same file is refused with one line instead of failing later on a duplicate record."""
+        with open(self.path.with_name(self.path.name + ".lock"), "a") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise DraftlabError(f"another sweep is writing {self.path}; wait for it to finish or give another "
+                                    "--db") from None
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
 
     def _connect(self) -> sqlite3.Connection:
         try:
@@ -224,6 +183,11 @@ class ResultsStore:
                 f"{self.path} has schema version {version}, this draftlab reads {SCHEMA_VERSION} (and migrates 1-5); "
                 "upgrade draftlab to read it; the file was left untouched"
             )
+        if self.read_only:  # migrate a copy in memory: the file stays as it is
+            memory = sqlite3.connect(":memory:")
+            self.conn.backup(memory)
+            self.conn.close()
+            self.conn = memory
         self._migrate(version, steps)
 
     def _migrate(self, version: str, steps: dict) -> None:

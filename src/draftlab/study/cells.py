@@ -1,0 +1,78 @@
+"""The grid's points and their measurements: a cell (every setting that changes a record) and one prompt's record.
+
+The results store (`store.py`) keys its rows by `Cell.key`; the sweep builds cells from its config and the runner
+fills records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from draftlab.defaults import DEFAULT_BACKEND
+from draftlab.engine import GenerationConfig
+from draftlab.models import ModelSpec
+
+
+# A peer's speculative method -> the same library's plain decoding (its reference for equality and speed):
+# HF assisted generation vs HF `generate`, llama-cpp-python's prompt lookup vs its own `generate`.
+PEER_PLAIN = {"asg": "hf", "lcp": "llama"}
+LLAMACPP_ONLY = ("lcp", "llama")  # llama-cpp-python's methods: they run targets on llama.cpp
+PEER_METHODS = ("asg", "hf", *LLAMACPP_ONLY)  # run by another library: any of its errors skips the prompt
+LLAMACPP_TARGET = "llamacpp:"  # a target name's prefix: the target runs on llama.cpp (`--backend llamacpp` for one)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One point of the grid."""
+
+    target: str
+    drafter: str  # 'none' for ar
+    k: int  # 0 for ar
+    method: str  # ar | sps | plain | asg | hf | lcp | llama
+    dataset: str
+    temperature: float
+    max_new_tokens: int
+    seed: int = GenerationConfig.seed
+    dtype: str = "fp32"  # resolved, never 'auto'
+    backend: str = DEFAULT_BACKEND
+    device: str = ModelSpec.device
+    skip: int = 0
+
+    @property
+    def key(self) -> str:
+        """Stable text id of the cell: every setting that changes its records."""
+        return (f"{self.target}|{self.method}|{self.drafter}|k={self.k}|{self.dataset}|t={self.temperature}"
+                f"|n={self.max_new_tokens}|seed={self.seed}|{self.dtype}|{self.backend}|{self.device}|skip={self.skip}")
+
+    def baseline(self) -> "Cell":
+        """draftlab's plain decoding on the same grid point: every cell's speedup is measured against it."""
+        return replace(self, drafter="none", k=0, method="ar")
+
+    def engine_baseline(self) -> "Cell":
+        """Plain decoding on this cell's own engine (HF's `generate` for asg, llama-cpp-python's for lcp), whose
+        output it must equal."""
+        return replace(self, drafter="none", k=0, method=PEER_PLAIN.get(self.method, "ar"))
+
+
+@dataclass
+class Record:
+    """One prompt's measurement in one cell."""
+
+    cell: Cell
+    prompt_id: str
+    category: str
+    new_tokens: int
+    steps: int
+    drafted: int
+    accepted: int
+    accepted_per_step: list[int] = field(default_factory=list)
+    drafted_per_step: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    target_s: float = 0.0
+    overhead_s: float = 0.0
+    wall_s: float = 0.0
+    output_sha: str = ""
+    identical: bool | None = None
+    levels_per_step: list[list[int]] = field(default_factory=list)  # drafted tokens per tree level; [] for chains
+    cache_held: int | None = None  # earlier responses the drafter's cross-request cache held; None: it keeps none

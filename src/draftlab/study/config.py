@@ -1,0 +1,208 @@
+"""The sweep's grid: targets x drafters x K x methods x datasets, its presets and how each cell is run.
+
+`SweepConfig` validates a grid at construction and lists its cells per (target, dataset, temperature); the
+presets are the main job (`quick`), the seeds' study on a second family (`family`) and the larger grid (`full`);
+`environment` is what a record's numbers depend on (versions, host, threads, dtype, numerics).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import tomllib
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+from draftlab.api import LLAMACPP_PLAIN, parse_drafter_spec
+from draftlab.backends import check_backend_name, gguf
+from draftlab.backends.fast_llama import SUPPORTED_MODEL_TYPES
+from draftlab.backends.routes import cpu_flags, cpu_model, default_route, plain_contenders
+from draftlab.defaults import DEFAULT_BACKEND, SHORT_RUN_TOKENS
+from draftlab.engine import GenerationConfig
+from draftlab.errors import DraftlabError
+from draftlab.models import (LoadedModel, ModelSpec, auto_dtype, check_device, check_dtype_name, is_gguf,
+                             model_config, resolve_dtype_name)
+from draftlab.sampling import SamplingConfig
+from draftlab.study.cells import LLAMACPP_ONLY, LLAMACPP_TARGET as LLAMACPP, PEER_PLAIN, Cell
+
+METHODS = ("ar", "sps", "asg", "hf", "lcp", "llama")  # 'plain' cells follow host_baselines, not --methods
+TORCH_ONLY = ("asg", "hf")  # HF's methods run torch targets
+
+
+def target_backend(target: str, backend: str) -> tuple[str, str]:
+    """(backend, model source) of a target name: 'llamacpp:NAME' runs NAME on llama.cpp, others on `backend`."""
+    if target.startswith(LLAMACPP):
+        return "llamacpp", target.removeprefix(LLAMACPP)
+    return backend, target
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """The grid and how each cell is run."""
+
+    targets: tuple[str, ...] = ("smollm2-135m",)
+    drafters: tuple[str, ...] = ("ngram", "layers:0-3")
+    ks: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7)
+    methods: tuple[str, ...] = ("sps", "asg")  # 'ar' always runs: it is every cell's baseline; 'hf' runs with 'asg'
+    datasets: tuple[str, ...] = ("mixed",)
+    temperatures: tuple[float, ...] = (0.0,)
+    limit: int = 3  # prompts per dataset, spread over its categories
+    skip: int = 0  # prompts passed over first (e.g. those a designed draft was trained on)
+    max_new_tokens: int = SHORT_RUN_TOKENS
+    warmup: int = 1
+    baseline_every: int = 6  # re-time the baseline after this many cells of a prompt (0: never)
+    seed: int = GenerationConfig.seed
+    device: str = ModelSpec.device
+    dtype: str = ModelSpec.dtype
+    backend: str = DEFAULT_BACKEND
+    host_baselines: bool = True  # also time plain decoding in the host's fastest mode of each dtype ('plain' cells)
+    race_after: int = 0  # drop cells that trail the leader after this many prompts of a dataset (0: never; pruning.py)
+
+    def __post_init__(self) -> None:
+        if not self.ks or min(self.ks) < 1:
+            raise DraftlabError(f"every K must be >= 1, got {list(self.ks)}")
+        unknown = set(self.methods) - set(METHODS)
+        if unknown:
+            raise DraftlabError(f"unknown method(s) {sorted(unknown)}; use {', '.join(METHODS)}")
+        if self.limit < 1 or self.max_new_tokens < 1:
+            raise DraftlabError("limit and max_new_tokens must be >= 1")
+        if self.skip < 0 or self.warmup < 0 or self.baseline_every < 0 or self.race_after < 0:
+            raise DraftlabError("skip, warmup, baseline_every and race_after must be >= 0")
+        check_dtype_name(self.dtype)
+        check_device(self.device)
+        check_backend_name(self.backend)
+        for spec in self.drafters:
+            parse_drafter_spec(spec)
+        for t in self.temperatures:
+            SamplingConfig(t)
+
+    def cells(self, target: str, dataset: str, temperature: float) -> list[Cell]:
+        """The baseline cell (and the peers' own plain decoding when they run), then every (method, drafter, K)
+        cell that runs on the target's engine."""
+        backend, source = target_backend(target, self.backend)
+        dtype = "gguf" if backend == "llamacpp" else resolve_dtype_name(self.dtype, self.device, source)
+        base = Cell(target, "none", 0, "ar", dataset, temperature, self.max_new_tokens, self.seed, dtype, backend,
+                    self.device, self.skip)
+        methods = [m for m in self.methods if m not in (TORCH_ONLY if backend == "llamacpp" else LLAMACPP_ONLY)]
+        peers = [replace(base, method=plain) for peer, plain in PEER_PLAIN.items() if {peer, plain} & set(methods)]
+        host = [replace(base, drafter=label, method="plain", dtype=dtype) for label, dtype in self.host_modes(target)]
+        others = [
+            replace(base, drafter=drafter, k=k, method=method)
+            for method in methods if method not in ("ar", *PEER_PLAIN.values())
+            for drafter in self.drafters if method != "lcp" or drafter.startswith("ngram")
+            for k in self.ks
+        ]
+        return [base, *peers, *host, *others]
+
+    def host_modes(self, target: str) -> list[tuple[str, str]]:
+        """(label, dtype) of the other modes of plain decoding timed beside the baseline: the host's fastest route
+        of each other dtype (draftlab's own forward), and llama.cpp's default kernels where the model is a GGUF."""
+        if not self.host_baselines or self.device != "cpu":
+            return []
+        backend, source = target_backend(target, self.backend)
+        modes = [(LLAMACPP_PLAIN, "gguf")] if gguf.available() and is_gguf(source) else []
+        if backend in ("hf", "llamacpp"):
+            return modes
+        config = model_config(source)
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            return modes
+        dtype = resolve_dtype_name(self.dtype, self.device, source)
+        routes = plain_contenders(config, self.device, default_route(config, dtype))
+        return [(route.label, route.dtype) for route in routes] + modes
+
+    def to_json(self) -> str:
+        """The config as JSON (stored with the results)."""
+        return json.dumps(asdict(self), sort_keys=True)
+
+
+PRESETS = {
+    # The main job: the shipped designed draft (as a chain, and as a tree with n-gram lookup's branch merged
+    # in: the best tree in `benchmarks/trees.py`) and n-gram lookup, on prompts the designed draft never saw (2
+    # each of code, summarization, chat, math), on draftlab's torch backend and on llama.cpp, beside HF's and
+    # llama-cpp-python's own speculation. Every cell runs the first 4 prompts (one of each category); then the
+    # race drops the cells that trail the fastest one (pruning.py), so the answer comes in minutes. The layer
+    # self-draft, which never won on a CPU (docs/results.md), runs in the full preset.
+    "quick": SweepConfig(targets=("smollm2-135m", f"{LLAMACPP}smollm2-135m"),
+                         drafters=("designed", "merged:ngram/tree:1:designed", "ngram"),
+                         methods=("sps", "asg", "lcp"), ks=(1, 2, 3), datasets=("heldout",), limit=8, race_after=4),
+    # The seeds' study on a second family (the Qwen2.5-Coder pair, ~1.6 GB of downloads): the 0.5B stand-alone
+    # draft (in the target's dtype and in bf16, which drafts ~2x faster on CPUs; README), layer self-drafts of the
+    # 1.5B at two depths (it has 28 layers) and n-gram lookup, SpS and AsG, K 1..7,
+    # on code, chat, math and summarization. In fp32 on 2 CPU cores the 1.5B decodes ~3 tokens/s, so this grid
+    # (5 drafts x 7 K x 2 methods x 16 prompts x 64 tokens) takes hours there; on a GPU, minutes. With
+    # `--backend llamacpp` the Q4_K_M files run as shipped: the 0.5B and n-gram drafts (the others need torch
+    # weights and are skipped), SpS and llama-cpp-python's prompt lookup (lcp).
+    "family": SweepConfig(
+        targets=("qwen2.5-coder-1.5b",),
+        drafters=("model:qwen2.5-coder-0.5b", "model:qwen2.5-coder-0.5b@bf16", "layers:0-3", "layers:0-27:4", "ngram"),
+        methods=("sps", "asg", "lcp"),  # with --backend llamacpp: SpS and llama-cpp-python's lookup (asg needs torch)
+        datasets=("humaneval", "mt-bench", "math", "xsum"),
+        limit=4,
+        max_new_tokens=64,
+    ),
+    "full": SweepConfig(
+        drafters=("ngram", "ngram:2-4", "layers:0-3", "layers:0-7", "layers:0-29:2"),
+        datasets=("humaneval", "xsum", "mt-bench", "math", "mmlu"),
+        limit=8,
+        max_new_tokens=128,
+    ),
+}
+
+
+def load_config(path: str | Path) -> dict:
+    """Grid settings from a TOML file (keys as in SweepConfig)."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise DraftlabError(f"config file not found: {path}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise DraftlabError(f"{path} is not valid TOML: {exc}") from exc
+    data = data.get("sweep", data)
+    known = {f.name for f in fields(SweepConfig)}
+    unknown = set(data) - known
+    if unknown:
+        raise DraftlabError(f"{path}: unknown setting(s) {sorted(unknown)}; known: {sorted(known)}")
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+
+
+def make_config(preset: str = "quick", file: str | None = None, **overrides) -> SweepConfig:
+    """A preset, updated by a config file, updated by explicit overrides (None values ignored)."""
+    if preset not in PRESETS:
+        raise DraftlabError(f"unknown preset {preset!r}; use one of {', '.join(PRESETS)}")
+    config = PRESETS[preset]
+    settings = load_config(file) if file else {}
+    settings.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return replace(config, **settings)
+    except TypeError as exc:
+        raise DraftlabError(f"bad sweep setting: {exc}") from exc
+
+
+def environment(config: SweepConfig, target: LoadedModel | None = None, numerics: str = "", source: str | None = None
+                ) -> dict:
+    """Versions, host, threads, dtype and the products the target ran: what a record's numbers depend on."""
+    import torch
+    import transformers
+
+    import draftlab
+
+    return {
+        "draftlab": draftlab.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+        "python": platform.python_version(), "platform": platform.platform(), "machine": platform.machine(),
+        "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": config.device,
+        "dtype": str(target.dtype).removeprefix("torch.") if target else config.dtype, "backend": config.backend,
+        "dtype_reason": dtype_reason(config.dtype, config.device, source),
+        "cpu": cpu_model(), "cpu_flags": " ".join(sorted(cpu_flags() & {"avx2", "avx512f", "avx512_bf16",
+                                                                          "avx512_fp16", "amx_bf16", "amx_fp16"})),
+        "numerics": numerics, "target": target.name if target else None,
+    }
+
+
+def dtype_reason(dtype: str, device: str, source: str | None = None) -> str:
+    """Why the run uses its dtype: asked for, or what 'auto' chose on this hardware and why."""
+    if dtype != "auto":
+        return f"asked for {dtype}"
+    name, reason = auto_dtype(device, source)
+    return f"auto chose {name}: {reason}"
