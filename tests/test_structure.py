@@ -1,4 +1,4 @@
-"""The package's shape: no two packages import each other, and no module grows past what fits in a head."""
+"""The package's shape: no two packages or modules import each other, and no module grows past what fits in a head."""
 
 from __future__ import annotations
 
@@ -51,10 +51,22 @@ def test_no_two_packages_import_each_other():
     assert not mutual, f"packages importing each other: {mutual}"
 
 
+def module_graph() -> dict[str, set[str]]:
+    """draftlab's modules -> the draftlab modules each imports (at the top, inside a function, or for type checks)."""
+    return {_module_name(path): _imports(path) - {_module_name(path)} for path in SOURCE.rglob("*.py")}
+
+
+def test_no_two_modules_import_each_other():
+    graph = module_graph()
+    mutual = sorted((a, b) for a in graph for b in graph[a] if a < b and a in graph.get(b, set()))
+    assert not mutual, f"modules importing each other: {mutual}"
+
+
 def test_the_graph_sees_known_imports():
     graph = unit_graph()
     assert "draftlab.backends" in graph["draftlab.engine"]
     assert "draftlab.perf" in graph["draftlab.study"]  # the report shows the model's validation
+    assert "draftlab.study.store" in module_graph()["draftlab.study.sweep"]
 
 
 def test_no_module_is_over_the_limit():

@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import json
 
+from draftlab.cli.options import add_sampling_args, add_target_args
+from draftlab.defaults import DraftSettings
 from draftlab.errors import DraftlabError
-from draftlab.defaults import DEFAULT_BACKEND, DraftSettings
-from draftlab.models import DEFAULT_TARGET, ModelSpec
 
 DEFAULT_PROMPT = "List three colours, then three animals, then three colours again:"
 
 
 def add_audit_command(sub) -> None:
     """Register `draftlab audit` on the top-level subparsers."""
-    from draftlab.cli.main import add_sampling_args
-
     audit = sub.add_parser("audit", help="losslessness audit: speculative vs plain sampling, position by position")
-    audit.add_argument("--target", default=DEFAULT_TARGET)
+    add_target_args(audit)
     audit.add_argument("--drafters", nargs="+", default=["ngram", "layers:0-3"], help="drafter specs to audit")
     audit.add_argument("--k", type=int, default=DraftSettings.k, help="draft tokens per step (>= 1)")
     add_sampling_args(audit, temperature=0.8)  # the audit is about sampling
@@ -26,10 +24,6 @@ def add_audit_command(sub) -> None:
     audit.add_argument("--budget", type=float, default=300.0, help="seconds for all sampling; sizes --samples")
     audit.add_argument("--alpha", type=float, default=0.01, help="family-wise level of the tests")
     audit.add_argument("--no-hf", action="store_true", help="leave out Hugging Face assisted generation")
-    audit.add_argument("--device", default=ModelSpec.device)
-    audit.add_argument("--dtype", default=ModelSpec.dtype)
-    audit.add_argument("--backend", default=DEFAULT_BACKEND, help="auto | fast | hf | llamacpp")
-    audit.add_argument("--threads", type=int, default=None)
     audit.add_argument("--json", action="store_true", help="end stdout with one JSON object")
     audit.set_defaults(run=cmd_audit)
 

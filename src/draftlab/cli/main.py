@@ -12,47 +12,24 @@ import sys
 from draftlab.cli.audit import add_audit_command
 from draftlab.cli.checks import check_args
 from draftlab.cli.design import add_design_commands
+from draftlab.cli.options import add_adapt_args, add_drafter_args, add_sampling_args, add_target_args
 from draftlab.cli.study import add_study_commands
 from draftlab.cli.tune import add_tune_commands
-from draftlab.errors import DraftlabError
-from draftlab.defaults import DEFAULT_BACKEND, DraftSettings
 from draftlab.engine import GenerationConfig
-from draftlab.models import DEFAULT_TARGET, ModelSpec
-from draftlab.sampling import SamplingConfig
+from draftlab.errors import DraftlabError
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default=DEFAULT_TARGET, help="short name, .gguf file or HF model directory")
-    parser.add_argument("--drafter", default=DraftSettings.drafter, help="none | ngram[:N|:A-B] | layers:0-3 | model:NAME_OR_PATH")
-    parser.add_argument("--k", type=int, default=DraftSettings.k, help="draft tokens per step (>= 1)")
+    add_target_args(parser)
+    add_drafter_args(parser)
     parser.add_argument("--dynamic-k", action="store_true", help="grow K after full acceptance, shrink after a rejection")
-    parser.add_argument("--device", default=ModelSpec.device, help="cpu, cuda, cuda:1, ...")
-    parser.add_argument("--dtype", default=ModelSpec.dtype, help="auto (the dtype this host decodes fastest, timed once), fp32, bf16, fp16")
-    parser.add_argument("--backend", default=DEFAULT_BACKEND, help="auto | fast (draftlab's Llama forward) | hf (transformers) | llamacpp (the GGUF in llama.cpp)")
     parser.add_argument("--numerics", default="auto", help="auto (the exact route measured fastest here) or a route: "
                         "'fp32 exact-wm/4', 'bf16 exact-linear/16', 'fp32 linear' (not exact), ...; on llama.cpp exact or repack")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--max-new-tokens", type=int, default=GenerationConfig.max_new_tokens)
     add_sampling_args(parser)
     parser.add_argument("--seed", type=int, default=GenerationConfig.seed)
     parser.add_argument("--json", action="store_true", help="end stdout with one JSON object")
     add_adapt_args(parser)
-
-
-def add_adapt_args(parser: argparse.ArgumentParser) -> None:
-    """--adapt [OPTIONS] and --adapt-save DIR: online adaptation of a feature draft or heads (`drafters.adapt`)."""
-    parser.add_argument("--adapt", nargs="?", const="", default=None, metavar="OPTIONS",
-                        help="let the feature draft or heads (designed, model:DIR, a tree of one) keep learning from "
-                             "the target's hidden states while it decodes; OPTIONS e.g. lr=5e-4,every=32,steps=2")
-    parser.add_argument("--adapt-save", default=None, metavar="DIR",
-                        help="with --adapt: write the adapted draft here at the end (load it with model:DIR)")
-
-
-def add_sampling_args(parser: argparse.ArgumentParser, temperature: float = SamplingConfig.temperature) -> None:
-    """--temperature, --top-k, --top-p with SamplingConfig's defaults (a command may start hotter)."""
-    parser.add_argument("--temperature", type=float, default=temperature, help="0 is greedy")
-    parser.add_argument("--top-k", type=int, default=SamplingConfig.top_k, help="0: off")
-    parser.add_argument("--top-p", type=float, default=SamplingConfig.top_p, help="1: off")
 
 
 def build_parser() -> argparse.ArgumentParser:

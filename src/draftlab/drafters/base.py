@@ -19,10 +19,11 @@ separate causal LM), `layers.py` (a self-draft of the target's layers),
 `pruned.py` (designed layer drafts and their file format), `feature.py`
 (EAGLE-style feature drafts and their file format), `heads.py` (Medusa-style
 decoder heads and their file format), `suffix.py` (suffix decoding over trees of
-this and earlier requests); wrappers: `tree.py` (token
+this and earlier requests), `shipped.py` (the draft shipped for a target); wrappers: `tree.py` (token
 trees grown by a drafter with logits), `staged.py` (a model draft whose own
-drafting a cheaper drafter speculates). `draftlab.registry` builds them from
-spec strings.
+drafting a cheaper drafter speculates), `adapt.py` (a feature draft or heads that keep learning while they
+decode), `cut.py` (a stand-alone draft whose LM head keeps only frequent tokens); `files.py` reads what draft directories share.
+`draftlab.registry` builds them from spec strings.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ import numpy as np
 from draftlab.drafters.base import BlindDrafter
 from draftlab.errors import DraftlabError
 from draftlab.safeio import write_atomic
-from draftlab.step import ROOT, Proposal
+from draftlab.step import ROOT, Proposal, chain_parents
 
 LIBRARY = "arctic-inference==0.3.0"
 INSTALL_HINT = (f"--drafter suffix needs {LIBRARY} (Arctic Inference's suffix trees, as vLLM runs them): "
@@ -332,7 +332,7 @@ class SuffixDrafter(BlindDrafter):
             return Proposal([])
         parents = tuple(draft.parents)
         tokens = list(draft.token_ids)
-        if parents == tuple(range(-1, len(tokens) - 1)):
+        if parents == chain_parents(len(tokens)):
             return Proposal(tokens)
         return Proposal(tokens, tuple(ROOT if p < 0 else p for p in parents))
 

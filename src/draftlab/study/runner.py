@@ -26,7 +26,7 @@ from draftlab.sampling import SamplingConfig
 from draftlab.study.cells import LLAMACPP_ONLY, PEER_METHODS, Cell, Record
 
 if TYPE_CHECKING:
-    from draftlab.study.sweep import SweepConfig
+    from draftlab.study.config import SweepConfig
 
 PROMPTS_FILE = "prompts.json"  # beside a sweep cell's suffix cache: the prompt of each response, in order
 ADAPT_FILES = ("adapt-0.pt", "adapt-1.pt")  # an adapting cell's two newest states (what it learned, from which prompts)
