@@ -41,6 +41,13 @@ def test_the_margin_widens_with_the_drift_and_nothing_drops_before_enough_prompt
     assert dropped_cells([ar, lead, behind], rows, RaceRule(after=0)) == {}
 
 
+def test_a_cell_dropped_earlier_never_leads_the_cells_still_racing():
+    ar, dropped, racing = cell("ar"), cell("sps", "ngram", 3), cell("sps", "ngram", 1)
+    # the dropped cell ran the two fast prompts only; the racing ones also ran a slow third prompt
+    rows = [*rows_of(ar, 10, ("a", "b", "c")), *rows_of(dropped, 30), *rows_of(racing, 20, ("a", "b", "c"))]
+    assert racing.key not in dropped_cells([ar, dropped, racing], rows, RaceRule(after=2))  # it leads
+
+
 def test_a_lossy_cell_never_leads_and_a_peers_plain_decoding_stays_while_its_lookup_runs():
     ar, lossy, plain = cell("ar"), cell("sps", "ngram", 1), cell("llama")
     lookup, slow = cell("lcp", "ngram", 1), cell("sps", "ngram", 2)

@@ -61,7 +61,9 @@ def dropped_cells(cells: list[Cell], rows: list[dict], rule: RaceRule, drift: fl
     keys = {c.key: c for c in cells}
     speeds = {key: runs for key, runs in pooled_speeds([r for r in rows if r["cell"] in keys]).items()
               if len(runs) >= rule.after}
-    lossless = {r["cell"] for r in rows if r["cell"] in speeds} - {r["cell"] for r in rows if r["identical"] == 0}
+    most = max((len(runs) for runs in speeds.values()), default=0)  # cells still racing; dropped ones ran fewer
+    lossless = ({key for key, runs in speeds.items() if len(runs) == most}
+                - {r["cell"] for r in rows if r["identical"] == 0})
     if not lossless:
         return {}
     leader = max(lossless, key=lambda key: _speed_on(speeds[key], set(speeds[key])))
