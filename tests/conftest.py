@@ -64,3 +64,21 @@ def tiny_model_dir(path, vocab: int = 64, layers: int = 4, seed: int = 0):
     model.save_pretrained(path)
     fast.save_pretrained(path)
     return path
+
+
+def feature_study(root, prompts: int):
+    """A tiny target directory, a feature draft for it and a prompt file of `prompts` code prompts, under `root`:
+    what a sweep with adapting cells needs. Returns (model dir, draft dir, prompt file)."""
+    import json
+
+    from draftlab.drafters.feature import new_feature_draft, save_feature_draft
+    from draftlab.models import load_model
+
+    model = tiny_model_dir(root / "tiny")
+    target = load_model(str(model), dtype="fp32")
+    draft = save_feature_draft(new_feature_draft(target, torch.arange(64)), root / "feature", target.name)
+    path = root / "prompts.jsonl"
+    path.write_text("".join(
+        json.dumps({"prompt": " ".join(f"w{(i * 5 + j) % 60}" for j in range(10)), "category": "code", "id": f"q{i}"})
+        + "\n" for i in range(prompts)))
+    return model, draft, path

@@ -4,30 +4,21 @@ stored prompts only."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
-import torch
 
 from draftlab.cli.main import main
-from draftlab.drafters.feature import new_feature_draft, save_feature_draft
 from draftlab.models import load_model
 from draftlab.study.runner import CellRunner
 from draftlab.study.store import ResultsStore
 from draftlab.study.sweep import make_config
-from tests.conftest import tiny_model_dir
+from tests.conftest import feature_study
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("adapt-sweep")
-    model = tiny_model_dir(root / "tiny")
-    target = load_model(str(model), dtype="fp32")
-    draft = save_feature_draft(new_feature_draft(target, torch.arange(64)), root / "feature", target.name)
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(
-        json.dumps({"prompt": " ".join(f"w{(i * 5 + j) % 60}" for j in range(10)), "category": "code", "id": f"q{i}"})
-        + "\n" for i in range(4)))
+    model, draft, prompts = feature_study(root, 4)
     return root, model, draft, prompts
 
 

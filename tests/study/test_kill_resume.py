@@ -6,7 +6,6 @@ duplicated and ends complete.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -16,12 +15,9 @@ import sys
 import time
 
 import pytest
-import torch
 
-from draftlab.drafters.feature import new_feature_draft, save_feature_draft
 from draftlab.drafters.suffix import read_responses
-from draftlab.models import load_model
-from tests.conftest import tiny_model_dir
+from tests.conftest import feature_study
 
 pytestmark = pytest.mark.slow
 KILLS = 10
@@ -43,13 +39,7 @@ def stored(db) -> set[tuple[str, str]]:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("kills")
-    model = tiny_model_dir(root / "tiny")
-    target = load_model(str(model), dtype="fp32")
-    draft = save_feature_draft(new_feature_draft(target, torch.arange(64)), root / "feature", target.name)
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(
-        json.dumps({"prompt": " ".join(f"w{(i * 5 + j) % 60}" for j in range(10)), "category": "code", "id": f"q{i}"})
-        + "\n" for i in range(8)))
+    model, draft, prompts = feature_study(root, 8)
     return root, model, draft, prompts
 
 
