@@ -82,3 +82,21 @@ def feature_study(root, prompts: int):
         json.dumps({"prompt": " ".join(f"w{(i * 5 + j) % 60}" for j in range(10)), "category": "code", "id": f"q{i}"})
         + "\n" for i in range(prompts)))
     return model, draft, path
+
+
+def older_database_file(path, version: str, dropped: tuple[str, ...] = (), record=None) -> None:
+    """Make `path` what an older draftlab wrote: a results database (holding `record`, if given) at schema
+    `version`, without the `dropped` columns and without the tables that came later; left closed, not migrated."""
+    import sqlite3
+
+    from draftlab.study.store import ResultsStore
+
+    store = ResultsStore(path)
+    if record is not None:
+        store.add(record, store.start_run({}))
+    store.close()
+    conn = sqlite3.connect(path)
+    conn.executescript("".join(f"ALTER TABLE records DROP COLUMN {column}; " for column in dropped) +
+                       ("DROP TABLE skips; " if int(version) < 6 else "") +
+                       f"UPDATE meta SET value = '{version}' WHERE key = 'schema_version';")
+    conn.close()

@@ -28,6 +28,7 @@ from draftlab.backends.routes import parse_route
 from draftlab.sampling import SamplingConfig
 from draftlab.study.runner import _read_state, _stored_pairs
 from draftlab.study.store import ResultsStore
+from tests.conftest import older_database_file
 
 
 class Payload:
@@ -148,12 +149,7 @@ def test_exactness_and_numbers_are_checked_not_trusted():
 
 def test_read_only_commands_migrate_a_copy_and_one_sweep_writes_at_a_time(tmp_path):
     db = tmp_path / "old.sqlite"
-    ResultsStore(db).close()
-    conn = sqlite3.connect(db)
-    conn.execute("DROP TABLE skips")
-    conn.execute("UPDATE meta SET value = '5' WHERE key = 'schema_version'")
-    conn.commit()
-    conn.close()
+    older_database_file(db, "5")
     before = db.read_bytes()
     reader = ResultsStore(db, read_only=True)
     assert reader.skips() == [] and reader.get_meta("schema_version") == "6"
@@ -172,12 +168,7 @@ def test_read_only_commands_migrate_a_copy_and_one_sweep_writes_at_a_time(tmp_pa
 
 def test_a_migration_killed_halfway_leaves_the_old_version_whole(tmp_path):
     db = tmp_path / "v4.sqlite"
-    ResultsStore(db).close()
-    conn = sqlite3.connect(db)
-    conn.executescript("DROP TABLE skips; ALTER TABLE records DROP COLUMN cache_held;")
-    conn.execute("UPDATE meta SET value = '4' WHERE key = 'schema_version'")
-    conn.commit()
-    conn.close()
+    older_database_file(db, "4", ("cache_held",))
     store = ResultsStore.__new__(ResultsStore)
     store.path, store.read_only, store.conn = db, False, sqlite3.connect(db)
 

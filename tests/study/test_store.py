@@ -8,6 +8,7 @@ import pytest
 
 from draftlab.errors import DraftlabError
 from draftlab.study.store import SCHEMA_VERSION, Cell, Record, ResultsStore
+from tests.conftest import older_database_file
 
 CELL = Cell("t", "ngram", 2, "sps", "d", 0.0, 16)
 
@@ -123,13 +124,7 @@ def test_every_setting_that_changes_a_record_is_in_the_cell_key(tmp_path):
 
 def older_database(path, record: Record, version: str, dropped: tuple[str, ...]) -> ResultsStore:
     """A database holding `record` made into what an older draftlab wrote (`dropped` columns gone), reopened."""
-    store = ResultsStore(path)
-    store.add(record, store.start_run({}))
-    store.close()
-    conn = sqlite3.connect(path)
-    conn.executescript("".join(f"ALTER TABLE records DROP COLUMN {column}; " for column in dropped) +
-                       f"UPDATE meta SET value = '{version}' WHERE key = 'schema_version';")
-    conn.close()
+    older_database_file(path, version, dropped, record)
     return ResultsStore(path)
 
 
