@@ -28,7 +28,7 @@ from collections import defaultdict
 from draftlab.api import SpeculativeDecoder, build_drafter, prompt_ids
 from draftlab.backends.routes import cpu_flags, cpu_model
 from draftlab.datasets import load_prompts
-from draftlab.drafters.base import without_memory
+from draftlab.plain import host_plain
 from draftlab.models import load_model
 from draftlab.policy import FixedK
 
@@ -37,7 +37,7 @@ def decoders(args, plain: SpeculativeDecoder) -> dict[str, SpeculativeDecoder]:
     """Name -> decoder: plain decoding (own route and the host's other modes), the static draft, the adapting ones."""
     out = {"plain": plain}
     if not args.no_host_plain:
-        out.update({f"plain ({label})": decoder for label, decoder in plain.host_plain().items()})
+        out.update({f"plain ({label})": decoder for label, decoder in host_plain(plain).items()})
     out["static"] = speculative(plain, args.drafter, args.k)
     for options in args.adapt:
         out[f"adapt {options or '(defaults)'}"] = speculative(plain, f"adapt{':' + options if options else ''}/"
@@ -52,7 +52,7 @@ def speculative(plain: SpeculativeDecoder, spec: str, k: int) -> SpeculativeDeco
 def run_stream(args, runs: dict[str, SpeculativeDecoder], streams: list[list[int]]) -> dict[str, list[dict]]:
     """Every decoder on every prompt, in order; per decoder one row per prompt."""
     for decoder in runs.values():  # warm-up: first calls pay one-off costs; the adapting drafts learn nothing
-        decoder.with_drafter(without_memory(decoder.drafter)).generate(streams[0], max_new_tokens=8)
+        decoder.with_drafter(decoder.drafter.forgetful()).generate(streams[0], max_new_tokens=8)
     rows: dict[str, list[dict]] = defaultdict(list)
     for number, ids in enumerate(streams):
         reference = None
@@ -69,8 +69,7 @@ def run_stream(args, runs: dict[str, SpeculativeDecoder], streams: list[list[int
 
 
 def train_seconds(decoder: SpeculativeDecoder) -> float:
-    learner = getattr(decoder.drafter, "learner", None)
-    return learner.train_s if learner is not None else 0.0
+    return (decoder.drafter.learned() or {}).get("train_s", 0.0)
 
 
 def window_table(rows: dict[str, list[dict]], window: int) -> list[dict]:
@@ -135,7 +134,7 @@ def reload_check(args, plain: SpeculativeDecoder, adapting: SpeculativeDecoder, 
     static draft (what was learned, on prompts neither saw)."""
     path = adapting.save_draft(args.save)
     reloaded = speculative(plain, f"model:{path}", args.k)
-    frozen = adapting.with_drafter(without_memory(adapting.drafter))
+    frozen = adapting.with_drafter(adapting.drafter.forgetful())
     static = speculative(plain, args.drafter, args.k)
     tail = streams[-args.window :]
     out = {"path": path,

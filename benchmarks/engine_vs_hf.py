@@ -24,43 +24,35 @@ import sys
 import torch
 
 from draftlab.api import SpeculativeDecoder, eos_ids, parse_drafter_spec, prompt_ids
-from draftlab.hf_reference import hf_assist, hf_generate
+from draftlab.hf_reference import HFGenerate, hf_assist
+from draftlab.measure import DECODE, END_TO_END, EncodedPrompt, RunSettings, measure
+from draftlab.plain import autoregressive
 from draftlab.datasets import load_prompts
 from draftlab.models import load_model
 
 
 def bench_drafter(target, spec: str, k: int, encoded, max_new_tokens: int) -> dict:
+    """Our plain and speculative decoding beside HF `generate` and assisted generation, through the measurement
+    loop (interleaved per prompt, warm-up first)."""
     sps = SpeculativeDecoder.from_names(target, drafter=spec, k=k)
-    ar = sps.autoregressive()
     eos = eos_ids(target)
     assist = hf_assist(parse_drafter_spec(spec), sps.draft_model, k)
-    totals = {m: [0, 0.0] for m in ("ar", "hf", "hf_asg", "sps")}
-    busy = tar_steps = 0.0
-    identical = 0
-    for i, ids in enumerate(encoded):
-        warm = i == 0  # the first prompt also warms every path up, untimed
-        for _ in range(2 if warm else 1):
-            r_ar = ar.generate(ids, max_new_tokens=max_new_tokens)
-            hf_ids, hf_wall = hf_generate(target, ids, max_new_tokens, eos)
-            asg_ids, asg_wall = hf_generate(target, ids, max_new_tokens, eos, assist=assist)
-            r_sps = sps.generate(ids, max_new_tokens=max_new_tokens)
-        identical += r_ar.token_ids == r_sps.token_ids
-        for name, (tokens, wall) in {
-            "ar": (r_ar.stats.new_tokens, r_ar.stats.wall_s),
-            "sps": (r_sps.stats.new_tokens, r_sps.stats.wall_s),
-            "hf": (len(hf_ids), hf_wall), "hf_asg": (len(asg_ids), asg_wall),
-        }.items():
-            totals[name][0] += tokens
-            totals[name][1] += wall
-        s = r_sps.stats
-        busy += s.prefill_s + s.draft_s + s.target_s
-        tar_steps += s.steps
-    tps = {m: t / w for m, (t, w) in totals.items()}
+    contenders = {"ar": autoregressive(sps), "hf": HFGenerate(target, eos), "hf_asg": HFGenerate(target, eos, assist),
+                  "sps": sps}
+    prompts = [EncodedPrompt(str(i), "", ids) for i, ids in enumerate(encoded)]
+    measured = measure(contenders, prompts, RunSettings(max_new_tokens), warmup=1)
+    tps = {m: measured.tokens_per_s(m, END_TO_END) for m in contenders}
+    runs = measured.records["sps"]
+    busy = sum(r.stats.prefill_s + r.stats.draft_s + r.stats.target_s for r in runs)
+    new_tokens = sum(r.new_tokens for r in runs)
     return {
-        "drafter": spec, "k": k, "prompts": len(encoded), "identical": identical, "tokens_per_s": tps,
-        "sps_over_hf_asg": tps["sps"] / tps["hf_asg"], "ar_over_hf": tps["ar"] / tps["hf"],
-        "sps_over_ar": tps["sps"] / tps["ar"], "sps_tokens_per_step": totals["sps"][0] / tar_steps,
-        "sps_over_model_prediction": (totals["sps"][0] / totals["sps"][1]) / (totals["sps"][0] / busy),
+        "drafter": spec, "k": k, "prompts": len(encoded), "tokens_per_s": tps,
+        "identical": sum(a.token_ids == b.token_ids for a, b in zip(measured.records["ar"], runs)),
+        "sps_over_hf_asg": measured.speedup("sps", "hf_asg", END_TO_END),
+        "ar_over_hf": measured.speedup("ar", "hf", END_TO_END), "sps_over_ar": measured.speedup("sps", "ar", END_TO_END),
+        "sps_decode_over_ar": measured.speedup("sps", "ar", DECODE),
+        "sps_tokens_per_step": new_tokens / sum(r.stats.steps for r in runs),
+        "sps_over_model_prediction": tps["sps"] / (new_tokens / busy),
     }
 
 

@@ -23,7 +23,9 @@ from draftlab.api import SpeculativeDecoder, encode_prompt, eos_ids, prompt_ids
 from draftlab.backends.routes import cpu_flags, cpu_model
 from draftlab.datasets import load_prompts
 from draftlab.llamacpp_reference import LlamaCppPeer
+from draftlab.measure import EncodedPrompt, RunSettings, run_once
 from draftlab.models import gguf_path, load_model
+from draftlab.plain import default_kernels
 from draftlab.perf.calibrate import time_blocks
 from draftlab.sampling import SamplingConfig
 
@@ -36,14 +38,14 @@ REFERENCE = {"llama-cpp-python lookup": "llama-cpp-python generate", "draftlab l
 def methods(args) -> dict:
     """Method name -> generate(prompt_ids) -> (tokens, seconds)."""
     exact = load_model(args.target, backend="llamacpp")
-    eos, greedy = eos_ids(exact), SamplingConfig()
+    eos = eos_ids(exact)
     peer = LlamaCppPeer(gguf_path(args.target))
     plain_exact = SpeculativeDecoder.from_names(exact, drafter="none", k=1)
-    runs = {"llama-cpp-python generate": lambda ids: peer.generate(ids, args.max_new_tokens, eos, greedy, 0),
-            "draftlab llama.cpp plain (repack)": ours(plain_exact.llamacpp_plain(), args),
+    runs = {"llama-cpp-python generate": ours(peer.contender(eos, 0), args),
+            "draftlab llama.cpp plain (repack)": ours(default_kernels(plain_exact), args),
             "draftlab llama.cpp plain (exact)": ours(plain_exact, args)}
     for k in args.ks:
-        runs[f"llama-cpp-python lookup K={k}"] = lambda ids, k=k: peer.generate(ids, args.max_new_tokens, eos, greedy, 0, k)
+        runs[f"llama-cpp-python lookup K={k}"] = ours(peer.contender(eos, k), args)
         for drafter in args.drafters:
             decoder = SpeculativeDecoder.from_names(exact, drafter=drafter, k=k)
             runs[f"draftlab llama.cpp {drafter} K={k}"] = ours(decoder, args)
@@ -52,10 +54,11 @@ def methods(args) -> dict:
     return runs, exact
 
 
-def ours(decoder: SpeculativeDecoder, args):
+def ours(contender, args):
+    """generate(prompt_ids) -> (tokens, seconds), timed by the measurement loop."""
     def run(ids):
-        result = decoder.generate(ids, max_new_tokens=args.max_new_tokens)
-        return result.token_ids, result.stats.wall_s
+        record = run_once("run", contender, EncodedPrompt("", "", ids), RunSettings(args.max_new_tokens))
+        return record.token_ids, record.stats.wall_s
     return run
 
 
@@ -71,7 +74,7 @@ def block_curves(args, exact) -> dict:
     """Seconds of a block of n tokens over one token's, per backend."""
     context = encode_prompt(exact.tokenizer, "Write a Python function that merges two sorted lists.")
     backends = {"llama.cpp exact": SpeculativeDecoder.from_names(exact, drafter="none", k=1)}
-    backends["llama.cpp repack"] = backends["llama.cpp exact"].llamacpp_plain()
+    backends["llama.cpp repack"] = default_kernels(backends["llama.cpp exact"])
     if not args.no_torch:
         backends["torch"] = SpeculativeDecoder.from_names(args.target, drafter="none", k=1)
     curves = {}

@@ -25,7 +25,9 @@ from collections import defaultdict
 from draftlab.api import SpeculativeDecoder, build_drafter, eos_ids, prompt_ids
 from draftlab.backends.routes import cpu_flags, cpu_model
 from draftlab.datasets import load_prompts
-from draftlab.hf_reference import HFAssist, hf_generate
+from draftlab.hf_reference import HFAssist, HFGenerate
+from draftlab.measure import EncodedPrompt, RunSettings, run_once
+from draftlab.plain import host_plain
 from draftlab.llamacpp_reference import LlamaCppPeer
 from draftlab.models import gguf_path, load_model
 from draftlab.policy import FixedK
@@ -39,21 +41,19 @@ def build_methods(args, target) -> tuple[dict, dict]:
     plain = SpeculativeDecoder.from_names(target, drafter="none", k=1)
     own = "plain (draftlab)"
     factories = {own: lambda: ours(plain, args)}
-    for label, decoder in plain.host_plain().items():
+    for label, decoder in host_plain(plain).items():
         factories[f"plain ({label})"] = lambda decoder=decoder: ours(decoder, args)
     eos = eos_ids(target)
-    if target.engine == "llamacpp":
+    if target.engine.runs_gguf:
         peer, peer_plain = LlamaCppPeer(gguf_path(args.target)), "plain (llama-cpp-python)"
-        factories[peer_plain] = lambda: lambda ids: (*peer.generate(ids, args.max_new_tokens, eos, GREEDY, 0), None)
+        factories[peer_plain] = lambda: ours(peer.contender(eos, 0), args)
         for k in args.peer_ks or args.ks:
-            factories[f"lookup llama-cpp-python K={k}"] = lambda k=k: lambda ids: (
-                *peer.generate(ids, args.max_new_tokens, eos, GREEDY, 0, k), None)
+            factories[f"lookup llama-cpp-python K={k}"] = lambda k=k: ours(peer.contender(eos, k), args)
     elif not args.no_hf:
         peer_plain = "plain (HF generate)"
-        factories[peer_plain] = lambda: lambda ids: (*hf_generate(target, ids, args.max_new_tokens, eos), None)
+        factories[peer_plain] = lambda: ours(HFGenerate(target, eos), args)
         for k in args.peer_ks or args.ks:
-            factories[f"lookup HF K={k}"] = lambda k=k: lambda ids: (
-                *hf_generate(target, ids, args.max_new_tokens, eos, assist=HFAssist(k, ngram_max=3)), None)
+            factories[f"lookup HF K={k}"] = lambda k=k: ours(HFGenerate(target, eos, HFAssist(k, ngram_max=3)), args)
     for k in args.ks:
         factories[f"ngram K={k}"] = lambda k=k: ours(speculative(plain, "ngram", k), args)
     for number, spec in enumerate(args.suffix):
@@ -75,10 +75,11 @@ def cold(spec: str) -> str:
     return spec + ("," if ":" in spec else ":") + "responses=0"
 
 
-def ours(decoder: SpeculativeDecoder, args):
+def ours(contender, args):
+    """run(prompt_ids) -> (tokens, seconds, steps or None: a peer reports none), timed by the measurement loop."""
     def run(ids):
-        result = decoder.generate(ids, max_new_tokens=args.max_new_tokens)
-        return result.token_ids, result.stats.wall_s, result.stats.steps
+        record = run_once("run", contender, EncodedPrompt("", "", ids), RunSettings(args.max_new_tokens))
+        return record.token_ids, record.stats.wall_s, record.stats.steps if contender.times_prefill else None
     return run
 
 

@@ -192,21 +192,20 @@ def speedup_errors(comparisons, calibration_ar: float, sweep_ar: float) -> dict:
 
 
 def head_to_head(target, best: tuple[str, int], picked: tuple[str, int], prompts, settings, rounds: int) -> dict:
-    """Re-measure the sweep's best and the pick beside plain decoding, interleaved, on the same prompts."""
-    from draftlab.api import SpeculativeDecoder, prompt_ids
-    from draftlab.perf.race import run_interleaved
+    """Re-measure the sweep's best and the pick beside plain decoding, interleaved, on the same prompts (the race's
+    rounds, decode speedups)."""
+    from draftlab.api import SpeculativeDecoder
+    from draftlab.measure import RunSettings
+    from draftlab.perf.race import encode, race_speedup, run_round
 
     keys = list(dict.fromkeys([PLAIN, best, picked]))
     decoders = {key: SpeculativeDecoder.from_names(target, drafter=key[0], k=max(key[1], 1), backend=settings.backend)
                 for key in keys}
-    encoded = [prompt_ids(target.tokenizer, p) for p in prompts]
-    totals = {key: [0, 0.0] for key in keys}
-    per_prompt = {key: [] for key in keys}
-    for _ in range(rounds):
-        run_interleaved(decoders, keys, encoded, settings.max_new_tokens, totals, per_prompt)
-    speed = {key: tokens / seconds for key, (tokens, seconds) in totals.items()}
-    return {"best_speedup": speed[best] / speed[PLAIN], "picked_speedup": speed[picked] / speed[PLAIN],
-            "regret": speed[best] / speed[picked] - 1.0, "rounds": rounds}
+    encoded = encode(target, prompts)
+    measured = [run_round(decoders, keys, encoded, RunSettings(settings.max_new_tokens)) for _ in range(rounds)]
+    best_speedup, picked_speedup = race_speedup(measured, best), race_speedup(measured, picked)
+    return {"best_speedup": best_speedup, "picked_speedup": picked_speedup,
+            "regret": best_speedup / picked_speedup - 1.0, "rounds": rounds}
 
 
 if __name__ == "__main__":

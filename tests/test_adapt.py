@@ -11,15 +11,13 @@ import torch
 from draftlab.api import SpeculativeDecoder
 from draftlab.backends import FastLlamaBackend
 from draftlab.drafters import NoDrafter
-from draftlab.drafters.adapt import AdaptingDrafter, AdaptSettings, accepted_depth
-from draftlab.drafters.base import without_memory
+from draftlab.drafters.adapt import AdaptingDrafter, AdaptSettings
 from draftlab.drafters.feature import FeatureDrafter, new_feature_draft, save_feature_draft
 from draftlab.drafters.heads import HeadsDrafter, new_heads_draft
 from draftlab.engine import GenerationConfig, SpeculativeEngine
 from draftlab.errors import DraftlabError
 from draftlab.policy import FixedK
 from draftlab.registry import adapt_spec, build_drafter, parse_drafter_spec
-from draftlab.step import Proposal
 from tests.conftest import tiny_llama
 from tests.test_engine_sampling import K, SAMPLINGS, VOCAB, assert_joint_matches, empirical_joint, exact_joint
 
@@ -32,7 +30,8 @@ def engine_for(target, drafter, k=3):
 
 
 def adapting(target, settings=FAST):
-    return AdaptingDrafter(FeatureDrafter(new_feature_draft(target, torch.arange(64))), settings, "tiny", "new")
+    source = FeatureDrafter(new_feature_draft(target, torch.arange(64)))
+    return AdaptingDrafter(source, source, settings, "tiny", "new")
 
 
 def test_options_parse_and_bad_options_fail_in_one_line():
@@ -55,11 +54,12 @@ def test_drafts_without_a_feature_layer_are_refused(tiny_target):
         build_drafter("adapt/ngram", tiny_target)
 
 
-def test_accepted_depth_follows_the_committed_path():
-    chain = Proposal([5, 6, 7])
-    assert accepted_depth(chain, [5, 6, 9]) == 2 and accepted_depth(chain, [4]) == 0
-    tree = Proposal([5, 8, 6, 9], (-1, -1, 0, 1))
-    assert accepted_depth(tree, [8, 9, 1]) == 2 and accepted_depth(tree, [5, 6]) == 2
+def test_the_drafter_counts_what_the_verifier_accepted(tiny_target):
+    """The engine hands each verdict to the drafter: its own count equals the run's accepted tokens."""
+    drafter = adapting(tiny_target)
+    runs = [engine_for(tiny_target, drafter).generate(p, GenerationConfig(max_new_tokens=30)) for p in PROMPTS]
+    assert drafter.requests == [(r.stats.drafted, r.stats.accepted) for r in runs]
+    assert any(r.stats.accepted for r in runs)
 
 
 @pytest.mark.parametrize("reread", [0, 1])
@@ -87,13 +87,14 @@ def test_acceptance_rises_on_a_stream_it_learns_from(tiny_target):
 
     before = acceptance(static, stream)
     acceptance(learning, stream * 2)  # two passes to learn
-    after = acceptance(without_memory(learning), stream)
+    after = acceptance(learning.forgetful(), stream)
     assert after > before + 0.1, (before, after)
     assert learning.acceptance(len(stream)) > learning.acceptance() - 1e-9
 
 
 def test_decoder_heads_adapt_losslessly_and_save_as_heads(tiny_target, tmp_path):
-    drafter = AdaptingDrafter(HeadsDrafter(new_heads_draft(tiny_target, torch.arange(64), 3)), FAST, "tiny", "heads")
+    source = HeadsDrafter(new_heads_draft(tiny_target, torch.arange(64), 3))
+    drafter = AdaptingDrafter(source, source, FAST, "tiny", "heads")
     start = {k: v.clone() for k, v in drafter.source.draft.heads.state_dict().items()}
     engine, plain = engine_for(tiny_target, drafter), engine_for(tiny_target, NoDrafter(), 1)
     for prompt in PROMPTS:
@@ -101,20 +102,20 @@ def test_decoder_heads_adapt_losslessly_and_save_as_heads(tiny_target, tmp_path)
         assert engine.generate(prompt, config).token_ids == plain.generate(prompt, config).token_ids
     assert drafter.learner.steps > 0
     assert any(not torch.equal(v, start[k]) for k, v in drafter.source.draft.heads.state_dict().items())
-    out = drafter.save(tmp_path / "heads")
+    out = drafter.save_learned(tmp_path / "heads")
     assert json.loads((out / "draftlab_draft.json").read_text())["made"]["adapt"]["base"] == "heads"
     reloaded = build_drafter(f"model:{out}", tiny_target).drafter
     forked = drafter.fork()  # a sweep cell's own: the base weights, shared target tensors
     assert forked.source.draft.head is drafter.source.draft.head
     assert all(torch.equal(v, start[k]) for k, v in forked.source.draft.heads.state_dict().items())
-    ours = engine_for(tiny_target, without_memory(drafter)).generate(PROMPTS[0], GenerationConfig(max_new_tokens=30))
+    ours = engine_for(tiny_target, drafter.forgetful()).generate(PROMPTS[0], GenerationConfig(max_new_tokens=30))
     theirs = engine_for(tiny_target, reloaded).generate(PROMPTS[0], GenerationConfig(max_new_tokens=30))
     assert ours.stats.accepted_per_step_list == theirs.stats.accepted_per_step_list
 
 
 def test_warm_up_views_learn_nothing(tiny_target):
     drafter = adapting(tiny_target)
-    view = without_memory(drafter)
+    view = drafter.forgetful()
     assert view is drafter.inner
     engine_for(tiny_target, view).generate(PROMPTS[0], GenerationConfig(max_new_tokens=30))
     assert drafter.learner.steps == 0 and drafter.requests == []
@@ -125,18 +126,18 @@ def test_save_writes_a_draft_that_reloads_and_drafts_the_same(tiny_target, tmp_p
     engine = engine_for(tiny_target, drafter)
     for prompt in PROMPTS:
         engine.generate(prompt, GenerationConfig(max_new_tokens=30))
-    out = drafter.save(tmp_path / "adapted")
+    out = drafter.save_learned(tmp_path / "adapted")
     record = json.loads((out / "draftlab_draft.json").read_text())["made"]["adapt"]
     assert record["base"] == "new" and record["requests"] == len(PROMPTS) and record["steps"] == drafter.learner.steps
     assert 0 <= record["acceptance_last"] <= 1 and record["positions"] > 0
     reloaded = build_drafter(f"model:{out}", tiny_target).drafter
     for prompt in PROMPTS:
-        ours = engine_for(tiny_target, without_memory(drafter)).generate(prompt, GenerationConfig(max_new_tokens=30))
+        ours = engine_for(tiny_target, drafter.forgetful()).generate(prompt, GenerationConfig(max_new_tokens=30))
         theirs = engine_for(tiny_target, reloaded).generate(prompt, GenerationConfig(max_new_tokens=30))
         assert ours.stats.accepted_per_step_list == theirs.stats.accepted_per_step_list
-    again = AdaptingDrafter(reloaded, FAST, "tiny", "reloaded")
+    again = AdaptingDrafter(reloaded, reloaded, FAST, "tiny", "reloaded")
     engine_for(tiny_target, again).generate(PROMPTS[0], GenerationConfig(max_new_tokens=20))
-    made = json.loads((again.save(tmp_path / "twice") / "draftlab_draft.json").read_text())["made"]
+    made = json.loads((again.save_learned(tmp_path / "twice") / "draftlab_draft.json").read_text())["made"]
     assert made["adapt"]["previous"]["requests"] == len(PROMPTS)
 
 
@@ -173,7 +174,8 @@ def test_adaptation_keeps_the_joint_distribution(name):
     with torch.no_grad():
         toy.model.lm_head.weight.mul_(0.15)
     settings = AdaptSettings(lr=1e-2, every=1, window=8, batch=2, buffer=64)
-    drafter = AdaptingDrafter(FeatureDrafter(new_feature_draft(toy, torch.arange(0, VOCAB, 2))), settings, "toy", "new")
+    source = FeatureDrafter(new_feature_draft(toy, torch.arange(0, VOCAB, 2)))
+    drafter = AdaptingDrafter(source, source, settings, "toy", "new")
     engine = SpeculativeEngine(FastLlamaBackend(toy.model), drafter, FixedK(K), context_length=512)
     counts, first_drafted = empirical_joint(engine, SAMPLINGS[name])
     assert set(first_drafted) == {K} and drafter.learner.steps > 1000

@@ -163,6 +163,7 @@ def test_design_feature_command_builds_a_usable_draft(tmp_path):
     import subprocess
     import sys
 
+    from draftlab.plain import autoregressive
     from draftlab.api import SpeculativeDecoder
     from tests.conftest import tiny_model_dir
 
@@ -180,7 +181,7 @@ def test_design_feature_command_builds_a_usable_draft(tmp_path):
     record = json.loads((out / "draftlab_draft.json").read_text())
     assert record["vocab_size"] == 40 and record["made"]["text"]["generate"] == 4
     decoder = SpeculativeDecoder.from_names(str(model), drafter=f"model:{out}", k=3)
-    expected = decoder.autoregressive().generate("w1 w2 w3", max_new_tokens=20, chat=False).token_ids
+    expected = autoregressive(decoder).generate("w1 w2 w3", max_new_tokens=20, chat=False).token_ids
     assert decoder.generate("w1 w2 w3", max_new_tokens=20, chat=False).token_ids == expected
     other = [*command[:command.index("--generate") + 1], "5", *command[command.index("--generate") + 2:]]
     refused = subprocess.run(other, capture_output=True, text=True, timeout=300)

@@ -174,6 +174,7 @@ def test_heads_keep_the_joint_distribution(name, shape):
 
 def test_design_heads_command_trains_on_a_feature_drafts_features(trained, tmp_path):
     """`draftlab design heads --features DIR` reuses cached target features; the heads work through the API."""
+    from draftlab.plain import autoregressive
     from draftlab.api import SpeculativeDecoder
     from tests.conftest import tiny_model_dir
 
@@ -189,7 +190,7 @@ def test_design_heads_command_trains_on_a_feature_drafts_features(trained, tmp_p
     record = json.loads((out / "draftlab_draft.json").read_text())
     assert record["heads"] == 2 and record["vocab_size"] == 40 and len(record["made"]["held_out_agreement_per_head"]) == 2
     decoder = SpeculativeDecoder.from_names(str(model), drafter=f"model:{out}", k=3)
-    expected = decoder.autoregressive().generate("w1 w2 w3", max_new_tokens=20, chat=False).token_ids
+    expected = autoregressive(decoder).generate("w1 w2 w3", max_new_tokens=20, chat=False).token_ids
     assert decoder.generate("w1 w2 w3", max_new_tokens=20, chat=False).token_ids == expected
     missing = [*command[: command.index("--features") + 1], str(tmp_path / "nowhere"),
                *command[command.index("--features") + 2 :]]

@@ -38,11 +38,11 @@ def test_assistant_drafts_k_for_the_call_and_keeps_its_own_config(pair, k):
     target, draft = pair
     own = draft.model.generation_config
     own_k = own.num_assistant_tokens
-    plain, _ = hf_generate(target, PROMPT, 24, EOS)
+    plain = hf_generate(target, PROMPT, 24, EOS)
     assist = hf_assist(parse_drafter_spec("model:noisy", k), draft, k)
     assert assist == HFAssist(k, assistant=draft.model)
     outputs = []
-    seen = seen_k_during(draft.model, lambda: outputs.append(hf_generate(target, PROMPT, 24, EOS, assist=assist)[0]))
+    seen = seen_k_during(draft.model, lambda: outputs.append(hf_generate(target, PROMPT, 24, EOS, assist=assist)))
     assert seen and set(seen) == {k}  # HF read the lent K at every draft pass
     assert outputs[0] == plain  # greedy assisted generation keeps HF's greedy output
     assert draft.model.generation_config is own and own.num_assistant_tokens == own_k
@@ -61,8 +61,8 @@ def test_prompt_lookup_takes_k_and_the_ngram_size(pair):
     target, _ = pair
     assist = hf_assist(parse_drafter_spec("ngram:1-3", 4), None, 4)
     assert assist.generate_args() == {"prompt_lookup_num_tokens": 4, "max_matching_ngram_size": 3}
-    plain, _ = hf_generate(target, PROMPT, 24, EOS)
-    assert hf_generate(target, PROMPT, 24, EOS, assist=assist)[0] == plain
+    plain = hf_generate(target, PROMPT, 24, EOS)
+    assert hf_generate(target, PROMPT, 24, EOS, assist=assist) == plain
 
 
 def test_a_cut_vocabulary_draft_has_no_hf_counterpart(pair):

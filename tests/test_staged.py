@@ -62,7 +62,8 @@ def test_staged_greedy_drafts_what_the_draft_alone_drafts(tiny_target):
 
 def test_kept_guesses_save_draft_passes(tiny_target):
     """A helper that guesses what the draft would draft (here: the same layers) leaves the draft two passes a step."""
-    staged = StagedDrafter(layer_draft(tiny_target), layer_draft(tiny_target))
+    helper = layer_draft(tiny_target)
+    staged = StagedDrafter(layer_draft(tiny_target), helper, helper)
     passes = []
     original = staged.draft.backend.score
 

@@ -13,6 +13,7 @@ from draftlab.api import SpeculativeDecoder
 from draftlab.backends import make_backend
 from draftlab.backends.hf import HFBackend
 from draftlab.backends.numerics import causal_mask, tree_mask
+from draftlab.drafters.base import PerRequest
 from draftlab.drafters import ModelDrafter, NGramDrafter, NoDrafter
 from draftlab.drafters.feature import FeatureDrafter, new_feature_draft
 from draftlab.engine import GenerationConfig, SpeculativeEngine
@@ -100,7 +101,7 @@ def test_hf_backend_hidden_states_equal_the_fast_backends(tiny_target):
                                fast.score_block(block, with_hidden=True).hidden, rtol=1e-5, atol=1e-5)
 
 
-class AsTree:
+class AsTree(PerRequest):
     """Wraps a drafter and re-expresses its chains as explicit one-path trees (parents 0..n-2)."""
 
     def __init__(self, drafter):

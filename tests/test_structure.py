@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -73,3 +74,64 @@ def test_no_module_is_over_the_limit():
     long = {str(p.relative_to(SOURCE)): n for p in SOURCE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
     assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
+
+
+def _calls(tree: ast.AST, name: str) -> list[ast.Call]:
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == name]
+
+
+def _role_classes() -> dict[str, str]:
+    """Drafter and model classes -> where they may be asked for: the module that defines them (drafters/,
+    models.py), or the backends package for the engines' own model classes (engine choices live there)."""
+    defined = {}
+    for path in [*(SOURCE / "drafters").glob("*.py"), SOURCE / "backends" / "gguf.py", SOURCE / "models.py"]:
+        owner = "draftlab.backends" if path.parent.name == "backends" else _module_name(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                defined[node.name] = owner
+    return defined
+
+
+def test_no_module_probes_drafter_or_model_classes_it_does_not_define():
+    """Stages talk through contracts: no isinstance on another module's drafter or model class, no getattr/hasattr
+    on a drafter, draft or model object (configs, tokenizers and arguments may be read that way)."""
+    defined = _role_classes()
+    probed = re.compile(r"(drafter|draft|inner|source|helper|guide)$|(^|\.)model$")
+    found = []
+    for path in SOURCE.rglob("*.py"):
+        module, tree = _module_name(path), ast.parse(path.read_text())
+        for call in _calls(tree, "isinstance"):
+            classes = call.args[1].elts if isinstance(call.args[1], ast.Tuple) else [call.args[1]]
+            names = {c.id for c in classes if isinstance(c, ast.Name)}
+            found += [f"{module}: isinstance(..., {n})" for n in names if not module.startswith(defined.get(n, module))]
+        for call in [*_calls(tree, "getattr"), *_calls(tree, "hasattr")]:
+            target = ast.unparse(call.args[0])
+            if probed.search(target):
+                found.append(f"{module}: {call.func.id}({target}, ...)")
+    assert not found, f"probes between stages: {found}"
+
+
+def test_only_the_backends_registry_and_cli_name_the_llamacpp_engine():
+    """The rest of the package asks a target's engine what it can do (`backends.engines.Engine`)."""
+    allowed = ("draftlab.backends", "draftlab.registry", "draftlab.cli")
+    named = [_module_name(p) for p in SOURCE.rglob("*.py") if '"llamacpp"' in p.read_text()
+             and not _module_name(p).startswith(allowed)]
+    assert not named, f"modules comparing engine names: {named}"
+
+
+def test_every_timed_decode_goes_through_the_measurement_loop():
+    """No module but `draftlab.measure` reads a clock around a decode (`generate`, a contender's `run`); the
+    engine's own stopwatch times its phases inside one generation."""
+    decodes = {"generate", "hf_generate", "run", "run_once"}
+    timed = []
+    for path in SOURCE.rglob("*.py"):
+        module, tree = _module_name(path), ast.parse(path.read_text())
+        if module == "draftlab.measure":
+            continue
+        clocks = [n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in ("perf_counter", "time")
+                  and isinstance(n.value, ast.Name) and n.value.id == "time"]
+        called = {n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
+                  for n in ast.walk(tree) if isinstance(n, ast.Call)}
+        if clocks and called & decodes:
+            timed.append(f"{module}: {sorted(called & decodes)}")
+    assert not timed, f"timed decodes outside draftlab.measure: {timed}"

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from draftlab.measure import RunSettings
 from draftlab.drafters import suffix
 from draftlab.drafters.suffix import SuffixCache, SuffixDrafter, SuffixOptions
 from draftlab.engine import GenerationConfig, SpeculativeEngine
@@ -137,18 +138,18 @@ def test_greedy_output_equals_plain_decoding_on_a_tiny_model_cold_and_warm(tiny_
 def test_a_race_never_times_a_prompt_with_its_own_earlier_answer(tmp_path):
     """The tuner's race repeats its prompts each round: a suffix candidate sees them as one stream per round."""
     from draftlab.api import SpeculativeDecoder
+    from draftlab.measure import EncodedPrompt
     from draftlab.models import load_model
-    from draftlab.perf.race import run_interleaved
+    from draftlab.perf.race import run_round
     from tests.conftest import tiny_model_dir
 
     target = load_model(str(tiny_model_dir(tmp_path / "tiny")), dtype="fp32")
     decoders = {"suffix": SpeculativeDecoder.from_names(target, drafter="suffix", k=8)}
-    prompts = [[1, 2, 3, 4, 5], [6, 7, 8, 9]]
-    rounds = []
-    for _ in range(2):
-        totals, per_prompt, outputs = {"suffix": [0, 0.0]}, {"suffix": []}, {}
-        run_interleaved(decoders, ["suffix"], prompts, 24, totals, per_prompt, outputs)
-        rounds.append(outputs["suffix"])
-    assert rounds[0] == rounds[1] and decoders["suffix"].drafter.cache.held == 0
-    recalled = suffix.recalling(decoders["suffix"].drafter, rounds[0])
-    assert recalled.cache.held == 2 and decoders["suffix"].drafter.cache.held == 0
+    prompts = [EncodedPrompt("a", "", [1, 2, 3, 4, 5]), EncodedPrompt("b", "", [6, 7, 8, 9])]
+    rounds = [run_round(decoders, ["suffix"], prompts, RunSettings(24)).records["suffix"] for _ in range(2)]
+    assert [r.token_ids for r in rounds[0]] == [r.token_ids for r in rounds[1]]
+    assert [r.stats.cache_held for r in rounds[1]] == [0, 1]  # each round: a stream from an empty cache
+    assert decoders["suffix"].drafter.held() == 0  # the decoder's own drafter learned nothing
+    recalled = decoders["suffix"].drafter.fork()
+    recalled.load_state({"responses": [r.token_ids for r in rounds[0]]})
+    assert recalled.held() == 2 and decoders["suffix"].drafter.held() == 0

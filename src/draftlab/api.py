@@ -10,26 +10,23 @@ Drafter spec strings: see `draftlab.registry` (the same grammar everywhere).
 
 from __future__ import annotations
 
-import copy
 from typing import Callable, Sequence
 
-from draftlab.backends import Backend, FastLlamaBackend, gguf, make_backend
-from draftlab.backends.routes import Route, parse_route, plain_contenders
+from draftlab.backends import Backend, Engine, engine_of_backend, make_backend
+from draftlab.backends.routes import parse_route
 from draftlab.datasets import Prompt
-from draftlab.drafters.adapt import AdaptingDrafter, AdaptSettings
-from draftlab.drafters.base import Drafter, NoDrafter
-from draftlab.drafters.suffix import cache_held
+from draftlab.drafters.adapt import AdaptSettings
+from draftlab.drafters.base import Drafter
 from draftlab.engine import GenerationConfig, GenerationResult, SpeculativeEngine
 from draftlab.errors import DraftlabError
+from draftlab.measure import RunSettings
 from draftlab.defaults import DEFAULT_BACKEND, DraftSettings
-from draftlab.models import DEFAULT_TARGET, DTYPES, LoadedModel, ModelSpec, dtype_name, is_gguf, load_model
+from draftlab.models import DEFAULT_TARGET, LoadedModel, ModelSpec, load_model
 from draftlab.policy import DraftLengthPolicy, DynamicK, FixedK
 from draftlab.registry import DraftPlan, adapt_spec, build_drafter, parse_drafter_spec, parse_layers  # noqa: F401 (API)
 from draftlab.sampling import SamplingConfig
 
 
-LLAMACPP_NUMERICS = ("auto", "exact", "repack")
-LLAMACPP_PLAIN = "llama.cpp repack"  # the label of plain decoding on llama.cpp's default kernels
 
 
 def make_policy(k: int, dynamic: bool = False) -> DraftLengthPolicy:
@@ -71,12 +68,9 @@ class SpeculativeDecoder:
     def __init__(
         self, target: LoadedModel, drafter: Drafter, policy: DraftLengthPolicy,
         draft_model: LoadedModel | None = None, backend: str = DEFAULT_BACKEND, target_backend: Backend | None = None,
-        adapt: AdaptSettings | None = None,
     ) -> None:
-        """adapt: let the drafter's feature draft or heads keep learning from every generation
-        (`draftlab.drafters.adapt`); `save_draft` then writes what it learned."""
-        if adapt is not None:
-            drafter = AdaptingDrafter(drafter, adapt, target.name, base=drafter.name)
+        """A decoder of built parts; `from_names` builds them from names and spec strings (online adaptation is
+        the spec `adapt[:OPTIONS]/SPEC`, or `from_names(adapt=)`)."""
         self.target = target
         self.drafter = drafter
         self.policy = policy
@@ -103,7 +97,7 @@ class SpeculativeDecoder:
 
         adapt: online adaptation of a feature draft or heads (as the spec `adapt[:OPTIONS]/SPEC`).
         backend: "auto" (draftlab's lean Llama forward where it applies, else
-        transformers), "fast" (require the lean forward), "hf" (transformers) or "llamacpp" (the GGUF file as it
+        transformers), "fast" (require the lean forward), "hf" (transformers) or llamacpp (the GGUF file as it
         is, in llama.cpp; drafts then run there too).
         numerics: "auto" (the exact route measured fastest on this host) or a route label for the fast backend;
         on llama.cpp "auto"/"exact" (kernels whose block rows equal single rows) or "repack" (llama.cpp's default
@@ -113,34 +107,35 @@ class SpeculativeDecoder:
         """
         policy = make_policy(k, dynamic_k)
         drafter = adapt_spec(drafter, adapt.label if adapt is not None else None)
-        if backend == "llamacpp" or (isinstance(target, LoadedModel) and target.engine == "llamacpp"):
-            return cls._on_llamacpp(target, drafter, policy, dtype, numerics)
+        engine = engine_of_backend(backend) if isinstance(target, str) else target.engine
+        if engine.runs_gguf:
+            return cls._on_gguf_engine(target, drafter, policy, dtype, numerics, engine)
         route = None if numerics == "auto" else parse_route(numerics, None if dtype == "auto" else dtype)
         if route is not None and dtype not in ("auto", route.dtype):
             raise DraftlabError(f"--numerics {route.label} runs {route.dtype}, not --dtype {dtype}")
         load_dtype = route.dtype if route is not None else dtype
-        loaded = target if isinstance(target, LoadedModel) else load_model(target, device=device, dtype=load_dtype,
-                                                                           backend=backend)
+        loaded = load_model(target, device=device, dtype=load_dtype, backend=backend) if isinstance(target, str) \
+            else target
         target_backend = make_backend(loaded.model, loaded.device, backend, route=route) if route else None
         built = build_drafter(drafter, loaded, backend)
         return cls(loaded, built.drafter, policy, built.model, backend, target_backend)
 
     @classmethod
-    def _on_llamacpp(cls, target: str | LoadedModel, drafter: str, policy: DraftLengthPolicy, dtype: str,
-                     numerics: str) -> "SpeculativeDecoder":
+    def _on_gguf_engine(cls, target: str | LoadedModel, drafter: str, policy: DraftLengthPolicy, dtype: str,
+                        numerics: str, engine: Engine) -> "SpeculativeDecoder":
         """The target's GGUF in llama.cpp (exact kernels unless numerics is 'repack'), drafts there too."""
-        if numerics not in LLAMACPP_NUMERICS:
-            raise DraftlabError(f"--numerics on llama.cpp is one of {', '.join(LLAMACPP_NUMERICS)}, not {numerics!r}")
+        if numerics not in engine.numerics:
+            raise DraftlabError(f"--numerics on {engine} is one of {', '.join(engine.numerics)}, not {numerics!r}")
         repack = numerics == "repack"
-        if isinstance(target, LoadedModel):
-            if numerics != "auto" and target.model.repack != repack:
-                raise DraftlabError(f"the target was loaded with repack={target.model.repack}; --numerics {numerics} "
-                                    "needs it loaded again")
-            loaded = target
+        if isinstance(target, str):
+            loaded = load_model(target, dtype=dtype, backend=engine.backend, repack=repack)
+        elif numerics != "auto" and target.model.repack != repack:
+            raise DraftlabError(f"the target was loaded with repack={target.model.repack}; --numerics {numerics} "
+                                "needs it loaded again")
         else:
-            loaded = load_model(target, dtype=dtype, backend="llamacpp", repack=repack)
-        built = build_drafter(drafter, loaded, "llamacpp")
-        return cls(loaded, built.drafter, policy, built.model, "llamacpp")
+            loaded = target
+        built = build_drafter(drafter, loaded, engine.backend)
+        return cls(loaded, built.drafter, policy, built.model, engine.backend)
 
     def generate(
         self,
@@ -163,17 +158,23 @@ class SpeculativeDecoder:
             stop_strings=tuple(stop_strings),
             eos_token_ids=eos_ids(self.target),
         )
-        held = cache_held(self.drafter)
-        result = self.engine.generate(prompt_ids, config, on_tokens)
-        result.stats.cache_held = held
-        return result
+        return self.engine.generate(prompt_ids, config, on_tokens)
 
     def save_draft(self, out: str) -> str:
         """Write the draft as online adaptation left it (a draft directory of its format, which `model:DIR` loads);
         its path."""
-        if not isinstance(self.drafter, AdaptingDrafter):
-            raise DraftlabError(f"drafter {self.drafter.name} does not adapt; nothing learned to save (use --adapt)")
-        return str(self.drafter.save(out))
+        return str(self.drafter.save_learned(out))
+
+    times_prefill = True  # the engine times its prefill apart (`draftlab.measure.Contender`)
+
+    def run(self, prompt_ids: list[int], settings: RunSettings) -> GenerationResult:
+        """One generation with the measurement loop's settings (`draftlab.measure.Contender`)."""
+        return self.generate(prompt_ids, max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
+                             top_k=settings.top_k, top_p=settings.top_p, seed=settings.seed)
+
+    def forgetful(self) -> "SpeculativeDecoder":
+        """The same decoder with a drafter that learns nothing across requests (warm-up runs)."""
+        return self.with_drafter(self.drafter.forgetful())
 
     def with_policy(self, policy: DraftLengthPolicy) -> "SpeculativeDecoder":
         """The same target, backend and drafter with another K policy."""
@@ -182,43 +183,3 @@ class SpeculativeDecoder:
     def with_drafter(self, drafter: Drafter) -> "SpeculativeDecoder":
         """The same target, backend and K policy with another drafter (e.g. suffix decoding over another cache)."""
         return SpeculativeDecoder(self.target, drafter, self.policy, self.draft_model, self.backend, self.target_backend)
-
-    def plain_in(self, route: Route) -> "SpeculativeDecoder":
-        """Plain decoding of this target in another mode: the route's dtype (the weights copied) and products."""
-        target = self.target
-        if route.dtype != dtype_name(target.dtype):
-            model = copy.deepcopy(target.model).to(DTYPES[route.dtype])
-            target = LoadedModel(target.name, model, target.tokenizer, target.device, DTYPES[route.dtype], target.source)
-        backend = FastLlamaBackend(target.model, target.device, route=route)
-        return SpeculativeDecoder(target, NoDrafter(), FixedK(1), backend=self.backend, target_backend=backend)
-
-    def host_plain(self) -> dict[str, "SpeculativeDecoder"]:
-        """Plain decoding in the host's other fast modes, by label: the fastest route of each dtype other than this
-        decoder's own (draftlab's forward on a CPU), and llama.cpp's default kernels where the model is a GGUF and
-        llama-cpp-python is installed. What a speedup must also beat."""
-        modes: dict[str, SpeculativeDecoder] = {}
-        own = self.target_backend
-        if isinstance(own, FastLlamaBackend):
-            routes = plain_contenders(self.target.model.config, str(self.target.device), own.route)
-            modes.update({route.label: self.plain_in(route) for route in routes})
-        if self._llamacpp_contender():
-            modes[LLAMACPP_PLAIN] = self.llamacpp_plain()
-        return modes
-
-    def llamacpp_plain(self) -> "SpeculativeDecoder":
-        """Plain decoding of this target's GGUF in llama.cpp with its default (repacked) kernels."""
-        if self.target.engine == "llamacpp" and self.target.model.repack:
-            return self.autoregressive()
-        return SpeculativeDecoder.from_names(self.target.source, drafter="none", k=1, backend="llamacpp",
-                                             numerics="repack")
-
-    def _llamacpp_contender(self) -> bool:
-        """Whether llama.cpp's default kernels are another plain mode of this target here."""
-        on_cpu = str(self.target.device) == "cpu"
-        repacked = self.target.engine == "llamacpp" and self.target.model.repack
-        return on_cpu and not repacked and gguf.available() and is_gguf(self.target.source)
-
-    def autoregressive(self) -> "SpeculativeDecoder":
-        """A decoder for the same target and backend with no drafter: the baseline."""
-        return SpeculativeDecoder(self.target, NoDrafter(), FixedK(1), backend=self.backend,
-                                  target_backend=self.target_backend)

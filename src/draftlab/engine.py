@@ -117,7 +117,7 @@ class SpeculativeEngine:
         """Generate from `prompt_ids`; `on_tokens` sees each step's committed tokens."""
         tokens = self._check_prompt(prompt_ids, config)
         self._prompt_len = len(tokens)
-        stats = GenerationStats(prompt_tokens=len(tokens))
+        stats = GenerationStats(prompt_tokens=len(tokens), cache_held=self.drafter.held())
         watch = Stopwatch(self.target.synchronize)
         generator = torch.Generator().manual_seed(config.seed)
         stop = StopCriteria(config, self.decode)
@@ -168,6 +168,7 @@ class SpeculativeEngine:
         self.target.keep(kept)
         if scores.hidden is not None:  # rows of the tokens now committed and cached
             self.drafter.observe(scores.hidden[kept])
+        self.drafter.hear(proposal, verdict)
         levels = proposal.levels
         self.policy.observe(len(levels), verdict.num_accepted)  # K is the depth: a full path is all accepted
         return verdict.committed(proposal), levels, verdict.num_accepted
@@ -216,15 +217,18 @@ class SpeculativeEngine:
             raise DraftlabError("prompt token ids must be integers") from None
         if not tokens:
             raise DraftlabError("the prompt is empty; give at least one token of text")
-        if len(tokens) + config.max_new_tokens > self.context_length:
-            room = self.context_length - len(tokens)
-            hint = f"reduce --max-new-tokens to {room}" if room > 0 else "shorten the prompt"
-            raise DraftlabError(
-                f"prompt ({len(tokens)} tokens) + max_new_tokens ({config.max_new_tokens}) exceeds the "
-                f"model's context of {self.context_length} tokens; {hint}"
-            )
+        check_room(len(tokens), config.max_new_tokens, self.context_length)
         outside = [t for t in tokens if not 0 <= t < self.target.vocab_size]
         if outside:
             raise DraftlabError(f"prompt token id {outside[0]} is not in the target's vocabulary "
                                 f"(0..{self.target.vocab_size - 1})")
         return tokens
+
+
+def check_room(prompt_tokens: int, max_new_tokens: int, context_length: int) -> None:
+    """A one-line error when the prompt and the new tokens do not fit the model's context."""
+    if prompt_tokens + max_new_tokens > context_length:
+        room = context_length - prompt_tokens
+        hint = f"reduce --max-new-tokens to {room}" if room > 0 else "shorten the prompt"
+        raise DraftlabError(f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                            f"model's context of {context_length} tokens; {hint}")

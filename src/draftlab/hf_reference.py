@@ -9,7 +9,6 @@ no loaded model keeps a changed config.
 
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -18,7 +17,8 @@ import torch
 
 from draftlab.registry import DraftPlan
 from draftlab.errors import DraftlabError
-from draftlab.engine import GenerationConfig
+from draftlab.engine import GenerationConfig, GenerationResult, check_room
+from draftlab.metrics import GenerationStats
 from draftlab.models import LoadedModel
 from draftlab.sampling import SamplingConfig
 
@@ -91,8 +91,9 @@ def hf_generate(
     sampling: SamplingConfig = SamplingConfig(),
     seed: int = GenerationConfig.seed,
     assist: HFAssist | None = None,
-) -> tuple[list[int], float]:
-    """New token ids and wall seconds of one HF generate call (batch 1); `assist`: assisted generation."""
+) -> list[int]:
+    """New token ids of one HF generate call (batch 1); `assist`: assisted generation. Timed only through
+    `HFGenerate` in the measurement loop."""
     input_ids = torch.tensor([list(prompt_ids)], device=target.device)
     options = {"do_sample": False}
     if not sampling.greedy:
@@ -101,7 +102,6 @@ def hf_generate(
                    "top_p": sampling.top_p}
         torch.manual_seed(seed)  # HF samples from the global generator
     assisted = assist.generate_args() if assist else {}
-    start = time.perf_counter()
     with torch.inference_mode(), lent_assistant_config(assist):
         out = target.model.generate(
             input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
@@ -109,4 +109,27 @@ def hf_generate(
         )
     if target.device.type == "cuda":
         torch.cuda.synchronize(target.device)
-    return out[0, input_ids.shape[1]:].tolist(), time.perf_counter() - start
+    return out[0, input_ids.shape[1]:].tolist()
+
+
+@dataclass(frozen=True)
+class HFGenerate:
+    """HF `generate` (plain, or assisted generation with `assist`) as a measurement contender
+    (`draftlab.measure.Contender`): it times only the whole call (no prefill apart)."""
+
+    target: LoadedModel
+    eos: tuple[int, ...]
+    assist: HFAssist | None = None
+    times_prefill = False
+
+    def run(self, prompt_ids: list[int], settings) -> GenerationResult:
+        """One `generate` call with the loop's settings; a prompt that does not fit the context is refused as
+        draftlab's engine refuses it (HF's would run past the context with a warning)."""
+        check_room(len(prompt_ids), settings.max_new_tokens, self.target.context_length)
+        tokens = hf_generate(self.target, prompt_ids, settings.max_new_tokens, self.eos, settings.sampling,
+                             settings.seed, self.assist)
+        return GenerationResult(tokens, "", GenerationStats(prompt_tokens=len(prompt_ids), new_tokens=len(tokens)))
+
+    def forgetful(self) -> "HFGenerate":
+        """Itself: HF keeps nothing across calls."""
+        return self

@@ -9,13 +9,15 @@ same library, as AsG is compared with HF's own `generate`.
 
 from __future__ import annotations
 
-import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 from draftlab.backends.gguf import llama_lib, threads
 from draftlab.backends.llamacpp import MAX_CONTEXT
+from draftlab.engine import GenerationResult, check_room
 from draftlab.errors import DraftlabError
+from draftlab.metrics import GenerationStats
 from draftlab.sampling import SamplingConfig
 
 
@@ -30,19 +32,23 @@ class LlamaCppPeer:
         self._lookup = None
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, eos: Sequence[int], sampling: SamplingConfig,
-                 seed: int, k: int = 0) -> tuple[list[int], float]:
-        """New tokens and wall seconds: plain `generate` (k=0) or with prompt lookup drafting k tokens a step."""
+                 seed: int, k: int = 0) -> list[int]:
+        """New tokens: plain `generate` (k=0) or with prompt lookup drafting k tokens a step. Timed only through
+        `contender` in the measurement loop."""
         llm = self._llama(k)
         llm.set_seed(seed)
         llm.reset()
-        start = time.perf_counter()
         tokens: list[int] = []
         for token in llm.generate(list(prompt_ids), temp=sampling.temperature, top_k=sampling.top_k,
                                   top_p=sampling.top_p, min_p=0.0, repeat_penalty=1.0, reset=True):
             tokens.append(int(token))
             if token in eos or len(tokens) >= max_new_tokens:
                 break
-        return tokens, time.perf_counter() - start
+        return tokens
+
+    def contender(self, eos: tuple[int, ...], k: int = 0) -> "LlamaCppRun":
+        """Its plain `generate` (k=0), or its prompt lookup at k, as a measurement contender."""
+        return LlamaCppRun(self, eos, k)
 
     def _llama(self, k: int):
         """The plain instance, or the lookup instance set to draft k tokens."""
@@ -65,3 +71,26 @@ class LlamaCppPeer:
                                  draft_model=LlamaPromptLookupDecoding(self.max_ngram, k))
         self._lookup.draft_model.num_pred_tokens = k
         return self._lookup
+
+
+@dataclass(frozen=True)
+class LlamaCppRun:
+    """llama-cpp-python's `generate` (k=0) or its prompt lookup at k as a measurement contender
+    (`draftlab.measure.Contender`): it times only the whole call (no prefill apart)."""
+
+    peer: LlamaCppPeer
+    eos: tuple[int, ...]
+    k: int = 0
+    times_prefill = False
+
+    def run(self, prompt_ids: list[int], settings) -> GenerationResult:
+        """One generation with the loop's settings (a prompt longer than the context refused as draftlab's engine
+        refuses it)."""
+        check_room(len(prompt_ids), settings.max_new_tokens, MAX_CONTEXT)
+        tokens = self.peer.generate(prompt_ids, settings.max_new_tokens, self.eos, settings.sampling, settings.seed,
+                                    self.k)
+        return GenerationResult(tokens, "", GenerationStats(prompt_tokens=len(prompt_ids), new_tokens=len(tokens)))
+
+    def forgetful(self) -> "LlamaCppRun":
+        """Itself: each run starts from an empty cache."""
+        return self

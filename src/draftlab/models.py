@@ -19,6 +19,7 @@ from typing import Iterator
 import torch
 
 from draftlab import assets
+from draftlab.backends.engines import Engine, engine_of_backend, engine_of_model
 from draftlab.backends.gguf import LlamaCppModel, describe_gguf
 from draftlab.backends.llamacpp import MAX_CONTEXT
 from draftlab.backends.routes import choose_for, dtype_label, native_block_products
@@ -137,32 +138,32 @@ class LoadedModel:
     source: str = ""  # what it was loaded from (short name, .gguf or directory), when known
 
     @property
-    def engine(self) -> str:
-        """'llamacpp' for a GGUF file in llama.cpp, 'torch' otherwise."""
-        return "llamacpp" if isinstance(self.model, LlamaCppModel) else "torch"
+    def engine(self) -> Engine:
+        """The engine it runs on (`draftlab.backends.engines`): ask it what it can do."""
+        return engine_of_model(self.model)
 
     @property
     def context_length(self) -> int:
         """Longest sequence the model supports (prompt + generation)."""
-        if isinstance(self.model, LlamaCppModel):
+        if self.engine.runs_gguf:
             return min(self.model.n_ctx_train, MAX_CONTEXT)
         return int(getattr(self.model.config, "max_position_embeddings", 2048))
 
     @property
     def vocab_size(self) -> int:
         """Rows of the model's output layer."""
-        if isinstance(self.model, LlamaCppModel):
+        if self.engine.runs_gguf:
             return self.model.vocab_size
         return int(self.model.get_output_embeddings().weight.shape[0])
 
     @property
     def precision(self) -> str:
         """What the weights are: 'fp32', 'bf16', or the GGUF's weight type on llama.cpp ('Q4_1')."""
-        return self.model.weight_type if isinstance(self.model, LlamaCppModel) else dtype_name(self.dtype)
+        return self.model.weight_type if self.engine.runs_gguf else dtype_name(self.dtype)
 
     def num_parameters(self) -> int:
         """Distinct parameters (shared tensors counted once)."""
-        if isinstance(self.model, LlamaCppModel):
+        if self.engine.runs_gguf:
             return self.model.n_params
         seen = {p.data_ptr(): p.numel() for p in self.model.parameters()}
         return sum(seen.values())
@@ -179,7 +180,7 @@ def load_model(spec: ModelSpec | str, *, device: str = ModelSpec.device, dtype: 
     """
     if isinstance(spec, str):
         spec = ModelSpec(spec, device=device, dtype=dtype)
-    if backend == "llamacpp":
+    if engine_of_backend(backend).runs_gguf:
         return load_gguf_model(spec, repack)
     with quiet_transformers(not verbose):
         directory = resolve_directory(spec.source)

@@ -58,7 +58,7 @@ from draftlab.drafters.ngram import NGramDrafter
 from draftlab.drafters.shipped import shipped_draft
 from draftlab.drafters.staged import StagedDrafter
 from draftlab.drafters.suffix import SuffixDrafter, SuffixOptions, tokenizer_fingerprint
-from draftlab.drafters.tree import TreeDrafter, TreeShape
+from draftlab.drafters.tree import TreeDrafter, TreeShape, TreeSource
 from draftlab.errors import DraftlabError
 from draftlab.models import DTYPES, LoadedModel, ModelSpec, dtype_name, dtype_suffix, load_model
 
@@ -86,10 +86,15 @@ class DraftPlan:
 
 @dataclass
 class BuiltDraft:
-    """A drafter and, when it runs a causal LM of its own, that model (HF assisted generation needs it)."""
+    """A drafter and, when it runs a causal LM of its own, that model (HF assisted generation needs it); and what
+    the wrappers built around it need, known here because the registry built it: the drafter whose logits can grow
+    a tree, the model drafter a staged draft speculates, the feature draft or heads online adaptation trains."""
 
     drafter: Drafter
     model: LoadedModel | None = None
+    tree_source: TreeSource | None = None
+    model_drafter: ModelDrafter | None = None
+    learnable: feature.FeatureDrafter | heads.HeadsDrafter | None = None
 
 
 def parse_drafter_spec(spec: str, num_layers: int | None = None) -> DraftPlan:
@@ -180,7 +185,7 @@ def build_drafter(plan: DraftPlan | str, target: LoadedModel, backend: str = DEF
 
 def _needs_torch_target(target: LoadedModel, what: str) -> None:
     """Refuse drafts built from the target's own weights when the target runs in llama.cpp."""
-    if target.engine == "llamacpp":
+    if not target.engine.torch_drafts:
         raise DraftlabError(f"{what} is built from the target's torch weights; on --backend llamacpp use ngram, "
                             "model:NAME_OR_GGUF, or tree/staged/merged drafts of those (or --backend fast)")
 
@@ -210,11 +215,12 @@ def _build_model(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDra
             raise DraftlabError(f"{plan.model} holds a draft of unknown format {fmt!r}; known: {sorted(DRAFT_FORMATS)}")
         _needs_torch_target(target, f"the {fmt} draft in {plan.model}")
         return DRAFT_FORMATS[fmt](plan, target, backend)
-    if target.engine == "llamacpp":  # a GGUF draft in its own llama.cpp context
+    if target.engine.runs_gguf:  # a GGUF draft in its own context of the target's engine
         # Repacked weights: a draft's rounding never decides what is committed, and they draft faster.
-        draft = load_model(ModelSpec(plan.model, dtype=plan.dtype or "auto"), backend="llamacpp", repack=True)
+        draft = load_model(ModelSpec(plan.model, dtype=plan.dtype or "auto"), backend=target.engine.backend,
+                           repack=True)
         check_compatible(target, draft)
-        return _model_draft(draft, "llamacpp")
+        return _model_draft(draft, target.engine.backend)
     draft = load_model(ModelSpec(plan.model, device=str(target.device), dtype=dtype_name(_draft_dtype(plan, target))))
     check_compatible(target, draft)
     draft.name += dtype_suffix(draft.dtype, target.dtype)
@@ -230,22 +236,23 @@ def _build_designed(plan: DraftPlan, target: LoadedModel, backend: str) -> Built
 
 def _build_tree(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
     inner = build_drafter(plan.inner, target, backend)
-    if not hasattr(inner.drafter, "tree_logits"):
+    if inner.tree_source is None:
         raise DraftlabError(f"drafter {inner.drafter.name} has no logits to grow a tree from; "
                             "use a model, layer or designed draft inside tree:SHAPE:SPEC")
-    return BuiltDraft(TreeDrafter(inner.drafter, plan.tree, target.vocab_size), inner.model)
+    return BuiltDraft(TreeDrafter(inner.tree_source, plan.tree, target.vocab_size), inner.model,
+                      learnable=inner.learnable)
 
 
 def _build_staged(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
     inner = build_drafter(plan.inner, target, backend)
-    if not isinstance(inner.drafter, ModelDrafter):
+    if inner.model_drafter is None:
         raise DraftlabError(f"staged drafting speculates a model draft's own drafting; {inner.drafter.name} is not "
                             "one: use layers:..., model:... or a pruned draft after the '/'")
     helper = build_drafter(plan.helper, target, backend)
-    if helper.drafter.reads_target_hidden or isinstance(helper.drafter, StagedDrafter):
+    if helper.drafter.reads_target_hidden or plan.helper.kind == "staged":
         raise DraftlabError(f"the helper of a staged draft must be n-gram lookup or a layer/model draft, "
                             f"got {helper.drafter.name}")
-    return BuiltDraft(StagedDrafter(inner.drafter, helper.drafter), inner.model)
+    return BuiltDraft(StagedDrafter(inner.model_drafter, helper.drafter, helper.model_drafter), inner.model)
 
 
 def _build_merged(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
@@ -253,14 +260,22 @@ def _build_merged(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDr
         raise DraftlabError(f"the guide of a merged tree looks its tokens up: use ngram[:...] before the '/', "
                             f"got {plan.helper.kind}")
     inner_plan = plan.inner if plan.inner.kind == "tree" else DraftPlan("tree", tree=TreeShape((1,)), inner=plan.inner)
-    tree = _build_tree(inner_plan, target, backend)
+    source = build_drafter(inner_plan.inner, target, backend)
+    if source.tree_source is None:
+        raise DraftlabError(f"drafter {source.drafter.name} has no logits to grow a tree from; "
+                            "use a model, layer or designed draft inside tree:SHAPE:SPEC")
     guide = NGramDrafter(max_n=plan.helper.ngram[1], min_n=plan.helper.ngram[0])
-    return BuiltDraft(TreeDrafter(tree.drafter.source, inner_plan.tree, target.vocab_size, guide), tree.model)
+    return BuiltDraft(TreeDrafter(source.tree_source, inner_plan.tree, target.vocab_size, guide), source.model,
+                      learnable=source.learnable)
 
 
 def _build_adapt(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
     inner = build_drafter(plan.inner, target, backend)
-    return BuiltDraft(AdaptingDrafter(inner.drafter, plan.adapt, target.name, base=inner.drafter.name), inner.model)
+    if inner.learnable is None:
+        raise DraftlabError(f"adapt learns feature drafts and decoder heads (designed, model:DIR of either, or a "
+                            f"tree of one); {inner.drafter.name} is neither")
+    return BuiltDraft(AdaptingDrafter(inner.drafter, inner.learnable, plan.adapt, target.name,
+                                      base=inner.drafter.name), inner.model)
 
 
 def can_adapt(spec: str) -> bool:
@@ -289,7 +304,12 @@ def adapt_spec(spec: str, options: str | None) -> str:
 
 def _model_draft(draft: LoadedModel, backend: str) -> BuiltDraft:
     drafter = ModelDrafter(make_backend(draft.model, draft.device, backend, batch_invariant=False), name=draft.name)
-    return BuiltDraft(drafter, draft)
+    return _model_built(drafter, draft)
+
+
+def _model_built(drafter: ModelDrafter, draft: LoadedModel) -> BuiltDraft:
+    """A model drafter: it grows trees and can be a staged draft's inner draft."""
+    return BuiltDraft(drafter, draft, tree_source=drafter, model_drafter=drafter)
 
 
 def _load_pruned(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
@@ -298,7 +318,7 @@ def _load_pruned(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDra
     drafter = ModelDrafter(make_backend(designed.model.model, target.device, backend, batch_invariant=False),
                            designed.model.name,
                            designed.vocab_map, target.vocab_size)
-    return BuiltDraft(drafter, designed.model)
+    return _model_built(drafter, designed.model)
 
 
 def _load_cut(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
@@ -308,19 +328,21 @@ def _load_cut(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
     model_backend = make_backend(draft.model, draft.device, backend, batch_invariant=False, head_rows=record.vocab_map)
     name = f"{draft.name}/v{len(record.vocab_map)}{dtype_suffix(draft.dtype, target.dtype)}"
     drafter = ModelDrafter(model_backend, name, record.vocab_map, target.vocab_size)
-    return BuiltDraft(drafter, draft)
+    return _model_built(drafter, draft)
 
 
 def _load_feature(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
     _refuse_dtype(plan, "a feature draft")
     path = plan.model
-    return BuiltDraft(feature.FeatureDrafter(feature.load_feature_draft(path, target), name=f"feature:{path}"))
+    drafter = feature.FeatureDrafter(feature.load_feature_draft(path, target), name=f"feature:{path}")
+    return BuiltDraft(drafter, tree_source=drafter, learnable=drafter)
 
 
 def _load_heads(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
     _refuse_dtype(plan, "decoder heads")
     path = plan.model
-    return BuiltDraft(heads.HeadsDrafter(heads.load_heads_draft(path, target), name=f"heads:{path}"))
+    drafter = heads.HeadsDrafter(heads.load_heads_draft(path, target), name=f"heads:{path}")
+    return BuiltDraft(drafter, tree_source=drafter, learnable=drafter)
 
 
 def _refuse_dtype(plan: DraftPlan, what: str) -> None:

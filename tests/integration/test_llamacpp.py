@@ -48,7 +48,7 @@ def reference(target):
 
 
 def test_the_model_runs_as_shipped(target):
-    assert target.engine == "llamacpp" and target.precision == "Q4_1"
+    assert target.engine.runs_gguf and target.precision == "Q4_1"
     assert target.vocab_size == 49152 and target.num_parameters() > 100_000_000
 
 
@@ -165,13 +165,16 @@ def test_bad_inputs_get_one_line_errors(tmp_path):
 
 def test_llama_cpp_pythons_own_generate_and_prompt_lookup(target, reference):
     from draftlab.llamacpp_reference import LlamaCppPeer
+    from draftlab.measure import DECODE, EncodedPrompt, RunSettings, run_once
 
     peer = LlamaCppPeer(gguf_path("smollm2-135m"))
     ids = encode_prompt(target.tokenizer, PROMPTS[1])
     greedy = SamplingConfig()
-    plain, _ = peer.generate(ids, 40, eos_ids(target), greedy, 0)
-    lookup, wall = peer.generate(ids, 40, eos_ids(target), greedy, 0, k=3)
-    assert 0 < len(plain) <= 40 and (len(plain) == 40 or plain[-1] in eos_ids(target)) and wall > 0
+    plain = peer.generate(ids, 40, eos_ids(target), greedy, 0)
+    run = run_once("lookup", peer.contender(eos_ids(target), k=3), EncodedPrompt("p", "", ids), RunSettings(40))
+    lookup = run.token_ids
+    assert 0 < len(plain) <= 40 and (len(plain) == 40 or plain[-1] in eos_ids(target)) and run.stats.wall_s > 0
+    assert run.seconds(DECODE) is None  # the library times no prefill apart
     assert lookup == plain  # its lookup is lossless against its own plain decoding on this prompt
 
 

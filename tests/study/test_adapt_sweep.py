@@ -47,7 +47,7 @@ def test_adapting_cells_learn_their_prompts_and_resume_from_stored_ones(setup):
         learner = CellRunner(target, config, cache_root=cache_root, done=done).cell_decoder(cell).drafter
         assert len(learner.requests) == expected
         assert (learner.learner.steps > 0) == (expected > 0)
-    newest = next(cache_root.glob("*/adapt-0.pt"))  # after 4 prompts: 4 % 2
+    newest = next(cache_root.glob("*/state-0.pt"))  # after 4 prompts: 4 % 2
     newest.write_bytes(b"damaged")
     done = {(cell.key, f"q{i}") for i in range(4)}
     assert len(CellRunner(target, config, cache_root=cache_root, done=done).cell_decoder(cell).drafter.requests) == 3

@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from draftlab.study import plots, runner, sweep
+from draftlab import hf_reference
+from draftlab.study import plots, sweep
 from draftlab.study.page import build_report
 from draftlab.study.answer import recommend
 from draftlab.study.report import ALL, load_checks, load_study, lossy_cells, optimal_table, summarize
@@ -29,19 +30,19 @@ def lossy_study(tmp_path_factory):
     prompts.write_text("".join(
         json.dumps({"prompt": " ".join(f"w{(i * 5 + j) % 60}" for j in range(10)), "category": "code", "id": f"q{i}"})
         + "\n" for i in range(2)))
-    real_generate = runner.hf_generate
+    real_generate = hf_reference.hf_generate
 
     def drifting_hf_generate(target, prompt_ids, max_new_tokens, eos, sampling, seed, assist=None):
-        tokens, wall = real_generate(target, prompt_ids, max_new_tokens, eos, sampling, seed, assist)
+        tokens = real_generate(target, prompt_ids, max_new_tokens, eos, sampling, seed, assist)
         if assist is not None and assist.k == LOSSY_K:
             tokens = tokens[:-1] + [(tokens[-1] + 1) % 60]  # the last token differs from plain decoding
-        return tokens, wall
+        return tokens
 
     config = sweep.SweepConfig(targets=(str(model),), drafters=("ngram",), ks=(1, LOSSY_K), methods=("sps", "asg"),
                                datasets=(str(prompts),), limit=2, max_new_tokens=12, warmup=0, baseline_every=0)
     store = ResultsStore(root / "study.sqlite")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(runner, "hf_generate", drifting_hf_generate)
+        patch.setattr(hf_reference, "hf_generate", drifting_hf_generate)
         sweep.run_sweep(config, store, progress=False)
     store.close()
     return root / "study.sqlite"

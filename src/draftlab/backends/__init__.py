@@ -15,7 +15,11 @@ from draftlab.backends.fast_llama import SUPPORTED_MODEL_TYPES, FastLlamaBackend
 from draftlab.backends.gguf import LlamaCppModel
 from draftlab.backends.hf import HFBackend
 from draftlab.backends.llamacpp import LlamaCppBackend
-from draftlab.backends.routes import Route
+from draftlab.backends.engines import (  # noqa: F401  (the engines' interface)
+    ENGINES, LLAMACPP, TORCH, Engine, PlainMode, default_kernels_plain, engine_of_backend, engine_of_model,
+    fastest_plain_is_default_kernels,
+)
+from draftlab.backends.routes import Route, plain_contenders
 from draftlab.defaults import DEFAULT_BACKEND
 from draftlab.errors import DraftlabError
 
@@ -82,5 +86,13 @@ def _llamacpp_backend(model, kind: str, route: Route | None, head_rows: torch.Te
     return LlamaCppBackend(model, head_rows=head_rows)
 
 
+def other_routes(backend: Backend, config, device: str) -> list[Route]:
+    """The fastest route of each other dtype for plain decoding of a model on draftlab's forward (the backend's own
+    route excluded); none for other backends."""
+    if not isinstance(backend, FastLlamaBackend):
+        return []
+    return plain_contenders(config, device, backend.route)
+
+
 __all__ = ["BACKENDS", "BACKEND_NAMES", "Backend", "FastLlamaBackend", "HFBackend", "LlamaCppBackend", "LlamaCppModel", "Stopwatch", "check_backend_name",
-           "make_backend"]
+           "make_backend", "other_routes"]

@@ -54,14 +54,14 @@ def cmd_audit(args) -> None:
     for spec in args.drafters:
         decoder = SpeculativeDecoder.from_names(target, drafter=spec, k=args.k, backend=args.backend)
         methods[f"draftlab {spec} K={args.k}"] = ours(decoder)
-        if not args.no_hf and target.engine == "torch":
+        if not args.no_hf and not target.engine.runs_gguf:
             try:
                 assist = hf_assist(parse_drafter_spec(spec), decoder.draft_model, args.k)
             except DraftlabError:
                 continue
             methods[f"hf assisted {spec} K={args.k}"] = (
                 lambda seed, assist=assist: hf_generate(target, prompt_ids, settings.positions, eos, sampling, seed,
-                                                        assist)[0])
+                                                        assist))
     report = run_audit(ours(plain), methods, exact_first_distribution(plain.engine, prompt_ids, sampling), settings,
                        progress=print)
     print(format_audit(report))

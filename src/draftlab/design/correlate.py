@@ -22,8 +22,9 @@ from tqdm import tqdm
 from draftlab.api import SpeculativeDecoder
 from draftlab.backends import FastLlamaBackend
 from draftlab.datasets import Prompt
-from draftlab.drafters.feature import FeatureDraft, FeatureDrafter
+from draftlab.drafters.feature import FeatureDraft
 from draftlab.errors import DraftlabError
+from draftlab.measure import EncodedPrompt, RunSettings, measure as measure_runs
 from draftlab.models import LoadedModel
 from draftlab.registry import build_drafter
 from draftlab.step import Block
@@ -45,8 +46,8 @@ class DraftQuality:
 def draft_forward(target: LoadedModel, spec: str) -> tuple[torch.nn.Module, torch.Tensor | None, int]:
     """The draft as a causal LM, its vocabulary map (or None) and its depth, from a drafter spec."""
     built = build_drafter(spec, target)
-    if isinstance(built.drafter, FeatureDrafter):
-        draft = built.drafter.draft
+    if built.learnable is not None and built.learnable.learns_as == "feature":
+        draft = built.learnable.draft
         return FeatureDraftLM(target, draft), draft.vocab_map, 1
     if built.model is None:
         raise DraftlabError(f"{spec} is not a model draft: correlate needs drafts with a language model")
@@ -128,7 +129,8 @@ def measure(target: LoadedModel, specs: list[str], held_out: list[list[int]], mm
         ppl, coverage = perplexity(model, vocab_map, target.vocab_size, held_out)
         accuracy = mmlu_accuracy(model, vocab_map, target.tokenizer, target.vocab_size, mmlu)
         decoder = SpeculativeDecoder.from_names(target, drafter=spec, k=k)
-        stats = [decoder.generate(ids, max_new_tokens=max_new_tokens).stats for ids in prompts]
+        encoded = [EncodedPrompt(str(i), "", ids) for i, ids in enumerate(prompts)]
+        stats = [r.stats for r in measure_runs({spec: decoder}, encoded, RunSettings(max_new_tokens), warmup=0).records[spec]]
         steps = sum(s.steps for s in stats)
         drafted = sum(s.drafted for s in stats)
         out.append(DraftQuality(spec, depth, ppl, coverage, accuracy, sum(s.new_tokens for s in stats) / steps,

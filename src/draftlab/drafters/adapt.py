@@ -35,7 +35,8 @@ import torch
 from draftlab.drafters.feature import FeatureDraft, FeatureDrafter, feature_loss, save_feature_draft
 from draftlab.drafters.heads import HeadsDraft, HeadsDrafter, heads_loss, save_heads_draft
 from draftlab.errors import DraftlabError
-from draftlab.step import ROOT, Proposal
+from draftlab.step import Proposal
+from draftlab.verify import Verdict
 
 WINDOW_HISTORY = 10  # requests in the record's "acceptance before/after" windows
 HEADS_DECAY = 0.8  # head k's loss weight is HEADS_DECAY ** (k - 1), as `draftlab design heads` trains them
@@ -120,6 +121,10 @@ class Learner:
     def frozen(self) -> list[torch.Tensor]:
         """The target's tensors the draft reads (shared, never copied)."""
         raise NotImplementedError
+
+    def reread(self, source, features: torch.Tensor) -> None:
+        """After an update with `reread`, let the drafting source re-read the request's features [n, D] (a no-op
+        for drafts with no cache of them)."""
 
     def save(self, out: str | Path, target_name: str, made: dict) -> Path:
         """Write the trained draft (fp32) with this record as a draft directory."""
@@ -217,6 +222,9 @@ class FeatureLearner(Learner):
     def save(self, out: str | Path, target_name: str, made: dict) -> Path:
         return save_feature_draft(replace(self.master, made=made), out, target_name, dtype=torch.float32)
 
+    def reread(self, source: FeatureDrafter, features: torch.Tensor) -> None:
+        source.reanchor(features)
+
 
 class HeadsLearner(Learner):
     """Decoder heads, trained on Medusa's loss (`heads_loss`, decay `HEADS_DECAY`); tokens are not needed."""
@@ -245,15 +253,17 @@ class AdaptingDrafter:
 
     reads_target_hidden = True
 
-    def __init__(self, inner, settings: AdaptSettings, target_name: str, base: str) -> None:
-        """inner: the drafter (a feature drafter or heads, or a tree grown by one); base: what it was built from
-        (the record names it)."""
+    def __init__(self, inner, source: FeatureDrafter | HeadsDrafter, settings: AdaptSettings, target_name: str,
+                 base: str) -> None:
+        """inner: the drafter (a feature drafter or heads, or a tree grown by one); source: the feature drafter or
+        heads it proposes from (the registry knows which it built); base: what it was built from (the record names
+        it)."""
         self.inner = inner
-        self.source = learning_source(inner)
+        self.source = source
         self.settings = settings
         self.target_name = target_name
         self.base = base
-        learner = FeatureLearner if isinstance(self.source, FeatureDrafter) else HeadsLearner
+        learner = LEARNERS[source.learns_as]
         self.learner: Learner = learner(self.source.draft, settings)
         self._base = {k: v.clone() for k, v in learner.module(self.source.draft).state_dict().items()}  # as built
         self.name = f"adapt{':' + settings.label if settings.label else ''}/{inner.name}"
@@ -263,7 +273,6 @@ class AdaptingDrafter:
     def _begin_request(self) -> None:
         self._features: list[torch.Tensor] = []  # real features [n, D] of this request's positions, in order
         self._pending = 0  # positions seen since the last update
-        self._proposed: tuple[int, Proposal] | None = None  # (context length, proposal) of the last step
         self._drafted = self._accepted = 0
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
@@ -280,30 +289,40 @@ class AdaptingDrafter:
 
     def propose(self, context, k, sampling, generator) -> Proposal:
         """Update the draft when `every` new positions arrived; then the inner drafter's proposal."""
-        self._count_accepted(context)
         if self._pending >= self.settings.every:
             self._update(context)
         proposal = self.inner.propose(context, k, sampling, generator)
-        self._proposed = (len(context), proposal)
         self._drafted += len(proposal)
         return proposal
 
+    def hear(self, proposal: Proposal, verdict: Verdict) -> None:
+        """Count the step's accepted tokens; pass the verdict on."""
+        self._accepted += verdict.num_accepted
+        self.inner.hear(proposal, verdict)
+
     def finish(self, context: Sequence[int]) -> None:
         """Keep the request's positions for replay; count its acceptance."""
-        self._count_accepted(context)
         self.inner.finish(context)
         if self._features:
             features = torch.cat(self._features)  # [n, D]
             self.learner.remember(features, torch.tensor(list(context[: features.shape[0]])))
         self.requests.append((self._drafted, self._accepted))
-        self._features, self._proposed = [], None
+        self._features = []
+
+    def held(self) -> int:
+        """Requests it has learned from."""
+        return len(self.requests)
+
+    def forgetful(self):
+        """The inner drafter, drafting with the weights learned so far and learning nothing (warm-up runs)."""
+        return self.inner
 
     def fork(self) -> "AdaptingDrafter":
         """An independent drafter that starts from the base weights (a sweep cell's own): the frozen target
         tensors are shared, the draft's own weights are copied."""
-        inner = copy.deepcopy(self.inner, memo={id(t): t for t in self.learner.frozen()})
-        self.learner.module(learning_source(inner).draft).load_state_dict(self._base)
-        return AdaptingDrafter(inner, self.settings, self.target_name, self.base)
+        inner, source = copy.deepcopy((self.inner, self.source), memo={id(t): t for t in self.learner.frozen()})
+        self.learner.module(source.draft).load_state_dict(self._base)
+        return AdaptingDrafter(inner, source, self.settings, self.target_name, self.base)
 
     def state(self) -> dict:
         """What this drafter learned, for `torch.save` (a sweep cell's checkpoint)."""
@@ -314,26 +333,14 @@ class AdaptingDrafter:
         self.learner.load_state(state["learner"])
         self.requests = [tuple(r) for r in state["requests"]]
 
-    def without_memory(self):
-        """The inner drafter, drafting with the weights learned so far and learning nothing (warm-up runs)."""
-        return self.inner
-
     def _update(self, context: Sequence[int]) -> None:
         """Train on this request so far (with `reread`, a feature draft then re-reads its features)."""
         features = torch.cat(self._features)  # [n, D], n = len(context) - 1
         self._features = [features]
         self.learner.update(features, torch.tensor(list(context[: features.shape[0]])))
-        if self.settings.reread and isinstance(self.source, FeatureDrafter):  # heads have no cache to re-read
-            self.source.reanchor(features)
+        if self.settings.reread:
+            self.learner.reread(self.source, features)
         self._pending = 0
-
-    def _count_accepted(self, context: Sequence[int]) -> None:
-        """Accepted tokens of the last proposal: the path of it that the committed tokens follow."""
-        if self._proposed is None:
-            return
-        start, proposal = self._proposed
-        self._accepted += accepted_depth(proposal, list(context[start:]))
-        self._proposed = None
 
     def acceptance(self, last: int | None = None) -> float:
         """Accepted / drafted over the finished requests (the last `last` of them)."""
@@ -351,30 +358,15 @@ class AdaptingDrafter:
                 "acceptance_first": round(sum(a for _, a in first) / drafted, 4) if drafted else 0.0,
                 "acceptance_last": round(self.acceptance(WINDOW_HISTORY), 4), "window_requests": WINDOW_HISTORY}
 
-    def save(self, out: str | Path) -> Path:
+    def learned(self) -> dict:
+        """What was learned, from what (`record`)."""
+        return self.record()
+
+    def save_learned(self, out: str | Path) -> Path:
         """Write the adapted draft (fp32 weights) as a draft directory of its format, which `model:DIR` loads."""
         made = dict(self.source.draft.made)
         made["adapt"] = {**self.record(), **({"previous": made["adapt"]} if "adapt" in made else {})}
         return self.learner.save(out, self.target_name, made)
 
 
-def learning_source(drafter) -> FeatureDrafter | HeadsDrafter:
-    """The feature draft or decoder heads a drafter proposes from (itself, or its tree's source), or a one-line
-    error."""
-    source = getattr(drafter, "source", drafter)
-    if not isinstance(source, (FeatureDrafter, HeadsDrafter)):
-        raise DraftlabError(f"adapt learns feature drafts and decoder heads (designed, model:DIR of either, or a "
-                            f"tree of one); {drafter.name} is neither")
-    return source
-
-
-def accepted_depth(proposal: Proposal, committed: list[int]) -> int:
-    """How deep the committed tokens follow the proposal's tree from its root (the accepted count)."""
-    parents = proposal.tree
-    node, depth = ROOT, 0
-    for token in committed:
-        children = [i for i, p in enumerate(parents) if p == node and proposal.tokens[i] == token]
-        if not children:
-            break
-        node, depth = children[0], depth + 1
-    return depth
+LEARNERS = {"feature": FeatureLearner, "heads": HeadsLearner}  # a source's `learns_as` -> what trains it

@@ -10,9 +10,20 @@ verified as one-hot drafts.
 Every drafter also says whether it reads the target's hidden states
 (`reads_target_hidden`) and has `observe`, which the engine calls with the
 target's final hidden states of each newly committed and cached token (a no-op
-for drafters that do not read them), and `finish`, called with the whole
-sequence when a generation ends (drafters that learn across requests keep the
-response there).
+for drafters that do not read them); `hear`, which the engine calls after each
+verification with the proposal and the verifier's `Verdict` (the accepted path
+and the token the target added), so that no drafter rebuilds it from the
+context; and `finish`, called with the whole sequence when a generation ends.
+
+Drafters that learn across requests (suffix decoding's cache, online
+adaptation's weights) carry state between generations; every drafter answers
+the same questions about it, so that bench, the sweep, the API and the tuner
+never ask which kind it is: `held` (how many earlier requests it holds; None:
+it keeps nothing), `forgetful` (a view that learns nothing: warm-up runs),
+`fork` (an independent drafter starting from what it was built with: a sweep
+cell's own), `state`/`load_state` (what it learned, as tensors and lists
+`draftlab.safeio` saves; None: nothing). `PerRequest` gives the answers of a
+drafter that keeps nothing.
 
 Draft sources, one file each: `ngram.py` (prompt lookup), `model.py` (a
 separate causal LM), `layers.py` (a self-draft of the target's layers),
@@ -32,8 +43,10 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from draftlab.errors import DraftlabError
 from draftlab.sampling import SamplingConfig
 from draftlab.step import Proposal
+from draftlab.verify import Verdict
 
 
 class Drafter(Protocol):
@@ -56,17 +69,80 @@ class Drafter(Protocol):
         """The target's hidden states [n, D] of the next n committed and cached tokens, in order."""
         ...
 
+    def hear(self, proposal: Proposal, verdict: Verdict) -> None:
+        """The verifier's verdict on `proposal` (the step's accepted path and the target's next token)."""
+        ...
+
     def finish(self, context: Sequence[int]) -> None:
         """The generation ended with `context` (prompt and every committed token): drafters that learn across
         requests (`suffix.py`) keep its response; the others forget nothing they need."""
         ...
 
+    def held(self) -> int | None:
+        """Earlier requests whose responses or positions it holds now; None: it keeps nothing across requests."""
+        ...
+
+    def forgetful(self) -> "Drafter":
+        """A view that learns nothing (for warm-up runs, which must not teach it the answers about to be timed)."""
+        ...
+
+    def fork(self) -> "Drafter":
+        """An independent drafter that starts from what this one was built with (a sweep cell's own)."""
+        ...
+
+    def state(self) -> dict | None:
+        """What it learned across requests (tensors, numbers, lists), for `draftlab.safeio.save_tensors`; None:
+        nothing."""
+        ...
+
+    def load_state(self, state: dict) -> None:
+        """Go on from a `state()`."""
+        ...
+
+    def learned(self) -> dict | None:
+        """What it learned across requests, for people and the saved draft's record; None: it learns nothing."""
+        ...
+
+    def save_learned(self, out: str) -> str:
+        """Write what it learned as a draft directory (`model:DIR` loads it); its path."""
+        ...
+
 
 class PerRequest:
-    """Base for drafters that keep nothing across requests: `finish` does nothing."""
+    """Base for drafters that keep nothing across requests: `hear` and `finish` do nothing, it holds nothing."""
+
+    def hear(self, proposal: Proposal, verdict: Verdict) -> None:
+        """Nothing to learn from the verdict."""
 
     def finish(self, context: Sequence[int]) -> None:
         """Nothing to keep across requests."""
+
+    def held(self) -> int | None:
+        """Nothing held across requests."""
+        return None
+
+    def forgetful(self) -> "PerRequest":
+        """Itself: it learns nothing anyway."""
+        return self
+
+    def fork(self) -> "PerRequest":
+        """Itself: nothing it keeps could differ between cells."""
+        return self
+
+    def state(self) -> dict | None:
+        """Nothing learned."""
+        return None
+
+    def load_state(self, state: dict) -> None:
+        """Nothing to restore."""
+
+    def learned(self) -> dict | None:
+        """Nothing learned."""
+        return None
+
+    def save_learned(self, out: str) -> str:
+        """Refused: nothing learned to save."""
+        raise DraftlabError(f"drafter {self.name} does not adapt; nothing learned to save (use --adapt)")
 
 
 class BlindDrafter(PerRequest):
@@ -89,13 +165,6 @@ class NoDrafter(BlindDrafter):
     def propose(self, context, k, sampling, generator) -> Proposal:
         """An empty proposal."""
         return Proposal([])
-
-
-def without_memory(drafter: Drafter) -> Drafter:
-    """The drafter as it is, or, for one that learns across requests (suffix decoding, online adaptation), a view
-    that learns nothing: for warm-up runs, which must not teach it the answers about to be timed."""
-    forget = getattr(drafter, "without_memory", None)
-    return forget() if forget is not None else drafter
 
 
 def draft_chain(

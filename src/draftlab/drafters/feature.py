@@ -295,6 +295,7 @@ class FeatureDrafter(PerRequest):
 
     reads_target_hidden = True
     max_depth = None  # trees of any depth
+    learns_as = "feature"  # online adaptation trains it as a feature draft (`adapt.LEARNERS`)
 
     def __init__(self, draft: FeatureDraft, name: str = "feature") -> None:
         self.draft = draft

@@ -168,6 +168,7 @@ class HeadsDrafter(PerRequest):
     """
 
     reads_target_hidden = True
+    learns_as = "heads"  # online adaptation trains it as decoder heads (`adapt.LEARNERS`)
 
     def __init__(self, draft: HeadsDraft, name: str = "heads") -> None:
         self.draft = draft

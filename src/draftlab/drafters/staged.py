@@ -31,9 +31,13 @@ from draftlab.step import Proposal
 class StagedDrafter(BlindDrafter):
     """A `ModelDrafter` whose drafting is itself speculated by `helper` (see the module docstring)."""
 
-    def __init__(self, draft: ModelDrafter, helper: Drafter, name: str | None = None) -> None:
+    def __init__(self, draft: ModelDrafter, helper: Drafter, model_helper: ModelDrafter | None = None,
+                 name: str | None = None) -> None:
+        """model_helper: the helper itself when it is a model draft (its cache must not take guesses as settled);
+        None for a look-up helper."""
         self.draft = draft
         self.helper = helper
+        self.model_helper = model_helper
         self.name = name or f"staged:{helper.name}/{draft.name}"
         self.guessed = 0  # helper tokens offered to the draft, over this drafter's life
         self.kept = 0  # of those, kept by the draft
@@ -79,8 +83,8 @@ class StagedDrafter(BlindDrafter):
         helper must not take as settled.
         """
         guesses = self.helper.propose(context, n, SamplingConfig(temperature=0.0), generator).tokens[:n]
-        if isinstance(self.helper, ModelDrafter):
-            self.helper.unsettle(committed)
+        if self.model_helper is not None:
+            self.model_helper.unsettle(committed)
         self.guessed += len(guesses)
         return list(guesses)
 

@@ -158,6 +158,10 @@ class SuffixCache:
             if self.store is not None:
                 self._append(list(response))
 
+    def held_responses(self) -> list[list[int]]:
+        """The responses held, oldest first."""
+        return [list(r) for r in self._held]
+
     def save(self, directory: str | os.PathLike, tokenizer_id: str = "") -> Path:
         """Write the held responses (what this cache learned, as far as it was stored) to a directory: one that
         is new, empty, or a suffix cache already (never over another directory's files), atomically, under the
@@ -273,23 +277,6 @@ def _count_lines(path: Path) -> int:
         return sum(1 for _ in f)
 
 
-def cache_held(drafter) -> int | None:
-    """Earlier responses a drafter holds across requests now; None for drafters that keep none."""
-    return drafter.cache.held if isinstance(drafter, SuffixDrafter) else None
-
-
-def recalling(drafter, responses: list[list[int]]):
-    """The drafter as it is, or, for suffix decoding, the same options over a new cache holding exactly
-    `responses`: what a run that repeats prompts (the tuner's race) gives each prompt, so that no prompt is
-    timed with its own earlier answer in the cache."""
-    if not isinstance(drafter, SuffixDrafter):
-        return drafter
-    cache = drafter.fresh_cache()
-    for response in responses[-drafter.options.responses:] if drafter.options.responses else []:
-        cache.remember(response)
-    return drafter.with_cache(cache)
-
-
 class SuffixDrafter(BlindDrafter):
     """Suffix decoding over a `SuffixCache` (its own, or one shared with other drafters of the same options)."""
 
@@ -304,18 +291,29 @@ class SuffixDrafter(BlindDrafter):
         self._seen = 0  # committed tokens the request's tree holds
         self._prompt_len = 0
 
-    def with_cache(self, cache: SuffixCache) -> "SuffixDrafter":
-        """The same options over another cache (a sweep cell's, or a throwaway one for warm-up runs)."""
-        return SuffixDrafter(self.options, cache, self.tokenizer_id)
+    def held(self) -> int:
+        """Earlier responses the cache holds now."""
+        return self.cache.held
 
-    def without_memory(self) -> "SuffixDrafter":
-        """The same options over a throwaway cache: for warm-up runs, which must not teach a run's cache the
-        answers it is about to be timed on (`drafters.base.without_memory`)."""
-        return recalling(self, [])
+    def forgetful(self) -> "SuffixDrafter":
+        """The same options over a throwaway empty cache: warm-up runs teach the cache nothing (and copying a
+        deployment's cache for them would cost more than the runs)."""
+        return self.fork()
 
-    def fresh_cache(self) -> SuffixCache:
-        """An empty cache of this drafter's depth and bound, kept in memory only."""
-        return SuffixCache(self.options.depth, self.options.responses)
+    def fork(self) -> "SuffixDrafter":
+        """The same options over an empty cache kept in memory only (a sweep cell's own, a race round's)."""
+        return SuffixDrafter(self.options, SuffixCache(self.options.depth, self.options.responses),
+                             self.tokenizer_id)
+
+    def state(self) -> dict:
+        """The responses the cache holds, oldest first."""
+        return {"responses": self.cache.held_responses()}
+
+    def load_state(self, state: dict) -> None:
+        """Hold `state`'s responses (the newest the cache's bound allows) after those held now."""
+        responses = state["responses"]
+        for response in responses[-self.options.responses:] if self.options.responses else []:
+            self.cache.remember([int(t) for t in response])
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         """Start a request on the cache (ending one an error left open, without storing its response)."""

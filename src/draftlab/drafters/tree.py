@@ -58,7 +58,8 @@ from draftlab.backends.numerics import scatter_vocab
 from draftlab.drafters.base import PerRequest
 from draftlab.errors import DraftlabError
 from draftlab.sampling import SamplingConfig, logits_to_probs
-from draftlab.step import MAX_DRAFT_TOKENS, ROOT, Proposal, node_depths
+from draftlab.step import MAX_DRAFT_TOKENS, ROOT, Proposal
+from draftlab.verify import Verdict
 
 SHAPE_HELP = ("BxBx... (static branching per depth, optional -N node budget) or dyn-T-N (dynamic, EAGLE-2), "
               "either optionally with @P (confidence stop)")
@@ -158,30 +159,15 @@ class AdaptiveStop:
         self.begin()
 
     def begin(self) -> None:
-        """A new sequence: the starting threshold, no pending proposal."""
+        """A new sequence: the starting threshold."""
         self.threshold = self.start
-        self._pending: tuple[int, list[int], tuple[int, ...]] | None = None  # context length, tokens, parents
 
-    def proposed(self, context_len: int, proposal: Proposal) -> None:
-        """Remember the tree just proposed after `context_len` committed tokens."""
-        self._pending = (context_len, proposal.tokens, proposal.tree) if len(proposal) else None
-
-    def update(self, context: Sequence[int]) -> None:
-        """Read what the target kept of the pending tree from the new context, and move the threshold."""
-        if self._pending is None:
+    def heard(self, proposal: Proposal, num_accepted: int) -> None:
+        """Move the threshold by the verifier's verdict on the last proposal (nothing drafted: no move)."""
+        if not len(proposal):
             return
-        start, tokens, parents = self._pending
-        committed = list(context[start:])
-        node, accepted = ROOT, 0
-        while accepted < len(committed):
-            node = next((i for i, p in enumerate(parents) if p == node and tokens[i] == committed[accepted]), None)
-            if node is None:
-                break
-            accepted += 1
-        deepest = max(node_depths(parents))
-        factor = self.DOWN if accepted >= deepest else self.UP
+        factor = self.DOWN if num_accepted >= len(proposal.levels) else self.UP
         self.threshold = min(self.HIGH, max(self.LOW, self.threshold * factor))
-        self._pending = None
 
 
 class ChainGuide(Protocol):
@@ -227,12 +213,12 @@ class TreeDrafter(PerRequest):
     @torch.inference_mode()
     def propose(self, context, k, sampling: SamplingConfig, generator) -> Proposal:
         """A tree of depth <= k grown from the source's logits."""
+        return self._grow(context, k, sampling, generator)
+
+    def hear(self, proposal: Proposal, verdict: Verdict) -> None:
+        """The verdict moves the adaptive confidence stop, if any."""
         if self.stop is not None:
-            self.stop.update(context)
-        proposal = self._grow(context, k, sampling, generator)
-        if self.stop is not None:
-            self.stop.proposed(len(context), proposal.within(k))
-        return proposal
+            self.stop.heard(proposal, verdict.num_accepted)
 
     def _grow(self, context, k, sampling, generator) -> Proposal:
         if self.source.max_depth is not None:

@@ -31,6 +31,7 @@ from draftlab.backends.base import Backend
 from draftlab.datasets import Prompt
 from draftlab.defaults import DEFAULT_BACKEND, SHORT_RUN_TOKENS
 from draftlab.errors import DraftlabError
+from draftlab.measure import EncodedPrompt, Measurement, RunSettings, measure, warm_up
 from draftlab.models import LoadedModel
 from draftlab.perf.model import DraftProfile, TargetProfile, accepted_at_least, at_least, prompt_standard_errors
 from draftlab.safeio import write_atomic
@@ -141,8 +142,8 @@ def calibrate(
 ) -> Profile:
     """Measure the target's block times and each draft's cost and acceptance."""
     start = time.perf_counter()
-    encoded = [prompt_ids(target.tokenizer, p) for p in prompts]
-    context_len = int(statistics.mean(len(e) for e in encoded)) + settings.max_new_tokens // 2
+    encoded = [EncodedPrompt(p.id, p.category, prompt_ids(target.tokenizer, p)) for p in prompts]
+    context_len = int(statistics.mean(len(e.ids) for e in encoded)) + settings.max_new_tokens // 2
     context = _context_of_length(encoded, context_len)
     ar = SpeculativeDecoder.from_names(target, drafter="none", k=1, backend=settings.backend)
     drafts, overhead = [], 0.0
@@ -150,7 +151,7 @@ def calibrate(
         built = build_drafter(spec, target, settings.backend)
         decoder = SpeculativeDecoder(target, built.drafter, FixedK(settings.k_max), built.model, settings.backend,
                                      ar.target_backend)
-        decoder.generate(encoded[0], max_new_tokens=WARMUP_TOKENS)  # untimed: first calls pay one-off costs
+        warm_up({spec: decoder}, encoded[0], RunSettings(WARMUP_TOKENS))  # untimed: first calls pay one-off costs
         profile, overhead_s = _profile_draft(spec, decoder, encoded, settings)
         if not drafts:  # the engine's bookkeeping, from the first draft's runs
             overhead = overhead_s
@@ -172,8 +173,8 @@ def _name(model: LoadedModel) -> str:
     return model.name
 
 
-def _context_of_length(encoded: list[list[int]], length: int) -> list[int]:
-    tokens = [t for e in encoded for t in e]
+def _context_of_length(encoded: list[EncodedPrompt], length: int) -> list[int]:
+    tokens = [t for e in encoded for t in e.ids]
     return (tokens * (length // max(len(tokens), 1) + 1))[:length]
 
 
@@ -182,12 +183,12 @@ def _profile_draft(spec, decoder: SpeculativeDecoder, encoded, settings) -> tupl
 
     Also returns the engine's bookkeeping seconds per step in the same runs (the profile keeps the first draft's).
     """
-    runs = [decoder.generate(ids, max_new_tokens=settings.max_new_tokens).stats for ids in encoded]
+    runs = _stats(measure({spec: decoder}, encoded, RunSettings(settings.max_new_tokens), warmup=0))
     accepted = [a for s in runs for a in s.accepted_per_step_list]
     drafted = [d for s in runs for d in s.drafted_per_step_list]
     short = decoder.with_policy(FixedK(1))
-    short_runs = [short.generate(ids, max_new_tokens=max(settings.max_new_tokens // 2, 2)).stats
-                  for ids in encoded[: settings.short_run_prompts]]
+    short_runs = _stats(measure({spec: short}, encoded[: settings.short_run_prompts],
+                                RunSettings(max(settings.max_new_tokens // 2, 2)), warmup=0))
     per_step, per_token = draft_cost(_cost_point(short_runs), _cost_point(runs))
     profile = DraftProfile(spec, per_token, accepted_at_least(accepted, drafted, settings.k_max), per_step,
                            at_least(drafted, settings.k_max), steps=len(accepted), cost_spread=_cost_spread(runs),
@@ -195,6 +196,11 @@ def _profile_draft(spec, decoder: SpeculativeDecoder, encoded, settings) -> tupl
                            prompt_tar_se=prompt_standard_errors([s.accepted_per_step_list for s in runs],
                                                                 settings.k_max))
     return profile, _overhead_per_step(runs)
+
+
+def _stats(measured: Measurement) -> list:
+    """The engine's statistics of every run, in prompt order."""
+    return [r.stats for runs in measured.records.values() for r in runs]
 
 
 def tree_nodes(runs, k_max: int) -> list[list[list[float]]]:

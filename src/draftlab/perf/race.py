@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from draftlab.datasets import Prompt
-from draftlab.drafters.suffix import recalling
+from draftlab.measure import DECODE, EncodedPrompt, Measurement, RunSettings, measure, paired, speedup
 from draftlab.models import LoadedModel
 from draftlab.perf.calibrate import CalibrationSettings
 from draftlab.perf.model import Prediction
@@ -114,7 +114,8 @@ def race(target: LoadedModel, entrants: list[Prediction], prompts: list[Prompt],
     (`plan_race`); before each later round, the round is checked against the time left at the pace the
     race has measured; what did not fit is noted.
     """
-    from draftlab.api import SpeculativeDecoder, prompt_ids
+    from draftlab.api import SpeculativeDecoder
+    from draftlab.plain import fastest_plain
 
     outcome = RaceOutcome(PLAIN)
     plan = plan_race(len(entrants), len(prompts), settings.max_new_tokens, pilot, deadline - time.perf_counter())
@@ -125,15 +126,13 @@ def race(target: LoadedModel, entrants: list[Prediction], prompts: list[Prompt],
         return outcome
     outcome.notes.extend(_plan_notes(plan, len(entrants), len(prompts), settings.max_new_tokens))
     plain = SpeculativeDecoder.from_names(target, drafter="none", k=1, backend=settings.backend)
-    # On llama.cpp the drafts race plain decoding on its default kernels, the fastest plain decoding there.
-    decoders = {PLAIN: plain.llamacpp_plain() if target.engine == "llamacpp" else plain}
+    decoders = {PLAIN: fastest_plain(plain)}  # on llama.cpp: its default kernels, the fastest plain decoding there
     for p in entrants[: plan.contenders]:
         decoders[(p.draft, p.k)] = SpeculativeDecoder.from_names(target, drafter=p.draft, k=p.k,
                                                                  backend=settings.backend)
-    encoded = [prompt_ids(target.tokenizer, p) for p in prompts[: plan.prompts]]
+    encoded = encode(target, prompts[: plan.prompts])
     alive = [key for key in decoders if key != PLAIN]
-    totals = {key: [0, 0.0] for key in decoders}  # new tokens, decode seconds
-    per_prompt: dict = {key: [] for key in decoders}  # decode tokens/s per prompt, aligned across keys
+    rounds: list[Measurement] = []
     run_s = 0.0  # the measured seconds of one run (prefill included) in the last round
     for number, size in enumerate(plan.field_sizes()):
         alive = alive[:size]
@@ -144,18 +143,25 @@ def race(target: LoadedModel, entrants: list[Prediction], prompts: list[Prompt],
             break
         started = time.perf_counter()
         keys = [PLAIN, *alive]
-        run_interleaved(decoders, keys[number % len(keys):] + keys[: number % len(keys)], encoded,
-                        plan.tokens, totals, per_prompt)
+        rounds.append(run_round(decoders, keys[number % len(keys):] + keys[: number % len(keys)], encoded,
+                                RunSettings(plan.tokens)))
         run_s = (time.perf_counter() - started) / runs
-        speed = {key: totals[key][0] / totals[key][1] for key in keys if totals[key][1] > 0}
+        speed = {key: race_speedup(rounds, key) for key in alive}
         outcome.rounds.append({"prompts": len(encoded), "tokens": plan.tokens,
-                               "speedups": {f"{d} K={k}": speed[(d, k)] / speed[PLAIN] for d, k in alive}})
+                               "speedups": {f"{d} K={k}": speed[(d, k)] for d, k in alive}})
         if progress:
             print(f"tune: race round {number + 1}: {len(alive)} candidate(s) on {len(encoded)} prompt(s), "
                   f"{plan.tokens} new tokens each")
         alive = sorted(alive, key=lambda key: -speed[key])
-    _settle(outcome, totals, per_prompt, alive)
+    _settle(outcome, rounds, list(decoders), alive)
     return outcome
+
+
+def encode(target: LoadedModel, prompts: list[Prompt]) -> list[EncodedPrompt]:
+    """The prompts as the measurement loop takes them."""
+    from draftlab.api import prompt_ids
+
+    return [EncodedPrompt(p.id, p.category, prompt_ids(target.tokenizer, p)) for p in prompts]
 
 
 def _plan_notes(plan: RacePlan, contenders: int, prompts: int, max_new_tokens: int) -> list[str]:
@@ -172,42 +178,43 @@ def _plan_notes(plan: RacePlan, contenders: int, prompts: int, max_new_tokens: i
     return notes
 
 
-def _settle(outcome: RaceOutcome, totals: dict, per_prompt: dict, alive: list) -> None:
+def race_speedup(rounds: list[Measurement], key) -> float:
+    """`key`'s decode speedup over plain decoding in the rounds it ran (each prompt against plain decoding's run of
+    it in the same round)."""
+    runs, paces = [], []
+    for measured in rounds:
+        r, p = paired(measured.records.get(key, []), measured.records[PLAIN], DECODE)
+        runs, paces = runs + r, paces + p
+    return speedup(runs, paces) or 0.0
+
+
+def _decode_speed(rounds: list[Measurement], key) -> float:
+    """`key`'s decode tokens/s over every round it ran."""
+    runs = [r for measured in rounds for r in measured.records.get(key, [])]
+    seconds = sum(r.seconds(DECODE) for r in runs)
+    return sum(r.new_tokens for r in runs) / seconds if seconds else 0.0
+
+
+def _settle(outcome: RaceOutcome, rounds: list[Measurement], keys: list, alive: list) -> None:
     """Every raced configuration's measured speed, speedup and spread; the winner among the last alive."""
-    speed = {key: totals[key][0] / totals[key][1] for key in totals if totals[key][1] > 0}
-    for key in speed:
-        outcome.tokens_per_s[key] = speed[key]
-        outcome.speedups[key] = speed[key] / speed[PLAIN]
-        ratios = [a / b for a, b in zip(per_prompt[key], per_prompt[PLAIN])]
+    ran = [key for key in keys if any(measured.records.get(key) for measured in rounds)]
+    for key in ran:
+        outcome.tokens_per_s[key] = _decode_speed(rounds, key)
+        outcome.speedups[key] = race_speedup(rounds, key)
+        ratios = [x for measured in rounds for x in measured.per_prompt(key, PLAIN, DECODE)]
         outcome.spreads[key] = (min(ratios), max(ratios)) if ratios else (1.0, 1.0)
-    finalists = [key for key in alive if key in speed] or [PLAIN]
-    best = max(finalists, key=lambda key: speed.get(key, 0.0))
-    outcome.winner = best if PLAIN in speed and speed.get(best, 0.0) > speed[PLAIN] else PLAIN
+    finalists = [key for key in alive if key in outcome.speedups] or [PLAIN]
+    best = max(finalists, key=lambda key: outcome.speedups.get(key, 0.0))
+    outcome.winner = best if PLAIN in outcome.speedups and outcome.speedups.get(best, 0.0) > 1.0 else PLAIN
 
 
-def run_interleaved(decoders: dict, keys: list, prompts: list, max_new_tokens: int, totals: dict,
-                    per_prompt: dict, outputs: dict | None = None) -> None:
-    """Every key on every prompt, the order rotated per prompt so that drift hits all alike.
-
-    Adds (new tokens, decode seconds) to `totals[key]` and each run's decode tokens/s to `per_prompt[key]`;
-    with `outputs`, each run's token ids to `outputs[key]` (in prompt order). A drafter that learns across requests
-    (suffix decoding) sees the prompts as a stream: it holds its answers to the earlier prompts of this call, never
-    a prompt's own answer from an earlier call (a race round repeats the prompts).
-    """
-    answers: dict = {key: [] for key in keys}  # key -> its answers to the prompts run so far in this call
-    for i, ids in enumerate(prompts):
-        order = keys[i % len(keys):] + keys[: i % len(keys)]
-        for key in order:
-            decoder = decoders[key].with_drafter(recalling(decoders[key].drafter, answers[key]))
-            result = decoder.generate(ids, max_new_tokens=max_new_tokens)
-            answers[key].append(result.token_ids)
-            stats = result.stats
-            seconds = max(stats.wall_s - stats.prefill_s, 1e-9)
-            totals[key][0] += stats.new_tokens
-            totals[key][1] += seconds
-            per_prompt[key].append(stats.new_tokens / seconds)
-            if outputs is not None:
-                outputs.setdefault(key, []).append(result.token_ids)
+def run_round(decoders: dict, keys: list, prompts: list[EncodedPrompt], settings: RunSettings) -> Measurement:
+    """Every key on every prompt through the measurement loop, the order rotated per prompt so that drift hits all
+    alike. A drafter that learns across requests (suffix decoding) starts each call from what it was built with
+    (`fork`) and sees the prompts as a stream: it holds its answers to the earlier prompts of this call, never a
+    prompt's own answer from an earlier call (a race round repeats the prompts)."""
+    contenders = {key: decoders[key].with_drafter(decoders[key].drafter.fork()) for key in keys}
+    return measure(contenders, prompts, settings, warmup=0)
 
 
 def race_decoder(target: LoadedModel, draft: str, k: int, backend: str):
@@ -222,21 +229,20 @@ def label(key: tuple[str, str, int]) -> str:
 
 
 def head_to_head(decoders: dict, keys: list, target: LoadedModel, prompts: list[Prompt],
-                  settings: CalibrationSettings, deadline: float) -> tuple[dict, dict, list[str]]:
-    """Decode tokens/s and outputs of every key on as many prompts as fit before the deadline (at least one)."""
-    from draftlab.api import prompt_ids
-
-    totals = {key: [0, 0.0] for key in keys}
-    per_prompt: dict = {key: [] for key in keys}
-    outputs: dict = {}
-    round_s, done = 0.0, 0
-    for prompt in prompts:
-        if done and time.perf_counter() + round_s > deadline:
+                 settings: CalibrationSettings, deadline: float) -> tuple[dict, dict, list[str]]:
+    """Decode tokens/s and outputs of every key on as many prompts as fit before the deadline (at least one):
+    one prompt at a time through the measurement loop, the order rotated per prompt."""
+    contenders = {key: decoders[key].with_drafter(decoders[key].drafter.fork()) for key in keys}
+    rounds: list[Measurement] = []
+    round_s = 0.0
+    for prompt in encode(target, prompts):
+        if rounds and time.perf_counter() + round_s > deadline:
             break
         started = time.perf_counter()
-        ids = prompt_ids(target.tokenizer, prompt)
-        run_interleaved(decoders, keys[done % len(keys):] + keys[: done % len(keys)], [ids],
-                        settings.max_new_tokens, totals, per_prompt, outputs)
-        round_s, done = time.perf_counter() - started, done + 1
-    notes = [f"head-to-head on {done} of {len(prompts)} prompts to fit the budget"] if done < len(prompts) else []
-    return {key: totals[key][0] / totals[key][1] for key in keys}, outputs, notes
+        shift = len(rounds) % len(keys)
+        rounds.append(measure({k: contenders[k] for k in keys[shift:] + keys[:shift]}, [prompt],
+                              RunSettings(settings.max_new_tokens), warmup=0))
+        round_s = time.perf_counter() - started
+    notes = [f"head-to-head on {len(rounds)} of {len(prompts)} prompts to fit the budget"] if len(rounds) < len(prompts) else []
+    outputs = {key: [r.token_ids for measured in rounds for r in measured.records[key]] for key in keys}
+    return {key: _decode_speed(rounds, key) for key in keys}, outputs, notes

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 from draftlab.datasets import Prompt
 from draftlab.errors import DraftlabError
+from draftlab.measure import DECODE, EncodedPrompt, RunSettings, run_once, warm_up
 from draftlab.models import LoadedModel
 from draftlab.perf.calibrate import CalibrationSettings
 
@@ -41,6 +42,9 @@ DRAFT_SETUP_TOKENS = 15.0  # building and warming up a draft, in plain decoding'
 BLOCK_COST_ROWS = 2.3  # one timed block, averaged over the sizes 1..K_max+1, in single rows
 
 
+PILOT = "pilot"  # the pilot run's key in the measurement loop
+
+
 @dataclass(frozen=True)
 class Pilot:
     """One plain generation timed before calibration: what the tuner's time estimates scale from."""
@@ -54,10 +58,10 @@ def run_pilot(target: LoadedModel, prompt: Prompt, settings: CalibrationSettings
     from draftlab.api import SpeculativeDecoder, prompt_ids
 
     plain = SpeculativeDecoder.from_names(target, drafter="none", k=1, backend=settings.backend)
-    ids = prompt_ids(target.tokenizer, prompt)
-    plain.generate(ids, max_new_tokens=4)
-    stats = plain.generate(ids, max_new_tokens=settings.max_new_tokens).stats
-    return Pilot((stats.wall_s - stats.prefill_s) / max(stats.new_tokens, 1), stats.prefill_s)
+    encoded = EncodedPrompt(prompt.id, prompt.category, prompt_ids(target.tokenizer, prompt))
+    warm_up({PILOT: plain}, encoded, RunSettings(4))
+    run = run_once(PILOT, plain, encoded, RunSettings(settings.max_new_tokens))
+    return Pilot(run.seconds(DECODE) / max(run.new_tokens, 1), run.stats.prefill_s)
 
 
 def fit_calibration(pilot: Pilot, prompts, drafters, settings, tune_settings):

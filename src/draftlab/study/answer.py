@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from draftlab.backends import engine_of_backend
 from draftlab.study.report import ALL, METHOD_NAMES, PLAIN_METHODS, CellSummary, Drift
 from draftlab.study.cells import LLAMACPP_TARGET, PEER_PLAIN
 
@@ -65,7 +66,7 @@ def _runner_up(best: CellSummary, rest: list[CellSummary], drift: Drift | None) 
 
 def _engine(s: CellSummary) -> str:
     """The engine a cell ran on, in words."""
-    on_llamacpp = s.backend == "llamacpp" or s.target.startswith(LLAMACPP_TARGET)
+    on_llamacpp = engine_of_backend(s.backend).runs_gguf or s.target.startswith(LLAMACPP_TARGET)
     if on_llamacpp or s.drafter.startswith("llama.cpp") or s.method in ("lcp", "llama"):
         return "llama.cpp (llama-cpp-python)" if s.method in ("lcp", "llama") else "llama.cpp (draftlab)"
     if s.method in ("asg", "hf"):

@@ -14,7 +14,9 @@ import tomllib
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
-from draftlab.api import LLAMACPP_PLAIN, parse_drafter_spec
+from draftlab.api import parse_drafter_spec
+from draftlab.backends import LLAMACPP as LLAMACPP_ENGINE, engine_of_backend
+from draftlab.plain import DEFAULT_KERNELS
 from draftlab.backends import check_backend_name, gguf
 from draftlab.backends.fast_llama import SUPPORTED_MODEL_TYPES
 from draftlab.backends.routes import cpu_flags, cpu_model, default_route, plain_contenders
@@ -33,7 +35,7 @@ TORCH_ONLY = ("asg", "hf")  # HF's methods run torch targets
 def target_backend(target: str, backend: str) -> tuple[str, str]:
     """(backend, model source) of a target name: 'llamacpp:NAME' runs NAME on llama.cpp, others on `backend`."""
     if target.startswith(LLAMACPP):
-        return "llamacpp", target.removeprefix(LLAMACPP)
+        return LLAMACPP_ENGINE.backend, target.removeprefix(LLAMACPP)
     return backend, target
 
 
@@ -81,10 +83,11 @@ class SweepConfig:
         """The baseline cell (and the peers' own plain decoding when they run), then every (method, drafter, K)
         cell that runs on the target's engine."""
         backend, source = target_backend(target, self.backend)
-        dtype = "gguf" if backend == "llamacpp" else resolve_dtype_name(self.dtype, self.device, source)
+        on_gguf = engine_of_backend(backend).runs_gguf
+        dtype = "gguf" if on_gguf else resolve_dtype_name(self.dtype, self.device, source)
         base = Cell(target, "none", 0, "ar", dataset, temperature, self.max_new_tokens, self.seed, dtype, backend,
                     self.device, self.skip)
-        methods = [m for m in self.methods if m not in (TORCH_ONLY if backend == "llamacpp" else LLAMACPP_ONLY)]
+        methods = [m for m in self.methods if m not in (TORCH_ONLY if on_gguf else LLAMACPP_ONLY)]
         peers = [replace(base, method=plain) for peer, plain in PEER_PLAIN.items() if {peer, plain} & set(methods)]
         host = [replace(base, drafter=label, method="plain", dtype=dtype) for label, dtype in self.host_modes(target)]
         others = [
@@ -101,8 +104,8 @@ class SweepConfig:
         if not self.host_baselines or self.device != "cpu":
             return []
         backend, source = target_backend(target, self.backend)
-        modes = [(LLAMACPP_PLAIN, "gguf")] if gguf.available() and is_gguf(source) else []
-        if backend in ("hf", "llamacpp"):
+        modes = [(DEFAULT_KERNELS, "gguf")] if gguf.available() and is_gguf(source) else []
+        if backend == "hf" or engine_of_backend(backend).runs_gguf:
             return modes
         config = model_config(source)
         if config.model_type not in SUPPORTED_MODEL_TYPES:

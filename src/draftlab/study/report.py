@@ -13,9 +13,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from draftlab.baselines import baseline_timings, nearest_baseline
+from draftlab.baselines import baseline_timings, nearest_baseline, prompt_key
 from draftlab.errors import DraftlabError
-from draftlab.study.store import PEER_PLAIN, ResultsStore
+from draftlab.measure import speedup
+from draftlab.study.store import PEER_METHODS, PEER_PLAIN, ResultsStore
 
 ALL = "all"
 NOISY_DRIFT = 0.10  # a baseline that moved more than this (relative) during the study makes it noisy
@@ -41,7 +42,9 @@ class CellSummary:
     draft_ms_per_step: float | None
     target_ms_per_step: float | None
     overhead_ms_per_step: float | None
-    speedup: float = 0.0  # tokens/s over draftlab's plain decoding (the ar cell) on the same prompts
+    speedup: float = 0.0  # end to end (`draftlab.measure.END_TO_END`) over draftlab's plain decoding (the ar cell)
+    decode_speedup: float | None = None  # decode only (`draftlab.measure.DECODE`) over the ar cell's decoding; None
+    # for a peer library's cells, which time no prefill apart
     speedup_min: float = 0.0
     speedup_median: float = 0.0
     speedup_max: float = 0.0
@@ -78,7 +81,9 @@ def summarize(rows: list[dict], checks: list[dict] = ()) -> list[CellSummary]:
     baseline_speed = nearest_baseline(rows, checks)
     peer_plain = {(r["method"], r["target"], r["dataset"], r["temperature"], r["prompt_id"]): r for r in rows
                   if r["method"] in PEER_PLAIN.values()}
-    summaries = [_summarize_group(key, group, baseline_speed) for key, group in sorted(groups.items(), key=_sort_key)]
+    paces = decode_paces(rows)
+    summaries = [_summarize_group(key, group, baseline_speed, paces)
+                 for key, group in sorted(groups.items(), key=_sort_key)]
     for summary in summaries:
         _add_engine_speedup(summary, groups[(*summary.config_key, summary.dataset)], peer_plain)
     _mark_complete(summaries)
@@ -160,7 +165,8 @@ def _sort_key(item):
     return (target, dataset, temperature, METHOD_ORDER.get(method, 4), drafter, k)
 
 
-def _summarize_group(key: tuple, rows: list[dict], baseline_speed: Callable[[dict], float | None]) -> CellSummary:
+def _summarize_group(key: tuple, rows: list[dict], baseline_speed: Callable[[dict], float | None],
+                     decode_pace: dict[tuple, float]) -> CellSummary:
     target, method, drafter, k, temperature, dataset = key
     new_tokens = sum(r["new_tokens"] for r in rows)
     wall = sum(r["wall_s"] for r in rows)
@@ -178,23 +184,34 @@ def _summarize_group(key: tuple, rows: list[dict], baseline_speed: Callable[[dic
         overhead_ms_per_step=per_step("overhead_s"),
         per_position_acceptance=_per_position(rows),
     )
-    _add_speedups(summary, rows, baseline_speed)
+    _add_speedups(summary, rows, baseline_speed, decode_pace)
     known = [r["identical"] for r in rows if r["identical"] is not None]
     summary.identical = sum(known) if known else None
     return summary
 
 
-def _add_speedups(summary: CellSummary, rows: list[dict], baseline_speed: Callable[[dict], float | None]) -> None:
-    """Overall speedup (total tokens/s over the baseline's on the same prompts) and its spread over prompts."""
+def _add_speedups(summary: CellSummary, rows: list[dict], baseline_speed: Callable[[dict], float | None],
+                  decode_pace: dict[tuple, float]) -> None:
+    """The measurement loop's speedups (`draftlab.measure.speedup`): end to end against the baseline measured
+    closest in time on each prompt, with its spread over prompts; decode only against the ar record's decoding."""
     matched = [(r, baseline_speed(r)) for r in rows]
     matched = [(r, base) for r, base in matched if base and r["wall_s"] > 0]
     if not matched:
         return
     per_prompt = [(r["new_tokens"] / r["wall_s"]) / base for r, base in matched]
-    base_time = sum(r["new_tokens"] / base for r, base in matched)  # the baseline's time for the same tokens
-    summary.speedup = base_time / sum(r["wall_s"] for r, _ in matched)
+    summary.speedup = speedup([(r["new_tokens"], r["wall_s"]) for r, _ in matched], [b for _, b in matched]) or 0.0
     summary.speedup_min, summary.speedup_max = min(per_prompt), max(per_prompt)
     summary.speedup_median = statistics.median(per_prompt)
+    decoded = [(r, decode_pace.get(prompt_key(r))) for r in rows if r["method"] not in PEER_METHODS]
+    if decoded and all(pace and r["wall_s"] > r["prefill_s"] for r, pace in decoded):
+        summary.decode_speedup = speedup([(r["new_tokens"], r["wall_s"] - r["prefill_s"]) for r, _ in decoded],
+                                         [pace for _, pace in decoded])
+
+
+def decode_paces(rows: list[dict]) -> dict[tuple, float]:
+    """Per prompt, the ar record's decode tokens/s (after its prefill)."""
+    return {prompt_key(r): r["new_tokens"] / (r["wall_s"] - r["prefill_s"]) for r in rows
+            if r["method"] == "ar" and r["wall_s"] > r["prefill_s"]}
 
 
 def _add_engine_speedup(summary: CellSummary, rows: list[dict], peer_plain: dict[tuple, dict]) -> None:

@@ -1,52 +1,53 @@
-"""Running one (cell, prompt) of a sweep: our decoders, HF's and llama-cpp-python's, built once per target."""
+"""A sweep's contenders for each (cell, prompt): our decoders, HF's and llama-cpp-python's, built once per target.
+
+The measurement loop (`draftlab.measure`) times them; a cell whose drafter learns across requests (suffix decoding,
+online adaptation) keeps its own copy, whose state (`Drafter.state`) is saved beside the database after each
+prompt, so that a resumed sweep goes on with what the cell had learned from its stored prompts."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from draftlab.api import LLAMACPP_PLAIN, SpeculativeDecoder, build_drafter, eos_ids, parse_drafter_spec
-from draftlab.backends.routes import parse_route
-from draftlab.datasets import Prompt
-from draftlab.drafters.adapt import AdaptingDrafter
-from draftlab.drafters.base import without_memory
-from draftlab.drafters.suffix import RESPONSES_FILE, SuffixCache, SuffixDrafter, read_responses
+from draftlab.api import SpeculativeDecoder, build_drafter, eos_ids, parse_drafter_spec
+from draftlab.drafters.base import Drafter
+from draftlab.drafters.suffix import RESPONSES_FILE, read_responses
 from draftlab.errors import DraftlabError
-from draftlab.hf_reference import hf_assist, hf_generate
+from draftlab.hf_reference import HFGenerate, hf_assist
 from draftlab.llamacpp_reference import LlamaCppPeer
+from draftlab.measure import Contender, EncodedPrompt, RunRecord, RunSettings, warm_up
 from draftlab.models import LoadedModel, gguf_path
+from draftlab.plain import plain_mode
 from draftlab.policy import FixedK
-from draftlab.safeio import load_tensors, save_tensors, write_atomic
-from draftlab.sampling import SamplingConfig
+from draftlab.safeio import load_tensors, save_tensors
 from draftlab.study.cells import LLAMACPP_ONLY, PEER_METHODS, Cell, Record
 
 if TYPE_CHECKING:
     from draftlab.study.config import SweepConfig
 
-PROMPTS_FILE = "prompts.json"  # beside a sweep cell's suffix cache: the prompt of each response, in order
-ADAPT_FILES = ("adapt-0.pt", "adapt-1.pt")  # an adapting cell's two newest states (what it learned, from which prompts)
+PROMPTS_FILE = "prompts.json"  # 0.11's suffix cells: the prompt of each response beside the cell's cache
+STATE_FILES = ("state-0.pt", "state-1.pt")  # a learning cell's two newest states (what it learned, from which prompts)
 
 
 class CellRunner:
-    """Builds each drafter once per target and runs one (cell, prompt) at a time."""
+    """Builds each drafter once per target and gives each (cell, prompt) its contender for the measurement loop."""
 
     def __init__(self, target: LoadedModel, config: "SweepConfig", backend: str | None = None,
                  cache_root: Path | None = None, done: set[tuple[str, str]] = frozenset()) -> None:
         """`backend`: the target's (llamacpp for a 'llamacpp:' target); the config's by default. `cache_root`: where
-        each suffix-decoding cell keeps its cache across the cell's prompts, so that a resumed sweep (`done`: the
-        stored (cell key, prompt id) pairs) continues with what the cell had learned from exactly those."""
+        each cell whose drafter learns across requests keeps what it learned across the cell's prompts, so that a
+        resumed sweep (`done`: the stored (cell key, prompt id) pairs) continues with what the cell had learned from
+        exactly those."""
         self.target = target
         self.cache_root = cache_root
         self.done = done
-        self.cell_caches: dict[str, SuffixCache] = {}
-        self.cell_prompts: dict[str, list[str]] = {}  # prompt ids whose responses each cell's cache holds, in order
-        self.cell_learners: dict[str, AdaptingDrafter] = {}  # each adapting cell's own draft, learning its prompts
-        self.cell_drafts: dict[str, str] = {}  # digest of the weights each adapting cell started from (its states' key)
+        self.cell_drafters: dict[str, Drafter] = {}  # each learning cell's own drafter, learning its prompts
+        self.cell_prompts: dict[str, list[str]] = {}  # prompt ids each learning cell learned from, in order
+        self.cell_starts: dict[str, str] = {}  # digest of each learning cell's state as built (its states' key)
         self.config = config
         self.backend = backend or config.backend
         self.eos = eos_ids(target)
@@ -66,76 +67,61 @@ class CellRunner:
             )
         return self.by_drafter[drafter].with_policy(FixedK(k))
 
-    def cell_decoder(self, cell: Cell, warm_up: bool = False) -> SpeculativeDecoder:
-        """The cell's decoder. Suffix decoding learns across requests: each cell has its own cache over its prompts
-        in order (never another K's answers to the same prompt), and warm-up runs teach none."""
+    def cell_decoder(self, cell: Cell) -> SpeculativeDecoder:
+        """The cell's decoder. A drafter that learns across requests gets the cell's own copy, which learns the
+        cell's prompts in order (never another K's answers to the same prompt)."""
         decoder = self.decoder(cell.drafter, cell.k)
-        drafter = decoder.drafter
-        if isinstance(drafter, AdaptingDrafter):
-            if cell.key not in self.cell_learners:
-                self.cell_learners[cell.key] = self._reload_learner(cell, drafter)
-            learner = self.cell_learners[cell.key]
-            return decoder.with_drafter(without_memory(learner) if warm_up else learner)
-        if not isinstance(drafter, SuffixDrafter):
+        if decoder.drafter.held() is None:
             return decoder
-        if warm_up:
-            return decoder.with_drafter(without_memory(drafter))
-        if cell.key not in self.cell_caches:
-            self.cell_caches[cell.key] = self._reload_cache(cell, drafter)
-        return decoder.with_drafter(drafter.with_cache(self.cell_caches[cell.key]))
+        if cell.key not in self.cell_drafters:
+            self.cell_drafters[cell.key] = self._reload(cell, decoder.drafter)
+        return decoder.with_drafter(self.cell_drafters[cell.key])
 
-    def keep_cache(self, cell: Cell, prompt_id: str) -> None:
-        """Write the cell's suffix cache after a prompt (before its record is stored: a record never exists without
-        the response its cell learned; a response whose record a kill lost is dropped on reload), or its adapted
-        draft's state."""
-        if cell.key in self.cell_learners and self.cache_root is not None:
-            self._keep_learner(cell, prompt_id)
-        if cell.key in self.cell_caches and self.cache_root is not None:
-            cache = self.cell_caches[cell.key]
-            held = [*self.cell_prompts[cell.key], prompt_id]
-            self.cell_prompts[cell.key] = held[len(held) - cache.held:]  # a bounded cache drops its oldest
-            where = cache.save(self._cache_dir(cell))
-            digest = hashlib.sha256((where / RESPONSES_FILE).read_bytes()).hexdigest()
-            write_atomic(where / PROMPTS_FILE, json.dumps({"prompts": self.cell_prompts[cell.key],
-                                                           "responses_sha256": digest}))
+    def contender(self, cell: Cell) -> Contender:
+        """What the measurement loop runs for the cell: draftlab's decoder, plain decoding in another mode, HF's
+        `generate` (plain or assisted) or llama-cpp-python's (plain or prompt lookup)."""
+        if cell.method == "hf":  # AsG's own plain decoding: HF generate without an assistant
+            return HFGenerate(self.target, self.eos)
+        if cell.method in LLAMACPP_ONLY:  # llama-cpp-python's plain generate, or its prompt lookup at K
+            return self.peer().contender(self.eos, cell.k if cell.method == "lcp" else 0)
+        if cell.method == "asg":
+            draft_model = self.decoder(cell.drafter, cell.k).draft_model
+            return HFGenerate(self.target, self.eos, hf_assist(parse_drafter_spec(cell.drafter), draft_model, cell.k))
+        return self.plain_in(cell.drafter) if cell.method == "plain" else self.cell_decoder(cell)
 
-    def _reload_cache(self, cell: Cell, drafter: SuffixDrafter) -> SuffixCache:
-        """The cell's cache as a resumed sweep left it: the responses to its stored prompts, in order."""
-        cache, prompts = drafter.fresh_cache(), []
-        where = self._cache_dir(cell) if self.cache_root is not None else None
-        if where is not None:
-            for prompt_id, response in _stored_pairs(where):
-                if (cell.key, prompt_id) not in self.done:
-                    break
-                cache.remember(response)
-                prompts.append(prompt_id)
-        self.cell_prompts[cell.key] = prompts
-        return cache
+    def settings(self, cell: Cell) -> RunSettings:
+        """The cell's generation settings for the measurement loop."""
+        return RunSettings(cell.max_new_tokens, cell.temperature, seed=self.config.seed)
 
-    def _keep_learner(self, cell: Cell, prompt_id: str) -> None:
-        """Save the adapting cell's state after its n-th prompt in file n % 2, over the older state: a kill before
-        the prompt's record is stored leaves the other, which learned from stored prompts only."""
-        learner, where = self.cell_learners[cell.key], self._cache_dir(cell)
+    def keep_state(self, cell: Cell, prompt_id: str) -> None:
+        """After a prompt, save what the cell's drafter learned (before its record is stored: a record never exists
+        without what its cell learned from it), in state file n % 2 after its n-th prompt, over the older state: a
+        kill before the record is stored leaves the other, which learned from stored prompts only."""
+        if cell.key not in self.cell_drafters or self.cache_root is None:
+            return
+        drafter, where = self.cell_drafters[cell.key], self._cache_dir(cell)
         where.mkdir(parents=True, exist_ok=True)
         prompts = [*self.cell_prompts.get(cell.key, []), prompt_id]
         self.cell_prompts[cell.key] = prompts
-        name = ADAPT_FILES[len(prompts) % 2]
-        save_tensors({"prompts": prompts, "draft": self.cell_drafts[cell.key], **learner.state()}, where / name)
+        save_tensors({"prompts": prompts, "start": self.cell_starts[cell.key], "state": drafter.state()},
+                     where / STATE_FILES[len(prompts) % 2])
 
-    def _reload_learner(self, cell: Cell, drafter: AdaptingDrafter) -> AdaptingDrafter:
-        """The cell's own adapting draft as a resumed sweep left it: the newest state that learned from stored
-        prompts only (from the base weights when there is none)."""
-        learner, self.cell_prompts[cell.key] = drafter.fork(), []
-        self.cell_drafts[cell.key] = weights_digest(learner.state()["learner"]["weights"])
+    def _reload(self, cell: Cell, drafter: Drafter) -> Drafter:
+        """The cell's own drafter as a resumed sweep left it: the newest state that learned from stored prompts
+        only (as built when there is none)."""
+        own, self.cell_prompts[cell.key] = drafter.fork(), []
+        self.cell_starts[cell.key] = state_digest(own.state())
         where = self._cache_dir(cell) if self.cache_root is not None else None
-        states = [_read_state(where / name) for name in ADAPT_FILES if where is not None]
-        usable = [s for s in states if s is not None and s.get("draft") == self.cell_drafts[cell.key]
+        states = [_read_state(where / name) for name in STATE_FILES if where is not None]
+        usable = [s for s in states if s is not None and s.get("start") == self.cell_starts[cell.key]
                   and all((cell.key, p) in self.done for p in s["prompts"])]
+        if not usable and where is not None:  # a suffix cell of 0.11: its responses file and their prompts
+            usable = _stored_suffix_state(where, cell.key, self.done)
         if usable:
             state = max(usable, key=lambda s: len(s["prompts"]))
-            learner.load_state(state)
+            own.load_state(state["state"])
             self.cell_prompts[cell.key] = state["prompts"]
-        return learner
+        return own
 
     def _cache_dir(self, cell: Cell) -> Path:
         return self.cache_root / hashlib.sha256(cell.key.encode()).hexdigest()[:16]
@@ -143,8 +129,7 @@ class CellRunner:
     def plain_in(self, label: str) -> SpeculativeDecoder:
         """Plain decoding of the target in another mode (a route label, or llama.cpp's default kernels), built once."""
         if label not in self.by_route:
-            self.by_route[label] = (self.baseline.llamacpp_plain() if label == LLAMACPP_PLAIN
-                                    else self.baseline.plain_in(parse_route(label)))
+            self.by_route[label] = plain_mode(self.baseline, label)
         return self.by_route[label]
 
     def peer(self) -> LlamaCppPeer:
@@ -161,43 +146,6 @@ class CellRunner:
             return False
         return True
 
-    def run(self, cell: Cell, prompt: Prompt, prompt_ids: list[int], warm_up: bool = False) -> Record:
-        """Measure one prompt in one cell (`warm_up`: an untimed run that must leave no trace). A prompt that does not
-        fit the target's context with the cell's new tokens is refused for every method alike (HF's `generate` would
-        run past the context with a warning)."""
-        if len(prompt_ids) + cell.max_new_tokens > self.target.context_length:
-            raise DraftlabError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({cell.max_new_tokens}) exceeds "
-                                f"the model's context of {self.target.context_length} tokens")
-        sampling = SamplingConfig(cell.temperature)
-        if cell.method == "hf":  # AsG's own plain decoding: HF generate without an assistant
-            tokens, wall = hf_generate(self.target, prompt_ids, cell.max_new_tokens, self.eos, sampling,
-                                       self.config.seed)
-            return Record(cell, prompt.id, prompt.category, len(tokens), 0, 0, 0, wall_s=wall,
-                          output_sha=token_sha(tokens))
-        if cell.method in LLAMACPP_ONLY:  # llama-cpp-python's plain generate, or its prompt lookup at K
-            tokens, wall = self.peer().generate(prompt_ids, cell.max_new_tokens, self.eos, sampling, self.config.seed,
-                                                cell.k if cell.method == "lcp" else 0)
-            return Record(cell, prompt.id, prompt.category, len(tokens), 0, 0, 0, wall_s=wall,
-                          output_sha=token_sha(tokens))
-        if cell.method == "asg":
-            decoder = self.decoder(cell.drafter, cell.k)
-            assist = hf_assist(parse_drafter_spec(cell.drafter), decoder.draft_model, cell.k)
-            tokens, wall = hf_generate(self.target, prompt_ids, cell.max_new_tokens, self.eos, sampling,
-                                       self.config.seed, assist)
-            return Record(cell, prompt.id, prompt.category, len(tokens), 0, 0, 0, wall_s=wall,
-                          output_sha=token_sha(tokens))
-        decoder = self.plain_in(cell.drafter) if cell.method == "plain" else self.cell_decoder(cell, warm_up)
-        result = decoder.generate(
-            prompt_ids, max_new_tokens=cell.max_new_tokens, temperature=cell.temperature, seed=self.config.seed
-        )
-        s = result.stats
-        return Record(
-            cell, prompt.id, prompt.category, s.new_tokens, s.steps, s.drafted, s.accepted,
-            s.accepted_per_step_list, s.drafted_per_step_list, s.prefill_s, s.draft_s, s.target_s, s.overhead_s,
-            s.wall_s, token_sha(result.token_ids), levels_per_step=s.levels_per_step_list if s.has_trees else [],
-            cache_held=s.cache_held,
-        )
-
     def asg_supported(self, drafter: str) -> bool:
         """Whether HF assisted generation can run this drafter (n-gram, or a full-vocabulary model draft)."""
         try:
@@ -206,14 +154,36 @@ class CellRunner:
             return False
         return True
 
-    def warm_up(self, cells: list[Cell], prompt: Prompt, prompt_ids: list[int]) -> None:
+    def warm_up(self, cells: list[Cell], prompt: EncodedPrompt) -> None:
         """Untimed short runs through every path: first calls pay one-off costs. A cell that fails here is left to
         its timed runs, which store the reason."""
         for cell in cells:
             try:
-                self.run(replace(cell, max_new_tokens=8), prompt, prompt_ids, warm_up=True)
+                warm_up({cell: self.contender(cell)}, prompt, self.settings(cell))
             except (Exception if cell.method in PEER_METHODS else DraftlabError):
                 continue
+
+
+def record_of(cell: Cell, run: RunRecord) -> Record:
+    """The store's record of one run of a cell."""
+    s = run.stats
+    return Record(
+        cell, run.prompt_id, run.category, s.new_tokens, s.steps, s.drafted, s.accepted,
+        s.accepted_per_step_list, s.drafted_per_step_list, s.prefill_s, s.draft_s, s.target_s, s.overhead_s,
+        s.wall_s, token_sha(run.token_ids), levels_per_step=s.levels_per_step_list if s.has_trees else [],
+        cache_held=s.cache_held,
+    )
+
+
+def _stored_suffix_state(where: Path, cell_key: str, done: set) -> list[dict]:
+    """A 0.11 suffix cell's cache as a state: the responses to its stored prompts, in order (none: cold)."""
+    prompts, responses = [], []
+    for prompt_id, response in _stored_pairs(where):
+        if (cell_key, prompt_id) not in done:
+            break
+        prompts.append(prompt_id)
+        responses.append(response)
+    return [{"prompts": prompts, "state": {"responses": responses}}] if prompts else []
 
 
 def _stored_pairs(where: Path) -> list[tuple[str, list[int]]]:
@@ -234,21 +204,35 @@ def _stored_pairs(where: Path) -> list[tuple[str, list[int]]]:
 
 
 def _read_state(path: Path) -> dict | None:
-    """An adapting cell's saved state, or None when it is missing or unreadable (a kill mid-write leaves only
-    the .tmp file; the cell then goes on from its other state, or from the base weights)."""
+    """A learning cell's saved state, or None when it is missing or unreadable (a kill mid-write leaves only
+    the .tmp file; the cell then goes on from its other state, or from the drafter as built)."""
     try:
-        return load_tensors(path, "an adapting cell's state") if path.exists() else None
+        return load_tensors(path, "a sweep cell's learned state") if path.exists() else None
     except DraftlabError:  # a damaged or foreign file counts as missing: the cell learns less, never runs its code
         return None
 
 
-def weights_digest(weights: dict[str, torch.Tensor]) -> str:
-    """SHA256 over a state dict's names and bytes: a saved state only resumes a cell whose draft it started from."""
+def state_digest(state) -> str:
+    """SHA256 over a drafter's state (names, numbers, lists and tensor bytes): a saved state only resumes a cell
+    whose drafter started from the same state."""
     digest = hashlib.sha256()
-    for name in sorted(weights):
-        digest.update(name.encode())
-        digest.update(weights[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    _feed(digest, state)
     return digest.hexdigest()
+
+
+def _feed(digest, value) -> None:
+    if isinstance(value, dict):
+        for name in sorted(value):
+            digest.update(str(name).encode())
+            _feed(digest, value[name])
+    elif isinstance(value, (list, tuple)):
+        digest.update(b"[%d]" % len(value))
+        for item in value:
+            _feed(digest, item)
+    elif isinstance(value, torch.Tensor):
+        digest.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    else:
+        digest.update(repr(value).encode())
 
 
 def token_sha(tokens: list[int]) -> str:

@@ -19,15 +19,17 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from draftlab.api import prompt_ids
+from draftlab.backends import engine_of_backend
 from draftlab.datasets import Prompt, load_prompts
 from draftlab.errors import DraftlabError
+from draftlab.measure import EncodedPrompt, Rechecks, RunRecord, measure_prompt
 from draftlab.models import load_model
 from draftlab.study.cells import PEER_METHODS, Cell, Record
 from draftlab.study.config import (  # noqa: F401  (re-exported: the sweep's grid and presets)
     METHODS, PRESETS, SweepConfig, environment, load_config, make_config, target_backend,
 )
 from draftlab.study.pruning import RaceRule, dropped_cells, model_of
-from draftlab.study.runner import CellRunner
+from draftlab.study.runner import CellRunner, record_of
 from draftlab.study.store import ResultsStore
 
 
@@ -84,8 +86,8 @@ def _run_all(config: SweepConfig, store: ResultsStore, groups: list[Group], done
 def _start_target(name: str, config: SweepConfig, store: ResultsStore, done: set) -> TargetRun:
     """Load a target, build its cell runner, record the run's environment and the parameter counts."""
     backend, source = target_backend(name, config.backend)
-    target = load_model(source, device=config.device, dtype="auto" if backend == "llamacpp" else config.dtype,
-                        backend=backend)
+    target = load_model(source, device=config.device, backend=backend,
+                        dtype="auto" if engine_of_backend(backend).runs_gguf else config.dtype)
     runner = CellRunner(target, config, backend, store.path.with_name(store.path.stem + ".suffix-caches"), done)
     run_id = store.start_run(environment(config, target, runner.baseline.target_backend.numerics, source))
     gone, no_asg = _unrunnable(runner, config)
@@ -97,54 +99,61 @@ def _run_group(group: Group, targets: dict[str, TargetRun], config: SweepConfig,
                bar: tqdm) -> int:
     """Every prompt of one dataset and temperature on every target; returns the number of records added."""
     cells = {name: targets[name].runnable(group.cells[name]) for name in group.cells}
-    encoded = {name: {p.id: prompt_ids(targets[name].runner.target.tokenizer, p) for p in group.prompts}
-               for name in cells}
+    encoded = {name: {p.id: EncodedPrompt(p.id, p.category, prompt_ids(targets[name].runner.target.tokenizer, p))
+                      for p in group.prompts} for name in cells}
     for name, its_cells in cells.items():
         if config.warmup and any((c.key, p.id) not in done for c in its_cells for p in group.prompts):
-            first = min(group.prompts, key=lambda p: len(encoded[name][p.id]))  # the cheapest; it fits if any does
-            targets[name].runner.warm_up(its_cells, first, encoded[name][first.id])
+            first = min(encoded[name].values(), key=lambda p: len(p.ids))  # the cheapest; it fits if any does
+            targets[name].runner.warm_up(its_cells, first)
     added = 0
     for index, prompt in enumerate(group.prompts):
         if index >= config.race_after > 0:
             _drop_trailing(group, cells, index, store, done, bar, targets, config)
         for name, its_cells in cells.items():
-            added += _run_prompt(targets[name], its_cells, prompt, encoded[name][prompt.id], store, done, bar, config)
+            added += _run_prompt(targets[name], its_cells, encoded[name][prompt.id], store, done, bar, config)
     return added
 
 
-def _run_prompt(target: TargetRun, cells: list[Cell], prompt: Prompt, ids: list[int], store: ResultsStore,
-                done: set, bar: tqdm, config: SweepConfig) -> int:
-    """The target's pending cells on one prompt, with baseline re-checks between them; returns records added."""
+def _run_prompt(target: TargetRun, cells: list[Cell], prompt: EncodedPrompt, store: ResultsStore, done: set,
+                bar: tqdm, config: SweepConfig) -> int:
+    """The target's pending cells on one prompt through the measurement loop, with baseline re-checks between them;
+    each run stored as it ends; returns records added."""
     pending = [c for c in cells if (c.key, prompt.id) not in done]
-    since_check = added = 0
-    for index, cell in enumerate(pending):
-        bar.set_postfix_str(f"{cell.method} {cell.drafter} k={cell.k}", refresh=False)
-        record = _measure(target, cell, prompt, ids, store)
-        done.add((cell.key, prompt.id))
-        bar.update()
-        if record is None:
-            continue
-        added += 1
-        since_check = 0 if cell.method == "ar" else since_check + 1
-        if config.baseline_every and since_check and (since_check >= config.baseline_every or index + 1 == len(pending)):
-            store.add_baseline_check(target.runner.run(cell.baseline(), prompt, ids), target.run_id)
-            since_check = 0
-    return added
+    if not pending:
+        return 0
+    runner, added = target.runner, []
+    baseline = pending[0].baseline()
+    rechecks = Rechecks(baseline, runner.contender(baseline), config.baseline_every)
 
+    def stored(run: RunRecord) -> None:
+        added.append(_store(target, run.key, run, store))
+        _passed(run.key, prompt, done, bar)
 
-def _measure(target: TargetRun, cell: Cell, prompt: Prompt, ids: list[int], store: ResultsStore) -> Record | None:
-    """Run and store one (cell, prompt); a cell that cannot run the prompt is stored as skipped, with the reason in
-    one line (draftlab's own errors for every method; any error of a peer's library, which draftlab does not own)."""
-    peer = cell.method in PEER_METHODS
-    try:
-        record = target.runner.run(cell, prompt, ids)
-    except (Exception if peer else DraftlabError) as exc:
-        reason = f"{type(exc).__name__}: {exc}" if peer and not isinstance(exc, DraftlabError) else str(exc)
+    def skipped(cell: Cell, exc: Exception) -> bool:
+        if not isinstance(exc, DraftlabError) and cell.method not in PEER_METHODS:
+            return False  # draftlab's own bug: a traceback, not a skip
+        reason = f"{type(exc).__name__}: {exc}" if not isinstance(exc, DraftlabError) else str(exc)
         store.add_skip(cell, prompt.id, reason, target.run_id)
         print(f"sweep: {cell.method} {cell.drafter} k={cell.k} skipped {prompt.id}: {reason.splitlines()[0][:200]}")
-        return None
-    record.identical = _identical(store, cell, prompt.id, record.output_sha)
-    target.runner.keep_cache(cell, prompt.id)
+        _passed(cell, prompt, done, bar)
+        return True
+
+    measure_prompt({cell: runner.contender(cell) for cell in pending}, prompt, runner.settings(baseline), stored,
+                   rechecks, lambda run: store.add_baseline_check(record_of(baseline, run), target.run_id), skipped)
+    return len(added)
+
+
+def _passed(cell: Cell, prompt: EncodedPrompt, done: set, bar: tqdm) -> None:
+    done.add((cell.key, prompt.id))
+    bar.set_postfix_str(f"{cell.method} {cell.drafter} k={cell.k}", refresh=False)
+    bar.update()
+
+
+def _store(target: TargetRun, cell: Cell, run: RunRecord, store: ResultsStore) -> Record:
+    """Store one (cell, prompt) run, after what its cell learned from it."""
+    record = record_of(cell, run)
+    record.identical = _identical(store, cell, run.prompt_id, record.output_sha)
+    target.runner.keep_state(cell, run.prompt_id)
     store.add(record, target.run_id)
     return record
 
@@ -181,7 +190,7 @@ def _drop_trailing(group: Group, cells: dict[str, list[Cell]], index: int, store
 def _unrunnable(runner: CellRunner, config: SweepConfig) -> tuple[set[str], set[str]]:
     """Drafters that do not run on the target's engine, and those with no HF counterpart for asg; says which."""
     gone = {d for d in config.drafters if not runner.runs_here(d)}
-    asg = "asg" in config.methods and runner.backend != "llamacpp"
+    asg = "asg" in config.methods and not runner.target.engine.runs_gguf
     no_asg = {d for d in config.drafters if asg and d not in gone and not runner.asg_supported(d)}
     for drafter in sorted(gone):
         print(f"sweep: {drafter} does not run on {runner.target.name} with the {runner.backend} backend; "

@@ -1,0 +1,69 @@
+"""The engines a target runs on, and what each can do: the one place that knows them by name.
+
+Code outside `backends/` asks a target's `Engine` (`LoadedModel.engine`) what it can do: whether it loads GGUF
+files as they are, whether drafts built from the target's torch weights run on it, which numerics it takes, which
+plain decoding is its fastest. It never compares engine names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from draftlab.backends.gguf import LlamaCppModel, available
+
+LLAMACPP_NUMERICS = ("auto", "exact", "repack")
+
+
+@dataclass(frozen=True)
+class Engine:
+    """An engine a target runs on."""
+
+    name: str  # for records
+    label: str  # for people
+    backend: str  # the backend name that loads a target on it ('auto': draftlab's forward, else transformers)
+    runs_gguf: bool  # loads GGUF files as they are (no de-quantization into torch)
+    torch_drafts: bool  # drafts built from the target's torch weights (layer, designed, feature, heads) run on it
+    numerics: tuple[str, ...]  # the --numerics it takes; empty: the torch backend's routes
+
+    def __str__(self) -> str:
+        return self.label
+
+
+TORCH = Engine("torch", "torch", "auto", runs_gguf=False, torch_drafts=True, numerics=())
+LLAMACPP = Engine("llamacpp", "llama.cpp", "llamacpp", runs_gguf=True, torch_drafts=False, numerics=LLAMACPP_NUMERICS)
+ENGINES = (TORCH, LLAMACPP)
+
+
+def engine_of_backend(backend: str) -> Engine:
+    """The engine a backend name (`--backend`) runs targets on."""
+    return next((e for e in ENGINES if e.backend == backend and e is not TORCH), TORCH)
+
+
+def engine_of_model(model) -> Engine:
+    """The engine a loaded model runs on."""
+    return LLAMACPP if isinstance(model, LlamaCppModel) else TORCH
+
+
+@dataclass(frozen=True)
+class PlainMode:
+    """How to load a target for plain decoding in another mode: backend name and numerics."""
+
+    backend: str
+    numerics: str
+    same: bool  # the given model runs in this mode already
+
+
+def default_kernels_plain(model, device: str, gguf_source: bool) -> PlainMode | None:
+    """Plain decoding on llama.cpp's default (repacked) kernels, the fastest plain decoding of a GGUF there: for a
+    model on those kernels already, or a GGUF source on a CPU with llama-cpp-python installed; None otherwise."""
+    if isinstance(model, LlamaCppModel) and model.repack:
+        return PlainMode(LLAMACPP.backend, "repack", same=True)
+    if device == "cpu" and gguf_source and available():
+        return PlainMode(LLAMACPP.backend, "repack", same=False)
+    return None
+
+
+def fastest_plain_is_default_kernels(model) -> bool:
+    """Whether a race on this model's engine runs against llama.cpp's default kernels (its fastest plain decoding)
+    rather than the model's own mode."""
+    return isinstance(model, LlamaCppModel)

@@ -1,0 +1,239 @@
+"""The one measurement loop: every timed decode in draftlab runs here.
+
+A *contender* is anything that decodes token ids (`Contender`): draftlab's own decoder on any backend, HF's
+`generate`, llama-cpp-python, a server. `measure` decodes a list of prompts with a set of contenders, interleaved
+per prompt (the order rotated from prompt to prompt, so that a machine that speeds up or slows down hits every
+contender alike), after untimed warm-up runs that teach drafters nothing; with a baseline it re-times the baseline
+on the same prompt every few contenders, which measures the machine's drift. `run_once` is the loop's single timed
+call; the sweep, which stores and resumes per (cell, prompt), calls `measure_prompt` for each prompt.
+
+Each run gives one `RunRecord`: output ids, the engine's statistics, the total time and, where the engine
+reports it, the prefill's (draftlab's engine does; a peer library's `generate` does not). Speedups are defined
+once, here, in two named kinds:
+
+- `END_TO_END`: new tokens per second of the whole call, prefill included (what a user waits for);
+- `DECODE`: new tokens per second after the prefill (what speculation changes; the tuner races on it).
+
+`speedup(runs, paces)`: the seconds the baseline needs for the runs' tokens (each prompt at the baseline's pace
+on that prompt) over the runs' seconds. With equal outputs this is tokens/s over tokens/s; it stays defined when
+outputs differ in length (sampling, a stop).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, Hashable, Mapping, Protocol, Sequence
+
+from tqdm import tqdm
+
+from draftlab.engine import GenerationConfig, GenerationResult
+from draftlab.metrics import GenerationStats
+from draftlab.sampling import SamplingConfig
+
+DECODE = "decode"  # new tokens / (total - prefill) seconds
+END_TO_END = "end-to-end"  # new tokens / total seconds
+KINDS = (DECODE, END_TO_END)
+WARMUP_TOKENS = 8  # an untimed warm-up run's new tokens
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What every contender generates: the same length, sampling and seed."""
+
+    max_new_tokens: int = GenerationConfig.max_new_tokens
+    temperature: float = SamplingConfig.temperature
+    top_k: int = SamplingConfig.top_k
+    top_p: float = SamplingConfig.top_p
+    seed: int = GenerationConfig.seed
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(self.temperature, self.top_k, self.top_p)
+
+
+@dataclass(frozen=True)
+class EncodedPrompt:
+    """A prompt as token ids, with the id and category its records carry."""
+
+    id: str
+    category: str
+    ids: list[int]
+
+
+class Contender(Protocol):
+    """What the loop times: one decode of token ids with the given settings.
+
+    `times_prefill`: whether the returned statistics separate the prefill (draftlab's engine) or only the total is
+    known (a peer library's `generate`). `forgetful`: the same contender for warm-up runs, teaching a drafter that
+    learns across requests nothing about the prompts about to be timed."""
+
+    times_prefill: bool
+
+    def run(self, prompt_ids: list[int], settings: RunSettings) -> GenerationResult: ...
+
+    def forgetful(self) -> "Contender": ...
+
+
+@dataclass
+class RunRecord:
+    """One contender on one prompt: output, statistics and times."""
+
+    key: Hashable  # the contender's key in the loop
+    prompt_id: str
+    category: str
+    token_ids: list[int]
+    stats: GenerationStats  # stats.wall_s: the loop's timing of the whole call
+    times_prefill: bool
+    finished_at: float = 0.0  # time.time() when the run ended
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def seconds(self, kind: str) -> float | None:
+        """The run's seconds of that kind; None for DECODE when the engine does not time its prefill."""
+        if kind == END_TO_END:
+            return self.stats.wall_s
+        return max(self.stats.wall_s - self.stats.prefill_s, 1e-9) if self.times_prefill else None
+
+    def tokens_per_s(self, kind: str) -> float | None:
+        seconds = self.seconds(kind)
+        return self.new_tokens / seconds if seconds else None
+
+
+def run_once(key: Hashable, contender: Contender, prompt: EncodedPrompt, settings: RunSettings) -> RunRecord:
+    """The loop's one timed call: decode `prompt` with `contender`."""
+    start = time.perf_counter()
+    result = contender.run(prompt.ids, settings)
+    elapsed = time.perf_counter() - start
+    stats = replace(result.stats, wall_s=elapsed, new_tokens=len(result.token_ids))
+    return RunRecord(key, prompt.id, prompt.category, list(result.token_ids), stats, contender.times_prefill,
+                     time.time())
+
+
+def warm_up(contenders: Mapping[Hashable, Contender], prompt: EncodedPrompt, settings: RunSettings,
+            tolerate: Callable[[Hashable, Exception], bool] = lambda key, exc: False) -> None:
+    """Untimed short runs of every contender's forgetful view: first calls pay one-off costs. A contender whose
+    error `tolerate` accepts is left to its timed runs (which report it)."""
+    short = replace(settings, max_new_tokens=min(WARMUP_TOKENS, settings.max_new_tokens))
+    for key, contender in contenders.items():
+        try:
+            contender.forgetful().run(prompt.ids, short)
+        except Exception as exc:
+            if not tolerate(key, exc):
+                raise
+
+
+@dataclass
+class Measurement:
+    """Every run of a `measure` call, by contender key in prompt order, and the baseline's re-timings."""
+
+    records: dict[Hashable, list[RunRecord]] = field(default_factory=dict)
+    checks: list[RunRecord] = field(default_factory=list)
+
+    def speedup(self, key: Hashable, over: Hashable, kind: str) -> float | None:
+        """`key`'s speedup over `over` on the prompts both ran."""
+        runs, paces = paired(self.records.get(key, []), self.records.get(over, []), kind)
+        return speedup(runs, paces)
+
+    def per_prompt(self, key: Hashable, over: Hashable, kind: str) -> list[float]:
+        """`key`'s speedup over `over` on each prompt both ran."""
+        runs, paces = paired(self.records.get(key, []), self.records.get(over, []), kind)
+        return [tokens / seconds / pace for (tokens, seconds), pace in zip(runs, paces)]
+
+    def tokens_per_s(self, key: Hashable, kind: str) -> float | None:
+        """`key`'s tokens per second over all its runs."""
+        runs = self.records.get(key, [])
+        seconds = [r.seconds(kind) for r in runs]
+        if not runs or None in seconds or not sum(seconds):
+            return None
+        return sum(r.new_tokens for r in runs) / sum(seconds)
+
+    def drift(self) -> float:
+        """The largest relative spread of the baseline's tokens/s over one prompt's timings (0 without checks)."""
+        return drift([*self.records.get(self.checks[0].key, []), *self.checks] if self.checks else [])
+
+
+def paired(runs: Sequence[RunRecord], baselines: Sequence[RunRecord], kind: str
+           ) -> tuple[list[tuple[int, float]], list[float]]:
+    """(tokens, seconds) of each run and the baseline's pace (tokens/s) on the same prompt, for prompts both ran
+    and timed in that kind."""
+    pace = {b.prompt_id: b.tokens_per_s(kind) for b in baselines}
+    pairs = [((r.new_tokens, r.seconds(kind)), pace.get(r.prompt_id)) for r in runs]
+    kept = [(run, p) for run, p in pairs if run[1] and p]
+    return [run for run, _ in kept], [p for _, p in kept]
+
+
+def speedup(runs: Sequence[tuple[int, float]], paces: Sequence[float]) -> float | None:
+    """The one speedup: seconds the baseline needs for the runs' tokens (each prompt at its baseline pace, tokens/s)
+    over the runs' seconds. `runs`: (new tokens, seconds) per prompt, in either kind, the paces in the same."""
+    own = sum(seconds for _, seconds in runs)
+    if not runs or own <= 0:
+        return None
+    return sum(tokens / pace for (tokens, _), pace in zip(runs, paces)) / own
+
+
+def drift(baseline_runs: Sequence[RunRecord]) -> float:
+    """Largest (fastest - slowest) / median end-to-end tokens/s among the baseline's runs of one prompt."""
+    by_prompt: dict[str, list[float]] = {}
+    for run in baseline_runs:
+        by_prompt.setdefault(run.prompt_id, []).append(run.tokens_per_s(END_TO_END) or 0.0)
+    spreads = [(max(s) - min(s)) / statistics.median(s) for s in by_prompt.values() if len(s) > 1 and min(s) > 0]
+    return max(spreads, default=0.0)
+
+
+@dataclass(frozen=True)
+class Rechecks:
+    """Re-time the baseline (`contender`, whose own runs have `key`) on the same prompt after every `every` other
+    contenders and after the last."""
+
+    key: Hashable
+    contender: Contender
+    every: int
+
+
+def measure_prompt(contenders: Mapping[Hashable, Contender], prompt: EncodedPrompt, settings: RunSettings,
+                   on_record: Callable[[RunRecord], None] = lambda record: None,
+                   rechecks: Rechecks | None = None, on_check: Callable[[RunRecord], None] = lambda record: None,
+                   on_error: Callable[[Hashable, Exception], bool] = lambda key, exc: False) -> list[RunRecord]:
+    """Every contender on one prompt, in the given order; `on_record` sees each run as it ends. A contender whose
+    error `on_error` accepts (it records the skip) is passed over; any other error propagates. With `rechecks`, the
+    baseline is re-timed on the prompt (`on_check`) as `Rechecks` says: after every `every` runs of the others
+    that ended, and after the last if any ran since."""
+    records, since = [], 0
+    keys = list(contenders)
+    for index, key in enumerate(keys):
+        try:
+            record = run_once(key, contenders[key], prompt, settings)
+        except Exception as exc:
+            if not on_error(key, exc):
+                raise
+            continue
+        records.append(record)
+        on_record(record)
+        if rechecks is None or not rechecks.every:
+            continue
+        since = 0 if key == rechecks.key else since + 1
+        if since and (since >= rechecks.every or index + 1 == len(keys)):
+            on_check(run_once(rechecks.key, rechecks.contender, prompt, settings))
+            since = 0
+    return records
+
+
+def measure(contenders: Mapping[Hashable, Contender], prompts: Sequence[EncodedPrompt], settings: RunSettings, *,
+            warmup: int = 1, rotate: bool = True, rechecks: Rechecks | None = None, progress: str = ""
+            ) -> Measurement:
+    """Decode every prompt with every contender, interleaved per prompt (the order rotated from prompt to prompt
+    when `rotate`), after `warmup` untimed runs on the first prompts; `progress`: the bar's label ('' for none)."""
+    out = Measurement({key: [] for key in contenders})
+    for prompt in prompts[:warmup]:
+        warm_up(contenders, prompt, settings)
+    keys = list(contenders)
+    for i, prompt in enumerate(tqdm(prompts, desc=progress, unit="prompt", disable=not progress)):
+        order = keys[i % len(keys):] + keys[: i % len(keys)] if rotate and keys else keys
+        for record in measure_prompt({k: contenders[k] for k in order}, prompt, settings, rechecks=rechecks,
+                                     on_check=out.checks.append):
+            out.records[record.key].append(record)
+    return out
