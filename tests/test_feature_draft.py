@@ -209,7 +209,7 @@ def test_calibrate_charges_a_feature_draft_its_drafting_time(tmp_path):
     prompts = [Prompt(f"p{i}", "chat", " ".join(f"w{(i * 5 + j) % 60}" for j in range(16)), chat=False)
                for i in range(2)]
     profile = calibrate(target, [f"model:{tmp_path / 'f'}", "ngram"], prompts,
-                        CalibrationSettings(k_max=3, max_new_tokens=16, repeats=2), progress=False)
+                        CalibrationSettings(k_max=3, max_new_tokens=32, repeats=2), progress=False)
     feature, ngram = profile.drafts
     assert feature.t_draft(1) > 0 and feature.t_draft(3) > feature.t_draft(1)
     assert ngram.t_draft(3) > 0

@@ -66,11 +66,12 @@ class SpeculativeDecoder:
     """A target, a drafter and a K policy, ready to `generate` text."""
 
     def __init__(
-        self, target: LoadedModel, drafter: Drafter, policy: DraftLengthPolicy,
-        draft_model: LoadedModel | None = None, backend: str = DEFAULT_BACKEND, target_backend: Backend | None = None,
+        self, target: LoadedModel, drafter: Drafter, policy: DraftLengthPolicy, target_backend: Backend,
+        draft_model: LoadedModel | None = None, backend: str = DEFAULT_BACKEND,
     ) -> None:
-        """A decoder of built parts; `from_names` builds them from names and spec strings (online adaptation is
-        the spec `adapt[:OPTIONS]/SPEC`, or `from_names(adapt=)`)."""
+        """A decoder of built parts (`target_backend`: `draftlab.backends.make_backend` of the target); `from_names`
+        builds them from names and spec strings (online adaptation is the spec `adapt[:OPTIONS]/SPEC`, or
+        `from_names(adapt=)`)."""
         self.target = target
         self.drafter = drafter
         self.policy = policy
@@ -78,7 +79,7 @@ class SpeculativeDecoder:
         self.backend = backend
         # Decoders of one target may share its backend (one KV cache, one copy of fused
         # weights); they must then not generate concurrently.
-        self.target_backend = target_backend or make_backend(target.model, target.device, backend)
+        self.target_backend = target_backend
         self.engine = SpeculativeEngine(
             self.target_backend,
             drafter,
@@ -116,9 +117,9 @@ class SpeculativeDecoder:
         load_dtype = route.dtype if route is not None else dtype
         loaded = load_model(target, device=device, dtype=load_dtype, backend=backend) if isinstance(target, str) \
             else target
-        target_backend = make_backend(loaded.model, loaded.device, backend, route=route) if route else None
+        target_backend = make_backend(loaded.model, loaded.device, backend, route=route)
         built = build_drafter(drafter, loaded, backend)
-        return cls(loaded, built.drafter, policy, built.model, backend, target_backend)
+        return cls(loaded, built.drafter, policy, target_backend, built.model, backend)
 
     @classmethod
     def _on_gguf_engine(cls, target: str | LoadedModel, drafter: str, policy: DraftLengthPolicy, dtype: str,
@@ -135,7 +136,8 @@ class SpeculativeDecoder:
         else:
             loaded = target
         built = build_drafter(drafter, loaded, engine.backend)
-        return cls(loaded, built.drafter, policy, built.model, engine.backend)
+        return cls(loaded, built.drafter, policy, make_backend(loaded.model, loaded.device, engine.backend),
+                   built.model, engine.backend)
 
     def generate(
         self,
@@ -178,8 +180,8 @@ class SpeculativeDecoder:
 
     def with_policy(self, policy: DraftLengthPolicy) -> "SpeculativeDecoder":
         """The same target, backend and drafter with another K policy."""
-        return SpeculativeDecoder(self.target, self.drafter, policy, self.draft_model, self.backend, self.target_backend)
+        return SpeculativeDecoder(self.target, self.drafter, policy, self.target_backend, self.draft_model, self.backend)
 
     def with_drafter(self, drafter: Drafter) -> "SpeculativeDecoder":
         """The same target, backend and K policy with another drafter (e.g. suffix decoding over another cache)."""
-        return SpeculativeDecoder(self.target, drafter, self.policy, self.draft_model, self.backend, self.target_backend)
+        return SpeculativeDecoder(self.target, drafter, self.policy, self.target_backend, self.draft_model, self.backend)

@@ -23,8 +23,7 @@ DEFAULT_KERNELS = "llama.cpp repack"  # the label of plain decoding on llama.cpp
 
 def autoregressive(decoder: SpeculativeDecoder) -> SpeculativeDecoder:
     """Plain decoding of the decoder's target on its own backend (shared, with its cache)."""
-    return SpeculativeDecoder(decoder.target, NoDrafter(), FixedK(1), backend=decoder.backend,
-                              target_backend=decoder.target_backend)
+    return SpeculativeDecoder(decoder.target, NoDrafter(), FixedK(1), decoder.target_backend, backend=decoder.backend)
 
 
 def plain_in(decoder: SpeculativeDecoder, route: Route) -> SpeculativeDecoder:
@@ -34,7 +33,7 @@ def plain_in(decoder: SpeculativeDecoder, route: Route) -> SpeculativeDecoder:
         model = copy.deepcopy(target.model).to(DTYPES[route.dtype])
         target = LoadedModel(target.name, model, target.tokenizer, target.device, DTYPES[route.dtype], target.source)
     backend = FastLlamaBackend(target.model, target.device, route=route)
-    return SpeculativeDecoder(target, NoDrafter(), FixedK(1), backend=decoder.backend, target_backend=backend)
+    return SpeculativeDecoder(target, NoDrafter(), FixedK(1), backend, backend=decoder.backend)
 
 
 def default_kernels(decoder: SpeculativeDecoder) -> SpeculativeDecoder | None:

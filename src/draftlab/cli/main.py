@@ -164,8 +164,11 @@ def format_bench_table(summary: dict, args) -> str:
         lines.append(f"cross-request cache: held {held['first_prompt']} earlier responses at the first prompt, "
                      f"{held['last_prompt']} at the last")
     plain = ", ".join(f"{label} {speed:.1f}" for label, speed in summary["host_plain_tokens_per_s"].items())
+    lines.append(f"speedup over the baseline: {summary['speedup']:.2f}x end to end, {summary['decode_speedup']:.2f}x "
+                 "decode only")
     lines.append(f"plain decoding on this host (tok/s): {plain}; speedup over the fastest "
-                 f"({summary['fastest_plain']}): {summary['speedup_vs_fastest_plain']:.2f}x")
+                 f"({summary['fastest_plain']}): {summary['speedup_vs_fastest_plain']:.2f}x end to end, "
+                 f"{summary['decode_speedup_vs_fastest_plain']:.2f}x decode only")
     return "\n".join(lines)
 
 

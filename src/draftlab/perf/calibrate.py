@@ -149,8 +149,8 @@ def calibrate(
     drafts, overhead = [], 0.0
     for spec in tqdm(drafters, desc="calibrate", unit="draft", disable=not progress):
         built = build_drafter(spec, target, settings.backend)
-        decoder = SpeculativeDecoder(target, built.drafter, FixedK(settings.k_max), built.model, settings.backend,
-                                     ar.target_backend)
+        decoder = SpeculativeDecoder(target, built.drafter, FixedK(settings.k_max), ar.target_backend, built.model,
+                                     settings.backend)
         warm_up({spec: decoder}, encoded[0], RunSettings(WARMUP_TOKENS))  # untimed: first calls pay one-off costs
         profile, overhead_s = _profile_draft(spec, decoder, encoded, settings)
         if not drafts:  # the engine's bookkeeping, from the first draft's runs

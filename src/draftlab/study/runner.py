@@ -63,7 +63,7 @@ class CellRunner:
         if drafter not in self.by_drafter:
             built = build_drafter(drafter, self.target, self.backend)
             self.by_drafter[drafter] = SpeculativeDecoder(
-                self.target, built.drafter, FixedK(1), built.model, self.backend, self.baseline.target_backend
+                self.target, built.drafter, FixedK(1), self.baseline.target_backend, built.model, self.backend
             )
         return self.by_drafter[drafter].with_policy(FixedK(k))
 
