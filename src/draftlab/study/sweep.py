@@ -24,7 +24,7 @@ from draftlab.datasets import Prompt, load_prompts
 from draftlab.errors import DraftlabError
 from draftlab.measure import EncodedPrompt, Rechecks, RunRecord, measure_prompt
 from draftlab.models import load_model
-from draftlab.study.cells import PEER_METHODS, Cell, Record
+from draftlab.study.cells import PEER_METHODS, PEER_PLAIN, Cell, Record
 from draftlab.study.config import (  # noqa: F401  (re-exported: the sweep's grid and presets)
     METHODS, PRESETS, SweepConfig, environment, load_config, make_config, target_backend,
 )
@@ -220,7 +220,8 @@ def plan(config: SweepConfig) -> list[Group]:
 
 def _identical(store: ResultsStore, cell: Cell, prompt_id: str, output_sha: str) -> bool | None:
     """Equality with the output of plain decoding on the cell's own engine: only defined for greedy decoding."""
-    if cell.temperature > 0 or cell.method in ("plain", "llama"):  # another mode's or library's plain decoding
+    if cell.temperature > 0 or cell.method in ("plain", *PEER_PLAIN.values()):  # another mode's or library's plain
+        # decoding: it rounds as its own engine does
         return None
     if cell.method == "ar":
         return True

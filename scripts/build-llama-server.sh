@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Build llama-server, llama.cpp's OpenAI-compatible server, from the llama.cpp that llama-cpp-python 0.3.36
+# vendors (its source package from the package index: the same llama.cpp as draftlab's llamacpp backend), once,
+# into $DRAFTLAB_CACHE/llama-server/0.3.36/ (default ~/.cache/draftlab). ~10 minutes on 2 cores; no network
+# beyond the package index (the web UI, which the default build downloads, is left out).
+#   scripts/build-llama-server.sh            build unless built; print the binary's path
+#   PYTHON=.venv/bin/python scripts/build-llama-server.sh
+set -euo pipefail
+VERSION=0.3.36
+PYTHON=${PYTHON:-python3}
+cache=${DRAFTLAB_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/draftlab}
+out="$cache/llama-server/$VERSION"
+if [ -x "$out/llama-server" ]; then
+  echo "$out/llama-server"
+  exit 0
+fi
+for tool in cmake c++ make tar; do
+  if ! command -v "$tool" >/dev/null 2>&1; then
+    echo "build-llama-server: '$tool' not found; install it (Debian/Ubuntu: apt-get install cmake g++ make) and run again" >&2
+    exit 2
+  fi
+done
+mkdir -p "$out"
+work=$(mktemp -d "$out/.build.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+log="$out/build.log"
+echo "build-llama-server: building llama-server from llama-cpp-python $VERSION's llama.cpp (~10 minutes on 2 cores; log: $log)" >&2
+if ! "$PYTHON" -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$work" >"$log" 2>&1; then
+  echo "build-llama-server: could not download llama-cpp-python $VERSION's source package; see $log" >&2
+  exit 1
+fi
+tar -xzf "$work/llama_cpp_python-$VERSION.tar.gz" -C "$work"
+src="$work/llama_cpp_python-$VERSION/vendor/llama.cpp"
+if ! { cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF \
+         -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
+         -DBUILD_SHARED_LIBS=OFF \
+       && cmake --build "$work/build" --target llama-server -j"$(nproc)"; } >>"$log" 2>&1; then
+  echo "build-llama-server: the build failed; the last lines of $log:" >&2
+  tail -5 "$log" >&2
+  exit 1
+fi
+cp "$work/build/bin/llama-server" "$out/llama-server.partial"
+mv "$out/llama-server.partial" "$out/llama-server"
+echo "$out/llama-server"

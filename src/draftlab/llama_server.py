@@ -1,0 +1,229 @@
+"""llama-server, llama.cpp's OpenAI-compatible server, as an engine draftlab starts, drives and stops.
+
+What CPU users deploy, with its own speculative decoding (`--spec-type`). `scripts/build-llama-server.sh` builds it
+from the llama.cpp that llama-cpp-python vendors (the same source as draftlab's llamacpp backend) into draftlab's
+cache; `$DRAFTLAB_LLAMA_SERVER` names another binary. A `LlamaServer` runs one configuration (`ServerConfig`: the
+model, a draft, the speculative flags, threads, slots) on a free port of 127.0.0.1 only, waits until it answers
+`/health`, and is stopped on every exit path: `stop()`, leaving a `with` block (an exception, Ctrl-C), and the
+death of the Python process that started it (the kernel signals the server: `PR_SET_PDEATHSIG`), so no server is
+left behind. Its output goes to a log file every error names.
+
+Requests send token ids to `/completion` with `cache_prompt: false` (no run reuses another's prefill) and
+`return_tokens: true`; the response gives the output ids and the server's own counters (`timings`: prompt and
+decode milliseconds, drafted and accepted tokens). `LlamaServerRun` is a contender of the measurement loop
+(`draftlab.measure`). Per-request speculative settings are compiled out of this llama.cpp version, so each
+speculative configuration is its own server start.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from draftlab import assets
+from draftlab.engine import GenerationResult, check_room
+from draftlab.errors import DraftlabError
+from draftlab.metrics import GenerationStats
+
+SERVER_VERSION = "0.3.36"  # the llama-cpp-python release whose vendored llama.cpp it is built from
+BUILD_HINT = "build it with scripts/build-llama-server.sh (~10 minutes on 2 cores), or set DRAFTLAB_LLAMA_SERVER"
+START_TIMEOUT_S = 180.0  # loading a 1.5B model on 2 cores takes seconds; a stuck start is an error
+REQUEST_TIMEOUT_S = 600.0
+SPEC_TYPES = ("draft-simple", "draft-eagle3", "draft-mtp", "draft-dflash", "draft-dspark", "ngram-simple",
+              "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
+
+
+def server_binary() -> Path:
+    """The llama-server binary: `$DRAFTLAB_LLAMA_SERVER`, else the one the build script put in draftlab's cache."""
+    explicit = os.environ.get("DRAFTLAB_LLAMA_SERVER")
+    path = Path(explicit).expanduser() if explicit else assets.cache_dir() / "llama-server" / SERVER_VERSION / \
+        "llama-server"
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        raise DraftlabError(f"llama-server not found at {path}; {BUILD_HINT}")
+    return path
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """One llama-server configuration: what a start of the server is given."""
+
+    model: Path  # a GGUF file
+    spec_type: str = ""  # '' for plain decoding; one of SPEC_TYPES, or a comma list of them
+    draft: Path | None = None  # a draft GGUF (`-md`), for the draft-* types
+    draft_n_max: int | None = None  # --spec-draft-n-max: the most tokens drafted a step (K)
+    draft_n_min: int | None = None
+    draft_p_min: float | None = None  # --spec-draft-p-min, for draft models
+    threads: int = 0  # 0: the cores this process may run on
+    slots: int = 1  # -np: requests served at once
+    context: int = 4096  # -c: the context of all slots together
+
+    def __post_init__(self) -> None:
+        unknown = [t for t in self.spec_type.split(",") if t and t not in SPEC_TYPES]
+        if unknown:
+            raise DraftlabError(f"unknown llama-server --spec-type {unknown[0]!r}; use one of {', '.join(SPEC_TYPES)}")
+        if self.spec_type.startswith("draft-") and self.draft is None:
+            raise DraftlabError(f"--spec-type {self.spec_type} drafts with a draft model: give its GGUF")
+        if self.slots < 1 or self.context < 1 or self.threads < 0:
+            raise DraftlabError("llama-server needs slots >= 1, a context >= 1 and threads >= 0")
+
+    def flags(self) -> list[str]:
+        """The server's arguments for this configuration (the host and port come from `LlamaServer`)."""
+        threads = str(self.threads or len(os.sched_getaffinity(0)))
+        args = ["-m", str(self.model), "-t", threads, "-tb", threads, "-np", str(self.slots), "-c", str(self.context),
+                "-fa", "off", "--no-webui"]
+        if self.draft is not None:
+            args += ["-md", str(self.draft)]
+        if self.spec_type:
+            args += ["--spec-type", self.spec_type]
+        for flag, value in (("--spec-draft-n-max", self.draft_n_max), ("--spec-draft-n-min", self.draft_n_min),
+                            ("--spec-draft-p-min", self.draft_p_min)):
+            if value is not None:
+                args += [flag, str(value)]
+        return args
+
+    def command(self) -> str:
+        """The command line a user deploys this configuration with."""
+        return " ".join(["llama-server", *self.flags(), "--host", "127.0.0.1", "--port", "8080"])
+
+
+def _die_with_parent() -> None:
+    """In the server's process before exec: the kernel sends it SIGTERM when the process that started it dies."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def free_port() -> int:
+    """A port of 127.0.0.1 that nothing listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@dataclass
+class LlamaServer:
+    """One running llama-server (a context manager: started on entry, stopped on exit)."""
+
+    config: ServerConfig
+    log_dir: Path
+    port: int = 0
+    process: subprocess.Popen | None = field(default=None, repr=False)
+
+    @property
+    def log(self) -> Path:
+        return self.log_dir / f"llama-server-{self.port}.log"
+
+    def __enter__(self) -> "LlamaServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Start the server on a free loopback port and wait until it answers; a one-line error naming the cause
+        and the log when it exits or does not answer in time."""
+        binary = server_binary()
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        with open(self.log, "wb") as log:
+            self.process = subprocess.Popen([str(binary), *self.config.flags(), "--host", "127.0.0.1",
+                                             "--port", str(self.port)], stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise DraftlabError(f"llama-server exited at start (code {self.process.returncode}): "
+                                    f"{self._last_log_line()}; log: {self.log}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.2)
+        raise DraftlabError(f"llama-server did not answer on 127.0.0.1:{self.port} within {START_TIMEOUT_S:.0f} s; "
+                            f"log: {self.log}")
+
+    def _last_log_line(self) -> str:
+        try:
+            lines = [line for line in self.log.read_text(errors="replace").splitlines() if line.strip()]
+        except OSError:
+            return "no log"
+        errors = [line for line in lines if "error" in line.lower() or "failed" in line.lower()]
+        return (errors or lines or ["no output"])[-1].strip()[:300]
+
+    def stop(self) -> None:
+        """Stop the server (SIGTERM, then SIGKILL after 10 s) and reap it."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def completion(self, prompt_ids: list[int], settings) -> dict:
+        """One `/completion` request: the prompt as token ids, the loop's settings; the server's JSON answer."""
+        body = {"prompt": list(prompt_ids), "n_predict": settings.max_new_tokens, "temperature": settings.temperature,
+                "top_k": settings.top_k, "top_p": settings.top_p, "min_p": 0.0, "repeat_penalty": 1.0,
+                "seed": settings.seed, "cache_prompt": False, "return_tokens": True, "stream": False}
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            raise DraftlabError(f"llama-server refused the request ({exc.code}): "
+                                f"{exc.read().decode(errors='replace')[:200]}") from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+            state = "exited" if self.process is not None and self.process.poll() is not None else "did not answer"
+            raise DraftlabError(f"llama-server {state} during a request ({exc}); log: {self.log}") from None
+
+    def contender(self, context_length: int) -> "LlamaServerRun":
+        """This server as a contender of the measurement loop."""
+        return LlamaServerRun(self, context_length)
+
+
+@dataclass(frozen=True)
+class LlamaServerRun:
+    """A running llama-server as a contender of the measurement loop (`draftlab.measure.Contender`): the prefill
+    is the server's own prompt time; drafted and accepted tokens are its counters."""
+
+    server: LlamaServer
+    context_length: int
+    times_prefill = True
+
+    def run(self, prompt_ids: list[int], settings) -> GenerationResult:
+        """One request; a prompt that does not fit a slot's context is refused as draftlab's engine refuses it."""
+        check_room(len(prompt_ids), settings.max_new_tokens, self.context_length)
+        answer = self.server.completion(prompt_ids, settings)
+        tokens = [int(t) for t in answer.get("tokens", [])]
+        timings = answer.get("timings", {})
+        drafted, accepted = int(timings.get("draft_n", 0)), int(timings.get("draft_n_accepted", 0))
+        stats = GenerationStats(prompt_tokens=len(prompt_ids), new_tokens=len(tokens), drafted=drafted,
+                                accepted=accepted, steps=max(len(tokens) - accepted, 0),
+                                prefill_s=float(timings.get("prompt_ms", 0.0)) / 1000,
+                                stop_reason=str(answer.get("stop_type", "")))
+        return GenerationResult(tokens, "", stats)
+
+    def forgetful(self) -> "LlamaServerRun":
+        """Itself: no request reuses another's cache (`cache_prompt: false`); ngram-mod's shared pool does learn
+        across requests, as it does where the server is deployed."""
+        return self
