@@ -65,6 +65,7 @@ class ServerConfig:
     threads: int = 0  # 0: the cores this process may run on
     slots: int = 1  # -np: requests served at once
     context: int = 4096  # -c: the context of all slots together
+    extra: tuple[str, ...] = ()  # other flags, passed on as they are (after draftlab's, so they win)
 
     def __post_init__(self) -> None:
         unknown = [t for t in self.spec_type.split(",") if t and t not in SPEC_TYPES]
@@ -88,17 +89,26 @@ class ServerConfig:
                             ("--spec-draft-p-min", self.draft_p_min)):
             if value is not None:
                 args += [flag, str(value)]
-        return args
+        return args + list(self.extra)
 
     def command(self) -> str:
         """The command line a user deploys this configuration with."""
         return " ".join(["llama-server", *self.flags(), "--host", "127.0.0.1", "--port", "8080"])
 
 
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child only calls it
+PR_SET_PDEATHSIG = 1
+
+
 def _die_with_parent() -> None:
-    """In the server's process before exec: the kernel sends it SIGTERM when the process that started it dies."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    """In the server's process before exec: the kernel sends it SIGTERM when the thread that started it ends (the
+    main thread: when the process dies, however it dies)."""
+    _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+
+
+def _message(line: str) -> str:
+    """A log line without llama.cpp's time stamp and level."""
+    return line.split(" E ", 1)[-1].strip()[:200]
 
 
 def free_port() -> int:
@@ -113,8 +123,8 @@ class LlamaServer:
     """One running llama-server (a context manager: started on entry, stopped on exit)."""
 
     config: ServerConfig
-    log_dir: Path
-    port: int = 0
+    log_dir: Path  # where its log goes (llama-server-PORT.log)
+    port: int = 0  # 0: a free port of 127.0.0.1, chosen at start
     process: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
@@ -133,7 +143,7 @@ class LlamaServer:
         and the log when it exits or does not answer in time."""
         binary = server_binary()
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
+        self.port = self.port or free_port()
         with open(self.log, "wb") as log:
             self.process = subprocess.Popen([str(binary), *self.config.flags(), "--host", "127.0.0.1",
                                              "--port", str(self.port)], stdout=log, stderr=subprocess.STDOUT,
@@ -148,8 +158,7 @@ class LlamaServer:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise DraftlabError(f"llama-server exited at start (code {self.process.returncode}): "
-                                    f"{self._last_log_line()}; log: {self.log}")
+                raise DraftlabError(self._start_failure())
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as response:
                     if response.status == 200:
@@ -160,13 +169,26 @@ class LlamaServer:
         raise DraftlabError(f"llama-server did not answer on 127.0.0.1:{self.port} within {START_TIMEOUT_S:.0f} s; "
                             f"log: {self.log}")
 
-    def _last_log_line(self) -> str:
+    def _start_failure(self) -> str:
+        """Why the server exited at start, in one line, with the fix where its log says the cause."""
+        errors = self._log_errors()
+        if any("bind" in line.lower() for line in errors):
+            return (f"llama-server could not listen on 127.0.0.1:{self.port}: the port is taken; stop what listens "
+                    f"there, or leave the port to draftlab (it picks a free one); log: {self.log}")
+        refused = [line for line in errors if "failed to load model" in line or "error loading model" in line]
+        if refused:
+            return (f"llama-server refused the model {self.config.model} ({_message(refused[0])}); give a GGUF file "
+                    f"this llama.cpp reads; log: {self.log}")
+        cause = _message(errors[0]) if errors else "no error in its log"
+        return f"llama-server exited at start (code {self.process.returncode}): {cause}; log: {self.log}"
+
+    def _log_errors(self) -> list[str]:
+        """The error lines of the server's log (llama.cpp marks them ' E ')."""
         try:
-            lines = [line for line in self.log.read_text(errors="replace").splitlines() if line.strip()]
+            lines = self.log.read_text(errors="replace").splitlines()
         except OSError:
-            return "no log"
-        errors = [line for line in lines if "error" in line.lower() or "failed" in line.lower()]
-        return (errors or lines or ["no output"])[-1].strip()[:300]
+            return []
+        return [line for line in lines if " E " in line]
 
     def stop(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL after 10 s) and reap it."""

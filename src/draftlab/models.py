@@ -233,6 +233,15 @@ def load_gguf_model(spec: ModelSpec, repack: bool = False) -> LoadedModel:
     return LoadedModel(Path(spec.source).name, model, tokenizer, torch.device("cpu"), torch.float32, spec.source)
 
 
+def gguf_tokenizer(source: str):
+    """The tokenizer a GGUF file (short name or path) carries, without loading its weights."""
+    with quiet_transformers():
+        meta = describe_gguf(gguf_path(source), assets.cache_dir())
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(meta)
+
+
 def is_gguf(source: str) -> bool:
     """True when `source` names a GGUF file: a short name, or a path ending in .gguf."""
     return source in assets.MODEL_ASSETS or Path(source).suffix == ".gguf"

@@ -1,4 +1,4 @@
-"""The `draftlab` command line: generate, bench, sweep, study, report, export.
+"""The `draftlab` command line: generate, bench, sweep, study, report, export, tune, design, audit, serve-check.
 
 Errors in the input print one line that says what to do and exit with 2.
 """
@@ -13,6 +13,7 @@ from draftlab.cli.audit import add_audit_command
 from draftlab.cli.checks import check_args
 from draftlab.cli.design import add_design_commands
 from draftlab.cli.options import add_adapt_args, add_drafter_args, add_sampling_args, add_target_args
+from draftlab.cli.serve import add_serve_commands
 from draftlab.cli.study import add_study_commands
 from draftlab.cli.tune import add_tune_commands
 from draftlab.engine import GenerationConfig
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_tune_commands(sub)
     add_design_commands(sub)
     add_audit_command(sub)
+    add_serve_commands(sub)
     return parser
 
 

@@ -1,0 +1,164 @@
+"""llama-server started, driven and stopped by draftlab: real servers on the shipped SmolLM2 GGUF.
+
+The server is built by scripts/build-llama-server.sh (CI runs it, and sets DRAFTLAB_REQUIRE_LLAMA_SERVER so that a
+missing binary fails here instead of skipping)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from draftlab.errors import DraftlabError
+from draftlab.llama_server import LlamaServer, ServerConfig, server_binary
+from draftlab.measure import DECODE, END_TO_END, EncodedPrompt, RunSettings, measure, run_once
+from draftlab.models import gguf_path
+
+pytestmark = pytest.mark.integration
+CONTEXT = 1024
+PROMPTS = [EncodedPrompt("a", "code", [1, 504, 3224, 282, 253, 8446, 1217, 30, 2]),
+           EncodedPrompt("b", "code", [1, 12060, 253, 1217, 338, 5564, 35, 51, 35, 51, 35, 51, 35])]
+
+
+@pytest.fixture(scope="module")
+def binary():
+    try:
+        return server_binary()
+    except DraftlabError as exc:
+        if os.environ.get("DRAFTLAB_REQUIRE_LLAMA_SERVER"):
+            raise
+        pytest.skip(str(exc))
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as stat:  # a zombie is dead too
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_plain_decoding_repeats_exactly_and_the_server_stops(binary, tmp_path):
+    with LlamaServer(ServerConfig(gguf_path("smollm2-135m"), context=CONTEXT), tmp_path) as server:
+        measured = measure({"first": server.contender(CONTEXT), "second": server.contender(CONTEXT)}, PROMPTS,
+                           RunSettings(32), warmup=1)
+        pid = server.process.pid
+        assert server.log.exists() and alive(pid)
+    first, second = measured.records["first"], measured.records["second"]
+    assert [r.token_ids for r in first] == [r.token_ids for r in second]
+    assert all(r.new_tokens == 32 and 0 < r.stats.prefill_s < r.seconds(END_TO_END) for r in first)
+    assert all(0 < r.seconds(DECODE) < r.seconds(END_TO_END) for r in first)
+    assert not alive(pid)  # stopped on leaving the block
+
+
+def test_a_speculative_type_runs_and_reports_its_counters(binary, tmp_path):
+    config = ServerConfig(gguf_path("smollm2-135m"), spec_type="ngram-simple", draft_n_max=8, context=CONTEXT)
+    assert "--spec-type ngram-simple" in config.command() and "--spec-draft-n-max 8" in config.command()
+    with LlamaServer(config, tmp_path) as server:
+        runs = [run_once("ngram", server.contender(CONTEXT), p, RunSettings(48)) for p in PROMPTS]
+    assert all(r.new_tokens == 48 and r.stats.drafted >= r.stats.accepted >= 0 for r in runs)
+    assert all(r.stats.steps == r.new_tokens - r.stats.accepted for r in runs)
+
+
+def test_a_server_killed_mid_study_ends_the_run_with_one_line(binary, tmp_path):
+    with LlamaServer(ServerConfig(gguf_path("smollm2-135m"), context=CONTEXT), tmp_path) as server:
+        server.process.send_signal(signal.SIGKILL)
+        server.process.wait()
+        with pytest.raises(DraftlabError, match="llama-server exited during a request") as info:
+            run_once("plain", server.contender(CONTEXT), PROMPTS[0], RunSettings(8))
+    assert "\n" not in str(info.value) and str(server.log) in str(info.value)
+
+
+def test_start_failures_are_one_line_naming_the_cause(binary, tmp_path):
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + b"\0" * 64)
+    with pytest.raises(DraftlabError, match="llama-server refused the model") as info:
+        LlamaServer(ServerConfig(broken), tmp_path).start()
+    assert "\n" not in str(info.value) and "log:" in str(info.value)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(DraftlabError, match="the port is taken") as info:
+            LlamaServer(ServerConfig(gguf_path("smollm2-135m"), context=CONTEXT), tmp_path,
+                        port=taken.getsockname()[1]).start()
+    assert "\n" not in str(info.value)
+    with pytest.raises(DraftlabError, match="unknown llama-server --spec-type"):
+        ServerConfig(broken, spec_type="ngram-nope")
+    with pytest.raises(DraftlabError, match="draft model"):
+        ServerConfig(broken, spec_type="draft-simple")
+
+
+def test_a_missing_binary_says_how_to_build_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("DRAFTLAB_LLAMA_SERVER", str(tmp_path / "nowhere"))
+    with pytest.raises(DraftlabError, match="build it with scripts/build-llama-server.sh"):
+        server_binary()
+
+
+SCRIPT = """
+import sys, time
+from pathlib import Path
+from draftlab.llama_server import LlamaServer, ServerConfig
+from draftlab.models import gguf_path
+server = LlamaServer(ServerConfig(gguf_path("smollm2-135m"), context=512), Path(sys.argv[1]))
+server.start()
+print(server.process.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_no_server_outlives_a_killed_study(binary, tmp_path):
+    """The kernel stops the server when the process that started it dies, even by SIGKILL."""
+    parent = subprocess.Popen([sys.executable, "-c", SCRIPT, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    pid = int(parent.stdout.readline())
+    assert alive(pid)
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 15
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(pid)
+
+
+def test_a_command_line_is_read_as_the_configuration_it_runs(tmp_path):
+    from draftlab.serve_check import parse_command, plain_of
+
+    config = parse_command("llama-server -m smollm2-135m --spec-type ngram-mod --spec-draft-n-max 16 -np 2 -c 2048 "
+                           "--host 0.0.0.0 --port 8080 --spec-ngram-mod-n-match 12 -fa on")
+    assert config.model == gguf_path("smollm2-135m") and config.spec_type == "ngram-mod" and config.draft_n_max == 16
+    assert (config.slots, config.context) == (2, 2048)
+    assert config.extra == ("--spec-ngram-mod-n-match", "12", "-fa", "on")  # passed on, after draftlab's own
+    flags = config.flags()
+    assert "--host" not in flags and flags[-2:] == ["-fa", "on"]
+    plain = plain_of(config)
+    assert plain.spec_type == "" and plain.draft_n_max is None and "--spec-ngram-mod-n-match" not in plain.extra
+    for bad, message in (("llama-server --spec-type ngram-mod", "names no model"),
+                         ("llama-server -m smollm2-135m -np two", "needs a number"),
+                         ("llama-server -m smollm2-135m -c", "needs a value"),
+                         ("llama-server -m 'unclosed", "cannot read the command"),
+                         (f"llama-server -m {tmp_path / 'none.gguf'}", "GGUF")):
+        with pytest.raises(DraftlabError, match=message):
+            parse_command(bad)
+
+
+def test_serve_check_measures_a_command_against_its_plain_decoding(binary, capsys):
+    import json
+
+    from draftlab.cli.main import main
+
+    command = "llama-server -m smollm2-135m -c 1024 --spec-type ngram-simple --spec-draft-n-max 8"
+    assert main(["serve-check", command, "--dataset", "code-edit", "--limit", "2", "--max-new-tokens", "32",
+                 "--json"]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["prompts"] == 2 and 0 <= result["identical"] <= 2 and result["speedup"] > 0
+    assert result["decode_speedup"] > 0 and result["drafted"] >= result["accepted"] >= 0
+    assert "serve-check: the command" in out and "--spec-type" not in result["plain_command"]
