@@ -9,14 +9,13 @@ from draftlab.backends import FastLlamaBackend, make_backend
 from draftlab.backends.hf import HFBackend
 from draftlab.drafters import ModelDrafter, NoDrafter, build_layer_draft
 from draftlab.drafters.feature import FeatureDrafter, new_feature_draft
-from draftlab.drafters.tree import AdaptiveStop, TreeDrafter, TreeShape
+from draftlab.drafters.tree import TreeDrafter, TreeShape
 from draftlab.engine import GenerationConfig, SpeculativeEngine
 from draftlab.errors import DraftlabError
-from draftlab.policy import FixedK
+from draftlab.policy import AdaptiveConfidence, FixedK
 from draftlab.registry import build_drafter, parse_drafter_spec
 from draftlab.sampling import SamplingConfig
 from draftlab.step import ROOT, Proposal
-from draftlab.verify import Verdict
 from tests.conftest import noisy_copy, tiny_llama
 from tests.test_engine_sampling import K, SAMPLINGS, VOCAB, adversarial, assert_joint_matches, empirical_joint, exact_joint
 
@@ -150,13 +149,16 @@ def test_adaptive_stop_moves_with_acceptance(tiny_target):
     poor = TreeDrafter(FeatureDrafter(new_feature_draft(tiny_target, torch.arange(0, 64, 2))),
                        TreeShape.parse("1@auto"), 64)
     result = run(tiny_target, poor, 4, PROMPTS[0])
-    assert result.stats.acceptance_rate < 0.5 and poor.min_prob != 0.3  # the engine handed it every verdict
-    poor.begin(PROMPTS[0])
-    assert poor.min_prob == 0.3
-    poor.hear(Proposal([1, 2]), Verdict((), 5))  # nothing accepted: stop sooner
-    assert poor.min_prob == 0.3 * AdaptiveStop.UP
-    poor.hear(Proposal([1, 2]), Verdict((0, 1), 5))  # the deepest path accepted whole: draft further
-    assert poor.min_prob == 0.3 * AdaptiveStop.UP * AdaptiveStop.DOWN
+    assert result.stats.acceptance_rate < 0.5 and poor.min_prob != 0.3  # the engine's policy moved it
+    policy = AdaptiveConfidence(FixedK(4), poor.confidence_stop())
+    policy.begin()
+    assert poor.min_prob == 0.3 and policy.next_k() == 4
+    policy.observe(2, 0)  # nothing accepted: stop sooner
+    assert poor.min_prob == pytest.approx(0.3 * AdaptiveConfidence.UP)
+    policy.observe(2, 2)  # the deepest path accepted whole: draft further
+    assert poor.min_prob == pytest.approx(0.3 * AdaptiveConfidence.UP * AdaptiveConfidence.DOWN)
+    policy.observe(0, 0)  # nothing drafted: no move
+    assert poor.min_prob == pytest.approx(0.3 * AdaptiveConfidence.UP * AdaptiveConfidence.DOWN)
 
 
 def test_tree_specs_in_the_registry(tiny_target):

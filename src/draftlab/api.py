@@ -27,8 +27,6 @@ from draftlab.registry import DraftPlan, adapt_spec, build_drafter, parse_drafte
 from draftlab.sampling import SamplingConfig
 
 
-
-
 def make_policy(k: int, dynamic: bool = False) -> DraftLengthPolicy:
     """Fixed K, or HF-style dynamic K starting at k."""
     return DynamicK(k) if dynamic else FixedK(k)

@@ -29,7 +29,7 @@ from draftlab.backends.base import Backend, Stopwatch
 from draftlab.drafters.base import Drafter, NoDrafter
 from draftlab.errors import DraftlabError
 from draftlab.metrics import GenerationStats
-from draftlab.policy import DraftLengthPolicy, FixedK
+from draftlab.policy import DraftLengthPolicy, FixedK, with_confidence_stop
 from draftlab.sampling import SamplingConfig
 from draftlab.step import Block, Proposal
 from draftlab.verify import Verifier, verify
@@ -97,7 +97,8 @@ class SpeculativeEngine:
         self.target = target
         self.verifier = verifier
         self.drafter = drafter or NoDrafter()
-        self.policy = policy or FixedK(1)
+        # A drafter's adaptive confidence stop is moved by a policy around the K policy, not by the drafter.
+        self.policy = with_confidence_stop(policy or FixedK(1), self.drafter.confidence_stop())
         self.context_length = context_length
         self.decode = decode
         self._prompt_len = 0

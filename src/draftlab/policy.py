@@ -1,7 +1,10 @@
-"""How many tokens to draft at each step.
+"""How much to draft at each step: K, and the rules that stop drafting sooner.
 
 Drafters do not own K. The engine asks the policy before each step and tells it
-what happened afterwards, which is all a dynamic policy needs.
+what happened afterwards, which is all a dynamic policy needs. A tree drafter
+whose confidence stop adapts (`tree:SHAPE@auto:...`) exposes the stop as a knob
+(`Drafter.confidence_stop`); the rule that moves it with acceptance is a policy
+too (`AdaptiveConfidence`), which the engine wraps around the K policy.
 """
 
 from __future__ import annotations
@@ -68,3 +71,45 @@ class DynamicK:
             return
         step = 2 if num_accepted == num_drafted else -1
         self.k = max(self.k_min, min(self.k_max, self.k + step))
+
+
+class ConfidenceStop:
+    """The draft probability below which a tree drafter stops expanding nodes: a knob the drafter reads before each
+    proposal and `AdaptiveConfidence` moves."""
+
+    def __init__(self, start: float) -> None:
+        self.start = start
+        self.value = start
+
+
+class AdaptiveConfidence:
+    """A K policy's decisions, and a confidence stop that moves with acceptance: lower after a step whose deepest
+    drafted path the target accepted whole (draft further), higher after a rejection (stop sooner). A step's stop
+    depends only on earlier steps' outcomes, so verification stays lossless."""
+
+    START, DOWN, UP, LOW, HIGH = 0.3, 0.7, 1.25, 0.01, 0.9
+
+    def __init__(self, inner: DraftLengthPolicy, stop: ConfidenceStop) -> None:
+        self.inner, self.stop = inner, stop
+
+    def begin(self) -> None:
+        """A new generation: the inner policy's start, and the stop's."""
+        self.inner.begin()
+        self.stop.value = self.stop.start
+
+    def next_k(self) -> int:
+        """The inner policy's K."""
+        return self.inner.next_k()
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        """Move the stop by the step's outcome (nothing drafted: no move); tell the inner policy."""
+        self.inner.observe(num_drafted, num_accepted)
+        if num_drafted == 0:
+            return
+        factor = self.DOWN if num_accepted >= num_drafted else self.UP
+        self.stop.value = min(self.HIGH, max(self.LOW, self.stop.value * factor))
+
+
+def with_confidence_stop(policy: DraftLengthPolicy, stop: ConfidenceStop | None) -> DraftLengthPolicy:
+    """The policy, wrapped to move the drafter's adaptive confidence stop when it has one."""
+    return policy if stop is None else AdaptiveConfidence(policy, stop)

@@ -309,6 +309,10 @@ class AdaptingDrafter:
         self.requests.append((self._drafted, self._accepted))
         self._features = []
 
+    def confidence_stop(self):
+        """The inner drafter's adaptive confidence stop, if any."""
+        return self.inner.confidence_stop()
+
     def held(self) -> int:
         """Requests it has learned from."""
         return len(self.requests)

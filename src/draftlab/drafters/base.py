@@ -44,6 +44,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from draftlab.errors import DraftlabError
+from draftlab.policy import ConfidenceStop
 from draftlab.sampling import SamplingConfig
 from draftlab.step import Proposal
 from draftlab.verify import Verdict
@@ -76,6 +77,11 @@ class Drafter(Protocol):
     def finish(self, context: Sequence[int]) -> None:
         """The generation ended with `context` (prompt and every committed token): drafters that learn across
         requests (`suffix.py`) keep its response; the others forget nothing they need."""
+        ...
+
+    def confidence_stop(self) -> ConfidenceStop | None:
+        """The adaptive confidence stop it grows trees by, which the engine's policy moves
+        (`draftlab.policy.AdaptiveConfidence`); None: none."""
         ...
 
     def held(self) -> int | None:
@@ -116,6 +122,10 @@ class PerRequest:
 
     def finish(self, context: Sequence[int]) -> None:
         """Nothing to keep across requests."""
+
+    def confidence_stop(self) -> ConfidenceStop | None:
+        """No adaptive confidence stop."""
+        return None
 
     def held(self) -> int | None:
         """Nothing held across requests."""

@@ -20,9 +20,11 @@ A static shape may end in `-N` too (`3x2x1-10`): the node budget, filled in
 order of cumulative draft probability. Any shape may end in `@P`: the
 confidence stop; a node whose cumulative draft probability is below P is
 drafted but not expanded (`1@0.3` is a chain that stops once the drafted
-sequence's likelihood falls below 0.3, up to K tokens). `@auto` moves the
-threshold with what the target accepts (`AdaptiveStop`): down after a step
-whose deepest drafted path was accepted whole, up after a rejection.
+sequence's likelihood falls below 0.3, up to K tokens). `@auto` lets the
+threshold move with what the target accepts: the tree exposes it as a knob
+(`confidence_stop`) and the engine's policy (`draftlab.policy.AdaptiveConfidence`)
+moves it, down after a step whose deepest drafted path was accepted whole, up
+after a rejection.
 
 Lossless in both modes. Greedy verification follows the target's argmax
 through any tree, so children are the draft's top tokens. Under sampling a
@@ -58,8 +60,8 @@ from draftlab.backends.numerics import scatter_vocab
 from draftlab.drafters.base import PerRequest
 from draftlab.errors import DraftlabError
 from draftlab.sampling import SamplingConfig, logits_to_probs
+from draftlab.policy import AdaptiveConfidence, ConfidenceStop
 from draftlab.step import MAX_DRAFT_TOKENS, ROOT, Proposal
-from draftlab.verify import Verdict
 
 SHAPE_HELP = ("BxBx... (static branching per depth, optional -N node budget) or dyn-T-N (dynamic, EAGLE-2), "
               "either optionally with @P (confidence stop)")
@@ -93,7 +95,7 @@ class TreeShape:
         try:
             text, _, stop = text.partition("@")
             adaptive = stop == "auto"
-            min_prob = AdaptiveStop.START if adaptive else float(stop) if stop else 0.0
+            min_prob = AdaptiveConfidence.START if adaptive else float(stop) if stop else 0.0
             if text.startswith("dyn-"):
                 expand, nodes = (int(x) for x in text.removeprefix("dyn-").split("-"))
                 return cls((expand,), expand, nodes, min_prob, adaptive)
@@ -147,29 +149,6 @@ class _Node:
     guided: bool = False  # a guide's token: a one-hot draft in the target's vocabulary (sampling)
 
 
-class AdaptiveStop:
-    """A confidence stop that moves with acceptance: lower after a step whose deepest drafted path the
-    target accepted whole (draft further), higher after a rejection (stop sooner). The threshold of a
-    step depends only on earlier steps' outcomes, so verification stays lossless."""
-
-    START, DOWN, UP, LOW, HIGH = 0.3, 0.7, 1.25, 0.01, 0.9
-
-    def __init__(self, start: float) -> None:
-        self.start = start
-        self.begin()
-
-    def begin(self) -> None:
-        """A new sequence: the starting threshold."""
-        self.threshold = self.start
-
-    def heard(self, proposal: Proposal, num_accepted: int) -> None:
-        """Move the threshold by the verifier's verdict on the last proposal (nothing drafted: no move)."""
-        if not len(proposal):
-            return
-        factor = self.DOWN if num_accepted >= len(proposal.levels) else self.UP
-        self.threshold = min(self.HIGH, max(self.LOW, self.threshold * factor))
-
-
 class ChainGuide(Protocol):
     """A drafter that looks its chain up (n-gram prompt lookup): no probabilities, no hidden states."""
 
@@ -190,7 +169,7 @@ class TreeDrafter(PerRequest):
         if guide is not None:
             self.name = f"merged:{guide.name}/{self.name}"
         self.reads_target_hidden = source.reads_target_hidden
-        self.stop = AdaptiveStop(shape.min_prob) if shape.adaptive else None
+        self.stop = ConfidenceStop(shape.min_prob) if shape.adaptive else None  # moved by `AdaptiveConfidence`
         self._draft_rows = _draft_rows(source.vocab_map)
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
@@ -198,13 +177,11 @@ class TreeDrafter(PerRequest):
         self.source.begin(prompt_ids)
         if self.guide is not None:
             self.guide.begin(prompt_ids)
-        if self.stop is not None:
-            self.stop.begin()
 
     @property
     def min_prob(self) -> float:
         """The confidence stop in force for the next proposal."""
-        return self.stop.threshold if self.stop is not None else self.shape.min_prob
+        return self.stop.value if self.stop is not None else self.shape.min_prob
 
     def observe(self, target_hidden: torch.Tensor) -> None:
         """Pass the target's hidden states on to the source."""
@@ -215,10 +192,9 @@ class TreeDrafter(PerRequest):
         """A tree of depth <= k grown from the source's logits."""
         return self._grow(context, k, sampling, generator)
 
-    def hear(self, proposal: Proposal, verdict: Verdict) -> None:
-        """The verdict moves the adaptive confidence stop, if any."""
-        if self.stop is not None:
-            self.stop.heard(proposal, verdict.num_accepted)
+    def confidence_stop(self) -> ConfidenceStop | None:
+        """The adaptive confidence stop (`@auto`) the engine's policy moves; None for a fixed one."""
+        return self.stop
 
     def _grow(self, context, k, sampling, generator) -> Proposal:
         if self.source.max_depth is not None:
