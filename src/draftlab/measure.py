@@ -14,6 +14,9 @@ once, here, in two named kinds:
 - `END_TO_END`: new tokens per second of the whole call, prefill included (what a user waits for);
 - `DECODE`: new tokens per second after the prefill (what speculation changes; the tuner races on it).
 
+Under load (`measure_load`: a server answering N requests at once) the figure is the aggregate: all requests' new
+tokens over the wall time from the first request sent to the last answer, beside each request's own latency.
+
 `speedup(runs, paces)`: the seconds the baseline needs for the runs' tokens (each prompt at the baseline's pace
 on that prompt) over the runs' seconds. With equal outputs this is tokens/s over tokens/s; it stays defined when
 outputs differ in length (sampling, a stop).
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Callable, Hashable, Mapping, Protocol, Sequence
 
@@ -236,4 +240,39 @@ def measure(contenders: Mapping[Hashable, Contender], prompts: Sequence[EncodedP
         for record in measure_prompt({k: contenders[k] for k in order}, prompt, settings, rechecks=rechecks,
                                      on_check=out.checks.append):
             out.records[record.key].append(record)
+    return out
+
+
+@dataclass
+class LoadRun:
+    """One contender answering every prompt with `concurrency` requests in flight."""
+
+    key: Hashable
+    concurrency: int
+    records: list[RunRecord]  # in prompt order; each record's wall time is its own request's latency
+    wall_s: float  # first request sent to last answer
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Aggregate new tokens per second."""
+        return sum(r.new_tokens for r in self.records) / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def latency_s(self) -> float:
+        """Mean seconds of one request, from sending it to its answer."""
+        return statistics.mean(r.stats.wall_s for r in self.records) if self.records else 0.0
+
+
+def measure_load(contenders: Mapping[Hashable, Contender], prompts: Sequence[EncodedPrompt], settings: RunSettings,
+                 concurrency: int) -> dict[Hashable, LoadRun]:
+    """Each contender answers every prompt with `concurrency` requests in flight (one thread a request), one contender
+    after the other, after a warm-up request. Only for contenders that serve requests at once (a server with that
+    many slots): draftlab's own decoder runs one generation at a time."""
+    out = {}
+    for key, contender in contenders.items():
+        warm_up({key: contender}, prompts[0], settings)
+        start = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            records = list(pool.map(lambda prompt: run_once(key, contender, prompt, settings), prompts))
+        out[key] = LoadRun(key, concurrency, records, time.perf_counter() - start)
     return out

@@ -1,10 +1,15 @@
-"""`draftlab serve-check 'llama-server ...'`: re-measure a llama-server command on the user's prompts.
+"""`draftlab serve-check 'llama-server ...'`: re-measure a llama-server command on the user's prompts, alone and under
+load.
 
 The command's server and the same server without its speculative flags (its own plain decoding) run side by side
 on 127.0.0.1, and the measurement loop (`draftlab.measure`) sends every prompt to both, interleaved, after a
 warm-up. The result: both speedups of the command over plain decoding, its drafted and accepted tokens, and how many
 outputs equal plain decoding's. llama-server's default kernels round a block's rows apart from single rows, so its
 speculation is lossless only up to rounding: differing outputs are counted and said, never assumed away.
+
+Under load (`--concurrency 1,2,4`) both servers get that many slots and that many requests in flight
+(`draftlab.measure.measure_load`): aggregate tokens/s and each request's latency per level, and up to which
+concurrency the command pays, also in the shape vLLM's `num_speculative_tokens_per_batch_size` takes.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from pathlib import Path
 
 from draftlab.errors import DraftlabError
 from draftlab.llama_server import LlamaServer, ServerConfig
-from draftlab.measure import DECODE, END_TO_END, EncodedPrompt, RunSettings, measure
+from draftlab.measure import DECODE, END_TO_END, EncodedPrompt, RunSettings, measure, measure_load
 from draftlab.models import gguf_path
 
 PLAIN, COMMAND = "plain", "command"
@@ -113,6 +118,61 @@ def serve_check(config: ServerConfig, prompts: list[EncodedPrompt], settings: Ru
                       sum(r.stats.drafted for r in runs), sum(r.stats.accepted for r in runs))
 
 
-def as_dict(check: ServeCheck) -> dict:
+@dataclass(frozen=True)
+class LoadLevel:
+    """The command and its plain decoding at one concurrency."""
+
+    concurrency: int
+    plain_tokens_per_s: float  # aggregate
+    command_tokens_per_s: float
+    plain_latency_s: float  # mean per request
+    command_latency_s: float
+    identical: int  # outputs equal to the plain server's at this concurrency
+    prompts: int
+
+    @property
+    def speedup(self) -> float:
+        """Aggregate tokens/s of the command over plain decoding's."""
+        return self.command_tokens_per_s / self.plain_tokens_per_s if self.plain_tokens_per_s else 0.0
+
+
+def serve_check_load(config: ServerConfig, prompts: list[EncodedPrompt], settings: RunSettings, levels: list[int],
+                     log_dir: Path) -> list[LoadLevel]:
+    """At each concurrency: both servers with that many slots (the same context per slot), every prompt sent with
+    that many requests in flight, plain decoding first."""
+    per_slot = config.context // config.slots
+    out = []
+    for concurrency in levels:
+        sized = replace(config, slots=concurrency, context=per_slot * concurrency)
+        with LlamaServer(plain_of(sized), log_dir) as plain_server, LlamaServer(sized, log_dir) as server:
+            runs = measure_load({PLAIN: plain_server.contender(per_slot), COMMAND: server.contender(per_slot)},
+                                prompts, settings, concurrency)
+        plain, command = runs[PLAIN], runs[COMMAND]
+        out.append(LoadLevel(concurrency, plain.tokens_per_s, command.tokens_per_s, plain.latency_s,
+                             command.latency_s, sum(a.token_ids == b.token_ids
+                                                    for a, b in zip(command.records, plain.records)), len(prompts)))
+    return out
+
+
+def pays_up_to(levels: list[LoadLevel]) -> int:
+    """The highest measured concurrency up to which the command is faster than plain decoding at every level (0:
+    not even alone)."""
+    best = 0
+    for level in sorted(levels, key=lambda x: x.concurrency):
+        if level.speedup <= 1.0:
+            break
+        best = level.concurrency
+    return best
+
+
+def per_batch_size(levels: list[LoadLevel], k: int) -> list[list[int]]:
+    """vLLM's `num_speculative_tokens_per_batch_size` for these levels: K up to the concurrency where the command
+    pays, 0 beyond (up to the highest level measured)."""
+    top, pays = max(level.concurrency for level in levels), pays_up_to(levels)
+    table = [[1, pays, k]] if pays else []
+    return table + ([[pays + 1, top, 0]] if pays < top else [])
+
+
+def as_dict(check: ServeCheck, levels: list[LoadLevel] = ()) -> dict:
     """For JSON."""
-    return asdict(check)
+    return {**asdict(check), "load": [{**asdict(level), "speedup": level.speedup} for level in levels]}

@@ -156,9 +156,25 @@ def test_serve_check_measures_a_command_against_its_plain_decoding(binary, capsy
 
     command = "llama-server -m smollm2-135m -c 1024 --spec-type ngram-simple --spec-draft-n-max 8"
     assert main(["serve-check", command, "--dataset", "code-edit", "--limit", "2", "--max-new-tokens", "32",
-                 "--json"]) == 0
+                 "--concurrency", "1,2", "--json"]) == 0
     out = capsys.readouterr().out
     result = json.loads(out.strip().splitlines()[-1])
     assert result["prompts"] == 2 and 0 <= result["identical"] <= 2 and result["speedup"] > 0
     assert result["decode_speedup"] > 0 and result["drafted"] >= result["accepted"] >= 0
     assert "serve-check: the command" in out and "--spec-type" not in result["plain_command"]
+    assert [level["concurrency"] for level in result["load"]] == [1, 2]
+    assert all(level["plain_tokens_per_s"] > 0 and level["command_latency_s"] > 0 for level in result["load"])
+    assert "num_speculative_tokens_per_batch_size" in out
+
+
+def test_where_speculation_stops_paying_under_load():
+    from draftlab.serve_check import LoadLevel, pays_up_to, per_batch_size
+
+    def level(concurrency, speedup):
+        return LoadLevel(concurrency, 100.0, 100.0 * speedup, 1.0, 1.0, 4, 4)
+
+    paying = [level(1, 1.5), level(2, 1.2), level(4, 0.9), level(8, 1.1)]
+    assert pays_up_to(paying) == 2  # the first level where it does not pay ends it
+    assert per_batch_size(paying, 3) == [[1, 2, 3], [3, 8, 0]]
+    assert pays_up_to([level(1, 0.8)]) == 0 and per_batch_size([level(1, 0.8), level(2, 0.7)], 3) == [[1, 2, 0]]
+    assert per_batch_size([level(1, 1.3), level(4, 1.1)], 5) == [[1, 4, 5]]

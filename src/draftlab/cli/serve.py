@@ -23,6 +23,8 @@ def add_serve_commands(sub) -> None:
     check.add_argument("--limit", type=int, default=6)
     check.add_argument("--skip", type=int, default=0)
     check.add_argument("--max-new-tokens", type=int, default=GenerationConfig.max_new_tokens)
+    check.add_argument("--concurrency", default=None, metavar="N,N,...",
+                       help="also measure under load: that many slots and requests in flight, e.g. 1,2,4")
     check.add_argument("--log-dir", default=None, help="where the servers' logs go (default: a temporary directory)")
     check.add_argument("--json", action="store_true", help="end stdout with one JSON object")
     check.set_defaults(run=cmd_serve_check)
@@ -34,18 +36,55 @@ def cmd_serve_check(args: argparse.Namespace) -> None:
     from draftlab.datasets import load_prompts
     from draftlab.measure import EncodedPrompt, RunSettings
     from draftlab.models import gguf_tokenizer
-    from draftlab.serve_check import as_dict, parse_command, serve_check
+    from draftlab.serve_check import as_dict, parse_command, serve_check, serve_check_load
 
     config = parse_command(args.server_command)
+    levels = _levels(args.concurrency)
     prompts = load_prompts(args.prompts or args.dataset, args.limit, args.skip)
     tokenizer = gguf_tokenizer(str(config.model))
     encoded = [EncodedPrompt(p.id, p.category, prompt_ids(tokenizer, p)) for p in prompts]
     with tempfile.TemporaryDirectory() as scratch:
         log_dir = Path(args.log_dir) if args.log_dir else Path(scratch)
         check = serve_check(config, encoded, RunSettings(args.max_new_tokens), log_dir)
+        load = serve_check_load(config, encoded, RunSettings(args.max_new_tokens), levels, log_dir) if levels else []
     print(f"command:        {check.command}\nplain decoding: {check.plain_command}")
     print(f"tokens/s end to end: plain {check.tokens_per_s['plain']:.1f}, command {check.tokens_per_s['command']:.1f}"
           f"; drafted {check.drafted}, accepted {check.accepted}")
+    if load:
+        print(_load_table(load, config.draft_n_max))
     print(f"serve-check: {check.verdict()}")
     if args.json:
-        print(json.dumps(as_dict(check)))
+        print(json.dumps(as_dict(check, load)))
+
+
+def _levels(text: str | None) -> list[int]:
+    """--concurrency 1,2,4 -> [1, 2, 4] (a one-line error for anything else)."""
+    from draftlab.errors import DraftlabError
+
+    if text is None:
+        return []
+    try:
+        levels = sorted({int(x) for x in text.split(",")})
+    except ValueError:
+        raise DraftlabError(f"--concurrency takes counts like 1,2,4, not {text!r}") from None
+    if not levels or levels[0] < 1 or levels[-1] > 64:
+        raise DraftlabError(f"--concurrency levels must be 1..64, got {text!r}")
+    return levels
+
+
+def _load_table(load, k: int | None) -> str:
+    """Per concurrency, both servers' aggregate tokens/s and latency, and where speculation stops paying."""
+    from draftlab.serve_check import pays_up_to, per_batch_size
+
+    lines = [f"{'concurrency':>11}{'plain tok/s':>13}{'command tok/s':>15}{'speedup':>9}{'latency plain/command':>24}"
+             f"{'identical':>11}"]
+    for level in load:
+        lines.append(f"{level.concurrency:>11}{level.plain_tokens_per_s:>13.1f}{level.command_tokens_per_s:>15.1f}"
+                     f"{level.speedup:>8.2f}x{level.plain_latency_s:>13.2f}s /{level.command_latency_s:>6.2f}s"
+                     f"{level.identical:>8}/{level.prompts}")
+    pays = pays_up_to(load)
+    lines.append(f"under load: the command pays up to {pays} concurrent request(s)" if pays else
+                 "under load: the command does not pay at any concurrency measured")
+    if k is not None:
+        lines.append(f"as vLLM's num_speculative_tokens_per_batch_size: {per_batch_size(load, k)}")
+    return "\n".join(lines)
