@@ -14,29 +14,18 @@ from dataclasses import dataclass
 
 from draftlab.api import SpeculativeDecoder, prompt_ids
 from draftlab.datasets import Prompt
-from draftlab.engine import GenerationConfig
 from draftlab.measure import DECODE, END_TO_END, EncodedPrompt, Measurement, RunRecord, RunSettings, measure
 from draftlab.plain import autoregressive, host_plain
-from draftlab.sampling import SamplingConfig
 
 BASELINE, SPECULATIVE = "baseline", "speculative"
 
 
 @dataclass(frozen=True)
-class BenchSettings:
-    """Generation settings shared by the baseline and the speculative runs."""
+class BenchSettings(RunSettings):
+    """The generation settings every run shares (`RunSettings`), and bench's own."""
 
-    max_new_tokens: int = GenerationConfig.max_new_tokens
-    temperature: float = SamplingConfig.temperature
-    top_k: int = SamplingConfig.top_k
-    top_p: float = SamplingConfig.top_p
-    seed: int = GenerationConfig.seed
     warmup: int = 1  # untimed runs first: the first forward passes are slow
     host_baselines: bool = True  # also time plain decoding in the host's other fast modes
-
-    @property
-    def run(self) -> RunSettings:
-        return RunSettings(self.max_new_tokens, self.temperature, self.top_k, self.top_p, self.seed)
 
 
 @dataclass
@@ -115,5 +104,5 @@ def run_bench(decoder: SpeculativeDecoder, prompts: list[Prompt], settings: Benc
     contenders = {BASELINE: autoregressive(decoder), SPECULATIVE: decoder,
                   **(host_plain(decoder) if settings.host_baselines else {})}
     encoded = [EncodedPrompt(p.id, p.category, prompt_ids(decoder.target.tokenizer, p)) for p in prompts]
-    measured = measure(contenders, encoded, settings.run, warmup=settings.warmup, progress="bench" if progress else "")
+    measured = measure(contenders, encoded, settings, warmup=settings.warmup, progress="bench" if progress else "")
     return BenchReport(measured, decoder.drafter.learned())
