@@ -21,6 +21,7 @@ import torch
 from draftlab import assets
 from draftlab.backends.engines import Engine, engine_of_backend, engine_of_model
 from draftlab.backends.gguf import LlamaCppModel, describe_gguf
+from draftlab.backends.quantize import WEIGHT_TYPES, derive_weight_type
 from draftlab.backends.llamacpp import MAX_CONTEXT
 from draftlab.backends.routes import choose_for, dtype_label, native_block_products
 from draftlab.errors import DraftlabError
@@ -244,24 +245,37 @@ def gguf_tokenizer(source: str):
 
 def is_gguf(source: str) -> bool:
     """True when `source` names a GGUF file: a short name, or a path ending in .gguf."""
-    return source in assets.MODEL_ASSETS or Path(source).suffix == ".gguf"
+    base, _ = split_weight_type(source)
+    return base in assets.MODEL_ASSETS or Path(base).suffix == ".gguf"
+
+
+def split_weight_type(source: str) -> tuple[str, str | None]:
+    """'smollm2-135m@BF16' -> ('smollm2-135m', 'BF16'): a GGUF in another weight type; ('NAME', None) otherwise."""
+    base, sep, suffix = source.rpartition("@")
+    return (base, suffix.upper()) if sep and suffix.upper() in WEIGHT_TYPES else (source, None)
 
 
 def gguf_path(source: str) -> Path:
-    """The GGUF file of a short name or a .gguf path; a clear error for anything else."""
+    """The GGUF file of a short name or a .gguf path, or of either in another weight type (`NAME@BF16`: derived
+    once with llama.cpp's quantizer, `draftlab.backends.quantize`); a clear error for anything else."""
+    base, weight_type = split_weight_type(source)
+    if weight_type is not None:
+        return derive_weight_type(gguf_path(base), weight_type, assets.cache_dir())
     if source in assets.MODEL_ASSETS:
         return assets.fetch(assets.MODEL_ASSETS[source])
     path = Path(source).expanduser()
     if path.suffix == ".gguf" and path.is_file():
         return path
     raise DraftlabError(f"the llamacpp backend loads GGUF files: give a short name ({', '.join(sorted(assets.MODEL_ASSETS))}) "
-                        f"or an existing .gguf path, not {source!r}")
+                        f"or an existing .gguf path (either optionally @TYPE: @BF16, @Q8_0, ...), not {source!r}")
 
 
 def resolve_directory(source: str) -> Path:
     """Turn a short name, .gguf file or directory into an HF model directory."""
     if source in assets.MODEL_ASSETS:
         return convert_gguf(assets.fetch(assets.MODEL_ASSETS[source]))
+    if split_weight_type(source)[1] is not None:
+        return convert_gguf(gguf_path(source))
     path = Path(source).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
