@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 from draftlab.api import SpeculativeDecoder
+from draftlab.backends.routes import cpu_flags
 from draftlab.bench import BenchSettings, run_bench
 from draftlab.datasets import load_prompts
 from draftlab.measure import DECODE, END_TO_END, RunSettings
@@ -54,15 +55,6 @@ def race_speedups(decoder, plain, prompts, args) -> tuple[float, float]:
     measured = run_round({PLAIN: plain, key: decoder}, [PLAIN, key], encode(decoder.target, prompts),
                          RunSettings(args.max_new_tokens))
     return measured.speedup(key, PLAIN, END_TO_END), measured.speedup(key, PLAIN, DECODE)
-
-
-def cpu_flags() -> str:
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return "unknown"
-    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_tile")
-    return " ".join(f for f in flags.split(":")[1].split() if f in wanted)
 
 
 def main() -> None:
@@ -101,9 +93,9 @@ def main() -> None:
           f" largest spread between repeats of one method: end to end {noise['end_to_end']:.1%}, "
           f"decode {noise['decode']:.1%}")
     print(f"command: python {' '.join(sys.argv)}")
-    print(f"host CPU flags: {cpu_flags()}")
+    print(f"host CPU flags: {' '.join(sorted(f for f in cpu_flags() if f.startswith(('avx', 'amx'))))}")
     print(json.dumps({"args": vars(args), "speedups": results, "spread": spread, "repeat_noise": noise,
-                      "cpu_flags": cpu_flags()}))
+                      "cpu_flags": sorted(cpu_flags())}))
 
 
 if __name__ == "__main__":

@@ -226,6 +226,11 @@ class SpeculativeEngine:
         return tokens
 
 
+def tokens_result(prompt_ids, tokens: list[int]) -> GenerationResult:
+    """A peer library's output as a generation result: its tokens, and only the counts it reports."""
+    return GenerationResult(tokens, "", GenerationStats(prompt_tokens=len(prompt_ids), new_tokens=len(tokens)))
+
+
 def check_room(prompt_tokens: int, max_new_tokens: int, context_length: int) -> None:
     """A one-line error when the prompt and the new tokens do not fit the model's context."""
     if prompt_tokens + max_new_tokens > context_length:

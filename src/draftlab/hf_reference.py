@@ -17,8 +17,7 @@ import torch
 
 from draftlab.registry import DraftPlan
 from draftlab.errors import DraftlabError
-from draftlab.engine import GenerationConfig, GenerationResult, check_room
-from draftlab.metrics import GenerationStats
+from draftlab.engine import GenerationConfig, GenerationResult, check_room, tokens_result
 from draftlab.models import LoadedModel
 from draftlab.sampling import SamplingConfig
 
@@ -128,7 +127,7 @@ class HFGenerate:
         check_room(len(prompt_ids), settings.max_new_tokens, self.target.context_length)
         tokens = hf_generate(self.target, prompt_ids, settings.max_new_tokens, self.eos, settings.sampling,
                              settings.seed, self.assist)
-        return GenerationResult(tokens, "", GenerationStats(prompt_tokens=len(prompt_ids), new_tokens=len(tokens)))
+        return tokens_result(prompt_ids, tokens)
 
     def forgetful(self) -> "HFGenerate":
         """Itself: HF keeps nothing across calls."""

@@ -15,9 +15,8 @@ from typing import Sequence
 
 from draftlab.backends.gguf import llama_lib, threads
 from draftlab.backends.llamacpp import MAX_CONTEXT
-from draftlab.engine import GenerationResult, check_room
+from draftlab.engine import GenerationResult, check_room, tokens_result
 from draftlab.errors import DraftlabError
-from draftlab.metrics import GenerationStats
 from draftlab.sampling import SamplingConfig
 
 
@@ -89,7 +88,7 @@ class LlamaCppRun:
         check_room(len(prompt_ids), settings.max_new_tokens, MAX_CONTEXT)
         tokens = self.peer.generate(prompt_ids, settings.max_new_tokens, self.eos, settings.sampling, settings.seed,
                                     self.k)
-        return GenerationResult(tokens, "", GenerationStats(prompt_tokens=len(prompt_ids), new_tokens=len(tokens)))
+        return tokens_result(prompt_ids, tokens)
 
     def forgetful(self) -> "LlamaCppRun":
         """Itself: each run starts from an empty cache."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 
 from draftlab.api import SpeculativeDecoder
-from draftlab.backends import FastLlamaBackend, PlainMode, default_kernels_plain, fastest_plain_is_default_kernels
+from draftlab.backends import FastLlamaBackend, PlainMode, default_kernels_plain
 from draftlab.backends import other_routes
 from draftlab.backends.routes import Route, parse_route
 from draftlab.drafters.base import NoDrafter
@@ -69,7 +69,7 @@ def _default_kernels(decoder: SpeculativeDecoder) -> PlainMode | None:
 def fastest_plain(decoder: SpeculativeDecoder) -> SpeculativeDecoder:
     """The plain decoding a race on the decoder's engine runs against: llama.cpp's default kernels for a target
     on llama.cpp (its fastest plain decoding), the decoder's own mode otherwise."""
-    if fastest_plain_is_default_kernels(decoder.target.model):
+    if decoder.target.engine.runs_gguf:
         return default_kernels(decoder) or autoregressive(decoder)
     return autoregressive(decoder)
 

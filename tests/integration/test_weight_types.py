@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from draftlab.api import SpeculativeDecoder, encode_prompt
-from draftlab.backends.quantize import file_sha256, weight_type_name
+from draftlab.assets import sha256_file
+from draftlab.backends.quantize import weight_type_name
 from draftlab.errors import DraftlabError
 from draftlab.models import gguf_path, is_gguf, load_model, split_weight_type
 
@@ -18,13 +19,13 @@ def test_a_derived_type_is_cached_checked_and_derived_again_when_damaged(tmp_pat
     derived = gguf_path("smollm2-135m@q8_0")
     assert derived.name.endswith(".Q8_0.gguf") and derived.stat().st_size > shipped.stat().st_size
     checksum = derived.with_name(derived.name + ".sha256")
-    assert checksum.read_text().strip() == file_sha256(derived)
+    assert checksum.read_text().strip() == sha256_file(derived)
     stamp = derived.stat().st_mtime_ns
     assert gguf_path("smollm2-135m@Q8_0") == derived and derived.stat().st_mtime_ns == stamp  # reused, not rewritten
     with open(derived, "r+b") as f:  # damaged in the cache: derived again, never loaded as it is
         f.seek(4096)
         f.write(b"\xff" * 64)
-    assert gguf_path("smollm2-135m@Q8_0") == derived and checksum.read_text().strip() == file_sha256(derived)
+    assert gguf_path("smollm2-135m@Q8_0") == derived and checksum.read_text().strip() == sha256_file(derived)
     assert load_model("smollm2-135m@Q8_0", backend="llamacpp").precision == "Q8_0"
 
 

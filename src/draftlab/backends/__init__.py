@@ -17,7 +17,6 @@ from draftlab.backends.hf import HFBackend
 from draftlab.backends.llamacpp import LlamaCppBackend
 from draftlab.backends.engines import (  # noqa: F401  (the engines' interface)
     ENGINES, LLAMACPP, TORCH, Engine, PlainMode, default_kernels_plain, engine_of_backend, engine_of_model,
-    fastest_plain_is_default_kernels,
 )
 from draftlab.backends.routes import Route, plain_contenders
 from draftlab.defaults import DEFAULT_BACKEND

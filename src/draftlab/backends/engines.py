@@ -36,7 +36,7 @@ ENGINES = (TORCH, LLAMACPP)
 
 def engine_of_backend(backend: str) -> Engine:
     """The engine a backend name (`--backend`) runs targets on."""
-    return next((e for e in ENGINES if e.backend == backend and e is not TORCH), TORCH)
+    return next((e for e in ENGINES if e.backend == backend), TORCH)
 
 
 def engine_of_model(model) -> Engine:
@@ -61,9 +61,3 @@ def default_kernels_plain(model, device: str, gguf_source: bool) -> PlainMode | 
     if device == "cpu" and gguf_source and available():
         return PlainMode(LLAMACPP.backend, "repack", same=False)
     return None
-
-
-def fastest_plain_is_default_kernels(model) -> bool:
-    """Whether a race on this model's engine runs against llama.cpp's default kernels (its fastest plain decoding)
-    rather than the model's own mode."""
-    return isinstance(model, LlamaCppModel)

@@ -11,10 +11,10 @@ is derived again. Changing the weight type changes the model's outputs: compare 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 from pathlib import Path
 
+from draftlab.assets import sha256_file
 from draftlab.backends.gguf import llama_lib, threads
 from draftlab.errors import DraftlabError
 from draftlab.safeio import write_atomic
@@ -34,21 +34,13 @@ def weight_type_name(text: str) -> str:
     return name
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def derive_weight_type(source: Path, weight_type: str, cache_root: Path) -> Path:
     """`source` (a GGUF) written in `weight_type`, derived once and cached; the cached file's path."""
     name = weight_type_name(weight_type)
-    out_dir = cache_root / "weight-types" / file_sha256(source)[:16]
+    out_dir = cache_root / "weight-types" / sha256_file(source)[:16]
     out = out_dir / f"{source.stem}.{name}.gguf"
     checksum = out.with_name(out.name + ".sha256")
-    if out.exists() and checksum.exists() and checksum.read_text().strip() == file_sha256(out):
+    if out.exists() and checksum.exists() and checksum.read_text().strip() == sha256_file(out):
         return out
     out_dir.mkdir(parents=True, exist_ok=True)
     partial = out_dir / f".{out.name}.{os.getpid()}.partial"
@@ -62,6 +54,6 @@ def derive_weight_type(source: Path, weight_type: str, cache_root: Path) -> Path
         partial.unlink(missing_ok=True)
         raise DraftlabError(f"llama.cpp's quantizer could not write {source.name} as {name} (code {code}); try another "
                             f"weight type ({', '.join(WEIGHT_TYPES)})")
-    write_atomic(checksum, file_sha256(partial) + "\n")
+    write_atomic(checksum, sha256_file(partial) + "\n")
     partial.replace(out)
     return out
