@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up draftlab in ./.venv and run the main job on the embedded default model:
 # the quick study (sweep over drafts x K x SpS/AsG on smollm2-135m, on draftlab's torch backend and on llama.cpp,
-# with llama-cpp-python's own prompt lookup; then the report).
+# with llama-cpp-python's own prompt lookup and llama-server's own n-gram speculation; then the report).
 #   ./run.sh              set up, then the quick study into results/quick/
 #   ./run.sh --preset full   the full study (extra arguments go to `draftlab study`)
 #   ./run.sh --setup-only set up only (what CI does before the tests)
@@ -28,6 +28,10 @@ if ! .venv/bin/python -c "import arctic_inference.suffix_decoding" 2>/dev/null; 
   PATH="$PWD/.venv/bin:$PATH" .venv/bin/python -m pip install --quiet --no-build-isolation --no-deps \
     "arctic-inference==0.3.0"
 fi
+# llama-server, the server CPU users deploy, from the same llama.cpp source (~4-10 minutes on 2 cores, once, cached):
+# the study races its own speculative types beside draftlab's. Without it those cells are left out, with one line.
+PYTHON=.venv/bin/python bash scripts/build-llama-server.sh >/dev/null \
+  || echo "run.sh: llama-server was not built (see above); the study leaves its cells out"
 if [ "${1:-}" = "--setup-only" ]; then
   exit 0
 fi

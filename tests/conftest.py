@@ -96,6 +96,7 @@ def older_database_file(path, version: str, dropped: tuple[str, ...] = (), recor
         store.add(record, store.start_run({}))
     store.close()
     conn = sqlite3.connect(path)
+    dropped = (*dropped, *(("concurrency", "window_tokens", "latency_s") if int(version) < 7 else ()))
     conn.executescript("".join(f"ALTER TABLE records DROP COLUMN {column}; " for column in dropped) +
                        ("DROP TABLE skips; " if int(version) < 6 else "") +
                        f"UPDATE meta SET value = '{version}' WHERE key = 'schema_version';")

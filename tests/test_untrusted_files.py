@@ -27,7 +27,7 @@ from draftlab.safeio import load_tensors, save_tensors, write_atomic
 from draftlab.backends.routes import parse_route
 from draftlab.sampling import SamplingConfig
 from draftlab.study.runner import _read_state, _stored_pairs
-from draftlab.study.store import ResultsStore
+from draftlab.study.store import SCHEMA_VERSION, ResultsStore
 from tests.conftest import older_database_file
 
 
@@ -152,11 +152,11 @@ def test_read_only_commands_migrate_a_copy_and_one_sweep_writes_at_a_time(tmp_pa
     older_database_file(db, "5")
     before = db.read_bytes()
     reader = ResultsStore(db, read_only=True)
-    assert reader.skips() == [] and reader.get_meta("schema_version") == "6"
+    assert reader.skips() == [] and reader.get_meta("schema_version") == SCHEMA_VERSION
     reader.close()
     assert db.read_bytes() == before  # reading migrated a copy in memory
     writer = ResultsStore(db)
-    assert writer.get_meta("schema_version") == "6"
+    assert writer.get_meta("schema_version") == SCHEMA_VERSION
     with writer.writing():
         other = ResultsStore(db)
         with pytest.raises(DraftlabError, match="another sweep is writing"):

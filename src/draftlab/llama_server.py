@@ -42,6 +42,10 @@ SPEC_TYPES = ("draft-simple", "draft-eagle3", "draft-mtp", "draft-dflash", "draf
               "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
 
 
+class ServerExited(DraftlabError):
+    """The server ended while a request was in flight (killed, crashed): nothing about the configuration."""
+
+
 def server_binary() -> Path:
     """The llama-server binary: `$DRAFTLAB_LLAMA_SERVER`, else the one the build script put in draftlab's cache."""
     explicit = os.environ.get("DRAFTLAB_LLAMA_SERVER")
@@ -215,8 +219,18 @@ class LlamaServer:
             raise DraftlabError(f"llama-server refused the request ({exc.code}): "
                                 f"{exc.read().decode(errors='replace')[:200]}") from None
         except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
-            state = "exited" if self.process is not None and self.process.poll() is not None else "did not answer"
-            raise DraftlabError(f"llama-server {state} during a request ({exc}); log: {self.log}") from None
+            if self.process is not None and self._exited():
+                raise ServerExited(f"llama-server exited during a request (code {self.process.returncode}); "
+                                   f"log: {self.log}") from None
+            raise DraftlabError(f"llama-server did not answer a request ({exc}); log: {self.log}") from None
+
+    def _exited(self, grace_s: float = 2.0) -> bool:
+        """Whether the process ended (waiting a moment: a killed server closes its sockets before it is reaped)."""
+        try:
+            self.process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
 
     def contender(self, context_length: int) -> "LlamaServerRun":
         """This server as a contender of the measurement loop."""

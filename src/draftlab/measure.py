@@ -15,7 +15,9 @@ once, here, in two named kinds:
 - `DECODE`: new tokens per second after the prefill (what speculation changes; the tuner races on it).
 
 Under load (`measure_load`: a server answering N requests at once) the figure is the aggregate: all requests' new
-tokens over the wall time from the first request sent to the last answer, beside each request's own latency.
+tokens over the wall time from the first request sent to the last answer, beside each request's own latency. The
+sweep measures load per (cell, prompt) with `InFlight`: the prompt sent together with N-1 companion prompts, its
+record the prompt's own output, the window's wall time, the window's tokens and mean latency.
 
 `speedup(runs, paces)`: the seconds the baseline needs for the runs' tokens (each prompt at the baseline's pace
 on that prompt) over the runs' seconds. With equal outputs this is tokens/s over tokens/s; it stays defined when
@@ -241,6 +243,44 @@ def measure(contenders: Mapping[Hashable, Contender], prompts: Sequence[EncodedP
                                      on_check=out.checks.append):
             out.records[record.key].append(record)
     return out
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """A contender that serves requests at once (a server with that many slots), timed under load: each prompt is
+    sent together with `companions` (one request a thread, all at once). The result is the prompt's own output;
+    its statistics carry the window's new tokens (all requests) and its requests' mean latency, and the loop's
+    time is the window's, from the first request sent to the last answer."""
+
+    contender: Contender
+    companions: tuple[EncodedPrompt, ...]
+    times_prefill = False  # requests overlap: no prefill of the window is apart from its decoding
+
+    @property
+    def concurrency(self) -> int:
+        return len(self.companions) + 1
+
+    def run(self, prompt_ids: list[int], settings: RunSettings) -> GenerationResult:
+        timed = _in_flight(self.contender, [prompt_ids, *(c.ids for c in self.companions)], settings)
+        own = timed[0][0]
+        stats = replace(own.stats, window_tokens=sum(len(r.token_ids) for r, _ in timed),
+                        latency_s=statistics.mean(seconds for _, seconds in timed))
+        return GenerationResult(own.token_ids, own.text, stats)
+
+    def forgetful(self) -> "InFlight":
+        return InFlight(self.contender.forgetful(), self.companions)
+
+
+def _in_flight(contender: Contender, prompts: Sequence[list[int]], settings: RunSettings
+               ) -> list[tuple[GenerationResult, float]]:
+    """Every prompt's request sent at once; each result with its seconds from sending to answer."""
+    def one(ids: list[int]) -> tuple[GenerationResult, float]:
+        start = time.perf_counter()
+        result = contender.run(ids, settings)
+        return result, time.perf_counter() - start
+
+    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        return list(pool.map(one, prompts))
 
 
 @dataclass

@@ -32,6 +32,8 @@ class GenerationStats:
     wall_s: float = 0.0
     stop_reason: str = ""
     cache_held: int | None = None  # earlier responses the drafter's cross-request cache held at the start; None: none
+    window_tokens: int | None = None  # under load (`measure.InFlight`): new tokens of all requests in flight together
+    latency_s: float | None = None  # under load: mean seconds from sending one of those requests to its answer
 
     def record_step(self, levels: list[int], num_accepted: int) -> None:
         """Count one draft-verify step: its drafted tokens per level (a chain of d tokens: [1] * d), accepted count."""

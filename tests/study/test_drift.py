@@ -88,6 +88,8 @@ def test_version_2_database_gains_finish_times_and_the_checks_table(tmp_path):
     conn = sqlite3.connect(path)  # make it a version-2 file, as draftlab 0.2.0's first cut wrote them
     conn.executescript("ALTER TABLE records DROP COLUMN finished_at; ALTER TABLE records DROP COLUMN levels_per_step; "
                        "ALTER TABLE records DROP COLUMN cache_held; "
+                       "ALTER TABLE records DROP COLUMN concurrency; ALTER TABLE records DROP COLUMN window_tokens; "
+                       "ALTER TABLE records DROP COLUMN latency_s; "
                        "DROP TABLE baseline_checks; "
                        "UPDATE meta SET value = '2' WHERE key = 'schema_version';")
     conn.close()

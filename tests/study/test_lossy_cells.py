@@ -79,7 +79,7 @@ def test_sps_vs_asg_plot_leaves_lossy_pairs_out(lossy_study, tmp_path, monkeypat
     rows, _, _ = load_study(lossy_study)
     group = [s for s in summarize(rows) if s.dataset == ALL]
     drawn = []
-    monkeypatch.setattr(plots, "_finish", lambda fig, ax, *a, **k: drawn.append(
+    monkeypatch.setattr(plots, "finish", lambda fig, ax, *a, **k: drawn.append(
         [t.get_text() for t in ax.get_xticklabels()]) or True)
     assert plots._sps_vs_asg(group, tmp_path / "p.png", "t")
     assert drawn == [["ngram\nK=1"]]

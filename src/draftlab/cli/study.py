@@ -63,6 +63,15 @@ def _add_sweep_args(parser: argparse.ArgumentParser, db_required: bool = True) -
     parser.add_argument("--adapt", nargs="?", const="", default=None, metavar="OPTIONS",
                         help="add an adapting twin (adapt[:OPTIONS]/SPEC) of every feature or heads draft among the "
                              "drafters: it learns over its cell's prompts, in order")
+    parser.add_argument("--servers", nargs="+", metavar="TYPE[/DRAFT][:K,...]",
+                        help="llama-server's own speculative types, raced on every GGUF target beside its plain "
+                             "decoding: ngram-mod, ngram-simple:16,64, draft-simple/qwen2.5-coder-0.5b:3,4 (K: the "
+                             "type's draft length flag; none: the server's default)")
+    parser.add_argument("--concurrency", help="requests in flight for the llama-server cells: 1,2,4 (each level its "
+                                              "own servers with that many slots; default 1)")
+    parser.add_argument("--weight-types", nargs="+", metavar="TYPE",
+                        help="also run every llama.cpp target in these weight types (BF16, Q8_0, ...), derived with "
+                             "llama.cpp's quantizer")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--no-progress", action="store_true")
 
@@ -72,9 +81,11 @@ def _sweep_config(args):
 
     from draftlab.api import parse_layers
     from draftlab.registry import with_adapting
+    from draftlab.study.config import with_weight_types
     from draftlab.study.sweep import make_config
 
     ks = tuple(parse_layers(args.ks)) if args.ks else None
+    concurrency = tuple(parse_layers(args.concurrency)) if args.concurrency else None
     tuple_or_none = lambda v: tuple(v) if v else None  # noqa: E731
     config = make_config(
         args.preset, args.config, targets=tuple_or_none(args.targets), drafters=tuple_or_none(args.drafters), ks=ks,
@@ -82,7 +93,9 @@ def _sweep_config(args):
         temperatures=tuple_or_none(args.temperatures), limit=args.limit, skip=args.skip, max_new_tokens=args.max_new_tokens,
         warmup=args.warmup, baseline_every=args.baseline_every, race_after=args.race_after, seed=args.seed, device=args.device, dtype=args.dtype,
         backend=args.backend, host_baselines=False if args.no_host_baselines else None,
+        servers=tuple_or_none(args.servers), concurrency=concurrency,
     )
+    config = with_weight_types(config, tuple(args.weight_types or ()))
     return replace(config, drafters=with_adapting(config.drafters, args.adapt))
 
 
@@ -112,6 +125,8 @@ def cmd_study(args) -> None:
                                        lossy_cells, optimal_table, summarize)
     from draftlab.study.answer import engine_answer, numerics_notes, recommend
     from draftlab.study.pruning import format_skips, load_skips
+    from draftlab.study.serving import server_answer
+    from draftlab.study.weights import weight_type_answer
 
     out = Path(args.out)
     db = args.db or str(out / "study.sqlite")
@@ -123,7 +138,8 @@ def cmd_study(args) -> None:
     drift = baseline_drift(rows, checks)
     print(f"report: {page}")
     print(drift.describe())
-    print("\n".join(engine_answer(summaries, drift) + recommend(summaries, drift) + numerics_notes(envs)))
+    print("\n".join(engine_answer(summaries, drift) + recommend(summaries, drift) + numerics_notes(envs)
+                    + server_answer(rows) + weight_type_answer(summaries, rows)))
     print(format_optimal(optimal_table(summaries, params)))
     _print_learning(summaries, rows)
     lossy = lossy_cells(summaries)
@@ -149,13 +165,16 @@ def cmd_report(args) -> None:
     from draftlab.study.page import build_report
     from draftlab.study.answer import engine_answer, numerics_notes, recommend
     from draftlab.study.report import baseline_drift, load_checks, load_study, summarize
+    from draftlab.study.serving import server_answer
+    from draftlab.study.weights import weight_type_answer
 
     print(f"report: {build_report(args.db, args.out, args.profile, args.microbench, args.correlate)}")
     rows, params, envs = load_study(args.db)
     checks = load_checks(args.db)
     summaries = summarize(rows, checks)
     drift = baseline_drift(rows, checks)
-    print("\n".join(engine_answer(summaries, drift) + recommend(summaries, drift) + numerics_notes(envs)))
+    print("\n".join(engine_answer(summaries, drift) + recommend(summaries, drift) + numerics_notes(envs)
+                    + server_answer(rows) + weight_type_answer(summaries, rows)))
     _print_learning(summaries, rows)
     evidence = gather_evidence(summaries, params, rows, args.profile, args.microbench, args.correlate)
     print("The seeds' findings beside this study:")

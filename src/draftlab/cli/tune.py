@@ -37,6 +37,10 @@ def add_tune_commands(sub) -> None:
     tune.add_argument("--dtypes", nargs="+", default=None,
                       help="search the target's dtype too (e.g. fp32 bf16): each is tuned, then the picks race head "
                            "to head; the first is the reference for speedups and output equality (replaces --dtype)")
+    tune.add_argument("--servers", nargs="+", metavar="TYPE[/DRAFT][:K,...]",
+                      help="with --backend llamacpp: end with a round on llama-server, the pick beside the server's "
+                           "plain decoding and these speculative types of its own (ngram-mod, ngram-simple:16, ...), "
+                           "and print the llama-server command to deploy")
     tune.add_argument("--json", action="store_true", help="stdout ends with one JSON object (tune always does)")
     tune.set_defaults(run=cmd_tune)
 
@@ -177,16 +181,33 @@ def cmd_tune(args) -> None:
     from draftlab.perf.sizing import TuneSettings
     from draftlab.perf.validate import format_predictions
     from draftlab.perf.tuner import tune
+    from draftlab.server_configs import parse_server_spec
 
     tune_settings = TuneSettings(budget_s=args.budget)
     if args.dtypes:
         _tune_dtypes(args, tune_settings)
         return
     target, drafts, prompts, settings = _calibration_inputs(args)
+    if args.servers and not target.engine.runs_gguf:
+        raise DraftlabError("--servers races llama-server on the target's GGUF: add --backend llamacpp")
+    for spec in args.servers or []:  # a bad spec is refused before the tune, not after it
+        parse_server_spec(spec)
     rec, profile, preds = tune(target, drafts, prompts, settings, tune_settings, progress=not args.no_progress)
     print(format_predictions(preds, profile.target.autoregressive_tokens_per_s))
     _print_recommendation(args.target, rec)
-    print(json.dumps(_recommendation_json(rec)))
+    served = _server_round(args, target, rec, prompts) if args.servers else None
+    print(json.dumps({**_recommendation_json(rec), **({"llama_server": asdict(served)} if served else {})}))
+
+
+def _server_round(args, target, rec, prompts):
+    """The pick beside llama-server's plain decoding and its own types; prints the round and the command."""
+    from draftlab.assets import cache_dir
+    from draftlab.perf.serve_race import server_round
+
+    served = server_round(target, (rec.draft, rec.k), args.servers, prompts, args.max_new_tokens,
+                          cache_dir() / "server-logs", progress=not args.no_progress)
+    print("\n".join(served.lines()))
+    return served
 
 
 def _print_recommendation(target: str, rec, dtype: str | None = None) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections import defaultdict
 
 from draftlab.backends import engine_of_backend
-from draftlab.study.report import ALL, METHOD_NAMES, PLAIN_METHODS, CellSummary, Drift
-from draftlab.study.cells import LLAMACPP_TARGET, PEER_PLAIN
+from draftlab.study.report import ALL, METHOD_NAMES, PLAIN_METHODS, CellSummary, Drift, plain_label
+from draftlab.study.cells import LLAMACPP_TARGET, PEER_PLAIN, SERVER_METHODS
 
 
 def engine_answer(summaries: list[CellSummary], drift: Drift | None = None) -> list[str]:
@@ -15,7 +15,7 @@ def engine_answer(summaries: list[CellSummary], drift: Drift | None = None) -> l
     the study's; when the runner-up is within it, the sentence says so (another run may swap the two)."""
     groups: dict[tuple, list[CellSummary]] = defaultdict(list)
     for s in summaries:
-        if s.dataset == ALL and s.tokens_per_s > 0 and not s.lossy and s.complete:
+        if s.dataset == ALL and s.tokens_per_s > 0 and not s.lossy and not s.rounding and s.complete:
             groups[(s.target.removeprefix(LLAMACPP_TARGET), s.temperature)].append(s)
     temperatures = defaultdict(set)
     for model, temperature in groups:
@@ -66,6 +66,8 @@ def _runner_up(best: CellSummary, rest: list[CellSummary], drift: Drift | None) 
 
 def _engine(s: CellSummary) -> str:
     """The engine a cell ran on, in words."""
+    if s.method in SERVER_METHODS:
+        return "llama-server"
     on_llamacpp = engine_of_backend(s.backend).runs_gguf or s.target.startswith(LLAMACPP_TARGET)
     if on_llamacpp or s.drafter.startswith("llama.cpp") or s.method in ("lcp", "llama"):
         return "llama.cpp (llama-cpp-python)" if s.method in ("lcp", "llama") else "llama.cpp (draftlab)"
@@ -96,9 +98,10 @@ def recommend(summaries: list[CellSummary], drift: Drift) -> list[str]:
     """
     groups: dict[tuple, list[CellSummary]] = defaultdict(list)
     dropped: dict[tuple, list[CellSummary]] = defaultdict(list)
-    plain_modes = {(s.target, s.temperature): f"{s.drafter}, {s.tokens_per_s:.1f} tok/s" for s in summaries
-                   if s.dataset == ALL and s.method == "plain" and s.drafter == s.host_plain and s.complete}
-    timed_others = {(s.target, s.temperature) for s in summaries if s.dataset == ALL and s.method == "plain"}
+    plain_modes = {(s.target, s.temperature): f"{plain_label(s)}, {s.tokens_per_s:.1f} tok/s" for s in summaries
+                   if s.dataset == ALL and s.method in PLAIN_METHODS and plain_label(s) == s.host_plain and s.complete}
+    timed_others = {(s.target, s.temperature) for s in summaries
+                    if s.dataset == ALL and s.method in PLAIN_METHODS and s.method != "ar"}
     for s in summaries:
         if s.dataset == ALL and s.method not in ("ar", "plain", *PEER_PLAIN.values()) and s.speedup > 0:
             (groups if s.complete else dropped)[(s.target, s.temperature)].append(s)
@@ -110,15 +113,16 @@ def recommend(summaries: list[CellSummary], drift: Drift) -> list[str]:
     sentences = []
     for (target, temperature), cells in sorted(groups.items()):
         where = target + (f" at temperature {temperature:g}" if len(temperatures[target]) > 1 else "")
-        lossless = [s for s in cells if not s.lossy]
-        lossy = len(cells) - len(lossless)
+        lossless = [s for s in cells if not s.lossy and not s.rounding]  # llama-server's own: serving.py
+        lossy = sum(s.lossy for s in cells)
         warning = (f" ({lossy} configuration(s) produced output different from plain decoding and were not "
                    "considered: see the report)") if lossy else ""
         if not cells:
             sentences.append(_all_dropped(where, dropped[(target, temperature)], plain_modes.get((target, temperature))))
             continue
         if not lossless:
-            sentences.append(f"Use plain decoding for {where}: every configuration measured differed from it{warning}.")
+            sentences.append(f"Use plain decoding for {where}: no configuration measured is lossless (each differed "
+                             f"from it, or is exact only up to rounding: see llama-server below){warning}.")
             continue
         best = max(lossless, key=_judged_speedup)
         gain = _judged_speedup(best)

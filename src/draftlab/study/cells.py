@@ -13,11 +13,16 @@ from draftlab.engine import GenerationConfig
 from draftlab.models import ModelSpec
 
 
-# A peer's speculative method -> the same library's plain decoding (its reference for equality and speed):
-# HF assisted generation vs HF `generate`, llama-cpp-python's prompt lookup vs its own `generate`.
-PEER_PLAIN = {"asg": "hf", "lcp": "llama"}
-LLAMACPP_ONLY = ("lcp", "llama")  # llama-cpp-python's methods: they run targets on llama.cpp
-PEER_METHODS = ("asg", "hf", *LLAMACPP_ONLY)  # run by another library: any of its errors skips the prompt
+# A peer's speculative method -> the same engine's plain decoding (its reference for equality and speed):
+# HF assisted generation vs HF `generate`, llama-cpp-python's prompt lookup vs its own `generate`, llama-server's
+# own speculative types vs the same server without them.
+PEER_PLAIN = {"asg": "hf", "lcp": "llama", "server": "server-ar"}
+SERVER_METHODS = ("server", "server-ar")  # llama-server: GGUF targets, one server start per configuration
+LLAMACPP_ONLY = ("lcp", "llama", *SERVER_METHODS)  # methods that run targets on llama.cpp only
+PEER_METHODS = ("asg", "hf", "lcp", "llama", *SERVER_METHODS)  # another engine's: any of its errors skips the prompt
+UNTIMED_PREFILL = ("asg", "hf", "lcp", "llama")  # libraries that time no prefill apart: no decode-only speedup
+UP_TO_ROUNDING = ("server",)  # speculation on kernels that round a block's rows apart from single rows: its
+# outputs equal plain decoding only up to rounding, even when every one measured did; never ranked with the lossless
 LLAMACPP_TARGET = "llamacpp:"  # a target name's prefix: the target runs on llama.cpp (`--backend llamacpp` for one)
 
 
@@ -26,9 +31,9 @@ class Cell:
     """One point of the grid."""
 
     target: str
-    drafter: str  # 'none' for ar
-    k: int  # 0 for ar
-    method: str  # ar | sps | plain | asg | hf | lcp | llama
+    drafter: str  # 'none' for ar; for 'server', the speculative type (and its draft: 'draft-simple/NAME')
+    k: int  # 0 for ar; for 'server', the draft length flag (0: the server's default)
+    method: str  # ar | sps | plain | asg | hf | lcp | llama | server | server-ar
     dataset: str
     temperature: float
     max_new_tokens: int
@@ -37,20 +42,24 @@ class Cell:
     backend: str = DEFAULT_BACKEND
     device: str = ModelSpec.device
     skip: int = 0
+    concurrency: int = 1  # requests in flight (llama-server cells: the server has that many slots)
 
     @property
     def key(self) -> str:
-        """Stable text id of the cell: every setting that changes its records."""
+        """Stable text id of the cell: every setting that changes its records (concurrency only when above 1, so
+        that the keys of studies made before it existed stay valid)."""
+        load = f"|c={self.concurrency}" if self.concurrency > 1 else ""
         return (f"{self.target}|{self.method}|{self.drafter}|k={self.k}|{self.dataset}|t={self.temperature}"
-                f"|n={self.max_new_tokens}|seed={self.seed}|{self.dtype}|{self.backend}|{self.device}|skip={self.skip}")
+                f"|n={self.max_new_tokens}|seed={self.seed}|{self.dtype}|{self.backend}|{self.device}|skip={self.skip}"
+                f"{load}")
 
     def baseline(self) -> "Cell":
         """draftlab's plain decoding on the same grid point: every cell's speedup is measured against it."""
-        return replace(self, drafter="none", k=0, method="ar")
+        return replace(self, drafter="none", k=0, method="ar", concurrency=1)
 
     def engine_baseline(self) -> "Cell":
-        """Plain decoding on this cell's own engine (HF's `generate` for asg, llama-cpp-python's for lcp), whose
-        output it must equal."""
+        """Plain decoding on this cell's own engine (HF's `generate` for asg, llama-cpp-python's for lcp,
+        llama-server's at the same concurrency for its speculative types), whose output it must equal."""
         return replace(self, drafter="none", k=0, method=PEER_PLAIN.get(self.method, "ar"))
 
 
@@ -76,3 +85,5 @@ class Record:
     identical: bool | None = None
     levels_per_step: list[list[int]] = field(default_factory=list)  # drafted tokens per tree level; [] for chains
     cache_held: int | None = None  # earlier responses the drafter's cross-request cache held; None: it keeps none
+    window_tokens: int | None = None  # under load: new tokens of every request in flight with this one; None: alone
+    latency_s: float | None = None  # under load: mean seconds from sending a request of the window to its answer

@@ -19,6 +19,7 @@ from draftlab.backends import LLAMACPP as LLAMACPP_ENGINE, engine_of_backend
 from draftlab.plain import DEFAULT_KERNELS
 from draftlab.backends import check_backend_name, gguf
 from draftlab.backends.fast_llama import SUPPORTED_MODEL_TYPES
+from draftlab.backends.quantize import weight_type_name
 from draftlab.backends.routes import cpu_flags, cpu_model, default_route, plain_contenders
 from draftlab.defaults import DEFAULT_BACKEND, SHORT_RUN_TOKENS
 from draftlab.engine import GenerationConfig
@@ -26,9 +27,10 @@ from draftlab.errors import DraftlabError
 from draftlab.models import (LoadedModel, ModelSpec, auto_dtype, check_device, check_dtype_name, is_gguf,
                              model_config, resolve_dtype_name)
 from draftlab.sampling import SamplingConfig
-from draftlab.study.cells import LLAMACPP_ONLY, LLAMACPP_TARGET as LLAMACPP, PEER_PLAIN, Cell
+from draftlab.study.cells import LLAMACPP_ONLY, LLAMACPP_TARGET as LLAMACPP, PEER_PLAIN, SERVER_METHODS, Cell
+from draftlab.server_configs import check_concurrency, parse_server_spec
 
-METHODS = ("ar", "sps", "asg", "hf", "lcp", "llama")  # 'plain' cells follow host_baselines, not --methods
+METHODS = ("ar", "sps", "asg", "hf", "lcp", "llama")  # 'plain' cells follow host_baselines, 'server' cells servers
 TORCH_ONLY = ("asg", "hf")  # HF's methods run torch targets
 
 
@@ -60,6 +62,9 @@ class SweepConfig:
     backend: str = DEFAULT_BACKEND
     host_baselines: bool = True  # also time plain decoding in the host's fastest mode of each dtype ('plain' cells)
     race_after: int = 0  # drop cells that trail the leader after this many prompts of a dataset (0: never; pruning.py)
+    servers: tuple[str, ...] = ()  # llama-server's own speculative types on GGUF targets, 'TYPE[/DRAFT][:K,...]'
+    # (servers.py); with any, the server's plain decoding runs too
+    concurrency: tuple[int, ...] = (1,)  # requests in flight for the llama-server cells: each level its own servers
 
     def __post_init__(self) -> None:
         if not self.ks or min(self.ks) < 1:
@@ -78,10 +83,13 @@ class SweepConfig:
             parse_drafter_spec(spec)
         for t in self.temperatures:
             SamplingConfig(t)
+        for spec in self.servers:
+            parse_server_spec(spec)
+        check_concurrency(self.concurrency)
 
     def cells(self, target: str, dataset: str, temperature: float) -> list[Cell]:
         """The baseline cell (and the peers' own plain decoding when they run), then every (method, drafter, K)
-        cell that runs on the target's engine."""
+        cell that runs on the target's engine, then llama-server's cells at each concurrency (GGUF targets)."""
         backend, source = target_backend(target, self.backend)
         on_gguf = engine_of_backend(backend).runs_gguf
         dtype = "gguf" if on_gguf else resolve_dtype_name(self.dtype, self.device, source)
@@ -96,7 +104,17 @@ class SweepConfig:
             for drafter in self.drafters if method != "lcp" or drafter.startswith("ngram")
             for k in self.ks
         ]
-        return [base, *peers, *host, *others]
+        return [base, *peers, *host, *others, *(self.server_cells(base) if on_gguf else [])]
+
+    def server_cells(self, base: Cell) -> list[Cell]:
+        """llama-server's plain decoding and each of its configurations, at every concurrency level."""
+        if not self.servers:
+            return []
+        specs = [parse_server_spec(text) for text in self.servers]
+        return [cell for c in self.concurrency for cell in [
+            replace(base, method=SERVER_METHODS[1], concurrency=c),
+            *(replace(base, method=SERVER_METHODS[0], drafter=spec.drafter, k=k, concurrency=c)
+              for spec in specs for k in spec.ks)]]
 
     def host_modes(self, target: str) -> list[tuple[str, str]]:
         """(label, dtype) of the other modes of plain decoding timed beside the baseline: the host's fastest route
@@ -128,7 +146,8 @@ PRESETS = {
     # self-draft, which never won on a CPU (docs/results.md), runs in the full preset.
     "quick": SweepConfig(targets=("smollm2-135m", f"{LLAMACPP}smollm2-135m"),
                          drafters=("designed", "merged:ngram/tree:1:designed", "ngram"),
-                         methods=("sps", "asg", "lcp"), ks=(1, 2, 3), datasets=("heldout",), limit=8, race_after=4),
+                         methods=("sps", "asg", "lcp"), ks=(1, 2, 3), datasets=("heldout",), limit=8, race_after=4,
+                         servers=("ngram-mod", "ngram-simple:16"), concurrency=(1, 2)),
     # The seeds' study on a second family (the Qwen2.5-Coder pair, ~1.6 GB of downloads): the 0.5B stand-alone
     # draft (in the target's dtype and in bf16, which drafts ~2x faster on CPUs; README), layer self-drafts of the
     # 1.5B at two depths (it has 28 layers) and n-gram lookup, SpS and AsG, K 1..7,
@@ -151,6 +170,18 @@ PRESETS = {
         max_new_tokens=128,
     ),
 }
+
+
+def with_weight_types(config: SweepConfig, weight_types: tuple[str, ...]) -> SweepConfig:
+    """The grid with every llama.cpp target also in each other weight type ('llamacpp:NAME@BF16': derived once with
+    llama.cpp's quantizer), so that the study races type x engine x drafter x K on the same prompts."""
+    names = [weight_type_name(t) for t in weight_types]
+    derived = [f"{target}@{name}" for target in config.targets for name in names
+               if target_backend(target, config.backend)[0] == LLAMACPP_ENGINE.backend and "@" not in target]
+    if names and not derived:
+        raise DraftlabError("--weight-types derives GGUF targets: name a llama.cpp target (llamacpp:NAME, or "
+                            "--backend llamacpp)")
+    return replace(config, targets=tuple(dict.fromkeys([*config.targets, *derived])))
 
 
 def load_config(path: str | Path) -> dict:

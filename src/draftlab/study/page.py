@@ -15,6 +15,8 @@ from draftlab.study.report import (
 from draftlab.study.answer import engine_answer, numerics_notes, recommend
 from draftlab.study.learning import format_learning, learning_rows
 from draftlab.study.pruning import load_skips, skipped_cells
+from draftlab.study.serving import draw_load, format_load, load_summaries, server_answer
+from draftlab.study.weights import file_bytes, format_weight_types, weight_type_answer, weight_type_rows
 
 
 def build_report(db: str | Path, out: str | Path, profile_path: str | Path | None = None,
@@ -38,14 +40,24 @@ def build_report(db: str | Path, out: str | Path, profile_path: str | Path | Non
     optimal = optimal_table(summaries, params)
     write_csv(out / "cells.csv", summaries)
     write_csv(out / "optimal.csv", optimal)
-    figures = plots.draw_all(summaries, out)
+    load = load_summaries(rows)
+    write_csv(out / "load.csv", [s for s in load if s.method in ("server", "server-ar")])
+    figures = plots.draw_all(summaries, out) + draw_load(load, out)
     evidence = gather_evidence(summaries, params, rows, profile_path, microbench_path, correlate_path)
     model_section = _model_section(profile_path, evidence.comparisons, out) if profile_path else ""
     findings = seeds_findings(evidence)
     drift = baseline_drift(rows, checks)
     page = _html(db, summaries, optimal, figures, envs, drift,
-                 engine_answer(summaries, drift) + recommend(summaries, drift) + numerics_notes(envs))
+                 engine_answer(summaries, drift) + recommend(summaries, drift) + numerics_notes(envs)
+                 + server_answer(rows, table=False) + weight_type_answer(summaries, rows, table=False))
     page = page.replace("<h2>Figures</h2>", _skips_section(load_skips(db)) + "<h2>Figures</h2>")
+    types = format_weight_types(weight_type_rows(summaries, rows, file_bytes))
+    if types:
+        page = page.replace("<h2>Figures</h2>", f"<h2>Weight types</h2><pre>{html.escape(types)}</pre><h2>Figures</h2>")
+    served = format_load(load)
+    if served:  # llama-server's configurations per concurrency
+        page = page.replace("<h2>Figures</h2>", f"<h2>llama-server per concurrency</h2><pre>{html.escape(served)}"
+                                                "</pre><h2>Figures</h2>")
     learning = format_learning(learning_rows(summaries, rows))
     if learning:  # suffix cells: cold and warm per workload
         page = page.replace("<h2>Figures</h2>", f"<h2>Drafts that learn across requests</h2><pre>{html.escape(learning)}"

@@ -32,7 +32,7 @@ def draw_all(summaries: list[CellSummary], out: Path) -> list[tuple[str, str]]:
         if s.dataset == ALL:
             by_group[(s.target, s.temperature)].append(s)
     for (target, temperature), group in sorted(by_group.items()):
-        tag = _slug(f"{target}_t{temperature:g}")
+        tag = slug(f"{target}_t{temperature:g}")
         label = f"{target}, temperature {temperature:g}"
         for draw, name, title in (
             (_latency_vs_k, "latency_vs_k", "Latency per token vs K"),
@@ -47,11 +47,11 @@ def draw_all(summaries: list[CellSummary], out: Path) -> list[tuple[str, str]]:
     return figures
 
 
-def _slug(text: str) -> str:
+def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", text)
 
 
-def _finish(fig, ax, path: Path, xlabel: str, ylabel: str, title: str, integer_x: bool = False, grid: bool = True) -> bool:
+def finish(fig, ax, path: Path, xlabel: str, ylabel: str, title: str, integer_x: bool = False, grid: bool = True) -> bool:
     """Label the axes, add title, grid and legend, save the PNG and close the figure."""
     if integer_x:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -83,7 +83,7 @@ def _latency_vs_k(group, path, title) -> bool:
     for s in group:
         if s.method == "ar":
             ax.axhline(s.ms_per_token, color="black", linestyle=":", label="autoregressive")
-    return _finish(fig, ax, path, "draft tokens per step K", "latency (ms per generated token)", title, integer_x=True)
+    return finish(fig, ax, path, "draft tokens per step K", "latency (ms per generated token)", title, integer_x=True)
 
 
 def _throughput_vs_tar(group, path, title) -> bool:
@@ -99,7 +99,7 @@ def _throughput_vs_tar(group, path, title) -> bool:
     for s in group:
         if s.method == "ar":
             ax.axhline(s.tokens_per_s, color="black", linestyle=":", label="autoregressive")
-    return _finish(fig, ax, path, "tokens per step (TAR)", "throughput (tokens/s)", title)
+    return finish(fig, ax, path, "tokens per step (TAR)", "throughput (tokens/s)", title)
 
 
 def _best_per_drafter(group, method="sps") -> list[CellSummary]:
@@ -120,7 +120,7 @@ def _time_breakdown(group, path, title) -> bool:
     ax.bar(names, draft, label="draft")
     ax.bar(names, target, bottom=draft, label="target (verify + prefill)")
     ax.bar(names, overhead, bottom=[d + t for d, t in zip(draft, target)], label="overhead")
-    return _finish(fig, ax, path, "draft (at its best K)", "time per step (ms)", title, grid=False)
+    return finish(fig, ax, path, "draft (at its best K)", "time per step (ms)", title, grid=False)
 
 
 def _acceptance_by_position(group, path, title) -> bool:
@@ -133,7 +133,7 @@ def _acceptance_by_position(group, path, title) -> bool:
         if curve:
             ax.plot(range(1, len(curve) + 1), curve, "o-", label=f"{drafter} (K={cells[-1].k})")
     ax.set_ylim(0, 1.05)
-    return _finish(fig, ax, path, "draft position", "P(accepted | drafted)", title, integer_x=True)
+    return finish(fig, ax, path, "draft position", "P(accepted | drafted)", title, integer_x=True)
 
 
 def _sps_vs_asg(group, path, title) -> bool:
@@ -149,4 +149,4 @@ def _sps_vs_asg(group, path, title) -> bool:
     ax.bar([x + 0.2 for x in xs], [asg[p].tokens_per_s for p in pairs], width=0.4, label="AsG (HF)")
     ax.set_xticks(list(xs))
     ax.set_xticklabels([f"{d}\nK={k}" for d, k in pairs], fontsize=7, rotation=45, ha="right")
-    return _finish(fig, ax, path, "draft and K", "throughput (tokens/s)", title, grid=False)
+    return finish(fig, ax, path, "draft and K", "throughput (tokens/s)", title, grid=False)

@@ -7,7 +7,8 @@ the margin is dropped for the rest of the dataset, and every prompt it will not 
 reason, so the report shows what was dropped and why, and a resumed study makes the same decisions. The margin
 is the larger of a floor and the machine's drift measured so far (the baseline re-checks), so a noisy machine
 keeps more cells racing. The baseline of each engine ('ar') is never dropped: every output is compared with it,
-nor is a peer's plain decoding while one of its speculative cells still runs.
+nor is a peer's plain decoding while one of its speculative cells still runs. Cells under load (llama-server with
+more than one request in flight) neither race nor lead: their throughput is another measure.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def dropped_cells(cells: list[Cell], rows: list[dict], rule: RaceRule, drift: fl
     `drift`: the baseline's relative spread measured so far."""
     if not rule.active:
         return {}
-    keys = {c.key: c for c in cells}
+    keys = {c.key: c for c in cells if c.concurrency == 1}
     speeds = {key: runs for key, runs in pooled_speeds([r for r in rows if r["cell"] in keys]).items()
               if len(runs) >= rule.after}
     most = max((len(runs) for runs in speeds.values()), default=0)  # cells still racing; dropped ones ran fewer

@@ -16,7 +16,8 @@ from typing import Callable
 from draftlab.baselines import baseline_timings, nearest_baseline, prompt_key
 from draftlab.errors import DraftlabError
 from draftlab.measure import speedup
-from draftlab.study.store import PEER_METHODS, PEER_PLAIN, ResultsStore
+from draftlab.study.cells import UNTIMED_PREFILL, UP_TO_ROUNDING
+from draftlab.study.store import PEER_PLAIN, ResultsStore
 
 ALL = "all"
 NOISY_DRIFT = 0.10  # a baseline that moved more than this (relative) during the study makes it noisy
@@ -53,7 +54,7 @@ class CellSummary:
     engine_plain_tokens_per_s: float | None = None  # plain decoding on this cell's engine (HF generate for asg)
     engine_speedup: float | None = None  # over that engine's own plain decoding on the same prompts
     host_speedup: float | None = None  # over the fastest plain decoding measured on the host (any dtype or route)
-    host_plain: str = ""  # which plain decoding that was ('ar': the study's own, else a route label)
+    host_plain: str = ""  # which plain decoding that was ('ar': the study's own, else `plain_label`)
     backend: str = ""  # the backend its records ran on ('llamacpp', 'fast', 'auto', ...)
     complete: bool = True  # ran every prompt its group ran (False: dropped by the race, or skipped prompts)
 
@@ -61,6 +62,12 @@ class CellSummary:
     def lossy(self) -> bool:
         """True when some greedy output differed from plain decoding on the cell's own engine."""
         return self.identical is not None and self.identical < self.prompts
+
+    @property
+    def rounding(self) -> bool:
+        """True for speculation whose outputs equal plain decoding only up to rounding (llama-server's own, on
+        kernels that round a block's rows apart from single rows), however many of them were identical."""
+        return self.method in UP_TO_ROUNDING
 
     @property
     def config_key(self) -> tuple:
@@ -71,8 +78,10 @@ def summarize(rows: list[dict], checks: list[dict] = ()) -> list[CellSummary]:
     """One summary per (cell) and per (configuration, dataset='all').
 
     `checks`: re-timings of the baseline (`ResultsStore.baseline_checks`); each record is then compared with
-    the baseline measured closest in time on its prompt, so that drift during the study cancels.
+    the baseline measured closest in time on its prompt, so that drift during the study cancels. Records made
+    under load (concurrency above 1) are summarized apart (`draftlab.study.serving`).
     """
+    rows = [r for r in rows if (r.get("concurrency") or 1) == 1]
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for row in rows:
         config = (row["target"], row["method"], row["drafter"], row["k"], row["temperature"])
@@ -102,19 +111,25 @@ def _mark_complete(summaries: list[CellSummary]) -> None:
 
 
 def _add_host_speedups(summaries: list[CellSummary]) -> None:
-    """Each cell's speedup over the fastest plain decoding of its group: the study's own ('ar') or a 'plain'
-    cell timed in another dtype or route on the same prompts."""
+    """Each cell's speedup over the fastest plain decoding of its group: the study's own ('ar'), a 'plain' cell
+    timed in another dtype or route, or another engine's plain decoding (llama-cpp-python's, llama-server's, HF's),
+    on the same prompts."""
     fastest: dict[tuple, CellSummary] = {}
     for s in summaries:
-        if s.method in ("ar", "plain") and s.speedup > 0 and s.complete:
+        if s.method in PLAIN_METHODS and s.speedup > 0 and s.complete:
             key = (s.target, s.dataset, s.temperature)
             if key not in fastest or s.speedup > fastest[key].speedup:
                 fastest[key] = s
     for s in summaries:
         best = fastest.get((s.target, s.dataset, s.temperature))
         if best is not None and s.speedup > 0:
-            s.host_speedup = s.speedup / max(best.speedup, 1.0) if best.method == "plain" else s.speedup
-            s.host_plain = best.drafter if best.method == "plain" and best.speedup > 1.0 else "ar"
+            s.host_speedup = s.speedup / max(best.speedup, 1.0)
+            s.host_plain = plain_label(best) if best.speedup > 1.0 else "ar"
+
+
+def plain_label(s: CellSummary) -> str:
+    """Which plain decoding a plain cell is, in words: a route or mode label, or another engine's."""
+    return s.drafter if s.method == "plain" else PLAIN_ENGINES.get(s.method, s.method)
 
 
 @dataclass(frozen=True)
@@ -155,9 +170,11 @@ def baseline_drift(rows: list[dict], checks: list[dict]) -> Drift:
     return Drift(len(spreads), max(spreads, default=0.0), statistics.median(spreads) if spreads else 0.0)
 
 
-METHOD_ORDER = {"ar": 0, "plain": 1, "hf": 2, "llama": 2, "sps": 3, "asg": 4, "lcp": 4}
-METHOD_NAMES = {"sps": "SpS", "asg": "AsG", "lcp": "llama-cpp-python's prompt lookup"}
-PLAIN_METHODS = ("ar", "plain", "hf", "llama")
+METHOD_ORDER = {"ar": 0, "plain": 1, "hf": 2, "llama": 2, "server-ar": 2, "sps": 3, "asg": 4, "lcp": 4, "server": 4}
+METHOD_NAMES = {"sps": "SpS", "asg": "AsG", "lcp": "llama-cpp-python's prompt lookup",
+                "server": "llama-server's own speculation"}
+PLAIN_METHODS = ("ar", "plain", "hf", "llama", "server-ar")
+PLAIN_ENGINES = {"hf": "HF generate", "llama": "llama-cpp-python", "server-ar": "llama-server"}
 
 
 def _sort_key(item):
@@ -202,7 +219,7 @@ def _add_speedups(summary: CellSummary, rows: list[dict], baseline_speed: Callab
     summary.speedup = speedup([(r["new_tokens"], r["wall_s"]) for r, _ in matched], [b for _, b in matched]) or 0.0
     summary.speedup_min, summary.speedup_max = min(per_prompt), max(per_prompt)
     summary.speedup_median = statistics.median(per_prompt)
-    decoded = [(r, decode_pace.get(prompt_key(r))) for r in rows if r["method"] not in PEER_METHODS]
+    decoded = [(r, decode_pace.get(prompt_key(r))) for r in rows if r["method"] not in UNTIMED_PREFILL]
     if decoded and all(pace and r["wall_s"] > r["prefill_s"] for r, pace in decoded):
         summary.decode_speedup = speedup([(r["new_tokens"], r["wall_s"] - r["prefill_s"]) for r, _ in decoded],
                                          [pace for _, pace in decoded])

@@ -19,12 +19,13 @@ from draftlab.drafters.suffix import RESPONSES_FILE, read_responses
 from draftlab.errors import DraftlabError
 from draftlab.hf_reference import HFGenerate, hf_assist
 from draftlab.llamacpp_reference import LlamaCppPeer
-from draftlab.measure import Contender, EncodedPrompt, RunRecord, RunSettings, warm_up
+from draftlab.measure import Contender, EncodedPrompt, InFlight, RunRecord, RunSettings, warm_up
 from draftlab.models import LoadedModel, gguf_path
 from draftlab.plain import plain_mode
 from draftlab.policy import FixedK
 from draftlab.safeio import load_tensors, save_tensors
-from draftlab.study.cells import LLAMACPP_ONLY, PEER_METHODS, Cell, Record
+from draftlab.study.cells import LLAMACPP_ONLY, PEER_METHODS, SERVER_METHODS, Cell, Record
+from draftlab.server_configs import ServerPool, spec_config
 
 if TYPE_CHECKING:
     from draftlab.study.config import SweepConfig
@@ -37,11 +38,12 @@ class CellRunner:
     """Builds each drafter once per target and gives each (cell, prompt) its contender for the measurement loop."""
 
     def __init__(self, target: LoadedModel, config: "SweepConfig", backend: str | None = None,
-                 cache_root: Path | None = None, done: set[tuple[str, str]] = frozenset()) -> None:
+                 cache_root: Path | None = None, done: set[tuple[str, str]] = frozenset(),
+                 servers: ServerPool | None = None) -> None:
         """`backend`: the target's (llamacpp for a 'llamacpp:' target); the config's by default. `cache_root`: where
         each cell whose drafter learns across requests keeps what it learned across the cell's prompts, so that a
         resumed sweep (`done`: the stored (cell key, prompt id) pairs) continues with what the cell had learned from
-        exactly those."""
+        exactly those. `servers`: where llama-server cells get their servers (the sweep stops them)."""
         self.target = target
         self.cache_root = cache_root
         self.done = done
@@ -55,6 +57,7 @@ class CellRunner:
         self.by_drafter: dict[str, SpeculativeDecoder] = {}
         self.by_route: dict[str, SpeculativeDecoder] = {}  # plain decoding in the host's other modes
         self._peer: LlamaCppPeer | None = None
+        self.servers = servers
 
     def decoder(self, drafter: str, k: int) -> SpeculativeDecoder:
         """Our decoder for (drafter, K); drafter 'none' is the baseline. One drafter and target backend are shared."""
@@ -77,9 +80,12 @@ class CellRunner:
             self.cell_drafters[cell.key] = self._reload(cell, decoder.drafter)
         return decoder.with_drafter(self.cell_drafters[cell.key])
 
-    def contender(self, cell: Cell) -> Contender:
+    def contender(self, cell: Cell, companions: tuple[EncodedPrompt, ...] = ()) -> Contender:
         """What the measurement loop runs for the cell: draftlab's decoder, plain decoding in another mode, HF's
-        `generate` (plain or assisted) or llama-cpp-python's (plain or prompt lookup)."""
+        `generate` (plain or assisted), llama-cpp-python's (plain or prompt lookup), or llama-server (plain or its
+        own speculation; under load, with `companions`, the prompts sent beside each one, as many as it needs)."""
+        if cell.method in SERVER_METHODS:
+            return self.server(cell, companions)
         if cell.method == "hf":  # AsG's own plain decoding: HF generate without an assistant
             return HFGenerate(self.target, self.eos)
         if cell.method in LLAMACPP_ONLY:  # llama-cpp-python's plain generate, or its prompt lookup at K
@@ -132,6 +138,16 @@ class CellRunner:
             self.by_route[label] = plain_mode(self.baseline, label)
         return self.by_route[label]
 
+    def server(self, cell: Cell, companions: tuple[EncodedPrompt, ...]) -> Contender:
+        """The llama-server of a server cell; with more than one request in flight, timed with its companions (alone,
+        without any: the warm-up)."""
+        if self.servers is None:
+            raise DraftlabError("this sweep runs no llama-server cells")
+        run = self.servers.contender(spec_config(gguf_path(self.target.source), cell.drafter, cell.k, cell.concurrency))
+        if cell.concurrency > 1 and companions:
+            return InFlight(run, companions[:cell.concurrency - 1])
+        return run
+
     def peer(self) -> LlamaCppPeer:
         """llama-cpp-python's own API on the target's GGUF (loaded on first use)."""
         if self._peer is None:
@@ -171,7 +187,7 @@ def record_of(cell: Cell, run: RunRecord) -> Record:
         cell, run.prompt_id, run.category, s.new_tokens, s.steps, s.drafted, s.accepted,
         s.accepted_per_step_list, s.drafted_per_step_list, s.prefill_s, s.draft_s, s.target_s, s.overhead_s,
         s.wall_s, token_sha(run.token_ids), levels_per_step=s.levels_per_step_list if s.has_trees else [],
-        cache_held=s.cache_held,
+        cache_held=s.cache_held, window_tokens=s.window_tokens, latency_s=s.latency_s,
     )
 
 

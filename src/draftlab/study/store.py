@@ -1,9 +1,9 @@
 """The results store: one SQLite database per study, one row per prompt per cell.
 
-Schema (version 6), readable with `sqlite3` or `pandas.read_sql`:
+Schema (version 7), readable with `sqlite3` or `pandas.read_sql`:
 
     meta(key TEXT PRIMARY KEY, value TEXT)
-        app = 'draftlab-study', schema_version = '6', config = the sweep's JSON
+        app = 'draftlab-study', schema_version = '7', config = the sweep's JSON
     models(name TEXT PRIMARY KEY, params INTEGER)
         parameter counts of targets and model drafts ("target" or "target::drafter"),
         for the report's scaling ratio (target params / draft params)
@@ -28,6 +28,10 @@ Schema (version 6), readable with `sqlite3` or `pandas.read_sql`:
         cache_held INTEGER)                    -- earlier responses the drafter's cross-request cache held when
                                                -- the prompt started (suffix decoding: each cell has its own
                                                -- cache, over its prompts in order); NULL for other drafters
+        concurrency INTEGER,                   -- requests in flight (1: alone; above 1: llama-server under load)
+        window_tokens INTEGER,                 -- under load: new tokens of every request sent with this prompt's
+                                               -- (then wall_s is the window's, first request to last answer)
+        latency_s REAL)                        -- under load: the window's mean seconds per request
     baseline_checks(
         target, dataset, temperature, prompt_id, run_id, new_tokens, wall_s,
         finished_at REAL)                      -- the 'ar' cell re-timed on the same prompt between other cells,
@@ -39,12 +43,14 @@ Schema (version 6), readable with `sqlite3` or `pandas.read_sql`:
 `method` is 'ar' (our autoregressive loop), 'sps' (our speculative engine),
 'asg' (Hugging Face assisted generation), 'hf' (Hugging Face `generate` without
 an assistant: AsG's own plain decoding, run whenever asg cells are), 'lcp' (llama-cpp-python's prompt lookup)
-and 'llama' (its plain `generate`), or 'plain' (our plain decoding in another mode: a dtype and route, or
-llama.cpp's default kernels). `dtype` is resolved ('fp32', not 'auto'; 'gguf' on llama.cpp). Older databases are migrated in place when opened: version 1 (whose cell key
+and 'llama' (its plain `generate`), 'server' (llama-server's own speculative type, `drafter`, with its draft
+length flag `k`, 0 for the server's default) and 'server-ar' (the same server's plain decoding), or 'plain' (our
+plain decoding in another mode: a dtype and route, or llama.cpp's default kernels). `dtype` is resolved ('fp32', not 'auto'; 'gguf' on llama.cpp). Older databases are migrated in place when opened: version 1 (whose cell key
 lacked seed, dtype, backend, device and skip) gets those settings from the
 run's recorded environment and the stored sweep config; version 2 gets the
 `finished_at` column and the `baseline_checks` table; version 3 gets `levels_per_step`; version 4 `cache_held`;
-version 5 the `skips` table. A migration runs in one transaction (a kill leaves the old version whole). Each record is committed on its own,
+version 5 the `skips` table; version 6 `concurrency` (1 for every older record), `window_tokens` and `latency_s`.
+A migration runs in one transaction (a kill leaves the old version whole). Each record is committed on its own,
 so a killed sweep loses at most the record in flight; resuming skips every
 (cell, prompt) already present.
 """
@@ -67,13 +73,13 @@ from draftlab.study.cells import (  # noqa: F401  (re-exported: the store's row 
 )
 
 APP = "draftlab-study"
-SCHEMA_VERSION = "6"
+SCHEMA_VERSION = "7"
 SETTINGS = ("seed", "dtype", "backend", "device", "skip")
 RECORD_COLUMNS = (
     "cell", "prompt_id", "target", "drafter", "k", "method", "dataset", "temperature", "max_new_tokens", *SETTINGS,
     "category", "run_id", "new_tokens", "steps", "drafted", "accepted", "accepted_per_step", "drafted_per_step",
     "prefill_s", "draft_s", "target_s", "overhead_s", "wall_s", "output_sha", "identical", "created_at", "finished_at",
-    "levels_per_step", "cache_held",
+    "levels_per_step", "cache_held", "concurrency", "window_tokens", "latency_s",
 )
 
 SCHEMA = """
@@ -88,6 +94,7 @@ CREATE TABLE IF NOT EXISTS records (
     accepted_per_step TEXT, drafted_per_step TEXT,
     prefill_s REAL, draft_s REAL, target_s REAL, overhead_s REAL, wall_s REAL,
     output_sha TEXT, identical INTEGER, created_at TEXT, finished_at REAL, levels_per_step TEXT, cache_held INTEGER,
+    concurrency INTEGER DEFAULT 1, window_tokens INTEGER, latency_s REAL,
     PRIMARY KEY (cell, prompt_id)
 );
 """
@@ -177,10 +184,10 @@ class ResultsStore:
         if version == SCHEMA_VERSION:
             return
         steps = {"1": lambda: self._migrate_from_1(json.loads(meta.get("config") or "{}")), "2": self._migrate_from_2,
-                 "3": self._migrate_from_3, "4": self._migrate_from_4, "5": self._migrate_from_5}
+                 "3": self._migrate_from_3, "4": self._migrate_from_4, "5": self._migrate_from_5, "6": self._migrate_from_6}
         if version not in steps:
             raise DraftlabError(
-                f"{self.path} has schema version {version}, this draftlab reads {SCHEMA_VERSION} (and migrates 1-5); "
+                f"{self.path} has schema version {version}, this draftlab reads {SCHEMA_VERSION} (and migrates 1-6); "
                 "upgrade draftlab to read it; the file was left untouched"
             )
         if self.read_only:  # migrate a copy in memory: the file stays as it is
@@ -238,6 +245,12 @@ class ResultsStore:
     def _migrate_from_5(self) -> None:
         """Add the table of (cell, prompt) pairs that were not measured, with the reason."""
         self.conn.execute(SKIPS_SCHEMA)
+
+    def _migrate_from_6(self) -> None:
+        """Add the load columns: every older record ran alone (concurrency 1, no window)."""
+        self.conn.execute("ALTER TABLE records ADD COLUMN concurrency INTEGER DEFAULT 1")
+        self.conn.execute("ALTER TABLE records ADD COLUMN window_tokens INTEGER")
+        self.conn.execute("ALTER TABLE records ADD COLUMN latency_s REAL")
 
     def close(self) -> None:
         """Close the connection."""
@@ -298,11 +311,13 @@ class ResultsStore:
         c = record.cell
         row = (
             c.key, record.prompt_id, c.target, c.drafter, c.k, c.method, c.dataset, c.temperature, c.max_new_tokens,
-            c.seed, c.dtype, c.backend, c.device, c.skip, record.category, run_id, record.new_tokens, record.steps, record.drafted, record.accepted,
+            c.seed, c.dtype, c.backend, c.device, c.skip, record.category, run_id, record.new_tokens, record.steps,
+            record.drafted, record.accepted,
             json.dumps(record.accepted_per_step), json.dumps(record.drafted_per_step),
             record.prefill_s, record.draft_s, record.target_s, record.overhead_s, record.wall_s,
             record.output_sha, None if record.identical is None else int(record.identical), _now(), time.time(),
-            json.dumps(record.levels_per_step), record.cache_held,
+            json.dumps(record.levels_per_step), record.cache_held, c.concurrency, record.window_tokens,
+            record.latency_s,
         )
         with self.conn:  # columns named: a migrated table has the settings columns at its end
             self.conn.execute(f"INSERT INTO records ({', '.join(RECORD_COLUMNS)}) VALUES ({', '.join('?' * len(row))})",

@@ -14,7 +14,7 @@ records how many earlier responses it held at each prompt."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
@@ -22,9 +22,11 @@ from draftlab.api import prompt_ids
 from draftlab.backends import engine_of_backend
 from draftlab.datasets import Prompt, load_prompts
 from draftlab.errors import DraftlabError
+from draftlab.llama_server import ServerExited, server_binary
+from draftlab.server_configs import ServerPool
 from draftlab.measure import EncodedPrompt, Rechecks, RunRecord, measure_prompt
 from draftlab.models import load_model
-from draftlab.study.cells import PEER_METHODS, PEER_PLAIN, Cell, Record
+from draftlab.study.cells import PEER_METHODS, PEER_PLAIN, SERVER_METHODS, Cell, Record
 from draftlab.study.config import (  # noqa: F401  (re-exported: the sweep's grid and presets)
     METHODS, PRESETS, SweepConfig, environment, load_config, make_config, target_backend,
 )
@@ -35,16 +37,20 @@ from draftlab.study.store import ResultsStore
 
 @dataclass
 class TargetRun:
-    """One target loaded for a sweep: its cell runner, its run id and the drafters that cannot run on it."""
+    """One target loaded for a sweep: its cell runner, its run id, the drafters that cannot run on it, whether
+    llama-server can, and the cells this run ended early (their server exited: a later run resumes them)."""
 
     runner: CellRunner
     run_id: int
     gone: set[str]
     no_asg: set[str]
+    no_server: bool = False
+    ended: set[str] = field(default_factory=set)
 
     def runnable(self, cells: list[Cell]) -> list[Cell]:
         """The cells whose drafter runs on this target's engine (and has an HF counterpart, for asg)."""
-        return [c for c in cells if c.drafter not in self.gone and not (c.method == "asg" and c.drafter in self.no_asg)]
+        return [c for c in cells if c.drafter not in self.gone and not (c.method == "asg" and c.drafter in self.no_asg)
+                and not (self.no_server and c.method in SERVER_METHODS) and c.key not in self.ended]
 
 
 @dataclass(frozen=True)
@@ -73,26 +79,37 @@ def run_sweep(config: SweepConfig, store: ResultsStore, progress: bool = True, g
 
 
 def _run_all(config: SweepConfig, store: ResultsStore, groups: list[Group], done: set, progress: bool) -> int:
-    """Load every target, then run every group's pending (cell, prompt) pairs; returns the records added."""
-    targets = {name: _start_target(name, config, store, done) for name in config.targets}
-    todo = sum(1 for g in groups for t, cells in g.cells.items() for c in targets[t].runnable(cells) for p in g.prompts
-               if (c.key, p.id) not in done)
-    bar = tqdm(total=todo, desc="sweep", unit="run", disable=not progress)
-    added = sum(_run_group(g, targets, config, store, done, bar) for g in groups)
-    bar.close()
+    """Load every target, then run every group's pending (cell, prompt) pairs; returns the records added. The
+    llama-server cells' servers are stopped on every way out."""
+    servers = ServerPool(store.path.with_name(store.path.stem + ".server-logs"))
+    try:
+        targets = {name: _start_target(name, config, store, done, servers) for name in config.targets}
+        todo = sum(1 for g in groups for t, cells in g.cells.items() for c in targets[t].runnable(cells)
+                   for p in g.prompts if (c.key, p.id) not in done)
+        bar = tqdm(total=todo, desc="sweep", unit="run", disable=not progress)
+        added = sum(_run_group(g, targets, config, store, done, bar) for g in groups)
+        bar.close()
+    finally:
+        servers.stop_all()
+    ended = sum(len(t.ended) for t in targets.values())
+    if ended:
+        print(f"sweep: {ended} cell(s) ended early (their llama-server exited); run the same command again to "
+              "resume them")
     return added
 
 
-def _start_target(name: str, config: SweepConfig, store: ResultsStore, done: set) -> TargetRun:
+def _start_target(name: str, config: SweepConfig, store: ResultsStore, done: set, servers: ServerPool
+                  ) -> TargetRun:
     """Load a target, build its cell runner, record the run's environment and the parameter counts."""
     backend, source = target_backend(name, config.backend)
     target = load_model(source, device=config.device, backend=backend,
                         dtype="auto" if engine_of_backend(backend).runs_gguf else config.dtype)
-    runner = CellRunner(target, config, backend, store.path.with_name(store.path.stem + ".suffix-caches"), done)
+    runner = CellRunner(target, config, backend, store.path.with_name(store.path.stem + ".suffix-caches"), done,
+                        servers)
     run_id = store.start_run(environment(config, target, runner.baseline.target_backend.numerics, source))
     gone, no_asg = _unrunnable(runner, config)
     _record_params(store, runner, config, name, gone)
-    return TargetRun(runner, run_id, gone, no_asg)
+    return TargetRun(runner, run_id, gone, no_asg, _no_server(runner, config))
 
 
 def _run_group(group: Group, targets: dict[str, TargetRun], config: SweepConfig, store: ResultsStore, done: set,
@@ -106,19 +123,28 @@ def _run_group(group: Group, targets: dict[str, TargetRun], config: SweepConfig,
             first = min(encoded[name].values(), key=lambda p: len(p.ids))  # the cheapest; it fits if any does
             targets[name].runner.warm_up(its_cells, first)
     added = 0
+    load = max(config.concurrency) - 1
     for index, prompt in enumerate(group.prompts):
         if index >= config.race_after > 0:
             _drop_trailing(group, cells, index, store, done, bar, targets, config)
         for name, its_cells in cells.items():
-            added += _run_prompt(targets[name], its_cells, encoded[name][prompt.id], store, done, bar, config)
+            companions = tuple(encoded[name][p.id] for p in _companions(group.prompts, index, load))
+            added += _run_prompt(targets[name], its_cells, encoded[name][prompt.id], store, done, bar, config,
+                                 companions)
     return added
 
 
+def _companions(prompts: list[Prompt], index: int, count: int) -> list[Prompt]:
+    """The prompts sent beside prompt `index` under load: the next `count` of its group, wrapping around."""
+    return [prompts[(index + j) % len(prompts)] for j in range(1, count + 1)]
+
+
 def _run_prompt(target: TargetRun, cells: list[Cell], prompt: EncodedPrompt, store: ResultsStore, done: set,
-                bar: tqdm, config: SweepConfig) -> int:
+                bar: tqdm, config: SweepConfig, companions: tuple[EncodedPrompt, ...] = ()) -> int:
     """The target's pending cells on one prompt through the measurement loop, with baseline re-checks between them;
-    each run stored as it ends; returns records added."""
-    pending = [c for c in cells if (c.key, prompt.id) not in done]
+    each run stored as it ends; returns records added. A cell whose llama-server exits is ended for this run, with
+    one line, and left for the next run to resume."""
+    pending = [c for c in cells if (c.key, prompt.id) not in done and c.key not in target.ended]
     if not pending:
         return 0
     runner, added = target.runner, []
@@ -130,6 +156,11 @@ def _run_prompt(target: TargetRun, cells: list[Cell], prompt: EncodedPrompt, sto
         _passed(run.key, prompt, done, bar)
 
     def skipped(cell: Cell, exc: Exception) -> bool:
+        if isinstance(exc, ServerExited):
+            target.ended.add(cell.key)
+            print(f"sweep: {cell.method} {cell.drafter} k={cell.k} c={cell.concurrency} ended at {prompt.id}: {exc}; "
+                  "the next run resumes it")
+            return True
         if not isinstance(exc, DraftlabError) and cell.method not in PEER_METHODS:
             return False  # draftlab's own bug: a traceback, not a skip
         reason = f"{type(exc).__name__}: {exc}" if not isinstance(exc, DraftlabError) else str(exc)
@@ -138,8 +169,14 @@ def _run_prompt(target: TargetRun, cells: list[Cell], prompt: EncodedPrompt, sto
         _passed(cell, prompt, done, bar)
         return True
 
-    measure_prompt({cell: runner.contender(cell) for cell in pending}, prompt, runner.settings(baseline), stored,
-                   rechecks, lambda run: store.add_baseline_check(record_of(baseline, run), target.run_id), skipped)
+    contenders = {}
+    for cell in pending:  # a server starts here, outside the timed runs; one that cannot start skips its cell
+        try:
+            contenders[cell] = runner.contender(cell, companions)
+        except DraftlabError as exc:
+            skipped(cell, exc)
+    measure_prompt(contenders, prompt, runner.settings(baseline), stored, rechecks,
+                   lambda run: store.add_baseline_check(record_of(baseline, run), target.run_id), skipped)
     return len(added)
 
 
@@ -198,6 +235,18 @@ def _unrunnable(runner: CellRunner, config: SweepConfig) -> tuple[set[str], set[
     for drafter in sorted(no_asg):
         print(f"sweep: no HF assisted-generation counterpart for {drafter}; its asg cells are skipped")
     return gone, no_asg
+
+
+def _no_server(runner: CellRunner, config: SweepConfig) -> bool:
+    """Whether the llama-server cells cannot run here (no server binary); says why, once."""
+    if not (config.servers and runner.target.engine.runs_gguf):
+        return False
+    try:
+        server_binary()
+    except DraftlabError as exc:
+        print(f"sweep: {exc}; the llama-server cells of {runner.target.name} are left for a run that has it")
+        return True
+    return False
 
 
 def _record_params(store: ResultsStore, runner: CellRunner, config: SweepConfig, target_name: str,

@@ -1,0 +1,112 @@
+"""llama-server configurations by name: how a study or the tuner names one, which server runs it, and its command.
+
+A study (or `draftlab tune --servers`) lists llama-server's own speculative types as `TYPE[/DRAFT][:K,K,...]` (`SweepConfig.servers`): `ngram-mod`,
+`ngram-simple:16,64`, `draft-simple/qwen2.5-coder-0.5b:3,4`, `draft-simple,ngram-mod/qwen2.5-coder-0.5b`. Each K
+becomes a 'server' cell (K 0, or none given: the server's default length); each concurrency level of the study
+gives every configuration, and the server's plain decoding ('server-ar'), a server with that many slots. K is the
+length flag of the type: `--spec-draft-n-max` for draft models and the n-gram map types, `--spec-ngram-mod-n-max`
+for `ngram-mod` (with its `-n-min` at three quarters of it, the ratio of the server's defaults, 48 of 64).
+
+`ServerPool` starts each configuration's server the first time a cell needs it, keeps it for the study's other
+prompts (per-request speculative settings are compiled out of this llama.cpp: a configuration is a server start)
+and stops them all when the study ends, however it ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from draftlab.errors import DraftlabError
+from draftlab.llama_server import SPEC_TYPES, LlamaServer, LlamaServerRun, ServerConfig
+from draftlab.models import gguf_path
+
+CONTEXT_PER_SLOT = 4096  # tokens of context each slot gets: the longest shipped prompt plus its answer fits
+NGRAM_MOD_MIN_SHARE = 0.75  # ngram-mod's --spec-ngram-mod-n-min as a share of its -n-max (the server's 48 of 64)
+MAX_CONCURRENCY = 16  # load runs go to 127.0.0.1 only, bounded: each level is that many requests at once
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One speculative type of llama-server (or a comma list), its draft model if any, and the lengths to run."""
+
+    spec_type: str
+    draft: str = ""  # a draft GGUF's short name or path, for the draft-* types
+    ks: tuple[int, ...] = (0,)  # draft length flag values; 0: the server's default
+
+    @property
+    def drafter(self) -> str:
+        """The cells' drafter label: the type, and its draft after a slash."""
+        return f"{self.spec_type}/{self.draft}" if self.draft else self.spec_type
+
+
+def parse_server_spec(text: str) -> ServerSpec:
+    """`TYPE[/DRAFT][:K,K,...]` -> its spec; a one-line error naming what is wrong."""
+    head, _, lengths = text.partition(":")
+    spec_type, _, draft = head.partition("/")
+    types = [t for t in spec_type.split(",") if t]
+    unknown = [t for t in types if t not in SPEC_TYPES]
+    if not types or unknown:
+        raise DraftlabError(f"unknown llama-server speculative type {(unknown or [text])[0]!r} in {text!r}; use one of "
+                            f"{', '.join(SPEC_TYPES)}, as TYPE[/DRAFT][:K,...]")
+    needs_draft = any(t.startswith("draft-") for t in types)
+    if needs_draft != bool(draft):
+        raise DraftlabError(f"{text!r}: the draft-* types take a draft model (TYPE/DRAFT), the n-gram types none")
+    try:
+        ks = tuple(int(k) for k in lengths.split(",")) if lengths else (0,)
+    except ValueError:
+        raise DraftlabError(f"{text!r}: the lengths after ':' must be whole numbers, e.g. ngram-mod:16,64") from None
+    if min(ks) < 0:
+        raise DraftlabError(f"{text!r}: a draft length must be >= 0 (0: the server's default)")
+    return ServerSpec(spec_type, draft, ks)
+
+
+def check_concurrency(levels: tuple[int, ...]) -> None:
+    """Concurrency levels are whole numbers from 1 to MAX_CONCURRENCY."""
+    if not levels or min(levels) < 1 or max(levels) > MAX_CONCURRENCY:
+        raise DraftlabError(f"concurrency levels must be 1 to {MAX_CONCURRENCY}, got {list(levels)}")
+
+
+def spec_config(model: Path, drafter: str, k: int, slots: int = 1) -> ServerConfig:
+    """The server of one configuration: the target's GGUF, the drafter label's type and draft ('none': plain
+    decoding), length K, `slots` requests at once."""
+    if drafter == "none":
+        return ServerConfig(model, slots=slots, context=CONTEXT_PER_SLOT * slots)
+    spec_type, _, draft = drafter.partition("/")
+    n_max, extra = _length_flags(spec_type, k)
+    return ServerConfig(model, spec_type, gguf_path(draft) if draft else None, draft_n_max=n_max, slots=slots,
+                        context=CONTEXT_PER_SLOT * slots, extra=extra)
+
+
+def _length_flags(spec_type: str, k: int) -> tuple[int | None, tuple[str, ...]]:
+    """(--spec-draft-n-max, other flags) for length K of a type (K 0: none, the server's defaults)."""
+    if not k:
+        return None, ()
+    types = spec_type.split(",")
+    if types == ["ngram-mod"]:
+        low = max(1, int(k * NGRAM_MOD_MIN_SHARE))
+        return None, ("--spec-ngram-mod-n-max", str(k), "--spec-ngram-mod-n-min", str(low))
+    return k, ()
+
+
+@dataclass
+class ServerPool:
+    """The study's running servers, one per configuration, started on first use and stopped by `stop_all`."""
+
+    log_dir: Path
+    running: dict[ServerConfig, LlamaServer] = field(default_factory=dict)
+
+    def contender(self, config: ServerConfig) -> LlamaServerRun:
+        """The contender of a configuration's server, started if it is not running yet."""
+        server = self.running.get(config)
+        if server is None:
+            server = LlamaServer(config, self.log_dir)
+            server.start()
+            self.running[config] = server
+        return server.contender(CONTEXT_PER_SLOT)
+
+    def stop_all(self) -> None:
+        """Stop every server this pool started."""
+        for server in self.running.values():
+            server.stop()
+        self.running.clear()

@@ -1,0 +1,262 @@
+"""The study's answer for a server: per workload and concurrency, the fastest configuration and the fastest lossless
+one, up to which concurrency speculation pays, and the llama-server command line to deploy.
+
+Computed from the records alone. Under load a record's prompt went out with the prompts of its window
+(`draftlab.measure.InFlight`): a cell's throughput is its windows' new tokens over their wall time (aggregate
+tokens/s) and its latency the mean of its requests'. Alone (concurrency 1) every cell of the study takes part,
+draftlab's own included; above 1 only llama-server's. llama-server's own speculation is lossless only up to
+rounding (its kernels round a block's rows apart from single rows), so it is never the fastest *lossless* answer,
+however many of its outputs were identical: they are counted and said.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from draftlab.llama_server import ServerConfig
+from draftlab.server_configs import spec_config
+from draftlab.study.cells import LLAMACPP_TARGET, PEER_PLAIN, SERVER_METHODS, UP_TO_ROUNDING
+from draftlab.study.report import ALL, PLAIN_METHODS
+
+
+@dataclass(frozen=True)
+class LoadSummary:
+    """One configuration at one concurrency over a workload's prompts."""
+
+    target: str
+    dataset: str
+    temperature: float
+    concurrency: int
+    method: str
+    drafter: str
+    k: int
+    prompts: int
+    tokens_per_s: float  # aggregate: every request's new tokens over the windows' wall time
+    latency_s: float  # mean seconds per request
+    identical: int | None  # outputs equal to plain decoding on the same engine (greedy only)
+    drafted: int
+    accepted: int
+
+    @property
+    def exact(self) -> bool:
+        """Lossless: plain decoding, or speculation on exact products whose every output matched."""
+        return self.method in PLAIN_METHODS or (self.method not in UP_TO_ROUNDING and self.identical == self.prompts)
+
+    @property
+    def name(self) -> str:
+        """The configuration in words."""
+        if self.method in PLAIN_METHODS:
+            engine = "llama-server" if self.method in SERVER_METHODS else f"{self.method} {self.drafter}".strip()
+            return f"plain decoding ({engine})" if self.method != "ar" else "plain decoding (draftlab)"
+        length = f" K={self.k}" if self.k else " (default length)"
+        where = "llama-server" if self.method in SERVER_METHODS else self.method.upper()
+        return f"{where} {self.drafter}{length}"
+
+
+def load_summaries(rows: list[dict]) -> list[LoadSummary]:
+    """One summary per (target, dataset and 'all', temperature, concurrency, configuration)."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        config = (r["target"], r["temperature"], r.get("concurrency") or 1, r["method"], r["drafter"], r["k"])
+        groups[(r["dataset"], *config)].append(r)
+        groups[(ALL, *config)].append(r)
+    out = []
+    for (dataset, target, temperature, concurrency, method, drafter, k), group in groups.items():
+        wall = sum(r["wall_s"] for r in group)
+        tokens = sum(r.get("window_tokens") or r["new_tokens"] for r in group)
+        known = [r["identical"] for r in group if r["identical"] is not None]
+        out.append(LoadSummary(target, dataset, temperature, concurrency, method, drafter, k, len(group),
+                               tokens / wall if wall else 0.0,
+                               statistics.mean(r.get("latency_s") or r["wall_s"] for r in group),
+                               sum(known) if known else None, sum(r["drafted"] for r in group),
+                               sum(r["accepted"] for r in group)))
+    return out
+
+
+@dataclass(frozen=True)
+class LevelAnswer:
+    """At one concurrency on one workload: the fastest configuration, the fastest lossless one, and llama-server's
+    plain decoding and speculative configurations."""
+
+    target: str
+    dataset: str
+    temperature: float
+    concurrency: int
+    fastest: LoadSummary
+    lossless: LoadSummary | None
+    server_plain: LoadSummary | None
+    server_types: tuple[LoadSummary, ...]  # llama-server's speculative configurations, fastest first
+
+    def gain(self, config: LoadSummary | None) -> float | None:
+        """A server configuration's aggregate tokens/s over the server's plain decoding at this level."""
+        same = [s for s in self.server_types if config is not None and (s.drafter, s.k) == (config.drafter, config.k)]
+        if not same or self.server_plain is None or not self.server_plain.tokens_per_s:
+            return None
+        return same[0].tokens_per_s / self.server_plain.tokens_per_s
+
+    @property
+    def clean(self) -> LoadSummary | None:
+        """The server's fastest speculation whose every greedy output equalled its plain decoding (None: none)."""
+        return next((s for s in self.server_types if s.identical is None or s.identical == s.prompts), None)
+
+
+def level_answers(summaries: list[LoadSummary]) -> list[LevelAnswer]:
+    """Per (target, workload, temperature, concurrency) where llama-server ran, on configurations that ran every
+    prompt of the level."""
+    levels: dict[tuple, list[LoadSummary]] = defaultdict(list)
+    for s in summaries:
+        levels[(s.target, s.dataset, s.temperature, s.concurrency)].append(s)
+    out = []
+    for key, cells in sorted(levels.items()):
+        most = max(s.prompts for s in cells)
+        cells = [s for s in cells if s.prompts == most and s.tokens_per_s > 0]
+        servers = [s for s in cells if s.method in SERVER_METHODS]
+        if not servers:
+            continue
+        plain = [s for s in servers if s.method == PEER_PLAIN["server"]]
+        types = sorted((s for s in servers if s.method == "server"), key=lambda s: -s.tokens_per_s)
+        out.append(LevelAnswer(*key, max(cells, key=lambda s: s.tokens_per_s),
+                               max((s for s in cells if s.exact), key=lambda s: s.tokens_per_s, default=None),
+                               plain[0] if plain else None, tuple(types)))
+    return out
+
+
+def deploy_choice(answers: list[LevelAnswer]) -> LoadSummary | None:
+    """The server configuration to deploy for one workload: at concurrency 1, the server's fastest speculation whose
+    every output equalled its plain decoding, where it beats that plain decoding; else the plain decoding."""
+    alone = [a for a in answers if a.concurrency == 1]
+    if not alone or alone[0].server_plain is None:
+        return None
+    clean = alone[0].clean
+    return clean if (alone[0].gain(clean) or 0.0) > 1.0 else alone[0].server_plain
+
+
+def per_batch_size(answers: list[LevelAnswer], choice: LoadSummary) -> list[list[int]]:
+    """vLLM's `num_speculative_tokens_per_batch_size` for the chosen configuration: per run of concurrency levels,
+    its draft length where it beats the server's plain decoding at that level, else 0 (-1: the type's default)."""
+    table: list[list[int]] = []
+    for answer in sorted(answers, key=lambda a: a.concurrency):
+        pays = choice.method == "server" and (answer.gain(choice) or 0.0) > 1.0
+        k = (choice.k or -1) if pays else 0
+        if table and table[-1][2] == k:
+            table[-1][1] = answer.concurrency
+        else:
+            table.append([table[-1][1] + 1 if table else 1, answer.concurrency, k])
+    return table
+
+
+def deploy_config(answers: list[LevelAnswer], model: Path) -> ServerConfig | None:
+    """The command's configuration: the chosen configuration with as many slots as the highest level measured up to
+    which it keeps paying (1 for plain decoding)."""
+    choice = deploy_choice(answers)
+    if choice is None:
+        return None
+    table = per_batch_size(answers, choice)
+    slots = table[0][1] if table[0][2] else 1
+    return spec_config(model, choice.drafter, choice.k, slots)
+
+
+def server_sentences(answers: list[LevelAnswer], model_file) -> list[str]:
+    """Per target: what llama-server does at each concurrency on each workload, the fastest lossless answer beside
+    it; then, over all the study's prompts, the vLLM-shaped table and the command to deploy. `model_file`: a target
+    name -> its GGUF (for the command)."""
+    by_target: dict[tuple, list[LevelAnswer]] = defaultdict(list)
+    for answer in answers:
+        by_target[(answer.target, answer.temperature)].append(answer)
+    sentences = []
+    for (target, _), levels in sorted(by_target.items()):
+        model = target.removeprefix(LLAMACPP_TARGET)
+        workloads = sorted({a.dataset for a in levels} - {ALL})
+        for answer in sorted(levels, key=lambda a: (a.dataset, a.concurrency)):
+            if answer.dataset != ALL:
+                sentences.append(_level_sentence(model, answer, workloads))
+        overall = [a for a in levels if a.dataset == ALL] or levels
+        choice = deploy_choice(overall)
+        if choice is None:
+            continue
+        if len(overall) > 1 and choice.method == "server":
+            sentences.append(f"On llama-server, {choice.name} per concurrency in vLLM's "
+                             f"num_speculative_tokens_per_batch_size shape (K -1: the type's default length): "
+                             f"{per_batch_size(overall, choice)}.")
+        why = "" if choice.method == "server" else (" (plain decoding: no speculative type kept every output identical "
+                                                    "to it and beat it alone)")
+        sentences.append(f"Deploy {model} on llama-server{why} with: "
+                         f"{deploy_config(overall, model_file(target)).command()}")
+    return sentences
+
+
+def _level_sentence(model: str, answer: LevelAnswer, workloads: list[str]) -> str:
+    """One level in words."""
+    fastest, lossless = answer.fastest, answer.lossless
+    on = f" on {answer.dataset}" if len(workloads) > 1 else ""
+    where = f"{model}{on} with {answer.concurrency} request(s) in flight"
+    text = f"Fastest for {where}: {fastest.name}, {fastest.tokens_per_s:.1f} tok/s"
+    if not fastest.exact:
+        same = (f"{fastest.identical}/{fastest.prompts} outputs identical to its plain decoding"
+                if fastest.identical is not None else "outputs sampled")
+        text += f" (lossless only up to rounding: {same})"
+    if lossless is not None and lossless is not fastest:
+        text += f"; fastest lossless: {lossless.name}, {lossless.tokens_per_s:.1f} tok/s"
+    best, clean = (answer.server_types[0] if answer.server_types else None), answer.clean
+    for label, config in (("best speculation", best),
+                          ("best speculation with every output identical", clean if clean is not best else None)):
+        if answer.gain(config) is not None:
+            text += (f"; llama-server's {label}, {config.name}, is {answer.gain(config):.2f}x its plain decoding "
+                     f"({answer.server_plain.tokens_per_s:.1f} tok/s; {answer.server_plain.latency_s:.2f} s per request "
+                     f"against {config.latency_s:.2f} s)")
+    return text + "."
+
+
+def server_answer(rows: list[dict], table: bool = True) -> list[str]:
+    """The sentences for a study's records (none when no llama-server cell ran), and the per-concurrency table."""
+    from draftlab.models import gguf_path
+
+    summaries = load_summaries(rows)
+    sentences = server_sentences(level_answers(summaries),
+                                 lambda target: gguf_path(target.removeprefix(LLAMACPP_TARGET)))
+    text = format_load(summaries) if table else ""
+    return sentences + ([text] if text else [])
+
+
+def draw_load(summaries: list[LoadSummary], out: Path) -> list[tuple[str, str]]:
+    """Per target with more than one concurrency: aggregate tokens/s vs concurrency, one line per llama-server
+    configuration (dashed: plain decoding); returns (file name, title) pairs."""
+    from draftlab.study.plots import finish, plt, slug
+
+    lines: dict[str, dict[tuple, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
+    for s in summaries:
+        if s.dataset == ALL and s.method in SERVER_METHODS:
+            lines[s.target][(s.name, s.method)][s.concurrency] = s.tokens_per_s
+    figures = []
+    for target, configs in sorted(lines.items()):
+        if len({c for points in configs.values() for c in points}) < 2:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for (name, method), points in sorted(configs.items()):
+            levels = sorted(points)
+            ax.plot(levels, [points[c] for c in levels], marker="o", label=name,
+                    linestyle="--" if method == "server-ar" else "-")
+        file, title = f"load_{slug(target)}.png", f"llama-server under load ({target})"
+        if finish(fig, ax, out / file, "requests in flight", "aggregate tokens/s", title, integer_x=True):
+            figures.append((file, title))
+    return figures
+
+
+def format_load(summaries: list[LoadSummary]) -> str:
+    """The llama-server configurations per concurrency as a table (workload 'all'); '' when none ran."""
+    rows = sorted((s for s in summaries if s.dataset == ALL and s.method in SERVER_METHODS),
+                  key=lambda s: (s.target, s.temperature, s.concurrency, s.method != "server-ar", -s.tokens_per_s))
+    if not rows:
+        return ""
+    lines = [f"{'target':<28}{'c':>3}  {'configuration':<44}{'tok/s':>8}{'latency s':>11}{'identical':>11}"
+             f"{'accepted':>10}"]
+    for s in rows:
+        same = f"{s.identical}/{s.prompts}" if s.identical is not None else "-"
+        rate = f"{s.accepted / s.drafted:.0%}" if s.drafted else "-"
+        lines.append(f"{s.target:<28}{s.concurrency:>3}  {s.name:<44}{s.tokens_per_s:>8.1f}{s.latency_s:>11.2f}"
+                     f"{same:>11}{rate:>10}")
+    return "llama-server per concurrency (aggregate tok/s; identical: to the same server's plain decoding):\n" + \
+        "\n".join(lines)
