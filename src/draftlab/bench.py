@@ -5,19 +5,26 @@ host's fastest mode of every other dtype (and route, `draftlab.plain.host_plain`
 that drift in machine speed hits all alike. Speedups are the loop's, both kinds named: `speedup` end to end
 (prefill included) and `decode_speedup`, each over the baseline and over the fastest plain decoding measured
 ("plain decoding in fp32" can be the answer); `identical` counts outputs equal to the baseline token for token.
+With `servers` (a GGUF target), llama-server's plain decoding joins the plain decodings and each of its own
+speculative configurations runs in the same loop, reported against the server's plain decoding (its outputs
+compared with it: lossless only up to rounding).
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from draftlab.api import SpeculativeDecoder, prompt_ids
 from draftlab.datasets import Prompt
 from draftlab.measure import DECODE, END_TO_END, EncodedPrompt, Measurement, RunRecord, RunSettings, measure
+from draftlab.models import gguf_path
 from draftlab.plain import autoregressive, host_plain
+from draftlab.server_configs import ServerPool, parse_server_spec, spec_config
 
-BASELINE, SPECULATIVE = "baseline", "speculative"
+BASELINE, SPECULATIVE, SERVER_PLAIN = "baseline", "speculative", "llama-server plain"
 
 
 @dataclass(frozen=True)
@@ -34,13 +41,16 @@ class BenchReport:
 
     measured: Measurement
     learned: dict | None = None
+    server_types: list[str] = field(default_factory=list)  # keys of llama-server's speculative configurations
 
     def summary(self) -> dict:
         """Aggregates over all prompts, then per category."""
         out = _aggregate(self.measured, None)
         categories = sorted({r.category for r in self.measured.records[SPECULATIVE]})
         out["categories"] = {c: _aggregate(self.measured, c) for c in categories}
-        out.update(_host_plain(self.measured))
+        out.update(_host_plain(self.measured, self.server_types))
+        if self.server_types:
+            out["llama_server"] = _servers(self.measured, self.server_types)
         held = [r.stats.cache_held for r in self.measured.records[SPECULATIVE]]
         if any(h is not None for h in held):  # a drafter that learns across requests: cold at first, then warm
             out["cache_held"] = {"first_prompt": held[0], "last_prompt": held[-1]}
@@ -51,9 +61,20 @@ class BenchReport:
         return out
 
 
-def _host_plain(measured: Measurement) -> dict:
+def _servers(measured: Measurement, types: list[str]) -> dict:
+    """Each llama-server configuration against the server's plain decoding on the same prompts."""
+    plain = measured.records[SERVER_PLAIN]
+    return {key: {"tokens_per_s": measured.tokens_per_s(key, END_TO_END) or 0.0,
+                  "speedup": measured.speedup(key, SERVER_PLAIN, END_TO_END) or 0.0,
+                  "decode_speedup": measured.speedup(key, SERVER_PLAIN, DECODE) or 0.0,
+                  "identical": sum(_identical(r, b) for r, b in zip(measured.records[key], plain)),
+                  "drafted": sum(r.stats.drafted for r in measured.records[key]),
+                  "accepted": sum(r.stats.accepted for r in measured.records[key])} for key in types}
+
+
+def _host_plain(measured: Measurement, server_types: list[str] = ()) -> dict:
     """The plain decodings timed in every mode (the baseline included), the fastest, and the speedups over it."""
-    labels = [key for key in measured.records if key != SPECULATIVE]
+    labels = [key for key in measured.records if key != SPECULATIVE and key not in server_types]
     speeds = {label: measured.tokens_per_s(label, END_TO_END) or 0.0 for label in labels}
     fastest = max(speeds, key=speeds.get)
     return {"host_plain_tokens_per_s": speeds, "fastest_plain": fastest,
@@ -98,11 +119,30 @@ def _identical(run: RunRecord, baseline: RunRecord) -> bool:
     return run.prompt_id == baseline.prompt_id and run.token_ids == baseline.token_ids
 
 
-def run_bench(decoder: SpeculativeDecoder, prompts: list[Prompt], settings: BenchSettings, progress: bool = True
-              ) -> BenchReport:
-    """Baseline, speculative decoding and the host's other plain modes on every prompt, interleaved."""
+def run_bench(decoder: SpeculativeDecoder, prompts: list[Prompt], settings: BenchSettings, progress: bool = True,
+              servers: list[str] = ()) -> BenchReport:
+    """Baseline, speculative decoding and the host's other plain modes on every prompt, interleaved; with
+    `servers` ('TYPE[/DRAFT][:K,...]'), llama-server's plain decoding and those configurations of its own too, each
+    server stopped when the bench ends."""
     contenders = {BASELINE: autoregressive(decoder), SPECULATIVE: decoder,
                   **(host_plain(decoder) if settings.host_baselines else {})}
     encoded = [EncodedPrompt(p.id, p.category, prompt_ids(decoder.target.tokenizer, p)) for p in prompts]
-    measured = measure(contenders, encoded, settings, warmup=settings.warmup, progress="bench" if progress else "")
-    return BenchReport(measured, decoder.drafter.learned())
+    with tempfile.TemporaryDirectory(prefix="draftlab-servers-") as logs:
+        pool = ServerPool(Path(logs))
+        try:
+            types = _add_servers(contenders, pool, decoder, servers) if servers else []
+            measured = measure(contenders, encoded, settings, warmup=settings.warmup,
+                               progress="bench" if progress else "")
+        finally:
+            pool.stop_all()
+    return BenchReport(measured, decoder.drafter.learned(), types)
+
+
+def _add_servers(contenders: dict, pool: ServerPool, decoder: SpeculativeDecoder, servers: list[str]) -> list[str]:
+    """llama-server's plain decoding and each configuration as contenders; the configurations' keys."""
+    model = gguf_path(decoder.target.source)
+    configs = {f"llama-server {spec.drafter}" + (f" K={k}" if k else ""): (spec.drafter, k)
+               for spec in map(parse_server_spec, servers) for k in spec.ks}
+    contenders[SERVER_PLAIN] = pool.contender(spec_config(model, "none", 0))
+    contenders.update({key: pool.contender(spec_config(model, *config)) for key, config in configs.items()})
+    return list(configs)

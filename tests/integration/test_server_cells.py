@@ -130,3 +130,34 @@ def test_a_server_killed_mid_sweep_ends_its_cell_and_the_next_run_resumes_it(bin
     assert {(r["method"], r["prompt_id"]) for r in store.rows()} == first | missing and not store.skips()
     store.close()
     assert not server_pids()
+
+
+def test_bench_runs_llama_servers_types_beside_draftlab(binary, prompts):
+    from draftlab.api import SpeculativeDecoder
+    from draftlab.bench import BenchSettings, run_bench
+    from draftlab.datasets import load_prompts
+
+    decoder = SpeculativeDecoder.from_names("smollm2-135m", drafter="ngram", k=3, backend="llamacpp")
+    summary = run_bench(decoder, load_prompts(str(prompts), 2), BenchSettings(32, host_baselines=False),
+                        progress=False, servers=["ngram-simple:16"]).summary()
+    served = summary["llama_server"]["llama-server ngram-simple K=16"]
+    assert served["tokens_per_s"] > 0 and served["speedup"] > 0 and 0 <= served["identical"] <= 2
+    assert served["drafted"] >= served["accepted"] > 0
+    assert set(summary["host_plain_tokens_per_s"]) == {"baseline", "llama-server plain"}  # its types are not plain
+    assert summary["identical"] == 2 and not server_pids()
+
+
+def test_the_tuners_server_round_ends_with_the_command_to_deploy(binary, prompts, tmp_path):
+    from draftlab.datasets import load_prompts
+    from draftlab.models import load_model
+    from draftlab.perf.serve_race import SERVER_PLAIN, server_round
+
+    target = load_model("smollm2-135m", backend="llamacpp")
+    served = server_round(target, ("ngram", 3), ["ngram-mod", "ngram-simple:16"], load_prompts(str(prompts), 2), 32,
+                          tmp_path, progress=False)
+    assert set(served.tokens_per_s) == {"draftlab plain decoding", "draftlab ngram K=3", SERVER_PLAIN,
+                                        "llama-server ngram-mod", "llama-server ngram-simple K=16"}
+    assert served.identical["draftlab ngram K=3"] == served.identical["draftlab plain decoding"]  # both exact
+    assert served.command.startswith("llama-server -m ") and "--host 127.0.0.1" in served.command
+    assert ("--spec-type" in served.command) == (served.deploy != SERVER_PLAIN)
+    assert served.lines()[-1].startswith(f"deploy ({served.deploy}): llama-server") and not server_pids()

@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--limit", type=int, default=8, help="prompts to run, spread over categories")
     bench.add_argument("--skip", type=int, default=0, help="prompts passed over first (e.g. a draft's training set)")
     bench.add_argument("--warmup", type=int, default=1)
+    bench.add_argument("--servers", nargs="+", metavar="TYPE[/DRAFT][:K,...]",
+                       help="with --backend llamacpp: llama-server's plain decoding and these speculative types of its "
+                            "own in the same loop (ngram-mod, ngram-simple:16, draft-simple/DRAFT:4)")
     bench.add_argument("--no-host-baselines", action="store_true",
                        help="skip timing plain decoding in the host's other dtypes and routes")
     bench.set_defaults(run=cmd_bench)
@@ -123,9 +126,17 @@ def cmd_bench(args) -> None:
     decoder = _decoder(args)
     settings = BenchSettings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.warmup,
                              not args.no_host_baselines)
-    summary = {**run_bench(decoder, prompts, settings).summary(), "numerics": decoder.target_backend.numerics}
+    if args.servers and not decoder.target.engine.runs_gguf:
+        raise DraftlabError("--servers runs llama-server on the target's GGUF: add --backend llamacpp")
+    summary = {**run_bench(decoder, prompts, settings, servers=args.servers or []).summary(),
+               "numerics": decoder.target_backend.numerics}
     _save_adapted(decoder, args)
     print(format_bench_table(summary, args))
+    for key, row in summary.get("llama_server", {}).items():
+        print(f"{key}: {row['tokens_per_s']:.1f} tok/s, {row['speedup']:.2f}x llama-server's plain decoding "
+              f"({summary['host_plain_tokens_per_s']['llama-server plain']:.1f} tok/s), decode only "
+              f"{row['decode_speedup']:.2f}x; {row['identical']}/{summary['prompts']} outputs identical to it "
+              "(lossless only up to rounding)")
     if args.json:
         print(json.dumps({"target": args.target, "drafter": args.drafter, "k": args.k,
                           "dtype": str(decoder.target.dtype).removeprefix("torch."), **summary}))

@@ -49,7 +49,8 @@ def build_report(db: str | Path, out: str | Path, profile_path: str | Path | Non
     drift = baseline_drift(rows, checks)
     page = _html(db, summaries, optimal, figures, envs, drift,
                  engine_answer(summaries, drift) + recommend(summaries, drift) + numerics_notes(envs)
-                 + server_answer(rows, table=False) + weight_type_answer(summaries, rows, table=False))
+                 + server_answer(rows, table=False, margin=drift.typical)
+                 + weight_type_answer(summaries, rows, table=False))
     page = page.replace("<h2>Figures</h2>", _skips_section(load_skips(db)) + "<h2>Figures</h2>")
     types = format_weight_types(weight_type_rows(summaries, rows, file_bytes))
     if types:

@@ -3,7 +3,8 @@
 A study measures many cells that cannot win (a draft slower than plain decoding on another engine, the same draft
 at a K too large). After `after` prompts of a dataset, each cell is compared with the fastest cell of the same
 model (any engine, lossless or plain) on the prompts both ran: one that runs slower than the leader by more than
-the margin is dropped for the rest of the dataset, and every prompt it will not run is stored as skipped with the
+the margin is dropped for the rest of the dataset (the leader is lossless: llama-server's own speculation, exact
+only up to rounding, can be dropped but never leads), and every prompt it will not run is stored as skipped with the
 reason, so the report shows what was dropped and why, and a resumed study makes the same decisions. The margin
 is the larger of a floor and the machine's drift measured so far (the baseline re-checks), so a noisy machine
 keeps more cells racing. The baseline of each engine ('ar') is never dropped: every output is compared with it,
@@ -16,7 +17,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from draftlab.study.cells import LLAMACPP_TARGET, PEER_PLAIN, Cell
+from draftlab.study.cells import LLAMACPP_TARGET, PEER_PLAIN, UP_TO_ROUNDING, Cell
 from draftlab.study.store import ResultsStore
 
 
@@ -63,7 +64,7 @@ def dropped_cells(cells: list[Cell], rows: list[dict], rule: RaceRule, drift: fl
     speeds = {key: runs for key, runs in pooled_speeds([r for r in rows if r["cell"] in keys]).items()
               if len(runs) >= rule.after}
     most = max((len(runs) for runs in speeds.values()), default=0)  # cells still racing; dropped ones ran fewer
-    lossless = ({key for key, runs in speeds.items() if len(runs) == most}
+    lossless = ({key for key, runs in speeds.items() if len(runs) == most and keys[key].method not in UP_TO_ROUNDING}
                 - {r["cell"] for r in rows if r["identical"] == 0})
     if not lossless:
         return {}

@@ -124,22 +124,24 @@ def level_answers(summaries: list[LoadSummary]) -> list[LevelAnswer]:
     return out
 
 
-def deploy_choice(answers: list[LevelAnswer]) -> LoadSummary | None:
+def deploy_choice(answers: list[LevelAnswer], margin: float = 0.0) -> LoadSummary | None:
     """The server configuration to deploy for one workload: at concurrency 1, the server's fastest speculation whose
-    every output equalled its plain decoding, where it beats that plain decoding; else the plain decoding."""
+    every output equalled its plain decoding, where it beats that plain decoding by more than `margin` (the
+    machine's typical drift during the study: a smaller gain is noise); else the plain decoding."""
     alone = [a for a in answers if a.concurrency == 1]
     if not alone or alone[0].server_plain is None:
         return None
     clean = alone[0].clean
-    return clean if (alone[0].gain(clean) or 0.0) > 1.0 else alone[0].server_plain
+    return clean if (alone[0].gain(clean) or 0.0) > 1.0 + margin else alone[0].server_plain
 
 
-def per_batch_size(answers: list[LevelAnswer], choice: LoadSummary) -> list[list[int]]:
+def per_batch_size(answers: list[LevelAnswer], choice: LoadSummary, margin: float = 0.0) -> list[list[int]]:
     """vLLM's `num_speculative_tokens_per_batch_size` for the chosen configuration: per run of concurrency levels,
-    its draft length where it beats the server's plain decoding at that level, else 0 (-1: the type's default)."""
+    its draft length where it beats the server's plain decoding there by more than `margin`, else 0 (-1: the
+    type's default)."""
     table: list[list[int]] = []
     for answer in sorted(answers, key=lambda a: a.concurrency):
-        pays = choice.method == "server" and (answer.gain(choice) or 0.0) > 1.0
+        pays = choice.method == "server" and (answer.gain(choice) or 0.0) > 1.0 + margin
         k = (choice.k or -1) if pays else 0
         if table and table[-1][2] == k:
             table[-1][1] = answer.concurrency
@@ -148,21 +150,21 @@ def per_batch_size(answers: list[LevelAnswer], choice: LoadSummary) -> list[list
     return table
 
 
-def deploy_config(answers: list[LevelAnswer], model: Path) -> ServerConfig | None:
+def deploy_config(answers: list[LevelAnswer], model: Path, margin: float = 0.0) -> ServerConfig | None:
     """The command's configuration: the chosen configuration with as many slots as the highest level measured up to
     which it keeps paying (1 for plain decoding)."""
-    choice = deploy_choice(answers)
+    choice = deploy_choice(answers, margin)
     if choice is None:
         return None
-    table = per_batch_size(answers, choice)
+    table = per_batch_size(answers, choice, margin)
     slots = table[0][1] if table[0][2] else 1
     return spec_config(model, choice.drafter, choice.k, slots)
 
 
-def server_sentences(answers: list[LevelAnswer], model_file) -> list[str]:
+def server_sentences(answers: list[LevelAnswer], model_file, margin: float = 0.0) -> list[str]:
     """Per target: what llama-server does at each concurrency on each workload, the fastest lossless answer beside
     it; then, over all the study's prompts, the vLLM-shaped table and the command to deploy. `model_file`: a target
-    name -> its GGUF (for the command)."""
+    name -> its GGUF (for the command); `margin`: the gain over plain decoding that counts (the machine's drift)."""
     by_target: dict[tuple, list[LevelAnswer]] = defaultdict(list)
     for answer in answers:
         by_target[(answer.target, answer.temperature)].append(answer)
@@ -174,17 +176,17 @@ def server_sentences(answers: list[LevelAnswer], model_file) -> list[str]:
             if answer.dataset != ALL:
                 sentences.append(_level_sentence(model, answer, workloads))
         overall = [a for a in levels if a.dataset == ALL] or levels
-        choice = deploy_choice(overall)
+        choice = deploy_choice(overall, margin)
         if choice is None:
             continue
         if len(overall) > 1 and choice.method == "server":
             sentences.append(f"On llama-server, {choice.name} per concurrency in vLLM's "
                              f"num_speculative_tokens_per_batch_size shape (K -1: the type's default length): "
-                             f"{per_batch_size(overall, choice)}.")
+                             f"{per_batch_size(overall, choice, margin)}.")
         why = "" if choice.method == "server" else (" (plain decoding: no speculative type kept every output identical "
-                                                    "to it and beat it alone)")
+                                                    f"to it and beat it alone by more than {margin:.0%})")
         sentences.append(f"Deploy {model} on llama-server{why} with: "
-                         f"{deploy_config(overall, model_file(target)).command()}")
+                         f"{deploy_config(overall, model_file(target), margin).command()}")
     return sentences
 
 
@@ -210,13 +212,14 @@ def _level_sentence(model: str, answer: LevelAnswer, workloads: list[str]) -> st
     return text + "."
 
 
-def server_answer(rows: list[dict], table: bool = True) -> list[str]:
-    """The sentences for a study's records (none when no llama-server cell ran), and the per-concurrency table."""
+def server_answer(rows: list[dict], table: bool = True, margin: float = 0.0) -> list[str]:
+    """The sentences for a study's records (none when no llama-server cell ran), and the per-concurrency table;
+    `margin`: the gain over plain decoding that counts (the study's typical drift)."""
     from draftlab.models import gguf_path
 
     summaries = load_summaries(rows)
     sentences = server_sentences(level_answers(summaries),
-                                 lambda target: gguf_path(target.removeprefix(LLAMACPP_TARGET)))
+                                 lambda target: gguf_path(target.removeprefix(LLAMACPP_TARGET)), margin)
     text = format_load(summaries) if table else ""
     return sentences + ([text] if text else [])
 
