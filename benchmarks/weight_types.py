@@ -46,8 +46,9 @@ def main() -> None:
 
     sources = {SHIPPED: args.target, **{kind: f"{args.target}@{kind}" for kind in args.types}}
     files = {kind: gguf_path(source) for kind, source in sources.items()}  # derives the types once (cached)
-    configs = {"plain": ("none", 0), **{f"{spec.drafter}" + (f" K={k}" if k else ""): (spec.drafter, k)
-                                         for spec in map(parse_server_spec, args.servers) for k in spec.ks}}
+    configs = {"plain": ("none", 0), **{drafter + (f" K={k}" if k else ""): (drafter, k)
+                                         for spec in map(parse_server_spec, args.servers)
+                                         for drafter, k in spec.configurations()}}
     tokenizer = SpeculativeDecoder.from_names(args.target, drafter="none", k=1, backend="llamacpp").target.tokenizer
     report = {}
     with tempfile.TemporaryDirectory() as logs:

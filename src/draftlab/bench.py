@@ -141,8 +141,8 @@ def run_bench(decoder: SpeculativeDecoder, prompts: list[Prompt], settings: Benc
 def _add_servers(contenders: dict, pool: ServerPool, decoder: SpeculativeDecoder, servers: list[str]) -> list[str]:
     """llama-server's plain decoding and each configuration as contenders; the configurations' keys."""
     model = gguf_path(decoder.target.source)
-    configs = {f"llama-server {spec.drafter}" + (f" K={k}" if k else ""): (spec.drafter, k)
-               for spec in map(parse_server_spec, servers) for k in spec.ks}
+    configs = {f"llama-server {drafter}" + (f" K={k}" if k else ""): (drafter, k)
+               for spec in map(parse_server_spec, servers) for drafter, k in spec.configurations()}
     contenders[SERVER_PLAIN] = pool.contender(spec_config(model, "none", 0))
     contenders.update({key: pool.contender(spec_config(model, *config)) for key, config in configs.items()})
     return list(configs)

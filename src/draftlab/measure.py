@@ -256,10 +256,6 @@ class InFlight:
     companions: tuple[EncodedPrompt, ...]
     times_prefill = False  # requests overlap: no prefill of the window is apart from its decoding
 
-    @property
-    def concurrency(self) -> int:
-        return len(self.companions) + 1
-
     def run(self, prompt_ids: list[int], settings: RunSettings) -> GenerationResult:
         timed = _in_flight(self.contender, [prompt_ids, *(c.ids for c in self.companions)], settings)
         own = timed[0][0]

@@ -96,10 +96,17 @@ class ServeCheck:
 
 
 def plain_of(config: ServerConfig) -> ServerConfig:
-    """The same server without speculation (the flags draftlab knows as speculative are dropped)."""
-    extra = tuple(flag for flag in config.extra if not flag.startswith("--spec-"))
+    """The same server without speculation (the flags draftlab knows as speculative are dropped, with their values:
+    `--spec-ngram-mod-n-max 16` goes whole)."""
+    extra, words = [], list(config.extra)
+    while words:
+        word = words.pop(0)
+        if not word.startswith("--spec-"):
+            extra.append(word)
+        elif words and not words[0].startswith("-"):
+            words.pop(0)  # the speculative flag's value
     return replace(config, spec_type="", draft=None, draft_n_max=None, draft_n_min=None, draft_p_min=None,
-                   extra=extra)
+                   extra=tuple(extra))
 
 
 def serve_check(config: ServerConfig, prompts: list[EncodedPrompt], settings: RunSettings, log_dir: Path,

@@ -1,8 +1,10 @@
 """llama-server configurations by name: how a study or the tuner names one, which server runs it, and its command.
 
-A study (or `draftlab tune --servers`) lists llama-server's own speculative types as `TYPE[/DRAFT][:K,K,...]` (`SweepConfig.servers`): `ngram-mod`,
-`ngram-simple:16,64`, `draft-simple/qwen2.5-coder-0.5b:3,4`, `draft-simple,ngram-mod/qwen2.5-coder-0.5b`. Each K
-becomes a 'server' cell (K 0, or none given: the server's default length); each concurrency level of the study
+A study (or `draftlab tune --servers`) lists llama-server's own speculative types as `TYPE[/DRAFT][:K,...[:P,...]]`
+(`SweepConfig.servers`): `ngram-mod`, `ngram-simple:16,64`, `draft-simple/qwen2.5-coder-0.5b:3,4`,
+`draft-simple/qwen2.5-coder-0.5b:4:0.5,0.8` (P: `--spec-draft-p-min`, for draft models),
+`draft-simple,ngram-mod/qwen2.5-coder-0.5b`. Each (K, P) becomes a 'server' cell (K 0, or none given: the server's
+default length; a P shows in the drafter label as `,p=P`); each concurrency level of the study
 gives every configuration, and the server's plain decoding ('server-ar'), a server with that many slots. K is the
 length flag of the type: `--spec-draft-n-max` for draft models and the n-gram map types, `--spec-ngram-mod-n-max`
 for `ngram-mod` (with its `-n-min` at three quarters of it, the ratio of the server's defaults, 48 of 64).
@@ -28,37 +30,49 @@ MAX_CONCURRENCY = 16  # load runs go to 127.0.0.1 only, bounded: each level is t
 
 @dataclass(frozen=True)
 class ServerSpec:
-    """One speculative type of llama-server (or a comma list), its draft model if any, and the lengths to run."""
+    """One speculative type of llama-server (or a comma list), its draft model if any, and the lengths (and, for
+    draft models, the minimum draft probabilities) to run."""
 
     spec_type: str
     draft: str = ""  # a draft GGUF's short name or path, for the draft-* types
     ks: tuple[int, ...] = (0,)  # draft length flag values; 0: the server's default
+    p_mins: tuple[float | None, ...] = (None,)  # --spec-draft-p-min values; None: the server's default
 
     @property
     def drafter(self) -> str:
-        """The cells' drafter label: the type, and its draft after a slash."""
+        """The type, and its draft after a slash."""
         return f"{self.spec_type}/{self.draft}" if self.draft else self.spec_type
+
+    def configurations(self) -> list[tuple[str, int]]:
+        """(drafter label, K) of every configuration: the label carries the draft and its P (`,p=P`)."""
+        return [(self.drafter + (f",p={p:g}" if p is not None else ""), k) for p in self.p_mins for k in self.ks]
 
 
 def parse_server_spec(text: str) -> ServerSpec:
-    """`TYPE[/DRAFT][:K,K,...]` -> its spec; a one-line error naming what is wrong."""
-    head, _, lengths = text.partition(":")
+    """`TYPE[/DRAFT][:K,...[:P,...]]` -> its spec; a one-line error naming what is wrong."""
+    head, _, rest = text.partition(":")
+    lengths, _, probabilities = rest.partition(":")
     spec_type, _, draft = head.partition("/")
     types = [t for t in spec_type.split(",") if t]
     unknown = [t for t in types if t not in SPEC_TYPES]
     if not types or unknown:
         raise DraftlabError(f"unknown llama-server speculative type {(unknown or [text])[0]!r} in {text!r}; use one of "
-                            f"{', '.join(SPEC_TYPES)}, as TYPE[/DRAFT][:K,...]")
+                            f"{', '.join(SPEC_TYPES)}, as TYPE[/DRAFT][:K,...[:P,...]]")
     needs_draft = any(t.startswith("draft-") for t in types)
     if needs_draft != bool(draft):
         raise DraftlabError(f"{text!r}: the draft-* types take a draft model (TYPE/DRAFT), the n-gram types none")
     try:
         ks = tuple(int(k) for k in lengths.split(",")) if lengths else (0,)
+        p_mins = tuple(float(p) for p in probabilities.split(",")) if probabilities else (None,)
     except ValueError:
-        raise DraftlabError(f"{text!r}: the lengths after ':' must be whole numbers, e.g. ngram-mod:16,64") from None
+        raise DraftlabError(f"{text!r}: give whole lengths and probabilities, e.g. ngram-mod:16,64 or "
+                            "draft-simple/DRAFT:4:0.5,0.8") from None
     if min(ks) < 0:
         raise DraftlabError(f"{text!r}: a draft length must be >= 0 (0: the server's default)")
-    return ServerSpec(spec_type, draft, ks)
+    if probabilities and (not needs_draft or not all(0.0 <= p <= 1.0 for p in p_mins)):
+        raise DraftlabError(f"{text!r}: a minimum draft probability (after the second ':') is for draft models and "
+                            "lies in [0, 1]")
+    return ServerSpec(spec_type, draft, ks, p_mins)
 
 
 def check_concurrency(levels: tuple[int, ...]) -> None:
@@ -73,9 +87,11 @@ def spec_config(model: Path, drafter: str, k: int, slots: int = 1) -> ServerConf
     if drafter == "none":
         return ServerConfig(model, slots=slots, context=CONTEXT_PER_SLOT * slots)
     spec_type, _, draft = drafter.partition("/")
+    draft, _, p_min = draft.partition(",p=")
     n_max, extra = _length_flags(spec_type, k)
-    return ServerConfig(model, spec_type, gguf_path(draft) if draft else None, draft_n_max=n_max, slots=slots,
-                        context=CONTEXT_PER_SLOT * slots, extra=extra)
+    return ServerConfig(model, spec_type, gguf_path(draft) if draft else None, draft_n_max=n_max,
+                        draft_p_min=float(p_min) if p_min else None, slots=slots, context=CONTEXT_PER_SLOT * slots,
+                        extra=extra)
 
 
 def _length_flags(spec_type: str, k: int) -> tuple[int | None, tuple[str, ...]]:

@@ -16,8 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from draftlab.errors import DraftlabError
-from draftlab.llama_server import server_binary
 from draftlab.study.config import SweepConfig
 from draftlab.study.serving import server_answer
 from draftlab.study.store import ResultsStore
@@ -25,16 +23,6 @@ from draftlab.study.sweep import run_sweep
 
 pytestmark = pytest.mark.integration
 TARGET = "llamacpp:smollm2-135m"
-
-
-@pytest.fixture(scope="module")
-def binary():
-    try:
-        return server_binary()
-    except DraftlabError as exc:
-        if os.environ.get("DRAFTLAB_REQUIRE_LLAMA_SERVER"):
-            raise
-        pytest.skip(str(exc))
 
 
 @pytest.fixture(scope="module")

@@ -26,9 +26,13 @@ def test_a_server_spec_names_its_type_draft_and_lengths():
     assert (spec.spec_type, spec.draft, spec.ks, spec.drafter) == ("ngram-simple", "", (16, 64), "ngram-simple")
     both = parse_server_spec("draft-simple,ngram-mod/qwen2.5-coder-0.5b:4")
     assert both.drafter == "draft-simple,ngram-mod/qwen2.5-coder-0.5b" and both.ks == (4,)
+    with_p = parse_server_spec("draft-simple/qwen2.5-coder-0.5b:3,4:0.5")
+    assert with_p.configurations() == [("draft-simple/qwen2.5-coder-0.5b,p=0.5", 3),
+                                       ("draft-simple/qwen2.5-coder-0.5b,p=0.5", 4)]
     for bad, why in (("ngram-fast", "unknown llama-server speculative type"), ("draft-simple", "take a draft model"),
-                     ("ngram-mod/some-draft", "take a draft model"), ("ngram-mod:x", "whole numbers"),
-                     ("ngram-mod:-1", ">= 0")):
+                     ("ngram-mod/some-draft", "take a draft model"), ("ngram-mod:x", "whole lengths"),
+                     ("ngram-mod:-1", ">= 0"), ("ngram-mod:4:0.5", "for draft models"),
+                     ("draft-simple/d:4:1.5", "lies in \\[0, 1\\]")):
         with pytest.raises(DraftlabError, match=why):
             parse_server_spec(bad)
 
@@ -45,6 +49,8 @@ def test_a_configurations_server_carries_its_length_flag_and_slots(tmp_path):
     assert "ngram-mod-n-max" not in default.command()
     simple = spec_config(model, f"draft-simple/{draft}", 4)
     assert simple.draft == draft and simple.draft_n_max == 4 and f"-md {draft}" in simple.command()
+    sure = spec_config(model, f"draft-simple/{draft},p=0.8", 4)
+    assert sure.draft == draft and sure.draft_p_min == 0.8 and "--spec-draft-p-min 0.8" in sure.command()
 
 
 def test_the_grid_gives_gguf_targets_server_cells_at_every_concurrency():

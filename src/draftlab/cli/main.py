@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--limit", type=int, default=8, help="prompts to run, spread over categories")
     bench.add_argument("--skip", type=int, default=0, help="prompts passed over first (e.g. a draft's training set)")
     bench.add_argument("--warmup", type=int, default=1)
-    bench.add_argument("--servers", nargs="+", metavar="TYPE[/DRAFT][:K,...]",
+    bench.add_argument("--servers", nargs="+", metavar="TYPE[/DRAFT][:K,...[:P,...]]",
                        help="with --backend llamacpp: llama-server's plain decoding and these speculative types of its "
                             "own in the same loop (ngram-mod, ngram-simple:16, draft-simple/DRAFT:4)")
     bench.add_argument("--no-host-baselines", action="store_true",

@@ -63,7 +63,7 @@ def _add_sweep_args(parser: argparse.ArgumentParser, db_required: bool = True) -
     parser.add_argument("--adapt", nargs="?", const="", default=None, metavar="OPTIONS",
                         help="add an adapting twin (adapt[:OPTIONS]/SPEC) of every feature or heads draft among the "
                              "drafters: it learns over its cell's prompts, in order")
-    parser.add_argument("--servers", nargs="+", metavar="TYPE[/DRAFT][:K,...]",
+    parser.add_argument("--servers", nargs="+", metavar="TYPE[/DRAFT][:K,...[:P,...]]",
                         help="llama-server's own speculative types, raced on every GGUF target beside its plain "
                              "decoding: ngram-mod, ngram-simple:16,64, draft-simple/qwen2.5-coder-0.5b:3,4 (K: the "
                              "type's draft length flag; none: the server's default)")

@@ -37,7 +37,7 @@ def add_tune_commands(sub) -> None:
     tune.add_argument("--dtypes", nargs="+", default=None,
                       help="search the target's dtype too (e.g. fp32 bf16): each is tuned, then the picks race head "
                            "to head; the first is the reference for speedups and output equality (replaces --dtype)")
-    tune.add_argument("--servers", nargs="+", metavar="TYPE[/DRAFT][:K,...]",
+    tune.add_argument("--servers", nargs="+", metavar="TYPE[/DRAFT][:K,...[:P,...]]",
                       help="with --backend llamacpp: end with a round on llama-server, the pick beside the server's "
                            "plain decoding and these speculative types of its own (ngram-mod, ngram-simple:16, ...), "
                            "and print the llama-server command to deploy")

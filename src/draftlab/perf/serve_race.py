@@ -53,8 +53,8 @@ def server_round(target: LoadedModel, pick: tuple[str, int], specs: list[str], p
     """draftlab's plain decoding and its pick (`(draft, K)`) on the target, llama-server's plain decoding and every
     configuration of `specs` ('TYPE[/DRAFT][:K,...]') on the target's GGUF, measured together."""
     model = gguf_path(target.source)
-    configs = {f"llama-server {spec.drafter}" + (f" K={k}" if k else ""): (spec.drafter, k)
-               for spec in map(parse_server_spec, specs) for k in spec.ks}
+    configs = {f"llama-server {drafter}" + (f" K={k}" if k else ""): (drafter, k)
+               for spec in map(parse_server_spec, specs) for drafter, k in spec.configurations()}
     pool = ServerPool(log_dir)
     try:
         contenders = {DRAFTLAB_PLAIN: race_decoder(target, "none", 1, target.engine.backend),

@@ -62,8 +62,8 @@ class SweepConfig:
     backend: str = DEFAULT_BACKEND
     host_baselines: bool = True  # also time plain decoding in the host's fastest mode of each dtype ('plain' cells)
     race_after: int = 0  # drop cells that trail the leader after this many prompts of a dataset (0: never; pruning.py)
-    servers: tuple[str, ...] = ()  # llama-server's own speculative types on GGUF targets, 'TYPE[/DRAFT][:K,...]'
-    # (servers.py); with any, the server's plain decoding runs too
+    servers: tuple[str, ...] = ()  # llama-server's own speculative types on GGUF targets, 'TYPE[/DRAFT][:K,...[:P,...]]'
+    # (draftlab.server_configs); with any, the server's plain decoding runs too
     concurrency: tuple[int, ...] = (1,)  # requests in flight for the llama-server cells: each level its own servers
 
     def __post_init__(self) -> None:
@@ -113,8 +113,8 @@ class SweepConfig:
         specs = [parse_server_spec(text) for text in self.servers]
         return [cell for c in self.concurrency for cell in [
             replace(base, method=SERVER_METHODS[1], concurrency=c),
-            *(replace(base, method=SERVER_METHODS[0], drafter=spec.drafter, k=k, concurrency=c)
-              for spec in specs for k in spec.ks)]]
+            *(replace(base, method=SERVER_METHODS[0], drafter=drafter, k=k, concurrency=c)
+              for spec in specs for drafter, k in spec.configurations())]]
 
     def host_modes(self, target: str) -> list[tuple[str, str]]:
         """(label, dtype) of the other modes of plain decoding timed beside the baseline: the host's fastest route
