@@ -19,7 +19,7 @@ from pathlib import Path
 from draftlab.llama_server import ServerConfig
 from draftlab.server_configs import spec_config
 from draftlab.study.cells import LLAMACPP_TARGET, PEER_PLAIN, SERVER_METHODS, UP_TO_ROUNDING
-from draftlab.study.report import ALL, PLAIN_METHODS
+from draftlab.study.report import ALL, PLAIN_ENGINES, PLAIN_METHODS
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,8 @@ class LoadSummary:
     def name(self) -> str:
         """The configuration in words."""
         if self.method in PLAIN_METHODS:
-            engine = "llama-server" if self.method in SERVER_METHODS else f"{self.method} {self.drafter}".strip()
-            return f"plain decoding ({engine})" if self.method != "ar" else "plain decoding (draftlab)"
+            engine = self.drafter if self.method == "plain" else PLAIN_ENGINES.get(self.method, "draftlab")
+            return f"plain decoding ({engine})"
         length = f" K={self.k}" if self.k else " (default length)"
         where = "llama-server" if self.method in SERVER_METHODS else self.method.upper()
         return f"{where} {self.drafter}{length}"
