@@ -12,9 +12,13 @@ then the prefill time of a long prompt per dtype, the route `auto` chooses on th
 fastest plain decoding, and llama.cpp plain decoding of the GGUF files given with --llama-gguf when
 llama-cpp-python is installed.
 
+`--devices cuda cpu` measures a GPU and this machine's CPU in the same run (each row names its device; the route
+`auto` chooses is timed on each device).
+
 Timings are medians of interleaved rounds, so drift hits every block size alike.
 
     python benchmarks/backend_limits.py --dtypes fp32 bf16 --tokens 48
+    python benchmarks/backend_limits.py --devices cuda cpu --dtypes bf16 --routes linear exact-linear/16
 """
 
 from __future__ import annotations
@@ -27,23 +31,32 @@ import time
 import torch
 
 from draftlab.backends import FastLlamaBackend
-from draftlab.backends.routes import KINDS, Route, choose_for, cpu_flags, cpu_model, exact_routes
+from draftlab.backends.routes import KINDS, Route, choose_for, cpu_flags, cpu_model, exact_routes, gpu_name
 from draftlab.models import load_model
 from draftlab.step import Block
 
 PROMPT = [1, 504, 3458, 282, 4125, 28, 357, 253, 2641, 30, 378, 1028, 314, 253, 1789, 2295] * 4  # 64 tokens
 
 
-def read_bandwidth(gib: float = 0.5, repeats: int = 5) -> float:
-    """Bytes per second this machine reads, from summing a large fp32 tensor."""
-    data = torch.ones(int(gib * 2**30) // 4)
-    data.sum()
+def read_bandwidth(device: str, gib: float = 0.5, repeats: int = 5) -> float:
+    """Bytes per second this device reads, from summing a large fp32 tensor."""
+    data = torch.ones(int(gib * 2**30) // 4, device=device)
+    float(data.sum())
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        data.sum()
+        float(data.sum())  # float(): waits for a GPU's kernel
         times.append(time.perf_counter() - start)
     return data.numel() * 4 / min(times)
+
+
+def describe(device: str, bandwidth: float) -> str:
+    """The device's name, and for the CPU its flags and threads."""
+    if device.startswith("cuda"):
+        return f"{gpu_name(device)}; torch {torch.__version__}; read bandwidth {bandwidth / 1e9:.0f} GB/s"
+    flags = " ".join(sorted(cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16"}))
+    return (f"{cpu_model() or 'unknown CPU'} ({flags or 'no AVX flags'}); torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads; read bandwidth {bandwidth / 1e9:.1f} GB/s")
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -114,9 +127,9 @@ def llama_cpp_seconds(gguf: str, tokens: int) -> float | str:
     return statistics.median(times)
 
 
-def prefill_seconds(model, dtype: str, tokens: int, repeats: int = 3) -> float:
+def prefill_seconds(model, device: str, tokens: int, repeats: int = 3) -> float:
     """Median seconds to prefill a `tokens`-long prompt (every row cached, the last row's logits)."""
-    backend = FastLlamaBackend(model, capacity=tokens + 8)
+    backend = FastLlamaBackend(model, device, capacity=tokens + 8)
     prompt = (PROMPT * (tokens // len(PROMPT) + 1))[:tokens]
     times = []
     for _ in range(repeats + 1):
@@ -130,6 +143,7 @@ def prefill_seconds(model, dtype: str, tokens: int, repeats: int = 3) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--devices", nargs="+", default=["cpu"], help="cpu, cuda, or both (measured in one run)")
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
     parser.add_argument("--tokens", type=int, default=48, help="decoded tokens per plain decoding measurement")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the block-cost curve")
@@ -141,56 +155,69 @@ def main() -> None:
                         help="GGUF files (e.g. F32 and F16 conversions of the target) to decode with llama.cpp")
     args = parser.parse_args()
     sizes = list(range(1, args.max_block + 1))
-    bandwidth = read_bandwidth()
-    flags = " ".join(sorted(cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16"}))
-    print(f"{cpu_model() or 'unknown CPU'} ({flags or 'no AVX flags'}); torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; read bandwidth {bandwidth / 1e9:.1f} GB/s")
     rows, prefills = [], {}
-    for dtype in args.dtypes:
-        target = load_model(args.target, dtype=dtype)
-        per_token = weight_bytes(target.model)
-        limit = bandwidth / per_token
-        for route in [Route(dtype, kind, 0) for kind in KINDS] + exact_routes(dtype):
-            if args.routes and route.label.split(" ", 1)[1] not in args.routes:
-                continue
-            backend = FastLlamaBackend(target.model, route=route)
-            seconds = decode_seconds(backend, args.tokens)
-            curve = block_curve(backend, sizes, args.rounds)
-            same = identical_rows(backend, sizes[1:])
-            rows.append((route, per_token, limit, seconds, curve, same))
-        prefills[dtype] = prefill_seconds(target.model, dtype, args.prefill_tokens)
-        del target
-    print(f"\n{'route':<22}{'MB/token':>9}{'limit tok/s':>12}{'AR tok/s':>9}{'% limit':>8}{'same rows':>10}  "
-          "block cost / one token (n = " + " ".join(str(n) for n in sizes) + ")")
-    for route, per_token, limit, seconds, curve, same in rows:
+    for device in args.devices:
+        print(f"{device}: {describe(device, read_bandwidth(device))}")
+        rows += measure_device(args, device, sizes, prefills)
+    print(f"\n{'device':<7}{'route':<22}{'MB/token':>9}{'limit tok/s':>12}{'AR tok/s':>9}{'% limit':>8}"
+          f"{'same rows':>10}  block cost / one token (n = " + " ".join(str(n) for n in sizes) + ")")
+    for device, route, per_token, limit, seconds, curve, same in rows:
         ratios = " ".join(f"{curve[n] / curve[1]:.2f}" for n in sizes)
-        print(f"{route.label:<22}{per_token / 1e6:>9.0f}{limit:>12.1f}{1 / seconds:>9.1f}{100 / seconds / limit:>7.0f}%"
-              f"{100 * same:>9.0f}%  {ratios}")
-    print("\nprefill of a " + f"{args.prefill_tokens}-token prompt: " + ", ".join(
-        f"{dtype} {s:.2f} s" for dtype, s in prefills.items())
-          + (f"; bf16 / fp32 = {prefills['bf16'] / prefills['fp32']:.2f}x" if {"bf16", "fp32"} <= set(prefills) else ""))
-    target_config = load_model(args.target, dtype=args.dtypes[0]).model.config
-    choice = choose_for(target_config, "cpu")
-    print(f"auto chooses: {choice.describe()}")
-    exact = [r for r in rows if r[0].exact]
-    fastest = max(rows, key=lambda r: 1 / r[3])
-    fastest_exact = max(exact, key=lambda r: 1 / r[3]) if exact else fastest
-    chosen = next((r for r in rows if r[0] == choice.route), None)
-    print(f"fastest plain decoding: {fastest[0].label} at {1 / fastest[3]:.1f} tok/s; fastest exact: "
-          f"{fastest_exact[0].label} at {1 / fastest_exact[3]:.1f} tok/s")
-    if chosen is not None:
-        print(f"auto's route measured here: {1 / chosen[3]:.1f} tok/s plain ({fastest_exact[3] / chosen[3]:.2f}x the "
-              f"fastest exact), block of 4 = {chosen[4][4] / chosen[4][1]:.2f}x one token" if 4 in chosen[4] else "")
+        print(f"{device:<7}{route.label:<22}{per_token / 1e6:>9.0f}{limit:>12.1f}{1 / seconds:>9.1f}"
+              f"{100 / seconds / limit:>7.0f}%{100 * same:>9.0f}%  {ratios}")
+    print(f"\nprefill of a {args.prefill_tokens}-token prompt: " + ", ".join(
+        f"{device} {dtype} {s:.3f} s" for (device, dtype), s in prefills.items()))
+    for device in args.devices:
+        summarize_device(args, device, [r[1:] for r in rows if r[0] == device])
     for gguf in args.llama_gguf:
         seconds = llama_cpp_seconds(gguf, args.tokens)
+        fastest = min(r[4] for r in rows if r[0] == "cpu") if "cpu" in args.devices else None
         if isinstance(seconds, str):
             print(f"llama.cpp {gguf}: {seconds}")
         else:
-            print(f"llama.cpp {gguf}: {1 / seconds:.1f} tok/s; fastest draftlab plain decoding / llama.cpp = "
-                  f"{seconds / fastest[3]:.2f}x")
+            print(f"llama.cpp {gguf}: {1 / seconds:.1f} tok/s" + (
+                f"; fastest draftlab CPU plain decoding / llama.cpp = {seconds / fastest:.2f}x" if fastest else ""))
     if not args.llama_gguf:
         print("llama.cpp: not measured (give --llama-gguf FILE...; needs pip install llama-cpp-python)")
     print("reproduce: python benchmarks/backend_limits.py " + " ".join(sys.argv[1:]))
+
+
+def measure_device(args, device: str, sizes: list[int], prefills: dict) -> list[tuple]:
+    """(device, route, bytes/token, bandwidth limit, s/token, block curve, identical share) per dtype and route."""
+    bandwidth = read_bandwidth(device)
+    rows = []
+    for dtype in args.dtypes:
+        target = load_model(args.target, dtype=dtype, device=device)
+        per_token = weight_bytes(target.model)
+        for route in [Route(dtype, kind, 0) for kind in KINDS] + exact_routes(dtype):
+            if args.routes and route.label.split(" ", 1)[1] not in args.routes:
+                continue
+            backend = FastLlamaBackend(target.model, device, route=route)
+            seconds = decode_seconds(backend, args.tokens)
+            curve = block_curve(backend, sizes, args.rounds)
+            same = identical_rows(backend, sizes[1:])
+            rows.append((device, route, per_token, bandwidth / per_token, seconds, curve, same))
+        prefills[(device, dtype)] = prefill_seconds(target.model, device, args.prefill_tokens)
+        del target
+    return rows
+
+
+def summarize_device(args, device: str, rows: list[tuple]) -> None:
+    """The route auto chooses on the device, the fastest plain decoding, and the chosen route's block of 8."""
+    config = load_model(args.target, dtype=args.dtypes[0]).model.config
+    choice = choose_for(config, device)
+    print(f"{device}: auto chooses {choice.describe()}")
+    exact = [r for r in rows if r[0].exact]
+    fastest = min(rows, key=lambda r: r[3])
+    fastest_exact = min(exact, key=lambda r: r[3]) if exact else fastest
+    print(f"{device}: fastest plain decoding {fastest[0].label} at {1 / fastest[3]:.1f} tok/s; fastest exact "
+          f"{fastest_exact[0].label} at {1 / fastest_exact[3]:.1f} tok/s")
+    chosen = next((r for r in rows if r[0] == choice.route), None)
+    if chosen is not None:
+        curve = chosen[4]
+        print(f"{device}: auto's route measured here: {1 / chosen[3]:.1f} tok/s plain "
+              f"({fastest_exact[3] / chosen[3]:.2f}x the fastest exact); block of 4 = {curve[4] / curve[1]:.2f}x, "
+              f"of 8 = {curve[8] / curve[1]:.2f}x one token" if 8 in curve else "")
 
 
 if __name__ == "__main__":

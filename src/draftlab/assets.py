@@ -51,9 +51,14 @@ def cache_dir() -> Path:
     return Path(xdg) / "draftlab"
 
 
+def cached_path(asset: Asset) -> Path:
+    """Where `asset` lives in the cache (fetched or not)."""
+    return cache_dir() / "assets" / asset.name / asset.filename
+
+
 def fetch(asset: Asset) -> Path:
     """Return the local path of `asset`, downloading and checking it if needed."""
-    target = cache_dir() / "assets" / asset.name / asset.filename
+    target = cached_path(asset)
     if target.exists() and _checksum_ok(asset, target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

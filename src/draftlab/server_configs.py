@@ -88,13 +88,13 @@ def spec_config(model: Path, drafter: str, k: int, slots: int = 1) -> ServerConf
         return ServerConfig(model, slots=slots, context=CONTEXT_PER_SLOT * slots)
     spec_type, _, draft = drafter.partition("/")
     draft, _, p_min = draft.partition(",p=")
-    n_max, extra = _length_flags(spec_type, k)
+    n_max, extra = length_flags(spec_type, k)
     return ServerConfig(model, spec_type, gguf_path(draft) if draft else None, draft_n_max=n_max,
                         draft_p_min=float(p_min) if p_min else None, slots=slots, context=CONTEXT_PER_SLOT * slots,
                         extra=extra)
 
 
-def _length_flags(spec_type: str, k: int) -> tuple[int | None, tuple[str, ...]]:
+def length_flags(spec_type: str, k: int) -> tuple[int | None, tuple[str, ...]]:
     """(--spec-draft-n-max, other flags) for length K of a type (K 0: none, the server's defaults)."""
     if not k:
         return None, ()

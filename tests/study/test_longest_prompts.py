@@ -2,7 +2,8 @@
 
 Each (cell, prompt) must end as a record or as a skip with a one-line reason: never a traceback that ends the
 study. The quick study once died on llama-cpp-python's prompt lookup with a 1344-token prompt (its score buffer
-held 512 rows); these prompts run up to 4826 tokens.
+held 512 rows); these prompts run up to 4826 tokens. CI runs the quick preset's methods on a 1400-token cut of the
+longest prompt and on the longest conversation; the whole grids on every longest prompt are `exhaustive`.
 """
 
 from __future__ import annotations
@@ -28,10 +29,19 @@ def longest_prompts() -> list:
     return list(chosen.values())
 
 
-def run_preset(tmp_path, preset: str, **overrides):
-    """The preset's grid on the longest prompts, 4 new tokens each, the whole grid (no race); (config, prompts,
-    {(cell, prompt id): None for a record, else the skip's reason})."""
-    prompts = longest_prompts()
+def long_prompt_and_turns(characters: int = 6000) -> list:
+    """The longest shipped prompt cut to `characters` (about 1400 tokens: past the 512-row buffer that once crashed
+    llama-cpp-python's lookup at 1344 tokens) and the longest multi-turn prompt: CI's share of this file."""
+    longest = longest_prompts()
+    article = max(longest, key=lambda p: len(p.text))
+    turns = max((p for p in longest if p.history), key=lambda p: sum(map(len, p.history)))
+    return [replace(article, id=f"{article.id}-cut", text=article.text[:characters]), turns]
+
+
+def run_preset(tmp_path, preset: str, prompts: list | None = None, **overrides):
+    """The preset's grid on the longest prompts (or `prompts`), 4 new tokens each, the whole grid (no race);
+    (config, prompts, {(cell, prompt id): None for a record, else the skip's reason})."""
+    prompts = prompts or longest_prompts()
     path = tmp_path / "longest.jsonl"
     path.write_text("".join(prompt_line(p) for p in prompts), encoding="utf-8")
     config = replace(make_config(preset), datasets=(str(path),), limit=len(prompts), max_new_tokens=4, warmup=0,
@@ -52,13 +62,24 @@ def check_every_cell_ended(config, prompts, outcome) -> set[tuple[str, str]]:
             assert (cell, prompt.id) in outcome, f"{cell} has neither a record nor a skip on {prompt.id}"
     for reason in filter(None, outcome.values()):
         assert "\n" not in reason and "Traceback" not in reason and len(reason) > 10
-    assert max(len(p.text) for p in prompts) > 10_000  # the 4826-token article is among them
     return {(key.split("|")[0], key.split("|")[1]) for key in cells}
+
+
+def test_quick_presets_methods_on_a_long_prompt_and_a_conversation(tmp_path):
+    """Every method and peer of the quick preset (n-gram drafts only) on a 1400-token prompt and a multi-turn one."""
+    config, prompts, outcome = run_preset(tmp_path, "quick", long_prompt_and_turns(), ks=(1,), drafters=("ngram",))
+    seen = check_every_cell_ended(config, prompts, outcome)
+    torch_target, llamacpp_target = config.targets
+    assert {m for t, m in seen if t == torch_target} >= {"ar", "plain", "sps", "asg", "hf"}
+    assert {m for t, m in seen if t == llamacpp_target} >= {"ar", "plain", "sps", "lcp", "llama", "server-ar", "server"}
+    lookup = [reason for (cell, _), reason in outcome.items() if "|lcp|" in cell]
+    assert lookup and lookup.count(None) == len(lookup)  # llama-cpp-python's prompt lookup ran them
 
 
 def test_quick_preset_on_the_longest_prompts(tmp_path):
     config, prompts, outcome = run_preset(tmp_path, "quick", ks=(1,))  # every method and draft; K changes no length
     seen = check_every_cell_ended(config, prompts, outcome)
+    assert max(len(p.text) for p in prompts) > 10_000  # the 4826-token article is among them
     torch_target, llamacpp_target = config.targets
     assert {m for t, m in seen if t == torch_target} >= {"ar", "plain", "sps", "asg", "hf"}
     assert {m for t, m in seen if t == llamacpp_target} >= {"ar", "plain", "sps", "lcp", "llama"}

@@ -192,3 +192,21 @@ def test_weight_types_are_compared_on_speed_size_and_outputs():
     assert sentence.startswith("Weight type for m: the fastest is BF16") and "1.60x the shipped type's plain" in sentence
     assert "270 MB against 90 MB shipped" in sentence and "on 1/2 prompts" in sentence
     assert "BF16" in format_weight_types(table)
+
+
+def test_a_study_at_several_concurrency_levels_exports_its_k_per_batch_size_to_vllm():
+    """The chosen llama-server configuration (a draft model at K=4) pays alone and at 2, not at 4: vLLM's export of
+    it carries that table; llama-server's keeps the server's own flags."""
+    from draftlab.export import export, vllm_config
+    from draftlab.study.serving import server_deployables
+
+    draft = "draft-simple/qwen2.5-coder-0.5b"
+    rows = [row("server-ar", "none", 0, 1, 64, 1.0), row("server", draft, 4, 1, 64, 0.5, True),
+            row("server-ar", "none", 0, 2, 64, 1.0, window=128), row("server", draft, 4, 2, 64, 0.8, True, window=128),
+            row("server-ar", "none", 0, 4, 64, 1.0, window=256), row("server", draft, 4, 4, 64, 1.3, True, window=256)]
+    (choice,) = server_deployables(rows)
+    assert (choice.draft, choice.k, choice.per_batch_size) == (draft, 4, ((1, 2, 4), (3, 4, 0)))
+    config = vllm_config(choice)
+    assert config["method"] == "draft_model" and config["model"] == "Qwen/Qwen2.5-Coder-0.5B-Instruct"
+    assert config["num_speculative_tokens_per_batch_size"] == [[1, 2, 4], [3, 4, 0]]
+    assert "--spec-type draft-simple" in export(choice, "llama-server")

@@ -203,9 +203,9 @@ class FastLlamaBackend:
             return None
         if invariant_rows:
             return Route(name, "linear", invariant_rows)
-        if self.device.type != "cpu":
-            return Route(name, "linear", INVARIANT_ROWS)  # GPUs: a 16-row product costs about one row
-        return default_route(config, name)
+        if self.device.type not in ("cpu", "cuda"):
+            return Route(name, "linear", INVARIANT_ROWS)  # other accelerators: not timed; a 16-row product
+        return default_route(config, name, str(self.device))
 
     def _default_weight_major(self) -> bool:
         return self.device.type == "cpu" and self.dtype == torch.float32

@@ -37,6 +37,7 @@ import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -151,9 +152,10 @@ class Shapes:
 
 
 def candidate_dtypes(device: str = "cpu") -> tuple[str, ...]:
-    """Dtypes worth timing: fp32 and bf16 everywhere, fp16 where the CPU multiplies it natively."""
+    """Dtypes worth timing: fp32 and bf16 everywhere, fp16 where the CPU multiplies it natively (on a GPU: bf16
+    and fp16, which its tensor cores multiply, and fp32)."""
     if device != "cpu":
-        return ("bf16", "fp32")
+        return ("bf16", "fp16", "fp32")
     native_fp16 = cpu_flags() & {"avx512_fp16", "amx_fp16"}
     return ("fp32", "bf16", "fp16") if native_fp16 else ("fp32", "bf16")
 
@@ -192,22 +194,24 @@ def fastest_plain(timings: list[ProductTimings]) -> list[Route]:
     return out
 
 
-def default_route(config, dtype: str) -> Route:
-    """The exact route this host runs fastest for a model of `config` in `dtype` (measured once, cached)."""
-    return choose(measured_timings(Shapes.of_config(config), (dtype,), route_cache()), dtype=dtype).route
+def default_route(config, dtype: str, device: str = "cpu") -> Route:
+    """The exact route this host (or GPU) runs fastest for a model of `config` in `dtype` (measured once, cached)."""
+    shapes = Shapes.of_config(config)
+    return choose(measured_timings(shapes, (dtype,), route_cache(), device), dtype=dtype).route
 
 
 def choose_for(config, device: str = "cpu", dtype: str | None = None) -> Choice:
     """The route (and, with dtype None, the dtype) for a model of `config` on this host: measured, cached."""
-    return choose(measured_timings(Shapes.of_config(config), candidate_dtypes(device), route_cache()), dtype=dtype)
+    shapes = Shapes.of_config(config)
+    return choose(measured_timings(shapes, candidate_dtypes(device), route_cache(), device), dtype=dtype)
 
 
 def plain_contenders(config, device: str, own: Route | None) -> list[Route]:
     """Per dtype timed, the route with the fastest single token (exact or not), other than `own`: the plain
     decodings a study times beside its own, so that every speedup can be stated against the fastest one."""
-    if device != "cpu":
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         return []
-    timings = measured_timings(Shapes.of_config(config), candidate_dtypes(device), route_cache())
+    timings = measured_timings(Shapes.of_config(config), candidate_dtypes(device), route_cache(), device)
     return [route for route in fastest_plain(timings) if route != own]
 
 
@@ -238,13 +242,14 @@ def native_block_products(dtype: torch.dtype, device: str) -> bool:
     return device == "cpu" and dtype == torch.bfloat16 and bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
-def measured_timings(shapes: Shapes, dtypes: tuple[str, ...], cache: Path | None) -> list[ProductTimings]:
-    """Timings per dtype, from the cache when this host measured these shapes before; the missing dtypes are
-    measured together, in interleaved rounds."""
-    paths = {d: cache / f"{_cache_key(shapes, d)}.json" if cache else None for d in dtypes}
+def measured_timings(shapes: Shapes, dtypes: tuple[str, ...], cache: Path | None, device: str = "cpu"
+                     ) -> list[ProductTimings]:
+    """Timings per dtype, from the cache when this host (or GPU) measured these shapes before; the missing dtypes
+    are measured together, in interleaved rounds."""
+    paths = {d: cache / f"{_cache_key(shapes, d, device)}.json" if cache else None for d in dtypes}
     found = {d: _read(paths[d]) for d in dtypes}
     missing = tuple(d for d in dtypes if found[d] is None)
-    for timings in measure(shapes, missing) if missing else []:
+    for timings in measure(shapes, missing, device=device) if missing else []:
         found[timings.dtype] = timings
         path = paths[timings.dtype]
         if path is not None:
@@ -264,15 +269,15 @@ def _read(path: Path | None) -> ProductTimings | None:
         return None
 
 
-def measure(shapes: Shapes, dtypes: tuple[str, ...], rounds: int = 7) -> list[ProductTimings]:
+def measure(shapes: Shapes, dtypes: tuple[str, ...], rounds: int = 7, device: str = "cpu") -> list[ProductTimings]:
     """Median seconds of one token's projections per dtype, kind and row count, on random weights of `shapes`.
 
     Every (dtype, kind, rows) candidate is timed once per round, in an order rotated each round, so that a
     change of the machine's speed during the measurement hits every candidate alike (timing one dtype after the
-    other let a slow spell decide the dtype).
+    other let a slow spell decide the dtype). On a GPU the weights live there and each pass waits for its kernels.
     """
     generator = torch.Generator().manual_seed(0)
-    weights = {dtype: _RandomWeights.of(shapes, dtype, generator) for dtype in dtypes}
+    weights = {dtype: _RandomWeights.of(shapes, dtype, generator, torch.device(device)) for dtype in dtypes}
     keys = [(dtype, kind, rows) for dtype in dtypes for kind in KINDS for rows in ROWS]
     passes = {key: weights[key[0]].token_pass(key[1], key[2], generator) for key in keys}
     times: dict[tuple, list[float]] = {key: [] for key in keys}
@@ -296,33 +301,38 @@ class _RandomWeights:
     layers: list[list[torch.Tensor]]  # [sampled][projection] each [out, in]
     head: torch.Tensor  # [V, D]
     depth_scale: float  # the model's layers over the sampled ones
+    device: torch.device
 
     @classmethod
-    def of(cls, shapes: Shapes, dtype: str, generator: torch.Generator) -> "_RandomWeights":
+    def of(cls, shapes: Shapes, dtype: str, generator: torch.Generator, device: torch.device) -> "_RandomWeights":
         torch_dtype = TORCH_DTYPES[dtype]
         layer_bytes = sum(o * i for o, i in shapes.layer) * torch.finfo(torch_dtype).bits // 8
         sampled = max(1, min(shapes.layers, -(-SAMPLE_BYTES // layer_bytes)))
-        layers = [[torch.randn(o, i, generator=generator).to(torch_dtype) for o, i in shapes.layer]
+        layers = [[torch.randn(o, i, generator=generator).to(device, torch_dtype) for o, i in shapes.layer]
                   for _ in range(sampled)]
-        head = torch.randn(*shapes.head, generator=generator).to(torch_dtype)
-        return cls(dtype, layers, head, shapes.layers / sampled)
+        head = torch.randn(*shapes.head, generator=generator).to(device, torch_dtype)
+        return cls(dtype, layers, head, shapes.layers / sampled, device)
 
     def token_pass(self, kind: str, rows: int, generator: torch.Generator):
         """A callable that runs one token's projections for `rows` rows and returns their seconds, scaled to the
         model's depth."""
         torch_dtype = TORCH_DTYPES[self.dtype]
-        inputs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=generator).to(torch_dtype)
+        inputs = {w.shape[1]: torch.randn(rows, w.shape[1], generator=generator).to(self.device, torch_dtype)
                   for w in self.layers[0]}
-        x_head = torch.randn(rows, self.head.shape[1], generator=generator).to(torch_dtype)
+        x_head = torch.randn(rows, self.head.shape[1], generator=generator).to(self.device, torch_dtype)
         product = _products(kind)
+        wait = partial(torch.cuda.synchronize, self.device) if self.device.type == "cuda" else lambda: None
 
         def run() -> float:
+            wait()
             start = time.perf_counter()
             for layer in self.layers:
                 for w in layer:
                     product(inputs[w.shape[1]], w)
+            wait()
             middle = time.perf_counter()
             product(x_head, self.head)
+            wait()
             return (middle - start) * self.depth_scale + time.perf_counter() - middle
 
         return run
@@ -334,12 +344,17 @@ def _products(kind: str):
     return lambda x, w: torch.mm(w, x.t())  # the form `weight_major_linear` runs (x row-major)
 
 
-def _cache_key(shapes: Shapes, dtype: str) -> str:
-    """What the timings depend on: host, torch, threads, shapes, dtype (and this module's version)."""
+def _cache_key(shapes: Shapes, dtype: str, device: str = "cpu") -> str:
+    """What the timings depend on: host (or GPU), torch, threads, shapes, dtype (and this module's version)."""
     isa = {name: os.environ.get(name, "") for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")}
-    host = (platform.machine(), cpu_model(), sorted(cpu_flags() & _RELEVANT_FLAGS), isa)
+    host = (platform.machine(), cpu_model(), sorted(cpu_flags() & _RELEVANT_FLAGS), isa, gpu_name(device))
     text = json.dumps([ROUTES_VERSION, host, torch.__version__, torch.get_num_threads(), asdict(shapes), dtype])
     return f"{dtype}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
+def gpu_name(device: str) -> str:
+    """The GPU's name for a CUDA device ('' for the CPU): timings on one GPU say nothing of another."""
+    return torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else ""
 
 
 _RELEVANT_FLAGS = {"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16", "amx_tile", "fma"}

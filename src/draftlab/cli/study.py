@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from draftlab.errors import DraftlabError
+from draftlab.export import ENGINES
 
 
 def add_study_commands(sub) -> None:
@@ -24,6 +25,9 @@ def add_study_commands(sub) -> None:
     report.add_argument("--profile", help="calibration profile: adds the performance model's check and what-ifs")
     report.add_argument("--microbench", help="microbench.json of `draftlab design microbench`: depth vs width beside the seeds")
     report.add_argument("--correlate", help="correlate.json of `draftlab design correlate`: accuracy vs TAR beside the seeds")
+    report.add_argument("--export", nargs="+", choices=ENGINES, default=[], metavar="ENGINE",
+                        help="also print the configuration to deploy as a command for vllm, sglang or llama-server "
+                             "(with vLLM's K per batch size where the study measured several concurrency levels)")
     report.set_defaults(run=cmd_report)
     export = sub.add_parser("export", help="export a study's records as CSV or JSONL")
     export.add_argument("--db", required=True)
@@ -176,9 +180,27 @@ def cmd_report(args) -> None:
     print("\n".join(engine_answer(summaries, drift) + recommend(summaries, drift) + numerics_notes(envs)
                     + server_answer(rows, margin=drift.typical) + weight_type_answer(summaries, rows)))
     _print_learning(summaries, rows)
+    _print_exports(summaries, rows, drift.typical, args.export)
     evidence = gather_evidence(summaries, params, rows, args.profile, args.microbench, args.correlate)
     print("The seeds' findings beside this study:")
     print(format_findings(seeds_findings(evidence)))
+
+
+def _print_exports(summaries, rows: list[dict], margin: float, engines: list[str]) -> None:
+    """The configuration to deploy in each engine's syntax: llama-server's chosen configuration where the study ran
+    it (with its K per batch size), else the study's fastest lossless configuration."""
+    from draftlab.cli.tune import print_exports
+    from draftlab.study.answer import fastest_lossless
+    from draftlab.study.serving import server_deployables
+
+    if not engines:
+        return
+    choices = server_deployables(rows, margin) or fastest_lossless(summaries)
+    if not choices:
+        print("export: the study holds no configuration measured on every prompt")
+    for choice in choices:
+        print(f"{choice.target} {choice.draft} K={choice.k}:")
+        print_exports(choice, engines)
 
 
 def cmd_export(args) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from draftlab.errors import DraftlabError
 from draftlab.defaults import DEFAULT_BACKEND
+from draftlab.export import ENGINES, Deployable, export
 from draftlab.models import DEFAULT_TARGET, ModelSpec
 from draftlab.perf.calibrate import CalibrationSettings
 
@@ -41,6 +42,8 @@ def add_tune_commands(sub) -> None:
                       help="with --backend llamacpp: end with a round on llama-server, the pick beside the server's "
                            "plain decoding and these speculative types of its own (ngram-mod, ngram-simple:16, ...), "
                            "and print the llama-server command to deploy")
+    tune.add_argument("--export", nargs="+", choices=ENGINES, default=[], metavar="ENGINE",
+                      help="also print the pick as a command for vllm, sglang or llama-server (their own syntax)")
     tune.add_argument("--json", action="store_true", help="stdout ends with one JSON object (tune always does)")
     tune.set_defaults(run=cmd_tune)
 
@@ -196,7 +199,21 @@ def cmd_tune(args) -> None:
     print(format_predictions(preds, profile.target.autoregressive_tokens_per_s))
     _print_recommendation(args.target, rec)
     served = _server_round(args, target, rec, prompts) if args.servers else None
-    print(json.dumps({**_recommendation_json(rec), **({"llama_server": asdict(served)} if served else {})}))
+    exports = print_exports(Deployable(args.target, rec.draft, rec.k), args.export)
+    print(json.dumps({**_recommendation_json(rec), **({"llama_server": asdict(served)} if served else {}),
+                      **({"exports": exports} if exports else {})}))
+
+
+def print_exports(choice, engines: list[str]) -> dict[str, str]:
+    """Print (and return) the choice as each engine's command, or in one line why that engine has no counterpart."""
+    exports = {}
+    for engine in engines:
+        try:
+            exports[engine] = export(choice, engine)
+        except DraftlabError as exc:
+            exports[engine] = f"not exported: {exc}"
+        print(f"{engine}: {exports[engine]}")
+    return exports
 
 
 def _server_round(args, target, rec, prompts):

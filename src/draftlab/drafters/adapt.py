@@ -305,7 +305,7 @@ class AdaptingDrafter:
         self.inner.finish(context)
         if self._features:
             features = torch.cat(self._features)  # [n, D]
-            self.learner.remember(features, torch.tensor(list(context[: features.shape[0]])))
+            self.learner.remember(features, torch.tensor(list(context[: features.shape[0]]), device=features.device))
         self.requests.append((self._drafted, self._accepted))
         self._features = []
 
@@ -341,7 +341,7 @@ class AdaptingDrafter:
         """Train on this request so far (with `reread`, a feature draft then re-reads its features)."""
         features = torch.cat(self._features)  # [n, D], n = len(context) - 1
         self._features = [features]
-        self.learner.update(features, torch.tensor(list(context[: features.shape[0]])))
+        self.learner.update(features, torch.tensor(list(context[: features.shape[0]]), device=features.device))
         if self.settings.reread:
             self.learner.reread(self.source, features)
         self._pending = 0

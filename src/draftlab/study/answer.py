@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from draftlab.backends import engine_of_backend
+from draftlab.export import Deployable
 from draftlab.study.report import ALL, METHOD_NAMES, PLAIN_METHODS, CellSummary, Drift, plain_label
 from draftlab.study.cells import LLAMACPP_TARGET, PEER_PLAIN, SERVER_METHODS
 
@@ -159,3 +160,15 @@ def _all_dropped(where: str, cells: list[CellSummary], fastest: str | None) -> s
             f"({METHOD_NAMES.get(best.method, best.method)}), ran at {best.speedup:.2f}x the study's own plain decoding "
             f"over the {best.prompts} prompts it ran; {_identical_text(best)}; the report gives each cell's ratio "
             "to the leader).")
+
+
+def fastest_lossless(summaries: list[CellSummary]) -> list[Deployable]:
+    """Per target (greedy, over all the study's prompts): draftlab's fastest lossless speculative configuration
+    measured on every prompt, or plain decoding ('none') where none beat the fastest plain decoding; for export."""
+    eligible = [s for s in summaries if s.dataset == ALL and s.temperature == 0 and s.method == "sps" and s.complete
+                and not s.lossy and not s.rounding]
+    best: dict[str, CellSummary] = {}
+    for s in sorted(eligible, key=_judged_speedup):  # the fastest comes last and stays
+        best[s.target] = s
+    return [Deployable(target.removeprefix(LLAMACPP_TARGET), *((s.drafter, s.k) if _judged_speedup(s) > 1.0
+                                                               else ("none", 0))) for target, s in sorted(best.items())]

@@ -119,7 +119,7 @@ class SweepConfig:
     def host_modes(self, target: str) -> list[tuple[str, str]]:
         """(label, dtype) of the other modes of plain decoding timed beside the baseline: the host's fastest route
         of each other dtype (draftlab's own forward), and llama.cpp's default kernels where the model is a GGUF."""
-        if not self.host_baselines or self.device != "cpu":
+        if not self.host_baselines or self.device.split(":")[0] not in ("cpu", "cuda"):
             return []
         backend, source = target_backend(target, self.backend)
         modes = [(DEFAULT_KERNELS, "gguf")] if gguf.available() and is_gguf(source) else []
@@ -129,7 +129,7 @@ class SweepConfig:
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             return modes
         dtype = resolve_dtype_name(self.dtype, self.device, source)
-        routes = plain_contenders(config, self.device, default_route(config, dtype))
+        routes = plain_contenders(config, self.device, default_route(config, dtype, self.device))
         return [(route.label, route.dtype) for route in routes] + modes
 
     def to_json(self) -> str:

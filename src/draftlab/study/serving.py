@@ -16,6 +16,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from draftlab.export import Deployable
 from draftlab.llama_server import ServerConfig
 from draftlab.server_configs import spec_config
 from draftlab.study.cells import LLAMACPP_TARGET, PEER_PLAIN, SERVER_METHODS, UP_TO_ROUNDING
@@ -188,6 +189,22 @@ def server_sentences(answers: list[LevelAnswer], model_file, margin: float = 0.0
         sentences.append(f"Deploy {model} on llama-server{why} with: "
                          f"{deploy_config(overall, model_file(target), margin).command()}")
     return sentences
+
+
+def server_deployables(rows: list[dict], margin: float = 0.0) -> list[Deployable]:
+    """Per target where llama-server ran, over all the study's prompts: the configuration to deploy and, when the
+    study measured more than one concurrency, its K per batch size (`draftlab.export`)."""
+    answers = level_answers(load_summaries(rows))
+    out = []
+    for target in sorted({a.target for a in answers}):
+        overall = [a for a in answers if a.target == target and a.dataset == ALL]
+        choice = deploy_choice(overall, margin)
+        if choice is None:
+            continue
+        table = per_batch_size(overall, choice, margin) if len(overall) > 1 and choice.method == "server" else []
+        drafter = choice.drafter if choice.method == "server" else "none"
+        out.append(Deployable(target.removeprefix(LLAMACPP_TARGET), drafter, choice.k, tuple(map(tuple, table))))
+    return out
 
 
 def _level_sentence(model: str, answer: LevelAnswer, workloads: list[str]) -> str:

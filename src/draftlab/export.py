@@ -1,0 +1,226 @@
+"""The configuration draftlab chose, in the syntax of the engine a user deploys: vLLM, SGLang or llama-server.
+
+`export(choice, engine)` turns a `Deployable` (the target, a draftlab drafter spec or one of llama-server's own
+types, K, and where a study measured several batch sizes the K per batch size) into one command line:
+
+- vLLM: `vllm serve MODEL --speculative-config '{...}'` (`method` ngram, suffix or draft_model, with
+  `num_speculative_tokens` and, from a study at several batch sizes, `num_speculative_tokens_per_batch_size`
+  as `[[lo, hi, K], ...]`; K 0 there means no speculation at those batch sizes);
+- SGLang: `python -m sglang.launch_server --model-path MODEL --speculative-algorithm NGRAM|STANDALONE ...` with
+  `--speculative-num-steps K --speculative-eagle-topk 1 --speculative-num-draft-tokens K+1` (a chain; a static
+  tree `tree:BxB:model:...` gives topk B and its node count);
+- llama-server: `llama-server -m MODEL.gguf --spec-type ... --spec-draft-n-max K`.
+
+Where an engine has no counterpart (a feature draft before it is exported as EAGLE-3, draftlab's layer
+self-drafts, staged drafting, token trees on llama-server, suffix trees on SGLang) the export says so in one line
+(`DraftlabError`) instead of printing a command that would do something else. Every mapping is the nearest the
+engine documents, not a promise of the same acceptance: the engines' n-gram lookups differ in their details.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from draftlab.errors import DraftlabError
+
+ENGINES = ("vllm", "sglang", "llama-server")
+HF_REPOS = {  # the embedded models' names on the Hugging Face hub, as vLLM and SGLang load them
+    "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
+    "gemma3-270m": "google/gemma-3-270m",
+    "qwen2.5-coder-1.5b": "Qwen/Qwen2.5-Coder-1.5B-Instruct",
+    "qwen2.5-coder-0.5b": "Qwen/Qwen2.5-Coder-0.5B-Instruct",
+}
+
+
+@dataclass(frozen=True)
+class Deployable:
+    """What draftlab chose: the target, the draft (a draftlab drafter spec such as 'ngram:2-4' or 'model:NAME', or a
+    llama-server type such as 'ngram-mod' or 'draft-simple/NAME'; 'none' for plain decoding) and K."""
+
+    target: str
+    draft: str
+    k: int
+    per_batch_size: tuple[tuple[int, int, int], ...] = ()  # (lo, hi, K) per run of batch sizes, from a study
+
+    def __post_init__(self) -> None:
+        if self.k < 0:
+            raise DraftlabError(f"K must be >= 0, got {self.k}")
+        for lo, hi, k in self.per_batch_size:
+            if not 1 <= lo <= hi or k < -1:
+                raise DraftlabError(f"bad per-batch-size row {[lo, hi, k]}: 1 <= lo <= hi and K >= -1")
+
+
+def export(choice: Deployable, engine: str) -> str:
+    """The command that runs `choice` on `engine` (one of ENGINES); a one-line error where it has no counterpart."""
+    if engine not in ENGINES:
+        raise DraftlabError(f"unknown engine {engine!r} to export to; use one of {', '.join(ENGINES)}")
+    return {"vllm": vllm_command, "sglang": sglang_command, "llama-server": llama_server_command}[engine](choice)
+
+
+def hf_model(source: str) -> str:
+    """The model as vLLM and SGLang name it: the hub id of an embedded model, else the path given."""
+    return HF_REPOS.get(source, source)
+
+
+def vllm_config(choice: Deployable) -> dict | None:
+    """vLLM's `speculative_config` for the choice (None: plain decoding)."""
+    kind, arg = _draft_kind(choice.draft, "vllm")
+    if kind == "none":
+        return None
+    if kind == "ngram":
+        low, high = arg
+        config = {"method": "ngram", "num_speculative_tokens": choice.k or 4, "prompt_lookup_max": high,
+                  "prompt_lookup_min": low}
+    elif kind == "suffix":
+        config = {"method": "suffix", "num_speculative_tokens": choice.k or 32}
+    elif kind == "model":
+        config = {"method": "draft_model", "model": hf_model(arg), "num_speculative_tokens": choice.k or 4}
+    else:
+        raise _no_counterpart(choice.draft, "vLLM", kind, arg)
+    if choice.per_batch_size:
+        config["num_speculative_tokens_per_batch_size"] = [
+            [lo, hi, config["num_speculative_tokens"] if k == -1 else k] for lo, hi, k in choice.per_batch_size]
+    return config
+
+
+def vllm_command(choice: Deployable) -> str:
+    """`vllm serve MODEL [--speculative-config JSON]`."""
+    config = vllm_config(choice)
+    words = ["vllm", "serve", hf_model(choice.target)]
+    if config is not None:
+        words += ["--speculative-config", json.dumps(config, separators=(",", ":"))]
+    return shlex.join(words)
+
+
+def sglang_flags(choice: Deployable) -> list[str]:
+    """SGLang's `--speculative-*` flags for the choice ([] for plain decoding)."""
+    kind, arg = _draft_kind(choice.draft, "sglang")
+    k = choice.k or 4
+    chain = ["--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
+             "--speculative-num-draft-tokens", str(k + 1)]
+    if kind == "none":
+        return []
+    if kind == "ngram":
+        low, high = arg
+        return ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(k + 1),
+                "--speculative-ngram-min-match-window-size", str(low),
+                "--speculative-ngram-max-match-window-size", str(high)]
+    if kind == "model":
+        return ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", hf_model(arg), *chain]
+    if kind == "tree-model":
+        branching, model = arg
+        nodes = _static_tree_nodes(branching, k)
+        return ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", hf_model(model),
+                "--speculative-num-steps", str(k), "--speculative-eagle-topk", str(max(branching)),
+                "--speculative-num-draft-tokens", str(nodes + 1)]
+    raise _no_counterpart(choice.draft, "SGLang", kind, arg)
+
+
+def sglang_command(choice: Deployable) -> str:
+    """`python -m sglang.launch_server --model-path MODEL [--speculative-* ...]`."""
+    words = ["python", "-m", "sglang.launch_server", "--model-path", hf_model(choice.target), *sglang_flags(choice)]
+    return shlex.join(words)
+
+
+def llama_server_flags(choice: Deployable) -> list[str]:
+    """llama-server's `--spec-*` flags for the choice ([] for plain decoding)."""
+    kind, arg = _draft_kind(choice.draft, "llama-server")
+    length = ["--spec-draft-n-max", str(choice.k)] if choice.k else []
+    if kind == "none":
+        return []
+    if kind == "ngram":
+        _, high = arg
+        return ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(high),
+                "--spec-ngram-simple-size-m", str(choice.k or 48), *length]
+    if kind == "model":
+        return ["--spec-type", "draft-simple", "-md", _gguf(arg), *length]
+    if kind == "server":
+        from draftlab.server_configs import length_flags
+
+        types, _, rest = choice.draft.partition("/")
+        draft, _, p_min = rest.partition(",p=")
+        n_max, extra = length_flags(types, choice.k)
+        return [*(["-md", _gguf(draft)] if draft else []), "--spec-type", types,
+                *(["--spec-draft-n-max", str(n_max)] if n_max else []), *extra,
+                *(["--spec-draft-p-min", p_min] if p_min else [])]
+    raise _no_counterpart(choice.draft, "llama-server", kind, arg)
+
+
+def llama_server_command(choice: Deployable) -> str:
+    """`llama-server -m MODEL.gguf [--spec-* ...]`."""
+    return shlex.join(["llama-server", "-m", _gguf(choice.target), *llama_server_flags(choice)])
+
+
+def _draft_kind(draft: str, engine: str) -> tuple[str, object]:
+    """(kind, its argument): none, ngram (low, high), suffix, model (name), tree-model ((branching), name),
+    server (a llama-server type; on other engines only its draft-simple, as a draft model), or other (why not)."""
+    from draftlab.registry import parse_drafter_spec
+
+    if draft in ("none", "ar", ""):
+        return "none", None
+    from draftlab.llama_server import SPEC_TYPES
+
+    head, _, model = draft.partition("/")
+    if all(t in SPEC_TYPES for t in head.split(",")):
+        return ("model", model.split(",p=")[0]) if head == "draft-simple" and engine != "llama-server" \
+            else ("server", draft)
+    plan = parse_drafter_spec(draft)
+    if plan.kind == "ngram":
+        return "ngram", plan.ngram
+    if plan.kind == "suffix":
+        return "suffix", None
+    if plan.kind == "model" and _is_plain_model(plan.model):
+        return "model", plan.model
+    if plan.kind == "tree" and plan.inner.kind == "model" and _is_plain_model(plan.inner.model) \
+            and not plan.tree.expand:
+        return "tree-model", (plan.tree.branching, plan.inner.model)
+    return "other", plan.kind
+
+
+def _is_plain_model(model: str) -> bool:
+    """True for a stand-alone draft model (not a draft directory of draftlab's own formats)."""
+    from draftlab.drafters.files import draft_format
+
+    return draft_format(model) is None
+
+
+def _static_tree_nodes(branching: tuple[int, ...], depth: int) -> int:
+    """Nodes of a static tree of `depth` levels (branching per level, then chains)."""
+    nodes, width = 0, 1
+    for level in range(depth):
+        width *= branching[level] if level < len(branching) else 1
+        nodes += width
+    return nodes
+
+
+def _gguf(source: str) -> str:
+    """A GGUF for llama-server: the embedded model's cached file, a .gguf path as given, else a placeholder."""
+    from draftlab.assets import MODEL_ASSETS, cached_path
+
+    if source.endswith(".gguf"):
+        return source
+    if source in MODEL_ASSETS:
+        return str(cached_path(MODEL_ASSETS[source]))  # where draftlab keeps it (never fetched here)
+    return f"{Path(source).name}.gguf"
+
+
+def _no_counterpart(draft: str, engine: str, kind: str, arg: object) -> DraftlabError:
+    """Why `engine` cannot run `draft`, in one line."""
+    reasons = {
+        "designed": "the designed feature draft reads the target's hidden states (export it as EAGLE-3 first)",
+        "layers": "a layer self-draft (save it as a model to use it there)",
+        "staged": "staged drafting (the inner draft alone drafts the same greedy tokens)",
+        "merged": "an n-gram guide merged into a tree",
+        "adapt": "online adaptation of a feature draft",
+        "tree": "this token tree",
+        "tree-model": "token trees of a draft model (vLLM verifies trees only for its EAGLE drafts; llama-server "
+                      "drafts chains)",
+        "suffix": "suffix decoding",
+        "model": "a draft directory of draftlab's own formats (decoder heads, a pruned or cut draft)",
+        "server": "llama-server's own n-gram types (draftlab's `ngram` maps to its n-gram lookup)",
+    }
+    why = reasons[str(arg) if kind == "other" else kind]
+    return DraftlabError(f"{engine} has no counterpart of {draft!r}: {why}; export another configuration")
