@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftlab.errors import DraftlabError
+from draftlab.llama_server import SPEC_TYPES
 
 ENGINES = ("vllm", "sglang", "llama-server")
 HF_REPOS = {  # the embedded models' names on the Hugging Face hub, as vLLM and SGLang load them
@@ -161,8 +162,6 @@ def _draft_kind(draft: str, engine: str) -> tuple[str, object]:
 
     if draft in ("none", "ar", ""):
         return "none", None
-    from draftlab.llama_server import SPEC_TYPES
-
     head, _, model = draft.partition("/")
     if all(t in SPEC_TYPES for t in head.split(",")):
         return ("model", model.split(",p=")[0]) if head == "draft-simple" and engine != "llama-server" \

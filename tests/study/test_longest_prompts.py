@@ -2,7 +2,7 @@
 
 Each (cell, prompt) must end as a record or as a skip with a one-line reason: never a traceback that ends the
 study. The quick study once died on llama-cpp-python's prompt lookup with a 1344-token prompt (its score buffer
-held 512 rows); these prompts run up to 4826 tokens. CI runs the quick preset's methods on a 1400-token cut of the
+held 512 rows); these prompts run up to 4826 tokens. CI runs the quick preset's methods on a 700-token cut of the
 longest prompt and on the longest conversation; the whole grids on every longest prompt are `exhaustive`.
 """
 
@@ -29,8 +29,8 @@ def longest_prompts() -> list:
     return list(chosen.values())
 
 
-def long_prompt_and_turns(characters: int = 6000) -> list:
-    """The longest shipped prompt cut to `characters` (about 1400 tokens: past the 512-row buffer that once crashed
+def long_prompt_and_turns(characters: int = 3000) -> list:
+    """The longest shipped prompt cut to `characters` (about 700 tokens: past the 512-row buffer that once crashed
     llama-cpp-python's lookup at 1344 tokens) and the longest multi-turn prompt: CI's share of this file."""
     longest = longest_prompts()
     article = max(longest, key=lambda p: len(p.text))
@@ -66,7 +66,7 @@ def check_every_cell_ended(config, prompts, outcome) -> set[tuple[str, str]]:
 
 
 def test_quick_presets_methods_on_a_long_prompt_and_a_conversation(tmp_path):
-    """Every method and peer of the quick preset (n-gram drafts only) on a 1400-token prompt and a multi-turn one."""
+    """Every method and peer of the quick preset (n-gram drafts only) on a 700-token prompt and a multi-turn one."""
     config, prompts, outcome = run_preset(tmp_path, "quick", long_prompt_and_turns(), ks=(1,), drafters=("ngram",))
     seen = check_every_cell_ended(config, prompts, outcome)
     torch_target, llamacpp_target = config.targets
