@@ -185,3 +185,14 @@ def test_the_answer_is_judged_against_the_fastest_plain_decoding_on_the_host(tmp
     assert sentence.startswith(expected)
     plain = next(r for r in optimal_table(summaries, params) if r.method == "plain")
     assert plain.drafter == "fp32 linear" and plain.speedup == pytest.approx(2.0)  # shown beside the others
+
+
+def test_the_study_exports_its_fastest_lossless_configuration(study):
+    """ngram K=2 (2.0x, every output identical) is exported; K=4 differed once, so it never is."""
+    from draftlab.export import export
+    from draftlab.study.answer import fastest_lossless
+
+    rows, _, _ = load_study(study)
+    (choice,) = fastest_lossless(summarize(rows))
+    assert (choice.target, choice.draft, choice.k) == ("tgt", "ngram", 2)
+    assert '"num_speculative_tokens":2' in export(choice, "vllm")
