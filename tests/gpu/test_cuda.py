@@ -41,15 +41,15 @@ PROMPTS = [
 ]
 
 
-def on_cuda(model: LoadedModel, dtype: torch.dtype = torch.bfloat16) -> LoadedModel:
-    """A copy of a CPU model on the GPU in `dtype`."""
+def on_device(model: LoadedModel, dtype: torch.dtype = torch.bfloat16) -> LoadedModel:
+    """A copy of a CPU model on the test device (the GPU) in `dtype`."""
     moved = copy.deepcopy(model.model).to(DEVICE, dtype)
     return LoadedModel(model.name, moved, model.tokenizer, torch.device(DEVICE), dtype)
 
 
 @pytest.fixture(scope="module")
 def tiny() -> LoadedModel:
-    return on_cuda(tiny_llama())
+    return on_device(tiny_llama())
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def tiny_drafters(target: LoadedModel) -> dict:
         "ngram": lambda: NGramDrafter(max_n=3),
         "layers:0-1": lambda: ModelDrafter(make_backend(build_layer_draft(target, [0, 1]).model, DEVICE, "fast",
                                                         batch_invariant=False)),
-        "model:noisy": lambda: ModelDrafter(make_backend(on_cuda(noisy_copy(tiny_llama(), 0.3)).model, DEVICE,
+        "model:noisy": lambda: ModelDrafter(make_backend(on_device(noisy_copy(tiny_llama(), 0.3)).model, DEVICE,
                                                          "fast", batch_invariant=False)),
         "model:self": lambda: ModelDrafter(make_backend(target.model, DEVICE, "fast", batch_invariant=False)),
     }
