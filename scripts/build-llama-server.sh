@@ -2,7 +2,9 @@
 # Build llama-server, llama.cpp's OpenAI-compatible server, from the llama.cpp that llama-cpp-python 0.3.36
 # vendors (its source package from the package index: the same llama.cpp as draftlab's llamacpp backend), once,
 # into $DRAFTLAB_CACHE/llama-server/0.3.36/ (default ~/.cache/draftlab). ~10 minutes on 2 cores; no network
-# beyond the package index (the web UI, which the default build downloads, is left out).
+# beyond the package index (the web UI, which the default build downloads, is left out). The same llama.cpp's
+# GGUF converter (convert_hf_to_gguf.py with its conversion/ and gguf-py/) is kept in $out/convert/: it turns
+# EAGLE-3 drafts into the GGUF llama-server loads (`draftlab design eagle3 --gguf`).
 #   scripts/build-llama-server.sh            build unless built; print the binary's path
 #   PYTHON=.venv/bin/python scripts/build-llama-server.sh
 set -euo pipefail
@@ -10,7 +12,9 @@ VERSION=0.3.36
 PYTHON=${PYTHON:-python3}
 cache=${DRAFTLAB_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/draftlab}
 out="$cache/llama-server/$VERSION"
-if [ -x "$out/llama-server" ]; then
+converter="$out/convert/convert_hf_to_gguf.py"
+patched="$out/patched-qwen2-layer-inputs"  # built with the hook below (a binary built without it is rebuilt)
+if [ -x "$out/llama-server" ] && [ -f "$converter" ] && [ -f "$patched" ]; then
   echo "$out/llama-server"
   exit 0
 fi
@@ -24,13 +28,32 @@ mkdir -p "$out"
 work=$(mktemp -d "$out/.build.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 log="$out/build.log"
-echo "build-llama-server: building llama-server from llama-cpp-python $VERSION's llama.cpp (~10 minutes on 2 cores; log: $log)" >&2
+echo "build-llama-server: getting llama-cpp-python $VERSION's llama.cpp for llama-server and its converter (a build takes ~10 minutes on 2 cores; log: $log)" >&2
 if ! "$PYTHON" -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$work" >"$log" 2>&1; then
   echo "build-llama-server: could not download llama-cpp-python $VERSION's source package; see $log" >&2
   exit 1
 fi
 tar -xzf "$work/llama_cpp_python-$VERSION.tar.gz" -C "$work"
 src="$work/llama_cpp_python-$VERSION/vendor/llama.cpp"
+if [ ! -f "$converter" ]; then
+  rm -rf "$out/convert.partial"
+  mkdir -p "$out/convert.partial"
+  cp -r "$src/convert_hf_to_gguf.py" "$src/conversion" "$src/gguf-py" "$out/convert.partial/"
+  rm -rf "$out/convert"
+  mv "$out/convert.partial" "$out/convert"
+fi
+if [ -x "$out/llama-server" ] && [ -f "$patched" ]; then
+  echo "$out/llama-server"
+  exit 0
+fi
+# EAGLE-3 drafting (--spec-type draft-eagle3) reads the inputs of three target layers, which each model's graph
+# must hand over (`res->t_layer_inp[il] = inpL;`, as its llama graph does); this release's qwen2 graph does not, and
+# llama-server aborts on a Qwen2 target ("GGML_ASSERT(t_layer_inp[il] != nullptr ...)"). Add that one line.
+qwen2="$src/src/models/qwen2.cpp"
+if ! grep -q 't_layer_inp' "$qwen2"; then
+  sed -i 's|^\( *\)for (int il = 0; il < n_layer; ++il) {$|&\n\1    res->t_layer_inp[il] = inpL;|' "$qwen2"
+  grep -q 'res->t_layer_inp\[il\] = inpL;' "$qwen2" || { echo "build-llama-server: could not add the qwen2 hook" >&2; exit 1; }
+fi
 if ! { cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF \
          -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
          -DBUILD_SHARED_LIBS=OFF \
@@ -41,4 +64,5 @@ if ! { cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD
 fi
 cp "$work/build/bin/llama-server" "$out/llama-server.partial"
 mv "$out/llama-server.partial" "$out/llama-server"
+touch "$patched"
 echo "$out/llama-server"

@@ -26,7 +26,7 @@ stage tests 200 $py -m pytest -m gpu -rs -q tests/gpu --durations=15
 stage blocks 120 $py benchmarks/backend_limits.py --devices cuda cpu --dtypes bf16 --tokens 32 --rounds 5 \
   --routes linear exact-linear/1 exact-linear/8 exact-linear/16 exact-wm/16 --prefill-tokens 1024
 stage sweep 190 $py -m draftlab.cli sweep --db "$out/study.sqlite" --targets smollm2-135m --device cuda --dtype bf16 \
-  --methods sps asg hf --drafters ngram layers:0-3 designed tree:2x2:designed suffix --ks 1,3,5 \
+  --methods sps asg hf --drafters ngram layers:0-3 designed tree:2x2:designed eagle3 tree:2x2:eagle3 suffix --ks 1,3,5 \
   --datasets humaneval --limit 3 --max-new-tokens 96 --no-progress
 stage report 60 $py -m draftlab.cli report --db "$out/study.sqlite" --out "$out/report" --export vllm sglang llama-server
 tail -n 25 "$out/tests.log" "$out/blocks.log"

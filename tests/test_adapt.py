@@ -12,7 +12,8 @@ from draftlab.api import SpeculativeDecoder
 from draftlab.backends import FastLlamaBackend
 from draftlab.drafters import NoDrafter
 from draftlab.drafters.adapt import AdaptingDrafter, AdaptSettings
-from draftlab.drafters.feature import FeatureDrafter, new_feature_draft, save_feature_draft
+from draftlab.drafters.anchored import FeatureDrafter
+from draftlab.drafters.feature import new_feature_draft, save_feature_draft
 from draftlab.drafters.heads import HeadsDrafter, new_heads_draft
 from draftlab.engine import GenerationConfig, SpeculativeEngine
 from draftlab.errors import DraftlabError

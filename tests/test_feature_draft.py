@@ -11,7 +11,8 @@ from draftlab.drafters import NoDrafter
 from draftlab.engine import GenerationConfig, SpeculativeEngine
 from draftlab.errors import DraftlabError
 from draftlab.backends import FastLlamaBackend
-from draftlab.drafters.feature import FeatureDrafter, is_feature_draft, load_feature_draft, new_feature_draft
+from draftlab.drafters.anchored import FeatureDrafter
+from draftlab.drafters.feature import is_feature_draft, load_feature_draft, new_feature_draft
 from draftlab.policy import FixedK
 from draftlab.step import Block
 from tests.conftest import tiny_llama

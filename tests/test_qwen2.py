@@ -109,7 +109,8 @@ def test_feature_draft_on_qwen2_copies_the_biases_trains_and_stays_lossless(tmp_
     """A feature draft for a Qwen2 target: its layer starts as the target's last (q/k/v biases included),
     training raises its agreement, the file loads back, and greedy output equals autoregressive."""
     from draftlab.design.feature import FeatureSettings, FeatureStudent, train_feature_draft
-    from draftlab.drafters.feature import FeatureDrafter, load_feature_draft, new_feature_draft
+    from draftlab.drafters.anchored import FeatureDrafter
+    from draftlab.drafters.feature import load_feature_draft, new_feature_draft
 
     target = _loaded(tiny_qwen2())
     draft = new_feature_draft(target, torch.arange(96))

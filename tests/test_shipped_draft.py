@@ -24,7 +24,7 @@ def test_the_shipped_draft_matches_its_pinned_hashes():
 def test_a_modified_file_is_refused(tmp_path):
     copy = tmp_path / "draft"
     shutil.copytree(shipped_draft("smollm2-135m"), copy)
-    manifest = SHIPPED["smollm2-135m"]
+    manifest = SHIPPED["designed"]["smollm2-135m"][1]
     check_files(copy, manifest)  # an exact copy passes
     data = bytearray((copy / WEIGHTS).read_bytes())
     data[len(data) // 2] ^= 0x01  # one bit in the middle of the weights

@@ -15,7 +15,8 @@ from draftlab.backends.hf import HFBackend
 from draftlab.backends.numerics import causal_mask, tree_mask
 from draftlab.drafters.base import PerRequest
 from draftlab.drafters import ModelDrafter, NGramDrafter, NoDrafter
-from draftlab.drafters.feature import FeatureDrafter, new_feature_draft
+from draftlab.drafters.anchored import FeatureDrafter
+from draftlab.drafters.feature import new_feature_draft
 from draftlab.engine import GenerationConfig, SpeculativeEngine
 from draftlab.models import load_model
 from draftlab.policy import FixedK
@@ -108,6 +109,7 @@ class AsTree(PerRequest):
         self.inner = drafter
         self.name = f"tree({drafter.name})"
         self.reads_target_hidden = drafter.reads_target_hidden
+        self.target_taps = drafter.target_taps
 
     def begin(self, prompt_ids):
         self.inner.begin(prompt_ids)

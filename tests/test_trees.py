@@ -8,7 +8,8 @@ import torch
 from draftlab.backends import FastLlamaBackend, make_backend
 from draftlab.backends.hf import HFBackend
 from draftlab.drafters import ModelDrafter, NoDrafter, build_layer_draft
-from draftlab.drafters.feature import FeatureDrafter, new_feature_draft
+from draftlab.drafters.anchored import FeatureDrafter
+from draftlab.drafters.feature import new_feature_draft
 from draftlab.drafters.tree import TreeDrafter, TreeShape
 from draftlab.engine import GenerationConfig, SpeculativeEngine
 from draftlab.errors import DraftlabError

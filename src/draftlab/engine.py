@@ -103,6 +103,7 @@ class SpeculativeEngine:
         self.decode = decode
         self._prompt_len = 0
         self.reads_hidden = self.drafter.reads_target_hidden
+        self.taps = self.drafter.target_taps  # the target layers whose inputs it reads; (): the final hidden states
         if self.reads_hidden and not target.provides_hidden:
             raise DraftlabError(
                 f"drafter {self.drafter.name} reads the target's hidden states, which this backend does not "
@@ -159,7 +160,7 @@ class SpeculativeEngine:
         proposal = proposal.within(budget)  # K is the depth: a chain's length, a tree's levels
         block = Block.of(tokens[-1], proposal)
         with watch.time("target"):
-            scores = self.target.score_block(block, with_hidden=self.reads_hidden)  # logits [n, V], hidden [n, D]
+            scores = self.target.score_block(block, self.reads_hidden, taps=self.taps)  # logits [n, V], hidden [n, D']
         verdict = self.verifier(block, proposal.draft_probs, scores.logits, config.sampling, generator)
         kept = verdict.kept_rows()
         if config.sampling.greedy and not block.is_chain and not set(kept) <= self.target.exact_rows(block):
@@ -180,7 +181,7 @@ class SpeculativeEngine:
         self.target.rollback(self.target.cache_len - len(block.tokens))
         path = Block.chain([block.tokens[i] for i in kept])
         proposal = Proposal(path.tokens[1:])
-        scores = self.target.score_block(path, with_hidden=self.reads_hidden)  # logits [m, V]
+        scores = self.target.score_block(path, self.reads_hidden, taps=self.taps)  # logits [m, V]
         return path, proposal, scores, self.verifier(path, None, scores.logits, config.sampling, generator)
 
     def _room(self, tokens, config) -> int:
@@ -195,7 +196,8 @@ class SpeculativeEngine:
         self.policy.begin()
         if len(tokens) > 1:
             with watch.time("prefill"):
-                scores = self.target.score_block(Block.chain(tokens[:-1]), with_hidden=self.reads_hidden, last_only=True)
+                scores = self.target.score_block(Block.chain(tokens[:-1]), self.reads_hidden, last_only=True,
+                                                 taps=self.taps)
             if scores.hidden is not None:
                 self.drafter.observe(scores.hidden)
 

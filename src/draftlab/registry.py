@@ -8,14 +8,15 @@ HF reference runs alike. Spec grammar:
   layers:SPEC[@DTYPE]         self-draft from target layers; SPEC is a comma list of
                               indices, ranges a-b and strided ranges a-b:s (0-3, 0-29:2, 0-3,26-29)
   model:NAME_OR_PATH[@DTYPE]  a separate draft model with the target's tokenizer, or a draft
-                              directory (pruned draft, cut-vocabulary model draft, feature draft or
-                              decoder heads: its record names the format)
+                              directory (pruned draft, cut-vocabulary model draft, feature draft, EAGLE-3
+                              draft or decoder heads: its record names the format)
   ...@DTYPE                   (layer drafts, model drafts and cut drafts) run the draft in DTYPE (fp32, bf16,
                               fp16) instead of the target's: lossless whatever its rounding, since
                               only the target's scores decide what is kept. On CPUs without native
                               bf16 a single-token bf16 product still reads half the bytes, so a
                               bf16 draft can draft ~2x faster beside an fp32 target
   designed                    the designed draft shipped for the target (`drafters/shipped.py`), SHA256-checked
+  eagle3                      the EAGLE-3 draft shipped for the target (`drafters/eagle3.py`), SHA256-checked
   tree:SHAPE:SPEC             a token tree grown by drafter SPEC (one with logits: layers, model,
                               designed, decoder heads); SHAPE is BxBx...[-N] (static) or dyn-T-N (dynamic), see
                               `draftlab.drafters.tree`; K is then the tree's depth
@@ -48,7 +49,8 @@ import torch
 
 from draftlab.backends import make_backend
 from draftlab.defaults import DEFAULT_BACKEND
-from draftlab.drafters import cut, feature, heads, pruned
+from draftlab.drafters import cut, eagle3, eagle3_checkpoint, feature, heads, pruned
+from draftlab.drafters.anchored import AnchoredDrafter, FeatureDrafter
 from draftlab.drafters.adapt import AdaptingDrafter, AdaptSettings
 from draftlab.drafters.base import Drafter, NoDrafter
 from draftlab.drafters.files import draft_format
@@ -63,7 +65,7 @@ from draftlab.errors import DraftlabError
 from draftlab.models import DTYPES, LoadedModel, ModelSpec, dtype_name, dtype_suffix, load_model
 
 SPEC_HELP = ("none | ngram[:N|:A-B] | suffix[:depth=N,tree,responses=N,cache=DIR,...] | layers:0-3 (or 0,2,4 / "
-             "0-29:2) | model:NAME_OR_PATH | designed | tree:SHAPE:SPEC | staged:HELPER/SPEC | merged:GUIDE/SPEC | "
+             "0-29:2) | model:NAME_OR_PATH | designed | eagle3 | tree:SHAPE:SPEC | staged:HELPER/SPEC | merged:GUIDE/SPEC | "
              "adapt[:lr=F,every=N,...]/SPEC; "
              "layer and model drafts take @fp32/@bf16/@fp16")
 
@@ -94,7 +96,7 @@ class BuiltDraft:
     model: LoadedModel | None = None
     tree_source: TreeSource | None = None
     model_drafter: ModelDrafter | None = None
-    learnable: feature.FeatureDrafter | heads.HeadsDrafter | None = None
+    learnable: FeatureDrafter | heads.HeadsDrafter | None = None
 
 
 def parse_drafter_spec(spec: str, num_layers: int | None = None) -> DraftPlan:
@@ -116,8 +118,8 @@ def parse_drafter_spec(spec: str, num_layers: int | None = None) -> DraftPlan:
         return DraftPlan("model", model=arg, dtype=dtype)
     if kind == "suffix":
         return DraftPlan("suffix", suffix=SuffixOptions.parse(arg))
-    if kind == "designed" and not arg:
-        return DraftPlan("designed")
+    if kind in ("designed", "eagle3") and not arg:
+        return DraftPlan(kind)
     if kind == "tree" and ":" in arg:
         shape, _, inner = arg.partition(":")
         return DraftPlan("tree", tree=TreeShape.parse(shape), inner=parse_drafter_spec(inner, num_layers))
@@ -215,6 +217,9 @@ def _build_model(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDra
             raise DraftlabError(f"{plan.model} holds a draft of unknown format {fmt!r}; known: {sorted(DRAFT_FORMATS)}")
         _needs_torch_target(target, f"the {fmt} draft in {plan.model}")
         return DRAFT_FORMATS[fmt](plan, target, backend)
+    if eagle3_checkpoint.is_checkpoint(plan.model):  # the engines' EAGLE-3 checkpoint (vLLM, SGLang, SpecForge)
+        _needs_torch_target(target, f"the EAGLE-3 checkpoint in {plan.model}")
+        return _load_eagle3(plan, target, backend)
     if target.engine.runs_gguf:  # a GGUF draft in its own context of the target's engine
         # Repacked weights: a draft's rounding never decides what is committed, and they draft faster.
         draft = load_model(ModelSpec(plan.model, dtype=plan.dtype or "auto"), backend=target.engine.backend,
@@ -228,9 +233,10 @@ def _build_model(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDra
 
 
 def _build_designed(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
-    _needs_torch_target(target, "the designed draft")
-    built = _build_model(DraftPlan("model", model=str(shipped_draft(target.name))), target, backend)
-    built.drafter.name = "designed"
+    """The draft shipped for the target under this kind's name (`designed`, `eagle3`)."""
+    _needs_torch_target(target, f"the {plan.kind} draft")
+    built = _build_model(DraftPlan("model", model=str(shipped_draft(target.name, plan.kind))), target, backend)
+    built.drafter.name = plan.kind
     return built
 
 
@@ -334,8 +340,17 @@ def _load_cut(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
 def _load_feature(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
     _refuse_dtype(plan, "a feature draft")
     path = plan.model
-    drafter = feature.FeatureDrafter(feature.load_feature_draft(path, target), name=f"feature:{path}")
+    drafter = FeatureDrafter(feature.load_feature_draft(path, target), name=f"feature:{path}")
     return BuiltDraft(drafter, tree_source=drafter, learnable=drafter)
+
+
+def _load_eagle3(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
+    """An EAGLE-3 draft: draftlab's draft directory, or the engines' checkpoint."""
+    _refuse_dtype(plan, "an EAGLE-3 draft")
+    path = plan.model
+    read = eagle3_checkpoint.read_checkpoint if eagle3_checkpoint.is_checkpoint(path) else eagle3.load_eagle3_draft
+    drafter = AnchoredDrafter(read(path, target), name=f"eagle3:{path}")
+    return BuiltDraft(drafter, tree_source=drafter)
 
 
 def _load_heads(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
@@ -357,6 +372,7 @@ DRAFTERS: dict[str, Callable[[DraftPlan, LoadedModel, str], BuiltDraft]] = {
     "layers": _build_layers,
     "model": _build_model,
     "designed": _build_designed,
+    "eagle3": _build_designed,
     "tree": _build_tree,
     "staged": _build_staged,
     "merged": _build_merged,
@@ -366,5 +382,6 @@ DRAFT_FORMATS: dict[str, Callable[[DraftPlan, LoadedModel, str], BuiltDraft]] = 
     pruned.FORMAT: _load_pruned,
     cut.FORMAT: _load_cut,
     feature.FORMAT: _load_feature,
+    eagle3.FORMAT: _load_eagle3,
     heads.FORMAT: _load_heads,
 }

@@ -33,7 +33,7 @@ pytestmark = [
 K_VALUES = (1, 3, 5, 8)
 DRAFTERS = ("ngram", "suffix", "layers:0-3", "model:smollm2-135m", "designed", "tree:2x2:designed",
             "tree:dyn-2-6@0.05:designed", "merged:ngram/tree:2x2:designed", "staged:ngram/layers:0-3",
-            "adapt/designed")
+            "adapt/designed", "eagle3", "tree:2x2:eagle3")
 PROMPTS = [
     "Write a Python function that returns the squares of a list of numbers, then show how to call it.",
     "Summarize in one sentence: The city council voted on Tuesday to extend the bike lane network by "
@@ -135,7 +135,8 @@ def share_of_identical_rows(backend: FastLlamaBackend, sizes=range(2, 17)) -> fl
 def test_tiny_drafts_that_adapt_on_cuda_learn_and_keep_plain_output(tiny, kind):
     """Online adaptation's updates run where the target runs (its hidden states, the draft, the token batches)."""
     from draftlab.drafters.adapt import AdaptingDrafter, AdaptSettings
-    from draftlab.drafters.feature import FeatureDrafter, new_feature_draft
+    from draftlab.drafters.anchored import FeatureDrafter
+    from draftlab.drafters.feature import new_feature_draft
     from draftlab.drafters.heads import HeadsDrafter, new_heads_draft
 
     vocab = torch.arange(64)

@@ -184,7 +184,8 @@ def test_feature_draft_on_the_real_target_is_lossless(target, baseline):
     """An (untrained) EAGLE-style draft reading SmolLM2's hidden states: same greedy output."""
     from draftlab.engine import GenerationConfig, SpeculativeEngine
     from draftlab.backends import FastLlamaBackend
-    from draftlab.drafters.feature import FeatureDrafter, new_feature_draft
+    from draftlab.drafters.anchored import FeatureDrafter
+    from draftlab.drafters.feature import new_feature_draft
     from draftlab.policy import FixedK
 
     draft = new_feature_draft(target, torch.arange(4096))

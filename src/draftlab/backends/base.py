@@ -30,7 +30,7 @@ class Backend(Protocol):
     """A model with a KV cache that can be cut back to any accepted path."""
 
     vocab_size: int
-    provides_hidden: bool  # score_block(..., with_hidden=True) returns the final hidden states
+    provides_hidden: bool  # score_block(..., with_hidden=True) returns hidden states (final, or tapped layers')
     batch_invariant: bool  # each block row is bitwise the row scoring its token alone would give
     numerics: str  # what the products are and why, for the results' record ('fp32 exact-wm/4 (measured: ...)')
 
@@ -47,8 +47,10 @@ class Backend(Protocol):
         """Append consecutive tokens to the cache; logits [n, V] (or [1, V] if last_only), fp32 on the CPU."""
         ...
 
-    def score_block(self, block: Block, with_hidden: bool = False, last_only: bool = False) -> Scores:
-        """Append a tree-shaped block in one pass; logits [n, V] ([1, V] if last_only), hidden states [n, D] if asked.
+    def score_block(self, block: Block, with_hidden: bool = False, last_only: bool = False,
+                    taps: tuple[int, ...] = ()) -> Scores:
+        """Append a tree-shaped block in one pass; logits [n, V] ([1, V] if last_only), hidden states if asked:
+        the final ones [n, D], or with `taps` the inputs of those layers concatenated [n, len(taps) * D].
 
         A chain scored `last_only` is a prefill: its other rows are only cached, and a backend may compute it with
         faster products whose rows differ from single rows in the last bits (plain and speculative decoding

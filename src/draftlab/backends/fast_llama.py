@@ -159,12 +159,14 @@ class FastLlamaBackend:
         """Append consecutive tokens to the cache; logits [n, V] (or [1, V] if last_only), fp32 on the CPU."""
         start, n = self._len, len(token_ids)
         positions = torch.arange(start, start + n, device=self.device)  # [n]
-        hidden = self._forward(token_ids, positions, None, prefill=last_only and n > 1)  # [n, D]
+        hidden, _ = self._forward(token_ids, positions, None, prefill=last_only and n > 1)  # [n, D]
         return self._logits(hidden[-1:] if last_only else hidden)
 
     @torch.inference_mode()
-    def score_block(self, block: Block, with_hidden: bool = False, last_only: bool = False) -> Scores:
-        """Append a tree-shaped block in one pass; logits [n, V] ([1, V] if last_only), final hidden states [n, D] if asked."""
+    def score_block(self, block: Block, with_hidden: bool = False, last_only: bool = False,
+                    taps: tuple[int, ...] = ()) -> Scores:
+        """Append a tree-shaped block in one pass; logits [n, V] ([1, V] if last_only), hidden states if asked: the
+        final ones [n, D], or the inputs of layers `taps` concatenated [n, len(taps) * D]."""
         start, n = self._len, len(block.tokens)
         if block.is_chain:  # the chain's own code path: no tree bookkeeping, causal attention
             positions = torch.arange(start, start + n, device=self.device)  # [n]
@@ -173,8 +175,10 @@ class FastLlamaBackend:
             layout = block.layout()
             positions = (start + layout.depths).to(self.device)  # [n]
             ancestors = layout.ancestors
-        hidden = self._forward(block.tokens, positions, ancestors, prefill=last_only and n > 1 and ancestors is None)
-        return Scores(self._logits(hidden[-1:] if last_only else hidden), hidden if with_hidden else None)
+        prefill = last_only and n > 1 and ancestors is None
+        hidden, tapped = self._forward(block.tokens, positions, ancestors, prefill, taps if with_hidden else ())
+        logits = self._logits(hidden[-1:] if last_only else hidden)
+        return Scores(logits, (tapped if taps else hidden) if with_hidden else None)
 
     @torch.inference_mode()  # the buffers may have been (re)allocated inside a forward, as inference tensors
     def keep(self, indices: Sequence[int]) -> None:
@@ -224,8 +228,9 @@ class FastLlamaBackend:
         return UpcastLinear() if self.upcast else F.linear
 
     def _forward(self, token_ids: Sequence[int], positions: torch.Tensor, ancestors: torch.Tensor | None,
-                 prefill: bool = False) -> torch.Tensor:
-        """Run the layers on new tokens at `positions` [n], appended to the cache; final hidden states [n, D].
+                 prefill: bool = False, taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the layers on new tokens at `positions` [n], appended to the cache; final hidden states [n, D] and
+        the inputs of layers `taps` concatenated [n, len(taps) * D] (None without taps).
 
         `ancestors` [n, n] is the block's tree (row i sees i and its ancestors); None for a causal chain.
         `prefill`: only the last row is read, so the block runs the fastest products and one attention call
@@ -240,10 +245,14 @@ class FastLlamaBackend:
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)  # [n]
         hidden = F.embedding(ids, self.model.model.embed_tokens.weight)  # [n, D]
         cos, sin = self._cos[positions], self._sin[positions]  # [n, head_dim]
+        tapped = {}
         for index, layer in enumerate(self.layers):
+            if index in taps:
+                tapped[index] = hidden
             hidden = self._layer(index, layer, hidden, cos, sin, attend, start, end, project)
         self._block_start, self._len = start, end
-        return rms_norm(hidden, self.model.model.norm.weight, self.eps)  # [n, D]
+        taps_out = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None  # [n, len(taps) * D]
+        return rms_norm(hidden, self.model.model.norm.weight, self.eps), taps_out  # [n, D]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM-head logits [n, V] ([n, V'] with head rows), fp32 on the CPU, from final hidden states [n, D]."""

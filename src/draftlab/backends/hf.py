@@ -59,12 +59,14 @@ class HFBackend:
         return logits
 
     @torch.inference_mode()
-    def score_block(self, block: Block, with_hidden: bool = False, last_only: bool = False) -> Scores:
-        """Append a tree-shaped block in one pass; logits [n, V] ([1, V] if last_only), hidden states [n, D] if asked."""
+    def score_block(self, block: Block, with_hidden: bool = False, last_only: bool = False,
+                    taps: tuple[int, ...] = ()) -> Scores:
+        """Append a tree-shaped block in one pass; logits [n, V] ([1, V] if last_only), hidden states if asked (final
+        [n, D], or the inputs of layers `taps` concatenated [n, len(taps) * D])."""
         layout = block.layout()
         positions = (self._len + layout.depths).to(self.device)  # [n]
         mask = None if block.is_chain else self._tree_mask(layout.ancestors)
-        logits, hidden = self._forward(block.tokens, positions, mask, last_only, with_hidden)
+        logits, hidden = self._forward(block.tokens, positions, mask, last_only, with_hidden, taps)
         return Scores(logits, hidden)
 
     def keep(self, indices: Sequence[int]) -> None:
@@ -94,8 +96,9 @@ class HFBackend:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _forward(self, token_ids, positions, mask, last_only: bool, with_hidden: bool):
-        """Run the model on new tokens at `positions` [n]; logits [n, V] fp32 CPU, hidden [n, D] or None."""
+    def _forward(self, token_ids, positions, mask, last_only: bool, with_hidden: bool, taps: tuple[int, ...] = ()):
+        """Run the model on new tokens at `positions` [n]; logits [n, V] fp32 CPU, hidden [n, D or len(taps) D] or
+        None (transformers' hidden_states[i] is the input of layer i; its last entry is after the final norm)."""
         if self._cache is None:
             self.reset()
         self._block_start = self._len
@@ -110,7 +113,10 @@ class HFBackend:
             output_hidden_states=with_hidden,
         )
         self._len += input_ids.shape[1]
-        hidden = out.hidden_states[-1][0] if with_hidden else None  # [n, D]
+        hidden = None
+        if with_hidden:
+            layers = [out.hidden_states[i][0] for i in taps] if taps else [out.hidden_states[-1][0]]
+            hidden = torch.cat(layers, dim=-1)  # [n, D] or [n, len(taps) * D]
         logits = out.logits[0].float().cpu()  # [n, V]; verification runs on the CPU
         return (logits if self._rows is None else logits[:, self._rows]), hidden  # [n, V or V']
 

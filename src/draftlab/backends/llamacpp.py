@@ -102,7 +102,8 @@ class LlamaCppBackend:
         """Append consecutive tokens to the cache; logits [n, V] (or [1, V] if last_only), fp32."""
         return self.score_block(Block.chain(list(token_ids)), last_only=last_only).logits
 
-    def score_block(self, block: Block, with_hidden: bool = False, last_only: bool = False) -> Scores:
+    def score_block(self, block: Block, with_hidden: bool = False, last_only: bool = False,
+                    taps: tuple[int, ...] = ()) -> Scores:
         """Append a tree-shaped block in one pass; logits [n, V] ([1, V] if last_only)."""
         if with_hidden:
             raise DraftlabError("the llamacpp backend does not return hidden states; feature drafts and decoder "

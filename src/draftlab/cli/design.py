@@ -1,4 +1,4 @@
-"""`draftlab design ...`: microbench, prune, cut, distill, feature, heads, correlate."""
+"""`draftlab design ...`: microbench, prune, cut, distill, feature, eagle3 (`design_eagle3.py`), heads, correlate."""
 
 from __future__ import annotations
 
@@ -8,11 +8,13 @@ from pathlib import Path
 from draftlab.errors import DraftlabError
 from draftlab.defaults import DraftSettings
 from draftlab.models import DEFAULT_TARGET
+from draftlab.cli.design_eagle3 import add_eagle3_command
+from draftlab.cli.design_text import add_text_args, check_vocab_size, frequent_greedy_tokens, text_record
 
 
 def add_design_commands(sub) -> None:
     """Register the design subcommands on the top-level subparsers."""
-    design = sub.add_parser("design", help="draft design: microbench, prune, cut, distill, feature, heads, correlate")
+    design = sub.add_parser("design", help="draft design: microbench, prune, cut, distill, feature, eagle3, heads, correlate")
     commands = design.add_subparsers(dest="design", required=True)
 
     micro = commands.add_parser("microbench", help="decode latency vs depth and width in the target's family")
@@ -23,7 +25,7 @@ def add_design_commands(sub) -> None:
     micro.set_defaults(run=cmd_microbench)
 
     prune = commands.add_parser("prune", help="cut a draft from the target: layers (chosen or searched), vocabulary")
-    _add_text_args(prune)
+    add_text_args(prune)
     layers = prune.add_mutually_exclusive_group(required=True)
     layers.add_argument("--layers", help="layer list, e.g. 0-3 or 0-29:10")
     layers.add_argument("--search", type=int, help="search this many layers for the best agreement with the target")
@@ -32,7 +34,7 @@ def add_design_commands(sub) -> None:
     prune.set_defaults(run=cmd_prune)
 
     cut = commands.add_parser("cut", help="cut a stand-alone draft model's vocabulary to the most frequent tokens")
-    _add_text_args(cut)
+    add_text_args(cut)
     cut.add_argument("--draft", required=True, help="the stand-alone draft: short name, .gguf path or HF directory")
     cut.add_argument("--vocab", type=int, required=True,
                      help="keep this many output tokens: the text's most frequent, topped up with the lowest ids")
@@ -40,7 +42,7 @@ def add_design_commands(sub) -> None:
     cut.set_defaults(run=cmd_cut)
 
     distill = commands.add_parser("distill", help="train a draft on the target's distributions within a budget")
-    _add_text_args(distill)
+    add_text_args(distill)
     distill.add_argument("--init", help="a pruned draft directory to start from (default: --layers/--vocab)")
     distill.add_argument("--layers", default="0-3")
     distill.add_argument("--vocab", type=int, default=None)
@@ -54,7 +56,7 @@ def add_design_commands(sub) -> None:
     distill.set_defaults(run=cmd_distill)
 
     feature = commands.add_parser("feature", help="train an EAGLE-style draft that reads the target's hidden states")
-    _add_text_args(feature)
+    add_text_args(feature)
     feature.add_argument("--vocab", type=int, default=8192, help="draft output rows: the target's most frequent tokens")
     feature.add_argument("--out", required=True, help="draft directory; holds text, features, checkpoints; resumes")
     feature.add_argument("--budget", type=float, default=1800.0, help="training seconds (excluding the target pass)")
@@ -69,7 +71,7 @@ def add_design_commands(sub) -> None:
     feature.set_defaults(run=cmd_feature)
 
     heads = commands.add_parser("heads", help="train Medusa-style decoder heads on the target's hidden states")
-    _add_text_args(heads)
+    add_text_args(heads)
     heads.add_argument("--heads", type=int, default=4, help="number of heads: the deepest chain or tree they draft")
     heads.add_argument("--vocab", type=int, default=8192, help="draft output rows: the target's most frequent tokens")
     heads.add_argument("--features", help="a feature draft directory (or its features.pt) whose cached target "
@@ -94,19 +96,11 @@ def add_design_commands(sub) -> None:
     correlate.add_argument("--out", required=True)
     correlate.set_defaults(run=cmd_correlate)
 
-    for parser in (micro, prune, cut, distill, feature, heads, correlate):
+    eagle3 = add_eagle3_command(commands)
+
+    for parser in (micro, prune, cut, distill, feature, eagle3, heads, correlate):
         parser.add_argument("--threads", type=int, default=None)
         parser.add_argument("--no-progress", action="store_true")
-
-
-def _add_text_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default=DEFAULT_TARGET)
-    parser.add_argument("--datasets", nargs="*", default=["mt-bench", "xsum", "humaneval", "math"],
-                        help="prompt sets whose prompts are training / calibration text")
-    parser.add_argument("--limit", type=int, default=150, help="prompts per set")
-    parser.add_argument("--generate", type=int, default=24, help="prompts continued by the target (its own outputs)")
-    parser.add_argument("--max-new-tokens", type=int, default=96, help="length of those continuations")
-    parser.add_argument("--corpus", help="extra text: a .txt (blank-line separated) or .jsonl ('text') file")
 
 
 def _target_and_text(args):
@@ -125,17 +119,12 @@ def _vocab_map(target, sequences, size):
 
     if size is None:
         return None
-    _check_vocab_size(target, size)
+    check_vocab_size(target, size)
     vocab_map = frequent_tokens(sequences, size, always=eos_ids(target))
     if len(vocab_map) < size:
         print(f"note: the text holds only {len(vocab_map)} distinct tokens, so the draft's vocabulary has "
               f"{len(vocab_map)} rows, not {size}; give more text (--limit, --generate, --corpus) for a larger one")
     return vocab_map
-
-
-def _check_vocab_size(target, size: int) -> None:
-    if not 1 <= size <= target.vocab_size:
-        raise DraftlabError(f"--vocab must be in 1..{target.vocab_size}, got {size}")
 
 
 def cmd_microbench(args) -> None:
@@ -189,7 +178,7 @@ def cmd_cut(args) -> None:
     from draftlab.drafters.model import check_compatible
 
     target, sequences = _target_and_text(args)
-    _check_vocab_size(target, args.vocab)
+    check_vocab_size(target, args.vocab)
     from_text = frequent_tokens(sequences, args.vocab, always=eos_ids(target))
     vocab_map = fill_by_rank(from_text, args.vocab, target.vocab_size)
     draft = CutDraft(args.draft, vocab_map)
@@ -254,12 +243,12 @@ def cmd_feature(args) -> None:
         draft = load_feature_draft(out, target)
     elif args.init:
         draft = load_feature_draft(args.init, target)
-        draft.made = {**draft.made, "init": f"feature draft {args.init}", "text": _text_record(args, data)}
+        draft.made = {**draft.made, "init": f"feature draft {args.init}", "text": text_record(args, data)}
     else:
-        vocab_map = _frequent_greedy_tokens(target, data, args.vocab)  # what the draft must predict
+        vocab_map = frequent_greedy_tokens(target, data, args.vocab)  # what the draft must predict
         draft = new_feature_draft(target, vocab_map, init_layer=None if args.random_init else -1)
         draft.made = {"method": "feature (EAGLE-style)", "init": "random" if args.random_init else "last target layer",
-                      "text": _text_record(args, data)}
+                      "text": text_record(args, data)}
     history = train_feature_draft(target, draft, sequences, out, settings, args.target, progress=not args.no_progress)
     if history:
         print(f"feature: {history[-1]['tokens']} tokens in {history[-1]['elapsed_s']:.0f}s, held-out agreement "
@@ -290,11 +279,11 @@ def cmd_heads(args) -> None:
     if (out / CHECKPOINT).exists() and is_heads_draft(out):
         draft = load_heads_draft(out, target)
     else:
-        vocab_map = _frequent_greedy_tokens(target, data, args.vocab)
+        vocab_map = frequent_greedy_tokens(target, data, args.vocab)
         draft = new_heads_draft(target, vocab_map, args.heads)
         draft.made = {"method": "decoder heads (Medusa-style)", "heads": args.heads,
                       "text": {"features": args.features, "tokens": int(data["tokens"].numel())}
-                      if args.features else _text_record(args, data)}
+                      if args.features else text_record(args, data)}
     history = train_heads(target, draft, sequences, out, settings, args.target, progress=not args.no_progress)
     if history:
         per_head = ", ".join(f"{a:.1%}" for a in draft.made.get("held_out_agreement_per_head", []))
@@ -322,30 +311,6 @@ def _link_features(source: Path, destination: Path) -> None:
         os.link(source, destination)
     except OSError:
         shutil.copyfile(source, destination)
-
-
-def _frequent_greedy_tokens(target, data: dict, size: int):
-    """The draft vocabulary: end-of-sequence ids and the target's most frequent greedy tokens on the text."""
-    from collections import Counter
-
-    import torch
-
-    from draftlab.api import eos_ids
-
-    if size < 1:
-        raise DraftlabError(f"--vocab must be at least 1, got {size}")
-    counts = Counter(data["top1"].flatten().tolist())
-    chosen = sorted({*eos_ids(target), *[t for t, _ in counts.most_common(size)]})[:size]
-    covered = sum(counts[t] for t in chosen) / max(1, sum(counts.values()))
-    print(f"{len(chosen)} output rows cover {covered:.1%} of the target's greedy tokens on this text")
-    return torch.tensor(chosen, dtype=torch.long)
-
-
-def _text_record(args, data) -> dict:
-    """How a feature draft's training text was made, for its record."""
-    return {"datasets": args.datasets, "limit": args.limit, "generate": args.generate,
-            "max_new_tokens": args.max_new_tokens, "corpus": args.corpus, "reuse": args.reuse_text,
-            "tokens": int(data["tokens"].numel())}
 
 
 def cmd_correlate(args) -> None:

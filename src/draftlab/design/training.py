@@ -4,7 +4,9 @@ A `Student` knows its loss on a batch of rows, its held-out agreement with the
 target and how to save itself; this loop owns everything else:
 
 - AdamW with warm-up and a cosine decay over the wall-clock budget (a CPU
-  user sets minutes, not steps);
+  user sets minutes, not steps), or over `max_steps` when set: then the run
+  does the same steps whatever the host's speed, and a second run from the
+  same seed writes the same weights;
 - a progress bar over the budget and a step log (`train_log.jsonl`);
 - a checkpoint every `checkpoint_every_s` seconds (weights, optimizer, data
   order and position, RNG state, elapsed time, history), written atomically;
@@ -67,17 +69,24 @@ class LoopSettings:
     weight_decay: float = 0.0
     checkpoint_every_s: float = 60.0
     seed: int = 0
+    max_steps: int | None = None  # a step budget instead of the wall-clock one (reproducible runs)
 
     @classmethod
     def of(cls, settings) -> "LoopSettings":
         """The loop's fields of a larger settings dataclass."""
-        return cls(**{f.name: getattr(settings, f.name) for f in fields(cls)})
+        return cls(**{f.name: getattr(settings, f.name, f.default) for f in fields(cls)})
+
+    def progress(self, step: int, elapsed: float) -> float:
+        """How much of the budget is spent, 0..1: steps when `max_steps` is set, else seconds."""
+        if self.max_steps:
+            return min(1.0, step / self.max_steps)
+        return min(1.0, elapsed / self.budget_s)
 
 
 def learning_rate(settings: LoopSettings, step: int, elapsed: float) -> float:
     """Linear warm-up over steps, then cosine decay to 10% over the wall-clock budget."""
     warm = min(1.0, (step + 1) / settings.warmup_steps)
-    progress = min(1.0, elapsed / settings.budget_s)
+    progress = settings.progress(step, elapsed)
     return settings.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
@@ -95,10 +104,13 @@ def train(student: Student, train_rows: int, settings: LoopSettings, out: Path, 
     order = state.get("order") or torch.randperm(train_rows, generator=generator).tolist()
     history = state.get("history", [])
     step, position, elapsed = state.get("step", 0), state.get("position", 0), state.get("elapsed", 0.0)
-    bar = tqdm(total=int(settings.budget_s), initial=int(elapsed), desc="train", unit="s", disable=not progress)
+    by_steps = bool(settings.max_steps)
+    bar = tqdm(total=settings.max_steps if by_steps else int(settings.budget_s),
+               initial=step if by_steps else int(elapsed), desc="train", unit="step" if by_steps else "s",
+               disable=not progress)
     last_checkpoint = time.perf_counter()
     with (out / log_name).open("a") as log:
-        while elapsed < settings.budget_s:
+        while settings.progress(step, elapsed) < 1.0:
             start = time.perf_counter()
             if position + settings.batch_size > len(order):
                 order, position = torch.randperm(train_rows, generator=generator).tolist(), 0
@@ -109,9 +121,10 @@ def train(student: Student, train_rows: int, settings: LoopSettings, out: Path, 
             elapsed += time.perf_counter() - start
             log.write(json.dumps({"step": step, "elapsed_s": round(elapsed, 3), "loss": round(loss, 4)}) + "\n")
             log.flush()
-            bar.update(int(elapsed) - bar.n)
+            bar.update((step if by_steps else int(elapsed)) - bar.n)
             bar.set_postfix_str(f"loss {loss:.3f}", refresh=False)
-            if time.perf_counter() - last_checkpoint >= settings.checkpoint_every_s or elapsed >= settings.budget_s:
+            done = settings.progress(step, elapsed) >= 1.0
+            if time.perf_counter() - last_checkpoint >= settings.checkpoint_every_s or done:
                 history.append({"step": step, "elapsed_s": round(elapsed, 1), "loss": round(loss, 4),
                                 "tokens": step * settings.batch_size * tokens_per_row,
                                 "held_out_agreement": round(student.agreement(), 4)})

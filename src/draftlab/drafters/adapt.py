@@ -32,7 +32,8 @@ from typing import Sequence
 
 import torch
 
-from draftlab.drafters.feature import FeatureDraft, FeatureDrafter, feature_loss, save_feature_draft
+from draftlab.drafters.anchored import FeatureDrafter
+from draftlab.drafters.feature import FeatureDraft, feature_loss, save_feature_draft
 from draftlab.drafters.heads import HeadsDraft, HeadsDrafter, heads_loss, save_heads_draft
 from draftlab.errors import DraftlabError
 from draftlab.step import Proposal
@@ -252,6 +253,7 @@ class AdaptingDrafter:
     decodes."""
 
     reads_target_hidden = True
+    target_taps = ()  # the feature drafts and heads it trains read the target's final hidden states
 
     def __init__(self, inner, source: FeatureDrafter | HeadsDrafter, settings: AdaptSettings, target_name: str,
                  base: str) -> None:

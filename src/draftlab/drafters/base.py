@@ -55,6 +55,7 @@ class Drafter(Protocol):
 
     name: str
     reads_target_hidden: bool  # True: the engine must pass the target's hidden states to observe
+    target_taps: tuple[int, ...]  # the target layers whose inputs it reads (concatenated); (): the final states
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
         """Forget the previous sequence; a new generation starts from `prompt_ids`."""
@@ -116,6 +117,8 @@ class Drafter(Protocol):
 
 class PerRequest:
     """Base for drafters that keep nothing across requests: `hear` and `finish` do nothing, it holds nothing."""
+
+    target_taps: tuple[int, ...] = ()  # hidden states it reads, if any: the target's final ones
 
     def hear(self, proposal: Proposal, verdict: Verdict) -> None:
         """Nothing to learn from the verdict."""

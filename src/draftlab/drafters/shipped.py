@@ -1,10 +1,11 @@
-"""Designed drafts that ship inside draftlab: one per embedded target, pinned by SHA256.
+"""Designed drafts that ship inside draftlab: per embedded target, pinned by SHA256.
 
-`--drafter designed` selects the draft shipped for the target (today: the
-feature draft of `scripts/build-draft.sh` for `smollm2-135m`). Every file of
-the draft directory is hashed at load and compared with the values pinned
-here, so a damaged or modified file is refused with a clear error instead of
-silently drafting worse (or differently) than the records say.
+`--drafter designed` selects the feature draft of `scripts/build-draft.sh`
+and `--drafter eagle3` the EAGLE-3 draft of `scripts/build-eagle3.sh`, both
+for `smollm2-135m` today. Every file of the draft directory is hashed at load
+and compared with the values pinned here, so a damaged or modified file is
+refused with a clear error instead of silently drafting worse (or
+differently) than the records say.
 """
 
 from __future__ import annotations
@@ -15,24 +16,30 @@ from draftlab.errors import DraftlabError
 
 DRAFTS_DIR = Path(__file__).resolve().parent.parent / "drafts"
 
-# target short name -> {file in its draft directory: SHA256}
-SHIPPED: dict[str, dict[str, str]] = {
-    "smollm2-135m": {
-        "draftlab_draft.json": "92f2fca9d2c6cadb492a389b458e89646a29caa10bf7f20d51c902952b9d4829",
-        "weights.safetensors": "568df900afdabf25f98f0f90a0d6e9b96913cca237a0374bbe447dc025a65b9b",
+# kind -> target short name -> (directory under DRAFTS_DIR, {file: SHA256})
+SHIPPED: dict[str, dict[str, tuple[str, dict[str, str]]]] = {
+    "designed": {
+        "smollm2-135m": ("smollm2-135m", {
+            "draftlab_draft.json": "92f2fca9d2c6cadb492a389b458e89646a29caa10bf7f20d51c902952b9d4829",
+            "weights.safetensors": "568df900afdabf25f98f0f90a0d6e9b96913cca237a0374bbe447dc025a65b9b",
+        }),
     },
+    "eagle3": {},
 }
+BUILDERS = {"designed": "`draftlab design feature`", "eagle3": "`draftlab design eagle3`"}
 
 
-def shipped_draft(target_name: str) -> Path:
-    """The checked directory of the draft shipped for `target_name`."""
-    if target_name not in SHIPPED:
+def shipped_draft(target_name: str, kind: str = "designed") -> Path:
+    """The checked directory of the draft of `kind` (designed, eagle3) shipped for `target_name`."""
+    drafts = SHIPPED[kind]
+    if target_name not in drafts:
         raise DraftlabError(
-            f"no designed draft ships for target {target_name!r} (drafts ship for: {', '.join(sorted(SHIPPED))}, "
-            "loaded by those short names); build one with `draftlab design feature` and use --drafter model:DIR"
+            f"no {kind} draft ships for target {target_name!r} (they ship for: {', '.join(sorted(drafts)) or 'none'}, "
+            f"loaded by those short names); build one with {BUILDERS[kind]} and use --drafter model:DIR"
         )
-    directory = DRAFTS_DIR / target_name
-    check_files(directory, SHIPPED[target_name])
+    name, manifest = drafts[target_name]
+    directory = DRAFTS_DIR / name
+    check_files(directory, manifest)
     return directory
 
 

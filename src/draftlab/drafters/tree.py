@@ -124,6 +124,7 @@ class TreeSource(Protocol):
 
     name: str
     reads_target_hidden: bool
+    target_taps: tuple[int, ...]
     vocab_map: torch.Tensor | None  # [V'] target id of each draft logit row; None: the target's vocabulary
     max_depth: int | None  # the deepest tree it can draft (decoder heads: one level per head); None: any
 
@@ -169,6 +170,7 @@ class TreeDrafter(PerRequest):
         if guide is not None:
             self.name = f"merged:{guide.name}/{self.name}"
         self.reads_target_hidden = source.reads_target_hidden
+        self.target_taps = source.target_taps
         self.stop = ConfidenceStop(shape.min_prob) if shape.adaptive else None  # moved by `AdaptiveConfidence`
         self._draft_rows = _draft_rows(source.vocab_map)
 
