@@ -127,3 +127,24 @@ def test_bad_exports_are_refused_in_one_line():
         Deployable("smollm2-135m", "ngram", 3, ((0, 1, 3),))
     with pytest.raises(DraftlabError):
         export(Deployable("smollm2-135m", "ngram:x", 3), "vllm")
+
+
+@pytest.mark.parametrize("draft", ["eagle3", "tree:2x2:eagle3"])
+def test_eagle3_drafts_export_as_the_engines_eagle3(draft, tmp_path):
+    """The shipped EAGLE-3 draft (and a directory of one) as vLLM's eagle3 method, SGLang's EAGLE3 algorithm and
+    llama-server's draft-eagle3 type, pointing at the files `draftlab design eagle3` writes."""
+    choice = Deployable("smollm2-135m", draft, 3)
+    sglang = sglang_parse(export(choice, "sglang"))
+    assert sglang.speculative_algorithm == "EAGLE3"
+    assert sglang.speculative_draft_model_path == "eagle3-smollm2-135m/eagle3-checkpoint"
+    assert sglang.speculative_num_steps == 3 and sglang.speculative_eagle_topk == (2 if "tree" in draft else 1)
+    if "tree" in draft:
+        for engine in ("vllm", "llama-server"):
+            with pytest.raises(DraftlabError, match="no counterpart.*tree of an EAGLE-3 draft"):
+                export(choice, engine)
+        return
+    model, config = vllm_parse(export(choice, "vllm"))
+    assert config == {"method": "eagle3", "model": "eagle3-smollm2-135m/eagle3-checkpoint", "num_speculative_tokens": 3}
+    flags = shlex.split(export(choice, "llama-server"))
+    assert flags[flags.index("--spec-type") + 1] == "draft-eagle3"
+    assert flags[flags.index("-md") + 1] == "eagle3-smollm2-135m/eagle3-draft.gguf"

@@ -3,13 +3,17 @@
 `export(choice, engine)` turns a `Deployable` (the target, a draftlab drafter spec or one of llama-server's own
 types, K, and where a study measured several batch sizes the K per batch size) into one command line:
 
-- vLLM: `vllm serve MODEL --speculative-config '{...}'` (`method` ngram, suffix or draft_model, with
+- vLLM: `vllm serve MODEL --speculative-config '{...}'` (`method` ngram, suffix, draft_model or eagle3, with
   `num_speculative_tokens` and, from a study at several batch sizes, `num_speculative_tokens_per_batch_size`
   as `[[lo, hi, K], ...]`; K 0 there means no speculation at those batch sizes);
-- SGLang: `python -m sglang.launch_server --model-path MODEL --speculative-algorithm NGRAM|STANDALONE ...` with
+- SGLang: `python -m sglang.launch_server --model-path MODEL --speculative-algorithm NGRAM|STANDALONE|EAGLE3 ...` with
   `--speculative-num-steps K --speculative-eagle-topk 1 --speculative-num-draft-tokens K+1` (a chain; a static
   tree `tree:BxB:model:...` gives topk B and its node count);
 - llama-server: `llama-server -m MODEL.gguf --spec-type ... --spec-draft-n-max K`.
+
+An EAGLE-3 draft (`eagle3`, `model:DIR` of one, trees of it) exports as the files `draftlab design eagle3` writes
+in its `--out` (`eagle3_files`): the engines' checkpoint for vLLM and SGLang, the GGUF for llama-server (for the
+shipped draft, `draftlab design eagle3 --from eagle3 --out eagle3-TARGET --gguf` writes them).
 
 Where an engine has no counterpart (a feature draft before it is exported as EAGLE-3, draftlab's layer
 self-drafts, staged drafting, token trees on llama-server, suffix trees on SGLang) the export says so in one line
@@ -79,6 +83,9 @@ def vllm_config(choice: Deployable) -> dict | None:
         config = {"method": "suffix", "num_speculative_tokens": choice.k or 32}
     elif kind == "model":
         config = {"method": "draft_model", "model": hf_model(arg), "num_speculative_tokens": choice.k or 4}
+    elif kind == "eagle3":
+        config = {"method": "eagle3", "model": eagle3_files(arg, choice.target)[0],
+                  "num_speculative_tokens": choice.k or 3}
     else:
         raise _no_counterpart(choice.draft, "vLLM", kind, arg)
     if choice.per_batch_size:
@@ -111,10 +118,15 @@ def sglang_flags(choice: Deployable) -> list[str]:
                 "--speculative-ngram-max-match-window-size", str(high)]
     if kind == "model":
         return ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", hf_model(arg), *chain]
-    if kind == "tree-model":
+    if kind == "eagle3":
+        return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
+                eagle3_files(arg, choice.target)[0], *chain]
+    if kind in ("tree-model", "tree-eagle3"):
         branching, model = arg
+        algorithm, path = (("STANDALONE", hf_model(model)) if kind == "tree-model"
+                           else ("EAGLE3", eagle3_files(model, choice.target)[0]))
         nodes = _static_tree_nodes(branching, k)
-        return ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", hf_model(model),
+        return ["--speculative-algorithm", algorithm, "--speculative-draft-model-path", path,
                 "--speculative-num-steps", str(k), "--speculative-eagle-topk", str(max(branching)),
                 "--speculative-num-draft-tokens", str(nodes + 1)]
     raise _no_counterpart(choice.draft, "SGLang", kind, arg)
@@ -138,6 +150,8 @@ def llama_server_flags(choice: Deployable) -> list[str]:
                 "--spec-ngram-simple-size-m", str(choice.k or 48), *length]
     if kind == "model":
         return ["--spec-type", "draft-simple", "-md", _gguf(arg), *length]
+    if kind == "eagle3":
+        return ["--spec-type", "draft-eagle3", "-md", eagle3_files(arg, choice.target)[1], *length]
     if kind == "server":
         from draftlab.server_configs import length_flags
 
@@ -169,6 +183,10 @@ def _draft_kind(draft: str, engine: str) -> tuple[str, object]:
     plan = parse_drafter_spec(draft)
     if plan.kind == "ngram":
         return "ngram", plan.ngram
+    if _eagle3_dir(plan) is not None:
+        return "eagle3", _eagle3_dir(plan)
+    if plan.kind == "tree" and _eagle3_dir(plan.inner) is not None and not plan.tree.expand:
+        return "tree-eagle3", (plan.tree.branching, _eagle3_dir(plan.inner))
     if plan.kind == "suffix":
         return "suffix", None
     if plan.kind == "model" and _is_plain_model(plan.model):
@@ -177,6 +195,29 @@ def _draft_kind(draft: str, engine: str) -> tuple[str, object]:
             and not plan.tree.expand:
         return "tree-model", (plan.tree.branching, plan.inner.model)
     return "other", plan.kind
+
+
+def _eagle3_dir(plan) -> str | None:
+    """The directory of an EAGLE-3 draft spec ('' for the shipped `eagle3`); None for other drafts."""
+    from draftlab.drafters.eagle3 import is_eagle3_draft
+    from draftlab.drafters.eagle3_checkpoint import is_checkpoint
+
+    if plan.kind == "eagle3":
+        return ""
+    if plan.kind == "model" and (is_eagle3_draft(plan.model) or is_checkpoint(plan.model)):
+        return plan.model
+    return None
+
+
+def eagle3_files(directory: str, target: str) -> tuple[str, str]:
+    """(engines' checkpoint directory, GGUF) of an EAGLE-3 draft: an engines' checkpoint is itself; a draft directory
+    holds both once `draftlab design eagle3` wrote them; the shipped draft's ('') go to `eagle3-TARGET`."""
+    from draftlab.drafters.eagle3_checkpoint import is_checkpoint
+
+    if directory and is_checkpoint(directory):
+        return directory, str(Path(directory).parent / "eagle3-draft.gguf")
+    base = Path(directory or f"eagle3-{target}")
+    return str(base / "eagle3-checkpoint"), str(base / "eagle3-draft.gguf")
 
 
 def _is_plain_model(model: str) -> bool:
@@ -209,7 +250,8 @@ def _gguf(source: str) -> str:
 def _no_counterpart(draft: str, engine: str, kind: str, arg: object) -> DraftlabError:
     """Why `engine` cannot run `draft`, in one line."""
     reasons = {
-        "designed": "the designed feature draft reads the target's hidden states (export it as EAGLE-3 first)",
+        "designed": "the designed feature draft reads the target's final hidden state (the engines run EAGLE-3 drafts: "
+                    "`eagle3`)",
         "layers": "a layer self-draft (save it as a model to use it there)",
         "staged": "staged drafting (the inner draft alone drafts the same greedy tokens)",
         "merged": "an n-gram guide merged into a tree",
@@ -217,6 +259,8 @@ def _no_counterpart(draft: str, engine: str, kind: str, arg: object) -> Draftlab
         "tree": "this token tree",
         "tree-model": "token trees of a draft model (vLLM verifies trees only for its EAGLE drafts; llama-server "
                       "drafts chains)",
+        "tree-eagle3": "a token tree of an EAGLE-3 draft (llama-server drafts chains; export the chain for vLLM, whose "
+                       "tree option is experimental)",
         "suffix": "suffix decoding",
         "model": "a draft directory of draftlab's own formats (decoder heads, a pruned or cut draft)",
         "server": "llama-server's own n-gram types (draftlab's `ngram` maps to its n-gram lookup)",

@@ -146,3 +146,20 @@ def test_tiny_drafts_that_adapt_on_cuda_learn_and_keep_plain_output(tiny, kind):
     for prompt in ([1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 9, 10, 9, 10, 11], [42, 17, 5]):
         assert run_tiny(tiny, drafter, 3, prompt).token_ids == run_tiny(tiny, NoDrafter(), 1, prompt).token_ids
     assert drafter.learner.steps > 0
+
+
+def test_tiny_eagle3_draft_trains_and_drafts_on_cuda(tiny, tmp_path):
+    """An EAGLE-3 draft's target pass, training-time-test steps and drafting all run where the target runs."""
+    from draftlab.design.eagle3 import Eagle3Settings, train_eagle3_draft
+    from draftlab.drafters.anchored import AnchoredDrafter
+    from draftlab.drafters.eagle3 import new_eagle3_draft
+
+    draft = new_eagle3_draft(tiny, torch.arange(0, 64, 2), aux_layers=(0, 1, 2))
+    texts = [run_tiny(tiny, NoDrafter(), 1, [i, i + 1]).token_ids for i in range(12)]
+    settings = Eagle3Settings(max_steps=4, seq_len=32, batch_size=4, held_out_fraction=0.2, feature_dtype="bf16")
+    history = train_eagle3_draft(tiny, draft, texts, tmp_path, settings, "tiny", progress=False)
+    assert history[-1]["step"] == 4 and draft.layer.fc.weight.device.type == DEVICE
+    for k in (1, 3, 5):
+        for prompt in ([1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 9, 10, 9, 10, 11]):
+            expected = run_tiny(tiny, NoDrafter(), 1, prompt).token_ids
+            assert run_tiny(tiny, AnchoredDrafter(draft, "eagle3"), k, prompt).token_ids == expected

@@ -67,7 +67,7 @@ def test_an_eagle3_draft_trained_here_drafts_for_the_qwen_target(binary, tmp_pat
     """`draftlab design eagle3 --gguf` end to end on the Qwen2.5-Coder 1.5B (a few steps on prompt text), then
     llama-server drafts with it: its qwen2 graph hands EAGLE-3 the layer inputs (scripts/build-llama-server.sh)."""
     out = tmp_path / "draft"
-    command = [sys.executable, "-m", "draftlab", "design", "eagle3", "--target", "qwen2.5-coder-1.5b", "--out",
+    command = [sys.executable, "-m", "draftlab.cli", "design", "eagle3", "--target", "qwen2.5-coder-1.5b", "--out",
                str(out), "--datasets", "humaneval:40", "--generate", "0", "--vocab", "4096", "--intermediate-size",
                "512", "--steps", "8", "--seq-len", "64", "--batch-size", "4", "--gguf", "--no-progress"]
     done = subprocess.run(command, capture_output=True, text=True)

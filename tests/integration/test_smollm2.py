@@ -60,6 +60,24 @@ def test_designed_draft_and_trees_are_lossless(target, baseline, drafter):
     assert accepted > 0
 
 
+@pytest.mark.parametrize("dtype", ["fp32", pytest.param("bf16", marks=SLOW)])
+def test_the_eagle3_draft_chains_and_trees_are_lossless(dtype):
+    """The shipped EAGLE-3 draft (it reads target layers 2, 15 and 27), as chains and trees at K 1-5, in fp32 and in
+    bf16 (where blocks are scored batch-invariantly): plain decoding's output, with drafts accepted."""
+    target = load_model("smollm2-135m", dtype=dtype)
+    plain = SpeculativeDecoder.from_names(target, drafter="none", k=1)
+    expected = [plain.generate(p, max_new_tokens=24).token_ids for p in PROMPTS]
+    for drafter in ("eagle3", "tree:2x2:eagle3"):
+        accepted = 0
+        for k in (1, 2, 3, 4, 5):
+            decoder = SpeculativeDecoder.from_names(target, drafter=drafter, k=k)
+            for prompt, reference in zip(PROMPTS, expected):
+                result = decoder.generate(prompt, max_new_tokens=24)
+                assert result.token_ids == reference, f"{drafter} {dtype} k={k}"
+                accepted += result.stats.accepted
+        assert accepted > 0, f"{drafter} {dtype} accepted nothing: later block rows went unchecked"
+
+
 @SLOW
 def test_transformers_backend_gives_the_same_output(target, baseline):
     decoder = SpeculativeDecoder.from_names(target, drafter="ngram", k=4, backend="hf")

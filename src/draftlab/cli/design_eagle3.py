@@ -34,6 +34,9 @@ def add_eagle3_command(commands) -> None:
     eagle3.add_argument("--seed", type=int, default=0)
     eagle3.add_argument("--reuse-text", nargs="*", default=[],
                         help="earlier draft directories (or text.pt files) whose training text is added")
+    eagle3.add_argument("--from", dest="source", default=None,
+                        help="write the engines' files (checkpoint, --gguf) of this EAGLE-3 draft instead of training: "
+                             "'eagle3' (the one shipped for --target) or a draft directory")
     eagle3.add_argument("--gguf", action="store_true",
                         help=f"also write {GGUF} with llama.cpp's converter (needs scripts/build-llama-server.sh)")
     eagle3.set_defaults(run=cmd_eagle3)
@@ -48,6 +51,8 @@ def cmd_eagle3(args) -> None:
     from draftlab.drafters.eagle3 import Eagle3Shape, is_eagle3_draft, load_eagle3_draft, new_eagle3_draft
     from draftlab.models import load_model
 
+    if args.source:
+        return export_existing(args)
     settings = Eagle3Settings(budget_s=args.budget, max_steps=args.steps, seq_len=args.seq_len,
                               batch_size=args.batch_size, lr=args.lr, checkpoint_every_s=args.checkpoint_every,
                               seed=args.seed, ttt_steps=args.ttt_steps)
@@ -75,6 +80,19 @@ def cmd_eagle3(args) -> None:
               f"agreement {history[0]['held_out_agreement']:.1%} -> {last['held_out_agreement']:.1%} "
               f"(by drafted position: {depth}) -> {out}")
     write_for_engines(draft, target, out, args.gguf)
+
+
+def export_existing(args) -> None:
+    """The engines' files of an EAGLE-3 draft that exists: the shipped one (`--from eagle3`) or a directory."""
+    from draftlab.drafters.eagle3 import is_eagle3_draft, load_eagle3_draft
+    from draftlab.drafters.shipped import shipped_draft
+    from draftlab.models import load_model
+
+    target = load_model(args.target)
+    source = shipped_draft(target.name, "eagle3") if args.source == "eagle3" else Path(args.source)
+    if not is_eagle3_draft(source):
+        raise DraftlabError(f"--from {args.source}: not an EAGLE-3 draft directory (or 'eagle3', the shipped one)")
+    write_for_engines(load_eagle3_draft(source, target), target, Path(args.out), args.gguf)
 
 
 def write_for_engines(draft, target, out: Path, gguf: bool) -> None:

@@ -68,7 +68,7 @@ class Eagle3Settings:
 def target_taps(target: LoadedModel, data: torch.Tensor, taps: tuple[int, ...], batch_size: int = 8,
                 dtype: torch.dtype = torch.bfloat16, progress: bool = True) -> dict:
     """On token windows [N, T]: the inputs of layers `taps` concatenated [N, T, 3 D], the final hidden states
-    [N, T, D] (both bf16) and the greedy next tokens [N, T]. A converted copy of the target runs."""
+    [N, T, D] (both bf16) and the greedy next tokens [N, T], on the CPU. A converted copy of the target runs."""
     from tqdm import tqdm
 
     model = copy.deepcopy(target.model).to(dtype).eval()
@@ -76,10 +76,10 @@ def target_taps(target: LoadedModel, data: torch.Tensor, taps: tuple[int, ...], 
     tapped, final, top1 = [], [], []
     for start in tqdm(range(0, data.shape[0], batch_size), desc="target features", unit="batch",
                       disable=not progress):
-        out = model.model(input_ids=data[start : start + batch_size], output_hidden_states=True)
-        tapped.append(torch.cat([out.hidden_states[i] for i in taps], dim=-1).to(torch.bfloat16))  # [B, T, 3D]
-        final.append(out.last_hidden_state.to(torch.bfloat16))  # [B, T, D]
-        top1.append(F.linear(out.last_hidden_state, head).argmax(-1).to(torch.int32))  # [B, T]
+        out = model.model(input_ids=data[start : start + batch_size].to(target.device), output_hidden_states=True)
+        tapped.append(torch.cat([out.hidden_states[i] for i in taps], dim=-1).to(torch.bfloat16).cpu())  # [B, T, 3D]
+        final.append(out.last_hidden_state.to(torch.bfloat16).cpu())  # [B, T, D]
+        top1.append(F.linear(out.last_hidden_state, head).argmax(-1).to(torch.int32).cpu())  # [B, T]
     return {"tokens": data, "taps": torch.cat(tapped), "final": torch.cat(final), "top1": torch.cat(top1),
             "tap_layers": torch.tensor(taps)}
 
@@ -160,9 +160,9 @@ class Eagle3Student:
         return params
 
     def loss(self, rows: list[int]) -> torch.Tensor:
-        data = self.data
-        return ttt_loss(self.draft, data["taps"][rows].float(), data["final"][rows].float(), data["tokens"][rows],
-                        self.settings.ttt_steps, self.settings.step_decay)
+        data, device = self.data, self.draft.embed.device
+        return ttt_loss(self.draft, data["taps"][rows].to(device).float(), data["final"][rows].to(device).float(),
+                        data["tokens"][rows].to(device), self.settings.ttt_steps, self.settings.step_decay)
 
     @torch.no_grad()
     def agreement(self) -> float:
@@ -175,12 +175,12 @@ class Eagle3Student:
         after the draft's own earlier outputs (the target's tokens before it)."""
         was_training = self.draft.layer.training
         self.draft.layer.eval()
-        data, rows = self.data, self.held_rows
-        hidden = unrolled(self.draft, data["taps"][rows].float(), data["tokens"][rows], steps)
+        data, rows, device = self.data, self.held_rows, self.draft.embed.device
+        hidden = unrolled(self.draft, data["taps"][rows].to(device).float(), data["tokens"][rows].to(device), steps)
         n, top1 = data["tokens"].shape[1] - 1, data["top1"][rows]
         result = []
         for j, h in enumerate(hidden):
-            guess = self.draft.vocab_map[self.draft.logits(h[:, : n - j]).argmax(-1)]  # [n_rows, n - j]
+            guess = self.draft.vocab_map[self.draft.logits(h[:, : n - j]).argmax(-1).cpu()]  # [n_rows, n - j]
             result.append(round(float((guess == top1[:, 1 + j :]).float().mean()), 4))
         self.draft.layer.train(was_training)
         return result
