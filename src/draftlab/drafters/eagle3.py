@@ -28,7 +28,6 @@ and its norms: 4.2M parameters (8.4 MB in bf16) for SmolLM2-135M with an MLP of
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -38,7 +37,8 @@ from torch import nn
 
 from draftlab.backends.numerics import rms_norm, rope
 from draftlab.drafters.anchored import KVCache
-from draftlab.drafters.files import RECORD, WEIGHTS, check_target_vocab, draft_format, load_strict, read_draft_files
+from draftlab.drafters.files import (check_target_vocab, draft_format, load_strict, own_weights, read_draft_files,
+                                     target_parts, write_draft_files)
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel
 
@@ -223,36 +223,19 @@ def _copy_target_layer(layer: Eagle3Layer, source: nn.Module, final_norm: torch.
 
 def _assemble(target: LoadedModel, layer: Eagle3Layer, vocab_map: torch.Tensor) -> Eagle3Draft:
     """Attach the target's embeddings, head rows and rotary tables to an EAGLE-3 layer."""
-    model = target.model
-    positions = torch.arange(model.config.max_position_embeddings, device=target.device)[None]
-    probe = torch.zeros(1, dtype=target.dtype, device=target.device)
-    with torch.no_grad():
-        cos, sin = model.model.rotary_emb(probe, positions)  # [1, P, hd]
-        head = model.get_output_embeddings().weight.detach()[vocab_map.to(target.device)]  # [V', D]
+    embed, head, cos, sin = target_parts(target, vocab_map)
     layer.to(target.device)
-    return Eagle3Draft(layer, model.model.embed_tokens.weight.detach(), head, vocab_map.long(), cos[0], sin[0])
+    return Eagle3Draft(layer, embed, head, vocab_map.long(), cos, sin)
 
 
 def save_eagle3_draft(draft: Eagle3Draft, out: str | Path, target_name: str,
                       dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write the draft's own weights (in `dtype`) and the record of how it was made, atomically."""
-    from safetensors.torch import save_file
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to(dtype).cpu().contiguous() for k, v in draft.layer.state_dict().items()}
-    state["vocab_map"] = draft.vocab_map.to(torch.int64).cpu()
-    tmp = out / (WEIGHTS + ".tmp")
-    save_file(state, str(tmp))
-    tmp.replace(out / WEIGHTS)
     shape = asdict(draft.layer.shape)
     shape["aux_layers"] = list(shape["aux_layers"])
     record = {"format": FORMAT, "version": 1, "target": target_name, "target_vocab_size": draft.target_vocab_size,
               "shape": shape, "vocab_size": len(draft.vocab_map), "made": draft.made}
-    tmp = out / (RECORD + ".tmp")
-    tmp.write_text(json.dumps(record, indent=2))
-    tmp.replace(out / RECORD)
-    return out
+    return write_draft_files(out, own_weights(draft.layer, draft.vocab_map, dtype), record)
 
 
 def is_eagle3_draft(path: str | Path) -> bool:

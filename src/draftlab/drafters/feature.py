@@ -29,10 +29,8 @@ Saved as a draft directory (`drafters/files.py`; the record names this format):
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +38,8 @@ from torch import nn
 
 from draftlab.backends.numerics import rms_norm, rope
 from draftlab.drafters.anchored import KVCache
-from draftlab.drafters.files import RECORD, WEIGHTS, check_target_vocab, draft_format, load_strict, read_draft_files
+from draftlab.drafters.files import (check_target_vocab, draft_format, load_strict, own_weights, read_draft_files,
+                                     target_parts, write_draft_files)
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel
 
@@ -212,34 +211,18 @@ def _copy_target_layer(layer: FeatureLayer, source: nn.Module, final_norm: torch
 
 def _assemble(target: LoadedModel, layer: FeatureLayer, vocab_map: torch.Tensor) -> FeatureDraft:
     """Attach the target's embeddings, head rows and rotary tables to a feature layer."""
-    model = target.model
-    capacity = model.config.max_position_embeddings
-    positions = torch.arange(capacity, device=target.device)[None]
-    probe = torch.zeros(1, dtype=target.dtype, device=target.device)
-    with torch.no_grad():
-        cos, sin = model.model.rotary_emb(probe, positions)  # [1, P, hd]
-        head = model.get_output_embeddings().weight.detach()[vocab_map.to(target.device)]  # [V', D]
+    embed, head, cos, sin = target_parts(target, vocab_map)
     layer.to(target.device)
-    return FeatureDraft(layer, model.model.embed_tokens.weight.detach(), head, vocab_map.long(), cos[0], sin[0])
+    return FeatureDraft(layer, embed, head, vocab_map.long(), cos, sin)
 
 
 def save_feature_draft(draft: FeatureDraft, out: str | Path, target_name: str,
                        dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write the draft's own weights (in `dtype`) and the record of how it was made."""
-    from safetensors.torch import save_file
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to(dtype).cpu().contiguous() for k, v in draft.layer.state_dict().items()}
-    state["vocab_map"] = draft.vocab_map.to(torch.int64).cpu()
-    tmp = out / (WEIGHTS + ".tmp")
-    save_file(state, str(tmp))
-    tmp.replace(out / WEIGHTS)
     record = {"format": FORMAT, "version": 1, "target": target_name, "target_vocab_size": draft.target_vocab_size,
               "shape": asdict(draft.layer.shape),
               "vocab_size": len(draft.vocab_map), "made": draft.made}
-    (out / RECORD).write_text(json.dumps(record, indent=2))
-    return out
+    return write_draft_files(out, own_weights(draft.layer, draft.vocab_map, dtype), record)
 
 
 def is_feature_draft(path: str | Path) -> bool:

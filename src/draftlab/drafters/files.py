@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from draftlab.errors import DraftlabError
+from draftlab.safeio import write_atomic
 
 RECORD = "draftlab_draft.json"
 WEIGHTS = "weights.safetensors"
@@ -72,3 +73,35 @@ def load_strict(module: torch.nn.Module, state: dict[str, torch.Tensor], path: s
     except RuntimeError as exc:
         first = str(exc).strip().splitlines()[0]
         raise DraftlabError(f"draft {path} does not match its format ({first}); rebuild the draft") from exc
+
+
+def own_weights(module: torch.nn.Module, vocab_map: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A draft's own tensors (in `dtype`, on the CPU) and its vocabulary map [V'] (int64): what WEIGHTS holds."""
+    state = {k: v.detach().to(dtype).cpu().contiguous() for k, v in module.state_dict().items()}
+    state["vocab_map"] = vocab_map.to(torch.int64).cpu()
+    return state
+
+
+def write_draft_files(out: str | Path, state: dict[str, torch.Tensor], record: dict) -> Path:
+    """Write a draft directory: its weights, then its record, each atomically (a killed write leaves the old)."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / (WEIGHTS + ".tmp")
+    save_file(state, str(tmp))
+    tmp.replace(out / WEIGHTS)
+    write_atomic(out / RECORD, json.dumps(record, indent=2))
+    return out
+
+
+@torch.no_grad()
+def target_parts(target, vocab_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a one-layer draft borrows from its Llama-family target: input embeddings [V, D], the LM-head rows of
+    the draft vocabulary [V', D], and the rotary tables cos, sin [P, hd] over the target's context length."""
+    model = target.model
+    positions = torch.arange(model.config.max_position_embeddings, device=target.device)[None]
+    probe = torch.zeros(1, dtype=target.dtype, device=target.device)
+    cos, sin = model.model.rotary_emb(probe, positions)  # [1, P, hd]
+    head = model.get_output_embeddings().weight.detach()[vocab_map.to(target.device)]  # [V', D]
+    return model.model.embed_tokens.weight.detach(), head, cos[0], sin[0]

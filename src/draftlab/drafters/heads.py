@@ -29,7 +29,6 @@ Saved as a draft directory (`drafters/files.py`):
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -40,7 +39,8 @@ from torch import nn
 
 from draftlab.backends.numerics import scatter_vocab
 from draftlab.drafters.base import PerRequest
-from draftlab.drafters.files import RECORD, WEIGHTS, check_target_vocab, draft_format, load_strict, read_draft_files
+from draftlab.drafters.files import (check_target_vocab, draft_format, load_strict, own_weights, read_draft_files,
+                                     write_draft_files)
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel
 from draftlab.sampling import SamplingConfig, choose
@@ -118,20 +118,10 @@ def _assemble(target: LoadedModel, heads: ResidualHeads, vocab_map: torch.Tensor
 def save_heads_draft(draft: HeadsDraft, out: str | Path, target_name: str,
                      dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write the heads' weights (in `dtype`) and the record of how they were made."""
-    from safetensors.torch import save_file
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to(dtype).cpu().contiguous() for k, v in draft.heads.state_dict().items()}
-    state["vocab_map"] = draft.vocab_map.to(torch.int64).cpu()
-    tmp = out / (WEIGHTS + ".tmp")
-    save_file(state, str(tmp))
-    tmp.replace(out / WEIGHTS)
     record = {"format": FORMAT, "version": 1, "target": target_name, "target_vocab_size": draft.target_vocab_size,
               "heads": draft.heads.count, "hidden_size": int(draft.head.shape[1]),
               "vocab_size": len(draft.vocab_map), "made": draft.made}
-    (out / RECORD).write_text(json.dumps(record, indent=2))
-    return out
+    return write_draft_files(out, own_weights(draft.heads, draft.vocab_map, dtype), record)
 
 
 def is_heads_draft(path: str | Path) -> bool:
