@@ -24,7 +24,12 @@ SHIPPED: dict[str, dict[str, tuple[str, dict[str, str]]]] = {
             "weights.safetensors": "568df900afdabf25f98f0f90a0d6e9b96913cca237a0374bbe447dc025a65b9b",
         }),
     },
-    "eagle3": {},
+    "eagle3": {
+        "smollm2-135m": ("smollm2-135m-eagle3", {
+            "draftlab_draft.json": "f98b9e169225e68ab415b821049f99318ada713083beb38f7e65a1b780b1f9d9",
+            "weights.safetensors": "6a7866eb091d74c4b3956da0292ff9718e249cd5f6e611a41a709c3f2e070aec",
+        }),
+    },
 }
 BUILDERS = {"designed": "`draftlab design feature`", "eagle3": "`draftlab design eagle3`"}
 
