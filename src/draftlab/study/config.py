@@ -139,14 +139,13 @@ class SweepConfig:
 
 PRESETS = {
     # The main job: the shipped designed draft (as a chain, and as a tree with n-gram lookup's branch merged
-    # in: the best tree in `benchmarks/trees.py`), the shipped EAGLE-3 draft (the report says which of the two
-    # wins) and n-gram lookup, on prompts the designed drafts never saw (2
+    # in: the best tree in `benchmarks/trees.py`) and n-gram lookup, on prompts the designed draft never saw (2
     # each of code, summarization, chat, math), on draftlab's torch backend and on llama.cpp, beside HF's and
     # llama-cpp-python's own speculation. Every cell runs the first 4 prompts (one of each category); then the
     # race drops the cells that trail the fastest one (pruning.py), so the answer comes in minutes. The layer
     # self-draft, which never won on a CPU (docs/results.md), runs in the full preset.
     "quick": SweepConfig(targets=("smollm2-135m", f"{LLAMACPP}smollm2-135m"),
-                         drafters=("designed", "eagle3", "merged:ngram/tree:1:designed", "ngram"),
+                         drafters=("designed", "merged:ngram/tree:1:designed", "ngram"),
                          methods=("sps", "asg", "lcp"), ks=(1, 2, 3), datasets=("heldout",), limit=8, race_after=4,
                          servers=("ngram-mod", "ngram-simple:16"), concurrency=(1, 2)),
     # The seeds' study on a second family (the Qwen2.5-Coder pair, ~1.6 GB of downloads): the 0.5B stand-alone
