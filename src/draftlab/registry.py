@@ -65,7 +65,8 @@ from draftlab.errors import DraftlabError
 from draftlab.models import DTYPES, LoadedModel, ModelSpec, dtype_name, dtype_suffix, load_model
 
 SPEC_HELP = ("none | ngram[:N|:A-B] | suffix[:depth=N,tree,responses=N,cache=DIR,...] | layers:0-3 (or 0,2,4 / "
-             "0-29:2) | model:NAME_OR_PATH | designed | eagle3 | tree:SHAPE:SPEC | staged:HELPER/SPEC | merged:GUIDE/SPEC | "
+             "0-29:2) | model:NAME_OR_PATH | designed | eagle3 | tree:SHAPE:SPEC | staged:HELPER/SPEC | "
+             "merged:GUIDE/SPEC | "
              "adapt[:lr=F,every=N,...]/SPEC; "
              "layer and model drafts take @fp32/@bf16/@fp16")
 
