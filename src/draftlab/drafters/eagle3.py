@@ -38,7 +38,7 @@ from torch import nn
 from draftlab.backends.numerics import rms_norm, rope
 from draftlab.drafters.anchored import KVCache
 from draftlab.drafters.files import (check_target_vocab, draft_format, load_strict, own_weights, read_draft_files,
-                                     target_parts, write_draft_files)
+                                     take_vocab_map, target_parts, write_draft_files)
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel
 
@@ -254,11 +254,7 @@ def load_eagle3_draft(path: str | Path, target: LoadedModel) -> Eagle3Draft:
     expected = Eagle3Shape.of(target.model.config, shape.intermediate_size, shape.aux_layers)
     if shape != expected:
         raise DraftlabError(f"EAGLE-3 draft {path} was made for a target of another shape, not {target.name}")
-    vocab_map = state.pop("vocab_map", None)
-    if vocab_map is None or vocab_map.ndim != 1 or len(vocab_map) == 0:
-        raise DraftlabError(f"EAGLE-3 draft {path} lacks its vocab_map; rebuild it")
-    if int(vocab_map.min()) < 0 or int(vocab_map.max()) >= target.vocab_size:
-        raise DraftlabError(f"EAGLE-3 draft {path} maps to token ids beyond {target.name}'s vocabulary")
+    vocab_map = take_vocab_map(path, state, target.vocab_size, target.name, "EAGLE-3 draft")
     layer = Eagle3Layer(shape)
     load_strict(layer, {k: v.to(target.dtype) for k, v in state.items()}, path)
     layer.to(target.dtype).eval().requires_grad_(False)

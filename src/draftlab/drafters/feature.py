@@ -39,7 +39,7 @@ from torch import nn
 from draftlab.backends.numerics import rms_norm, rope
 from draftlab.drafters.anchored import KVCache
 from draftlab.drafters.files import (check_target_vocab, draft_format, load_strict, own_weights, read_draft_files,
-                                     target_parts, write_draft_files)
+                                     take_vocab_map, target_parts, write_draft_files)
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel
 
@@ -240,11 +240,7 @@ def load_feature_draft(path: str | Path, target: LoadedModel) -> FeatureDraft:
         raise DraftlabError(f"feature draft {path} has no valid shape in its record; rebuild it") from exc
     if shape != FeatureShape.of(target.model.config):
         raise DraftlabError(f"feature draft {path} was made for a target of another shape, not {target.name}")
-    if "vocab_map" not in state:
-        raise DraftlabError(f"feature draft {path} lacks its vocab_map; rebuild it")
-    vocab_map = state.pop("vocab_map")
-    if int(vocab_map.max()) >= target.vocab_size:
-        raise DraftlabError(f"feature draft {path} maps to token ids beyond {target.name}'s vocabulary")
+    vocab_map = take_vocab_map(path, state, target.vocab_size, target.name, "feature draft")
     layer = FeatureLayer(shape)
     load_strict(layer, {k: v.to(target.dtype) for k, v in state.items()}, path)
     layer.to(target.dtype).eval().requires_grad_(False)

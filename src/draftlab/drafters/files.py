@@ -105,3 +105,14 @@ def target_parts(target, vocab_map: torch.Tensor) -> tuple[torch.Tensor, torch.T
     cos, sin = model.model.rotary_emb(probe, positions)  # [1, P, hd]
     head = model.get_output_embeddings().weight.detach()[vocab_map.to(target.device)]  # [V', D]
     return model.model.embed_tokens.weight.detach(), head, cos[0], sin[0]
+
+
+def take_vocab_map(path: str | Path, state: dict[str, torch.Tensor], vocab_size: int, target_name: str,
+                   what: str) -> torch.Tensor:
+    """Pop a draft's vocabulary map [V'] from its weights, refused unless it names ids of the target's vocabulary."""
+    vocab_map = state.pop("vocab_map", None)
+    if vocab_map is None or vocab_map.ndim != 1 or len(vocab_map) == 0:
+        raise DraftlabError(f"{what} {path} lacks its vocab_map; rebuild it")
+    if int(vocab_map.min()) < 0 or int(vocab_map.max()) >= vocab_size:
+        raise DraftlabError(f"{what} {path} maps to token ids beyond {target_name}'s vocabulary")
+    return vocab_map
