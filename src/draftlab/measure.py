@@ -32,10 +32,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Callable, Hashable, Mapping, Protocol, Sequence
 
-from tqdm import tqdm
-
 from draftlab.engine import GenerationConfig, GenerationResult
 from draftlab.metrics import GenerationStats
+from draftlab.progress import track
 from draftlab.sampling import SamplingConfig
 
 DECODE = "decode"  # new tokens / (total - prefill) seconds
@@ -237,7 +236,7 @@ def measure(contenders: Mapping[Hashable, Contender], prompts: Sequence[EncodedP
     for prompt in prompts[:warmup]:
         warm_up(contenders, prompt, settings)
     keys = list(contenders)
-    for i, prompt in enumerate(tqdm(prompts, desc=progress, unit="prompt", disable=not progress)):
+    for i, prompt in enumerate(track(prompts, progress, unit="prompt", disable=not progress)):
         order = keys[i % len(keys):] + keys[: i % len(keys)] if rotate and keys else keys
         for record in measure_prompt({k: contenders[k] for k in order}, prompt, settings, rechecks=rechecks,
                                      on_check=out.checks.append):

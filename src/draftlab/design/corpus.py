@@ -15,12 +15,12 @@ import json
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from draftlab.api import eos_ids, prompt_ids
 from draftlab.datasets import load_prompts
 from draftlab.errors import DraftlabError
 from draftlab.models import DTYPES, LoadedModel, batch_dtype_name
+from draftlab.progress import track
 from draftlab.safeio import load_tensors, save_tensors
 
 TEXT = "text.pt"
@@ -71,7 +71,7 @@ def batched_generations(target: LoadedModel, prompts: list[list[int]], max_new_t
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: list[list[int] | None] = [None] * len(prompts)
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-    for batch in tqdm(batches, desc="target generations", unit="batch", disable=not progress):
+    for batch in track(batches, "target generations", unit="batch", disable=not progress):
         width = max(len(prompts[i]) for i in batch)
         ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in batch])  # [B, L]
         mask = (torch.arange(width)[None] >= torch.tensor([width - len(prompts[i]) for i in batch])[:, None]).long()

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from draftlab.api import SpeculativeDecoder
 from draftlab.backends import FastLlamaBackend
+from draftlab.progress import track
 from draftlab.datasets import Prompt
 from draftlab.drafters.feature import FeatureDraft
 from draftlab.errors import DraftlabError
@@ -124,7 +124,7 @@ def measure(target: LoadedModel, specs: list[str], held_out: list[list[int]], mm
             prompts: list[list[int]], k: int, max_new_tokens: int, progress: bool = True) -> list[DraftQuality]:
     """Quality and TAR of every draft."""
     out = []
-    for spec in tqdm(specs, desc="correlate", unit="draft", disable=not progress):
+    for spec in track(specs, "correlate", unit="draft", disable=not progress):
         model, vocab_map, depth = draft_forward(target, spec)
         ppl, coverage = perplexity(model, vocab_map, target.vocab_size, held_out)
         accuracy = mmlu_accuracy(model, vocab_map, target.tokenizer, target.vocab_size, mmlu)

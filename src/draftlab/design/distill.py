@@ -64,10 +64,10 @@ def windows(sequences: list[list[int]], seq_len: int) -> torch.Tensor:
 @torch.inference_mode()
 def teacher_targets(target: LoadedModel, data: torch.Tensor, top_k: int, progress: bool = True) -> dict:
     """The target's top-k logits at every position of every window: values [N, T, k], indices [N, T, k]."""
-    from tqdm import tqdm
+    from draftlab.progress import track
 
     values, indices = [], []
-    for row in tqdm(data, desc="teacher", unit="window", disable=not progress):
+    for row in track(data, "teacher", unit="window", disable=not progress):
         logits = target.model(input_ids=row[None]).logits[0].float()  # [T, V]
         top = torch.topk(logits, top_k, dim=-1)
         values.append(top.values.to(torch.bfloat16))

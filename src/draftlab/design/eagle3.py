@@ -69,13 +69,13 @@ def target_taps(target: LoadedModel, data: torch.Tensor, taps: tuple[int, ...], 
                 dtype: torch.dtype = torch.bfloat16, progress: bool = True) -> dict:
     """On token windows [N, T]: the inputs of layers `taps` concatenated [N, T, 3 D], the final hidden states
     [N, T, D] (both bf16) and the greedy next tokens [N, T], on the CPU. A converted copy of the target runs."""
-    from tqdm import tqdm
+    from draftlab.progress import track
 
     model = copy.deepcopy(target.model).to(dtype).eval()
     head = model.get_output_embeddings().weight
     tapped, final, top1 = [], [], []
-    for start in tqdm(range(0, data.shape[0], batch_size), desc="target features", unit="batch",
-                      disable=not progress):
+    for start in track(range(0, data.shape[0], batch_size), "target features", unit="batch",
+                       disable=not progress):
         out = model.model(input_ids=data[start : start + batch_size].to(target.device), output_hidden_states=True)
         tapped.append(torch.cat([out.hidden_states[i] for i in taps], dim=-1).to(torch.bfloat16).cpu())  # [B, T, 3D]
         final.append(out.last_hidden_state.to(torch.bfloat16).cpu())  # [B, T, D]

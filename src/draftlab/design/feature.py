@@ -69,13 +69,13 @@ def target_features(target: LoadedModel, data: torch.Tensor, batch_size: int = 8
 
     A converted copy of the target runs (the loaded model is not touched).
     """
-    from tqdm import tqdm
+    from draftlab.progress import track
 
     model = copy.deepcopy(target.model).to(dtype).eval()
     head = model.get_output_embeddings().weight
     features, top1 = [], []
-    for start in tqdm(range(0, data.shape[0], batch_size), desc="target features", unit="batch",
-                      disable=not progress):
+    for start in track(range(0, data.shape[0], batch_size), "target features", unit="batch",
+                       disable=not progress):
         hidden = model.model(input_ids=data[start : start + batch_size]).last_hidden_state  # [B, T, D]
         features.append(hidden.to(torch.bfloat16))
         top1.append(F.linear(hidden, head).argmax(-1).to(torch.int32))  # [B, T]

@@ -111,10 +111,10 @@ def time_shape(model: torch.nn.Module, context: int = 128, steps: int = 20) -> f
 
 def run(config, context: int = 128, steps: int = 20, progress: bool = True) -> list[Timing]:
     """Time every shape."""
-    from tqdm import tqdm
+    from draftlab.progress import track
 
     out = []
-    for shape in tqdm(shapes_for(config), desc="microbench", unit="shape", disable=not progress):
+    for shape in track(shapes_for(config), "microbench", unit="shape", disable=not progress):
         model = build(config, shape)
         params = sum(p.numel() for n, p in model.named_parameters() if "layers." in n) / 1e6
         out.append(Timing(shape, params, 1000 * time_shape(model, context, steps)))

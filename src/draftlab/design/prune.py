@@ -73,13 +73,13 @@ def target_next_tokens(target: LoadedModel, sequences: list[torch.Tensor]) -> to
 def search_layers(target: LoadedModel, sequences: list[torch.Tensor], count: int,
                   vocab_map: torch.Tensor | None = None, progress: bool = True) -> tuple[list[int], float]:
     """Greedy forward selection of `count` layers maximising agreement with the target."""
-    from tqdm import tqdm
+    from draftlab.progress import Bar
 
     expected = target_next_tokens(target, sequences)
     chosen: list[int] = []
     best_score = 0.0
     total = target.model.config.num_hidden_layers
-    bar = tqdm(total=sum(total - i for i in range(count)), desc="layer search", unit="draft", disable=not progress)
+    bar = Bar(sum(total - i for i in range(count)), "layer search", "draft", disable=not progress)
     for _ in range(count):
         scored = []
         for layer in range(total):

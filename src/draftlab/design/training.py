@@ -93,7 +93,7 @@ def learning_rate(settings: LoopSettings, step: int, elapsed: float) -> float:
 def train(student: Student, train_rows: int, settings: LoopSettings, out: Path, tokens_per_row: int,
           progress: bool = True, log_name: str = "train_log.jsonl") -> list[dict]:
     """Train within the budget, resuming from `out` when a checkpoint is there; the checkpoint history."""
-    from tqdm import tqdm
+    from draftlab.progress import Bar
 
     params = student.trainable()
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
@@ -105,9 +105,8 @@ def train(student: Student, train_rows: int, settings: LoopSettings, out: Path, 
     history = state.get("history", [])
     step, position, elapsed = state.get("step", 0), state.get("position", 0), state.get("elapsed", 0.0)
     by_steps = bool(settings.max_steps)
-    bar = tqdm(total=settings.max_steps if by_steps else int(settings.budget_s),
-               initial=step if by_steps else int(elapsed), desc="train", unit="step" if by_steps else "s",
-               disable=not progress)
+    bar = Bar(settings.max_steps if by_steps else int(settings.budget_s), "train", "step" if by_steps else "s",
+              disable=not progress, n=step if by_steps else int(elapsed))
     last_checkpoint = time.perf_counter()
     with (out / log_name).open("a") as log:
         while settings.progress(step, elapsed) < 1.0:
@@ -122,7 +121,7 @@ def train(student: Student, train_rows: int, settings: LoopSettings, out: Path, 
             log.write(json.dumps({"step": step, "elapsed_s": round(elapsed, 3), "loss": round(loss, 4)}) + "\n")
             log.flush()
             bar.update((step if by_steps else int(elapsed)) - bar.n)
-            bar.set_postfix_str(f"loss {loss:.3f}", refresh=False)
+            bar.describe(f"loss {loss:.3f}")
             done = settings.progress(step, elapsed) >= 1.0
             if time.perf_counter() - last_checkpoint >= settings.checkpoint_every_s or done:
                 history.append({"step": step, "elapsed_s": round(elapsed, 1), "loss": round(loss, 4),

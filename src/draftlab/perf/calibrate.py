@@ -23,10 +23,9 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tqdm import tqdm
-
 from draftlab.api import SpeculativeDecoder, build_drafter, prompt_ids
 from draftlab.policy import FixedK
+from draftlab.progress import track
 from draftlab.backends.base import Backend
 from draftlab.datasets import Prompt
 from draftlab.defaults import DEFAULT_BACKEND, SHORT_RUN_TOKENS
@@ -147,7 +146,7 @@ def calibrate(
     context = _context_of_length(encoded, context_len)
     ar = SpeculativeDecoder.from_names(target, drafter="none", k=1, backend=settings.backend)
     drafts, overhead = [], 0.0
-    for spec in tqdm(drafters, desc="calibrate", unit="draft", disable=not progress):
+    for spec in track(drafters, "calibrate", unit="draft", disable=not progress):
         built = build_drafter(spec, target, settings.backend)
         decoder = SpeculativeDecoder(target, built.drafter, FixedK(settings.k_max), ar.target_backend, built.model,
                                      settings.backend)

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tqdm import tqdm
-
 from draftlab.api import prompt_ids
 from draftlab.backends import engine_of_backend
 from draftlab.datasets import Prompt, load_prompts
@@ -26,6 +24,7 @@ from draftlab.llama_server import ServerExited, server_binary
 from draftlab.server_configs import ServerPool
 from draftlab.measure import EncodedPrompt, Rechecks, RunRecord, measure_prompt
 from draftlab.models import load_model
+from draftlab.progress import Bar
 from draftlab.study.cells import PEER_METHODS, PEER_PLAIN, SERVER_METHODS, Cell, Record
 from draftlab.study.config import (  # noqa: F401  (re-exported: the sweep's grid and presets)
     METHODS, PRESETS, SweepConfig, environment, load_config, make_config, target_backend,
@@ -86,7 +85,7 @@ def _run_all(config: SweepConfig, store: ResultsStore, groups: list[Group], done
         targets = {name: _start_target(name, config, store, done, servers) for name in config.targets}
         todo = sum(1 for g in groups for t, cells in g.cells.items() for c in targets[t].runnable(cells)
                    for p in g.prompts if (c.key, p.id) not in done)
-        bar = tqdm(total=todo, desc="sweep", unit="run", disable=not progress)
+        bar = Bar(todo, "sweep", "run", disable=not progress)
         added = sum(_run_group(g, targets, config, store, done, bar) for g in groups)
         bar.close()
     finally:
@@ -113,7 +112,7 @@ def _start_target(name: str, config: SweepConfig, store: ResultsStore, done: set
 
 
 def _run_group(group: Group, targets: dict[str, TargetRun], config: SweepConfig, store: ResultsStore, done: set,
-               bar: tqdm) -> int:
+               bar: Bar) -> int:
     """Every prompt of one dataset and temperature on every target; returns the number of records added."""
     cells = {name: targets[name].runnable(group.cells[name]) for name in group.cells}
     encoded = {name: {p.id: EncodedPrompt(p.id, p.category, prompt_ids(targets[name].runner.target.tokenizer, p))
@@ -140,7 +139,7 @@ def _companions(prompts: list[Prompt], index: int, count: int) -> list[Prompt]:
 
 
 def _run_prompt(target: TargetRun, cells: list[Cell], prompt: EncodedPrompt, store: ResultsStore, done: set,
-                bar: tqdm, config: SweepConfig, companions: tuple[EncodedPrompt, ...] = ()) -> int:
+                bar: Bar, config: SweepConfig, companions: tuple[EncodedPrompt, ...] = ()) -> int:
     """The target's pending cells on one prompt through the measurement loop, with baseline re-checks between them;
     each run stored as it ends; returns records added. A cell whose llama-server exits is ended for this run, with
     one line, and left for the next run to resume."""
@@ -180,9 +179,9 @@ def _run_prompt(target: TargetRun, cells: list[Cell], prompt: EncodedPrompt, sto
     return len(added)
 
 
-def _passed(cell: Cell, prompt: EncodedPrompt, done: set, bar: tqdm) -> None:
+def _passed(cell: Cell, prompt: EncodedPrompt, done: set, bar: Bar) -> None:
     done.add((cell.key, prompt.id))
-    bar.set_postfix_str(f"{cell.method} {cell.drafter} k={cell.k}", refresh=False)
+    bar.describe(f"{cell.method} {cell.drafter} k={cell.k}")
     bar.update()
 
 
@@ -196,7 +195,7 @@ def _store(target: TargetRun, cell: Cell, run: RunRecord, store: ResultsStore) -
 
 
 def _drop_trailing(group: Group, cells: dict[str, list[Cell]], index: int, store: ResultsStore, done: set,
-                   bar: tqdm, targets: dict[str, TargetRun], config: SweepConfig) -> None:
+                   bar: Bar, targets: dict[str, TargetRun], config: SweepConfig) -> None:
     """Before prompt `index`: the race drops, per model, the cells that trail its leader; each dropped cell is
     stored as skipped on every prompt it has left, so a resumed sweep makes the same decision."""
     from draftlab.study.report import baseline_drift
