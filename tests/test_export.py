@@ -148,3 +148,19 @@ def test_eagle3_drafts_export_as_the_engines_eagle3(draft, tmp_path):
     flags = shlex.split(export(choice, "llama-server"))
     assert flags[flags.index("--spec-type") + 1] == "draft-eagle3"
     assert flags[flags.index("-md") + 1] == "eagle3-smollm2-135m/eagle3-draft.gguf"
+
+
+def test_llama_servers_eagle3_type_exports_to_the_engines_as_its_draft_directory(tmp_path):
+    """A study's server cell `draft-eagle3/DIR` (or DIR/eagle3-draft.gguf): the same draft on vLLM and SGLang
+    (the engines' checkpoint beside that GGUF), and on llama-server the GGUF itself."""
+    directory = tmp_path / "qwen-e3"
+    directory.mkdir()
+    for named in (str(directory), str(directory / "eagle3-draft.gguf")):
+        choice = Deployable("qwen2.5-coder-1.5b", f"draft-eagle3/{named}", 3)
+        _, config = vllm_parse(export(choice, "vllm"))
+        assert config == {"method": "eagle3", "model": str(directory / "eagle3-checkpoint"),
+                          "num_speculative_tokens": 3}
+        assert sglang_parse(export(choice, "sglang")).speculative_algorithm == "EAGLE3"
+        flags = shlex.split(export(choice, "llama-server"))
+        assert flags[flags.index("-md") + 1] == str(directory / "eagle3-draft.gguf")
+        assert flags[flags.index("--spec-type") + 1] == "draft-eagle3"

@@ -178,8 +178,11 @@ def _draft_kind(draft: str, engine: str) -> tuple[str, object]:
         return "none", None
     head, _, model = draft.partition("/")
     if all(t in SPEC_TYPES for t in head.split(",")):
-        return ("model", model.split(",p=")[0]) if head == "draft-simple" and engine != "llama-server" \
-            else ("server", draft)
+        if engine == "llama-server":
+            return "server", draft
+        if head == "draft-eagle3":  # its GGUF lies in the draft directory beside the engines' checkpoint
+            return "eagle3", str(Path(model).parent) if model.endswith(".gguf") else model
+        return ("model", model.split(",p=")[0]) if head == "draft-simple" else ("server", draft)
     plan = parse_drafter_spec(draft)
     if plan.kind == "ngram":
         return "ngram", plan.ngram
@@ -212,12 +215,10 @@ def _eagle3_dir(plan) -> str | None:
 def eagle3_files(directory: str, target: str) -> tuple[str, str]:
     """(engines' checkpoint directory, GGUF) of an EAGLE-3 draft: an engines' checkpoint is itself; a draft directory
     holds both once `draftlab design eagle3` wrote them; the shipped draft's ('') go to `eagle3-TARGET`."""
-    from draftlab.drafters.eagle3_checkpoint import is_checkpoint
+    from draftlab.drafters.eagle3_checkpoint import engine_files
 
-    if directory and is_checkpoint(directory):
-        return directory, str(Path(directory).parent / "eagle3-draft.gguf")
-    base = Path(directory or f"eagle3-{target}")
-    return str(base / "eagle3-checkpoint"), str(base / "eagle3-draft.gguf")
+    checkpoint, gguf = engine_files(Path(directory or f"eagle3-{target}"))
+    return str(checkpoint), str(gguf)
 
 
 def _is_plain_model(model: str) -> bool:
@@ -237,11 +238,15 @@ def _static_tree_nodes(branching: tuple[int, ...], depth: int) -> int:
 
 
 def _gguf(source: str) -> str:
-    """A GGUF for llama-server: the embedded model's cached file, a .gguf path as given, else a placeholder."""
+    """A GGUF for llama-server: the embedded model's cached file, a .gguf path as given, an EAGLE-3 draft directory's
+    GGUF, else a placeholder."""
     from draftlab.assets import MODEL_ASSETS, cached_path
+    from draftlab.drafters.eagle3_checkpoint import engine_files
 
     if source.endswith(".gguf"):
         return source
+    if Path(source).is_dir():
+        return str(engine_files(Path(source))[1])
     if source in MODEL_ASSETS:
         return str(cached_path(MODEL_ASSETS[source]))  # where draftlab keeps it (never fetched here)
     return f"{Path(source).name}.gguf"

@@ -3,8 +3,9 @@
 A study (or `draftlab tune --servers`) lists llama-server's own speculative types as `TYPE[/DRAFT][:K,...[:P,...]]`
 (`SweepConfig.servers`): `ngram-mod`, `ngram-simple:16,64`, `draft-simple/qwen2.5-coder-0.5b:3,4`,
 `draft-simple/qwen2.5-coder-0.5b:4:0.5,0.8` (P: `--spec-draft-p-min`, for draft models),
-`draft-simple,ngram-mod/qwen2.5-coder-0.5b`. Each (K, P) becomes a 'server' cell (K 0, or none given: the server's
-default length; a P shows in the drafter label as `,p=P`); each concurrency level of the study
+`draft-simple,ngram-mod/qwen2.5-coder-0.5b`, `draft-eagle3/DIR:3` (an EAGLE-3 draft directory holding the GGUF
+`draftlab design eagle3 --gguf` wrote, or that GGUF's path). Each (K, P) becomes a 'server' cell (K 0, or none
+given: the server's default length; a P shows in the drafter label as `,p=P`); each concurrency level of the study
 gives every configuration, and the server's plain decoding ('server-ar'), a server with that many slots. K is the
 length flag of the type: `--spec-draft-n-max` for draft models and the n-gram map types, `--spec-ngram-mod-n-max`
 for `ngram-mod` (with its `-n-min` at three quarters of it, the ratio of the server's defaults, 48 of 64).
@@ -89,9 +90,24 @@ def spec_config(model: Path, drafter: str, k: int, slots: int = 1) -> ServerConf
     spec_type, _, draft = drafter.partition("/")
     draft, _, p_min = draft.partition(",p=")
     n_max, extra = length_flags(spec_type, k)
-    return ServerConfig(model, spec_type, gguf_path(draft) if draft else None, draft_n_max=n_max,
+    return ServerConfig(model, spec_type, draft_gguf(spec_type, draft) if draft else None, draft_n_max=n_max,
                         draft_p_min=float(p_min) if p_min else None, slots=slots, context=CONTEXT_PER_SLOT * slots,
                         extra=extra)
+
+
+def draft_gguf(spec_type: str, draft: str) -> Path:
+    """The GGUF a draft-* type loads: a short name or a .gguf path; for draft-eagle3 also an EAGLE-3 draft
+    directory (its eagle3-draft.gguf, which `draftlab design eagle3 --gguf` writes there)."""
+    from draftlab.drafters.eagle3_checkpoint import engine_files
+
+    directory = Path(draft).expanduser()
+    if spec_type != "draft-eagle3" or not directory.is_dir():
+        return gguf_path(draft)
+    gguf = engine_files(directory)[1]
+    if not gguf.is_file():
+        raise DraftlabError(f"{draft} holds no {gguf.name}: write it with `draftlab design eagle3 --from {draft} "
+                            f"--out {draft} --gguf`")
+    return gguf
 
 
 def length_flags(spec_type: str, k: int) -> tuple[int | None, tuple[str, ...]]:

@@ -53,6 +53,23 @@ def test_a_configurations_server_carries_its_length_flag_and_slots(tmp_path):
     assert sure.draft == draft and sure.draft_p_min == 0.8 and "--spec-draft-p-min 0.8" in sure.command()
 
 
+def test_an_eagle3_server_takes_a_draft_directory_or_its_gguf(tmp_path):
+    """`draft-eagle3/DIR` runs the GGUF `draftlab design eagle3 --gguf` wrote in DIR; a directory without one is
+    refused with the command that writes it."""
+    model, directory = tmp_path / "t.gguf", tmp_path / "e3"
+    model.write_bytes(b"")
+    directory.mkdir()
+    with pytest.raises(DraftlabError, match=r"holds no eagle3-draft.gguf: write it with `draftlab design eagle3 --from"):
+        spec_config(model, f"draft-eagle3/{directory}", 3)
+    (directory / "eagle3-draft.gguf").write_bytes(b"")
+    for named in (directory, directory / "eagle3-draft.gguf"):
+        config = spec_config(model, f"draft-eagle3/{named}", 3)
+        assert config.draft == directory / "eagle3-draft.gguf" and config.draft_n_max == 3
+        assert f"-md {directory / 'eagle3-draft.gguf'} --spec-type draft-eagle3" in config.command()
+    with pytest.raises(DraftlabError, match="GGUF"):  # a draft-simple draft is a model, not a directory
+        spec_config(model, f"draft-simple/{directory}", 3)
+
+
 def test_the_grid_gives_gguf_targets_server_cells_at_every_concurrency():
     config = SweepConfig(targets=("llamacpp:smollm2-135m",), drafters=("ngram",), ks=(1,), methods=("sps",),
                          servers=("ngram-mod", "ngram-simple:8,16"), concurrency=(1, 2), host_baselines=False)

@@ -7,9 +7,7 @@ from pathlib import Path
 from draftlab.cli.design_text import add_text_args, frequent_greedy_tokens, text_record
 from draftlab.errors import DraftlabError
 
-CHECKPOINT_DIR = "eagle3-checkpoint"  # inside --out: the engines' checkpoint (vLLM, SGLang, llama.cpp's converter)
 TARGET_DIR = "target-hf"  # inside --out: the target's config and tokenizer, for llama.cpp's converter
-GGUF = "eagle3-draft.gguf"
 
 
 def add_eagle3_command(commands) -> None:
@@ -38,7 +36,7 @@ def add_eagle3_command(commands) -> None:
                         help="write the engines' files (checkpoint, --gguf) of this EAGLE-3 draft instead of training: "
                              "'eagle3' (the one shipped for --target) or a draft directory")
     eagle3.add_argument("--gguf", action="store_true",
-                        help=f"also write {GGUF} with llama.cpp's converter (needs scripts/build-llama-server.sh)")
+                        help="also write eagle3-draft.gguf with llama.cpp's converter (needs scripts/build-llama-server.sh)")
     eagle3.set_defaults(run=cmd_eagle3)
     return eagle3
 
@@ -98,14 +96,15 @@ def export_existing(args) -> None:
 def write_for_engines(draft, target, out: Path, gguf: bool) -> None:
     """The engines' checkpoint of the draft in `out`, and with `gguf` llama.cpp's GGUF; print where."""
     from draftlab.design import eagle3_gguf
-    from draftlab.drafters.eagle3_checkpoint import write_checkpoint
+    from draftlab.drafters.eagle3_checkpoint import engine_files, write_checkpoint
 
-    checkpoint = write_checkpoint(draft, target, out / CHECKPOINT_DIR)
+    checkpoint_dir, gguf_file = engine_files(out)
+    checkpoint = write_checkpoint(draft, target, checkpoint_dir)
     print(f"eagle3: checkpoint for vLLM and SGLang (method eagle3 / EAGLE3): {checkpoint}")
     if not gguf:
         return
     target_dir = eagle3_gguf.write_target_dir(target, out / TARGET_DIR)
-    path = eagle3_gguf.to_gguf(checkpoint, target_dir, out / GGUF)
+    path = eagle3_gguf.to_gguf(checkpoint, target_dir, gguf_file)
     print(f"eagle3: GGUF for llama-server (-md {path} --spec-type draft-eagle3): {path}")
     if not path.stat().st_size:
         raise DraftlabError(f"llama.cpp's converter wrote an empty {path}")

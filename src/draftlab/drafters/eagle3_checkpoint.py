@@ -29,6 +29,7 @@ from draftlab.safeio import write_atomic
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
+CHECKPOINT_DIR, GGUF = "eagle3-checkpoint", "eagle3-draft.gguf"  # a draft directory's files for the engines
 # draftlab's layer tensors -> the checkpoint's names
 NAMES = {
     "fc.weight": "fc.weight",
@@ -105,6 +106,14 @@ def write_checkpoint(draft: Eagle3Draft, target: LoadedModel, out: str | Path) -
     tmp.replace(out / WEIGHTS)
     write_atomic(out / CONFIG, json.dumps(checkpoint_config(draft, target), indent=2))
     return out
+
+
+def engine_files(directory: Path) -> tuple[Path, Path]:
+    """(engines' checkpoint, llama.cpp's GGUF) of an EAGLE-3 draft directory (`draftlab design eagle3` writes both
+    there); a checkpoint directory is its own checkpoint, with the GGUF beside it."""
+    if is_checkpoint(directory):
+        return directory, directory.parent / GGUF
+    return directory / CHECKPOINT_DIR, directory / GGUF
 
 
 def is_checkpoint(path: str | Path) -> bool:
