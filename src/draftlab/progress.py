@@ -39,6 +39,7 @@ class Bar:
     started: float = field(default_factory=time.monotonic)
     _drawn_at: float = float("-inf")
     _logged_tenth: int = -1
+    _logged_n: int = -1  # units done at the last line written to a log
     _closed: bool = False
 
     def __enter__(self) -> "Bar":
@@ -88,10 +89,11 @@ class Bar:
                 self._drawn_at = now
             return
         tenth = int(10 * self.n / self.total) if self.total else -1
-        if final or tenth > self._logged_tenth or now - self._drawn_at >= LOG_EVERY_S:
+        due = tenth > self._logged_tenth or now - self._drawn_at >= LOG_EVERY_S
+        if (final and self.n != self._logged_n) or due:
             self.stream.write(self.line() + "\n")
             self.stream.flush()
-            self._drawn_at, self._logged_tenth = now, tenth
+            self._drawn_at, self._logged_tenth, self._logged_n = now, tenth, self.n
 
 
 def track(items: Collection[T], desc: str, unit: str = "it", disable: bool = False,

@@ -96,6 +96,16 @@ def test_a_forest_scored_then_rolled_back_leaves_the_cache_as_it_was(plain_rows)
     assert torch.equal(backend.score(tokens[1:2])[0], rows[1])
 
 
+def test_llama_cpp_logs_reach_standard_error_for_errors_only(capsys):
+    from draftlab.backends.gguf import GGML_LOG_LEVEL_ERROR, _errors_only, llama_lib
+
+    llama_lib()
+    callback = _errors_only()
+    for level in range(6):
+        callback(level, f"level {level}\n".encode(), None)
+    assert capsys.readouterr().err == f"level {GGML_LOG_LEVEL_ERROR}\n"
+
+
 def test_tree_bookkeeping():
     parents = (-1, 0, 0, 1, 2, 2)
     layout = tree_layout(parents)

@@ -5,6 +5,9 @@ test_qwen_pair.py unless the pair is cached or DRAFTLAB_QWEN=1 (CI sets it)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from draftlab.api import SpeculativeDecoder, encode_prompt
@@ -46,3 +49,12 @@ def test_greedy_equals_plain_decoding_on_llamacpp(target, prompts, reference, dr
             assert out.token_ids == expected, f"{drafter} K={k}"
             if drafter != "ngram":
                 assert out.stats.accepted > 0
+
+
+def test_loading_the_model_prints_no_llama_cpp_warnings():
+    """llama.cpp's loader warns on this file ("control-looking token ... was not control-type"): draftlab passes on
+    llama.cpp's errors only (llama-cpp-python's own callback printed its warnings on every load)."""
+    load = "from draftlab.models import load_model; load_model('qwen2.5-coder-1.5b', backend='llamacpp')"
+    run = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "control-looking token" not in run.stderr and "load:" not in run.stderr, run.stderr[-2000:]

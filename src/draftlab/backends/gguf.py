@@ -18,6 +18,7 @@ import ctypes
 import hashlib
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -25,6 +26,7 @@ from pathlib import Path
 from draftlab.errors import DraftlabError
 
 EXACT_ENV = {"GGML_CPU_TILED_MM": "0"}  # read by ggml-cpu; set before the library loads
+GGML_LOG_LEVEL_ERROR = 4  # ggml.h: NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5
 INSTALL_HINT = ("install it with: CMAKE_ARGS=-DGGML_LLAMAFILE=OFF pip install 'draftlab[llamacpp]' "
                 "(./run.sh does; it compiles llama.cpp, ~4 minutes on 2 cores)")
 
@@ -40,8 +42,24 @@ def llama_lib():
     except ImportError as exc:
         raise DraftlabError(f"the llamacpp backend needs llama-cpp-python ({exc}); {INSTALL_HINT}") from exc
     _logger.set_verbose(False)
+    llama_cpp.llama_log_set(_errors_only(), ctypes.c_void_p(0))
     llama_cpp.llama_backend_init()
     return llama_cpp
+
+
+@lru_cache(maxsize=1)
+def _errors_only():
+    """llama.cpp's log callback: its errors to standard error, nothing else (llama-cpp-python 0.3.36's own callback
+    reads ggml's levels of an older release and prints warnings such as "control-looking token ... was not
+    control-type" on every Qwen load). Cached: llama.cpp keeps the pointer."""
+    from llama_cpp import llama_log_callback
+
+    @llama_log_callback
+    def callback(level: int, text: bytes, user_data) -> None:
+        if level == GGML_LOG_LEVEL_ERROR:
+            print(text.decode("utf-8", "replace"), end="", flush=True, file=sys.stderr)
+
+    return callback
 
 
 def available() -> bool:
