@@ -59,7 +59,7 @@ def test_an_eagle3_server_takes_a_draft_directory_or_its_gguf(tmp_path):
     model, directory = tmp_path / "t.gguf", tmp_path / "e3"
     model.write_bytes(b"")
     directory.mkdir()
-    with pytest.raises(DraftlabError, match=r"holds no eagle3-draft.gguf: write it with `draftlab design eagle3 --from"):
+    with pytest.raises(DraftlabError, match=r"holds no eagle3-draft.gguf: write it with `draftlab design eagle3"):
         spec_config(model, f"draft-eagle3/{directory}", 3)
     (directory / "eagle3-draft.gguf").write_bytes(b"")
     for named in (directory, directory / "eagle3-draft.gguf"):
