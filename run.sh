@@ -19,8 +19,18 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/python -m pip install --quiet "torch==2.13.0"
 fi
 # llama.cpp (the llamacpp backend) compiles with this machine's compiler, ~4 minutes on 2 cores the first time
-# (pip caches the wheel). Without llamafile's sgemm, a row of a block rounds as the row scored alone.
-CMAKE_ARGS="${CMAKE_ARGS:-} -DGGML_LLAMAFILE=OFF" .venv/bin/python -m pip install --quiet -e ".[test,llamacpp]"
+# (pip caches the wheel). Without llamafile's sgemm, a row of a block rounds as the row scored alone. Without ggml's
+# AMX kernels (which `-march=native` compiles in on AMX CPUs): they crash every decode there (docs/backends.md).
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+LLAMA_CMAKE_ARGS="${CMAKE_ARGS:-} -DGGML_LLAMAFILE=OFF -DCMAKE_C_FLAGS='$NO_AMX' -DCMAKE_CXX_FLAGS='$NO_AMX'"
+CMAKE_ARGS="$LLAMA_CMAKE_ARGS" .venv/bin/python -m pip install --quiet -e ".[test,llamacpp]"
+# pip reuses a cached wheel whatever CMAKE_ARGS says: check what is installed, and rebuild a library that holds AMX.
+if ! bash scripts/check-no-amx.sh .venv/bin/python; then
+  echo "run.sh: the installed llama.cpp holds ggml's AMX kernels (a cached wheel); rebuilding it without them (~4 min)"
+  CMAKE_ARGS="$LLAMA_CMAKE_ARGS" .venv/bin/python -m pip install --quiet --no-cache-dir --force-reinstall --no-deps \
+    "llama-cpp-python==0.3.36"
+  bash scripts/check-no-amx.sh .venv/bin/python || { echo "run.sh: llama.cpp still holds AMX kernels" >&2; exit 1; }
+fi
 # Suffix decoding (--drafter suffix) runs Arctic Inference's suffix trees, as vLLM does. 0.3.0 is a source package
 # (~20 s to build) whose build needs these tools and this venv's Python first on PATH (else CMake finds another).
 if ! .venv/bin/python -c "import arctic_inference.suffix_decoding" 2>/dev/null; then

@@ -14,6 +14,14 @@ cache=${DRAFTLAB_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/draftlab}
 out="$cache/llama-server/$VERSION"
 converter="$out/convert/convert_hf_to_gguf.py"
 patched="$out/patched-qwen2-layer-inputs"  # built with the hook below (a binary built without it is rebuilt)
+# ggml's AMX kernels crash on AMX CPUs (a general protection fault in ggml_backend_amx_mul_mat at the first request);
+# `-march=native` compiles them in there unless told not to. A binary that holds them is rebuilt.
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+holds_amx() { nm "$1" 2>/dev/null | grep -q 'ggml_backend_amx'; }
+if [ -x "$out/llama-server" ] && holds_amx "$out/llama-server"; then
+  echo "build-llama-server: the cached llama-server holds ggml's AMX kernels; rebuilding it without them" >&2
+  rm -f "$out/llama-server" "$patched"
+fi
 if [ -x "$out/llama-server" ] && [ -f "$converter" ] && [ -f "$patched" ]; then
   echo "$out/llama-server"
   exit 0
@@ -54,12 +62,16 @@ if ! grep -q 't_layer_inp' "$qwen2"; then
   sed -i 's|^\( *\)for (int il = 0; il < n_layer; ++il) {$|&\n\1    res->t_layer_inp[il] = inpL;|' "$qwen2"
   grep -q 'res->t_layer_inp\[il\] = inpL;' "$qwen2" || { echo "build-llama-server: could not add the qwen2 hook" >&2; exit 1; }
 fi
-if ! { cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF \
+if ! { CFLAGS="${CFLAGS:-} $NO_AMX" CXXFLAGS="${CXXFLAGS:-} $NO_AMX" cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF \
          -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF \
          -DBUILD_SHARED_LIBS=OFF \
        && cmake --build "$work/build" --target llama-server -j"$(nproc)"; } >>"$log" 2>&1; then
   echo "build-llama-server: the build failed; the last lines of $log:" >&2
   tail -5 "$log" >&2
+  exit 1
+fi
+if holds_amx "$work/build/bin/llama-server"; then
+  echo "build-llama-server: the build still holds ggml's AMX kernels (nm shows ggml_backend_amx_*)" >&2
   exit 1
 fi
 cp "$work/build/bin/llama-server" "$out/llama-server.partial"

@@ -18,6 +18,7 @@ too know every committed token but the newest.
 
 from __future__ import annotations
 
+import numbers
 import operator
 import time
 from dataclasses import dataclass, field
@@ -46,8 +47,15 @@ class GenerationConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise DraftlabError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not _is_integer(self.max_new_tokens) or self.max_new_tokens < 1:  # NaN, 2.5 and True are not counts
+            raise DraftlabError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not _is_integer(self.seed):
+            raise DraftlabError(f"seed must be an integer, got {self.seed!r}")
+
+
+def _is_integer(value) -> bool:
+    """An integer (Python's or NumPy's), not a bool, a float or NaN."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass

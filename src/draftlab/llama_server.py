@@ -56,6 +56,15 @@ def server_binary() -> Path:
     return path
 
 
+def server_built() -> bool:
+    """Whether `server_binary` finds a binary."""
+    try:
+        server_binary()
+    except DraftlabError:
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """One llama-server configuration: what a start of the server is given."""

@@ -202,14 +202,16 @@ class Rechecks:
 def measure_prompt(contenders: Mapping[Hashable, Contender], prompt: EncodedPrompt, settings: RunSettings,
                    on_record: Callable[[RunRecord], None] = lambda record: None,
                    rechecks: Rechecks | None = None, on_check: Callable[[RunRecord], None] = lambda record: None,
-                   on_error: Callable[[Hashable, Exception], bool] = lambda key, exc: False) -> list[RunRecord]:
-    """Every contender on one prompt, in the given order; `on_record` sees each run as it ends. A contender whose
-    error `on_error` accepts (it records the skip) is passed over; any other error propagates. With `rechecks`, the
-    baseline is re-timed on the prompt (`on_check`) as `Rechecks` says: after every `every` runs of the others
-    that ended, and after the last if any ran since."""
+                   on_error: Callable[[Hashable, Exception], bool] = lambda key, exc: False,
+                   on_start: Callable[[Hashable], None] = lambda key: None) -> list[RunRecord]:
+    """Every contender on one prompt, in the given order; `on_start` hears of each run before it starts and
+    `on_record` sees each as it ends. A contender whose error `on_error` accepts (it records the skip) is passed
+    over; any other error propagates. With `rechecks`, the baseline is re-timed on the prompt (`on_check`) as
+    `Rechecks` says: after every `every` runs of the others that ended, and after the last if any ran since."""
     records, since = [], 0
     keys = list(contenders)
     for index, key in enumerate(keys):
+        on_start(key)
         try:
             record = run_once(key, contenders[key], prompt, settings)
         except Exception as exc:
@@ -222,6 +224,7 @@ def measure_prompt(contenders: Mapping[Hashable, Contender], prompt: EncodedProm
             continue
         since = 0 if key == rechecks.key else since + 1
         if since and (since >= rechecks.every or index + 1 == len(keys)):
+            on_start(rechecks.key)
             on_check(run_once(rechecks.key, rechecks.contender, prompt, settings))
             since = 0
     return records

@@ -151,15 +151,15 @@ def _draft_dtype(plan: DraftPlan, target: LoadedModel) -> torch.dtype:
 
 
 def _parse_ngram(arg: str) -> tuple[int, int]:
+    """'' -> (1, 3); 'N' -> (1, N); 'A-B' -> (A, B); refused unless 1 <= A <= B (an inverted range is a typo, not a
+    drafter that matches nothing)."""
     try:
-        if not arg:
-            return (1, 3)
-        if "-" in arg:
-            low, high = (int(x) for x in arg.split("-", 1))
-            return (low, high)
-        return (1, int(arg))
+        low, high = (1, 3) if not arg else tuple(int(x) for x in arg.split("-", 1)) if "-" in arg else (1, int(arg))
     except ValueError as exc:
         raise DraftlabError(f"bad n-gram size {arg!r}: use ngram:N or ngram:A-B with integers") from exc
+    if not 1 <= low <= high:
+        raise DraftlabError(f"bad n-gram sizes {arg!r}: ngram:A-B needs 1 <= A <= B (ngram:N means 1-N)")
+    return (low, high)
 
 
 def parse_layers(text: str, num_layers: int | None = None) -> list[int]:

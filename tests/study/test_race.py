@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from draftlab.study.answer import recommend
-from draftlab.study.pruning import RaceRule, dropped_cells, format_skips
+from draftlab.study.answer import engine_answer, recommend
+from draftlab.study.pruning import PromptSet, RaceRule, dropped_cells, format_skips, race_order, readmitted
 from draftlab.study.report import baseline_drift, load_checks, load_study, summarize
 from draftlab.study.store import Cell, ResultsStore
 from draftlab.study.sweep import SweepConfig, run_sweep
@@ -16,9 +16,16 @@ def cell(method: str, drafter: str = "none", k: int = 0, target: str = "m") -> C
     return Cell(target, drafter, k, method, "d", 0.0, 16)
 
 
+LENGTHS = {"a": 40, "b": 60}
+
+
 def rows_of(c: Cell, tokens_per_s: float, prompts=("a", "b"), identical: int | None = 1) -> list[dict]:
-    return [{"cell": c.key, "prompt_id": p, "new_tokens": 16, "wall_s": 16 / tokens_per_s, "identical": identical}
-            for p in prompts]
+    return [{"cell": c.key, "prompt_id": p, "new_tokens": 16, "wall_s": 16 / tokens_per_s, "prefill_s": 0.0,
+             "identical": identical} for p in prompts]
+
+
+def same(lengths: dict[str, int]) -> PromptSet:
+    return PromptSet({"m": lengths, "llamacpp:m": lengths})
 
 
 def test_cells_that_trail_the_leader_beyond_the_margin_are_dropped():
@@ -26,7 +33,7 @@ def test_cells_that_trail_the_leader_beyond_the_margin_are_dropped():
     other_engine = cell("plain", "llama.cpp repack", target="llamacpp:m")
     rows = [*rows_of(ar, 10), *rows_of(fast, 20), *rows_of(close, 18), *rows_of(slow, 12), *rows_of(other_engine, 22)]
     cells = [ar, fast, close, slow, other_engine]
-    dropped = dropped_cells(cells, rows, RaceRule(after=2))
+    dropped = dropped_cells(cells, rows, RaceRule(after=2), same(LENGTHS))
     # the leader is plain decoding on the other engine; 0.91x stays within 15%, 0.82x and 0.55x do not; ar stays
     assert set(dropped) == {close.key, slow.key}
     assert "0.55x" in dropped[slow.key] and "llamacpp:m plain" in dropped[slow.key]
@@ -34,18 +41,27 @@ def test_cells_that_trail_the_leader_beyond_the_margin_are_dropped():
 
 def test_the_margin_widens_with_the_drift_and_nothing_drops_before_enough_prompts():
     ar, lead, behind = cell("ar"), cell("plain", "bf16"), cell("sps", "ngram", 1)
-    rows = [*rows_of(ar, 10), *rows_of(lead, 20), *rows_of(behind, 16)]  # 0.80x the leader
-    assert set(dropped_cells([ar, lead, behind], rows, RaceRule(after=2, margin=0.15))) == {behind.key}
-    assert dropped_cells([ar, lead, behind], rows, RaceRule(after=2, margin=0.15), drift=0.3) == {}
-    assert dropped_cells([ar, lead, behind], rows, RaceRule(after=3)) == {}
-    assert dropped_cells([ar, lead, behind], rows, RaceRule(after=0)) == {}
+    rows = [*rows_of(ar, 10), *rows_of(lead, 20), *rows_of(behind, 14)]  # 0.70x the leader
+    assert set(dropped_cells([ar, lead, behind], rows, RaceRule(after=2, margin=0.15), same(LENGTHS))) == {behind.key}
+    assert dropped_cells([ar, lead, behind], rows, RaceRule(after=2, margin=0.15), same(LENGTHS), drift=0.5) == {}
+    assert dropped_cells([ar, lead, behind], rows, RaceRule(after=3), same(LENGTHS)) == {}
+    assert dropped_cells([ar, lead, behind], rows, RaceRule(after=0), same(LENGTHS)) == {}
+
+
+def test_a_cell_is_judged_on_its_best_rate_not_on_its_mean():
+    ar, lead, uneven = cell("ar"), cell("plain", "bf16"), cell("sps", "ngram", 1)
+    lengths = {"a": 40, "b": 60, "c": 50, "d": 45}
+    # 0.6x the leader on average, but one prompt at the leader's speed: the prompts left may all be like it
+    rows = [*rows_of(ar, 10, "ab"), *rows_of(lead, 20, "ab"), *rows_of(uneven, 20, "a"), *rows_of(uneven, 8, "b")]
+    assert uneven.key not in dropped_cells([ar, lead, uneven], rows, RaceRule(after=2), same(lengths))
 
 
 def test_a_cell_dropped_earlier_never_leads_the_cells_still_racing():
     ar, dropped, racing = cell("ar"), cell("sps", "ngram", 3), cell("sps", "ngram", 1)
+    lengths = {"a": 40, "b": 60, "c": 50}
     # the dropped cell ran the two fast prompts only; the racing ones also ran a slow third prompt
     rows = [*rows_of(ar, 10, ("a", "b", "c")), *rows_of(dropped, 30), *rows_of(racing, 20, ("a", "b", "c"))]
-    assert racing.key not in dropped_cells([ar, dropped, racing], rows, RaceRule(after=2))  # it leads
+    assert racing.key not in dropped_cells([ar, dropped, racing], rows, RaceRule(after=2), same(lengths))  # it leads
 
 
 def test_a_lossy_cell_never_leads_and_a_peers_plain_decoding_stays_while_its_lookup_runs():
@@ -53,9 +69,61 @@ def test_a_lossy_cell_never_leads_and_a_peers_plain_decoding_stays_while_its_loo
     lookup, slow = cell("lcp", "ngram", 1), cell("sps", "ngram", 2)
     rows = [*rows_of(ar, 20), *rows_of(lossy, 100, identical=0), *rows_of(plain, 12), *rows_of(lookup, 19),
             *rows_of(slow, 10)]
-    dropped = dropped_cells([ar, lossy, plain, lookup, slow], rows, RaceRule(after=2))
+    dropped = dropped_cells([ar, lossy, plain, lookup, slow], rows, RaceRule(after=2), same(LENGTHS))
     assert lossy.key not in dropped or "leader (m ar" in dropped[lossy.key]  # the leader is the lossless ar
     assert plain.key not in dropped and lookup.key not in dropped and slow.key in dropped
+
+
+def timed_rows(c: Cell, lengths: dict[str, int], prefill_s_per_token: float, decode_tokens_per_s: float,
+               tokens: int = 64) -> list[dict]:
+    """Records of a cell with a prefill line and a decode rate (as the seeds' time model writes them)."""
+    return [{"cell": c.key, "prompt_id": p, "new_tokens": tokens, "identical": 1,
+             "prefill_s": 0.01 + prefill_s_per_token * n, "wall_s": 0.01 + prefill_s_per_token * n
+             + tokens / decode_tokens_per_s} for p, n in lengths.items()]
+
+
+def test_a_cell_that_loses_the_short_prompts_but_wins_the_set_through_prefill_is_kept_and_named():
+    """llama-server decodes faster but prefills 3x slower: on the four short prompts that came first it leads,
+    over the whole set (four long articles to come) the torch backend's speculative cell wins."""
+    short = {f"s{i}": 20 + 20 * i for i in range(4)}
+    long = {f"l{i}": 1800 + 100 * i for i in range(4)}
+    server, ar = cell("server-ar", target="llamacpp:m"), cell("ar")
+    spec = cell("sps", "ngram", 3)
+    first = [*timed_rows(server, short, 0.003, 60), *timed_rows(ar, short, 0.001, 30),
+             *timed_rows(spec, short, 0.001, 45)]
+    raced = dropped_cells([server, ar, spec], first, RaceRule(after=4), same({**short, **long}))
+    old_rule_ratio = (sum(r["wall_s"] for r in first if r["cell"] == server.key)
+                      / sum(r["wall_s"] for r in first if r["cell"] == spec.key))
+    assert old_rule_ratio < 1 / 1.15  # on the prompts run so far it trails by more than the margin ...
+    assert spec.key not in raced  # ... yet the race keeps it: it is projected to win over the set
+    everything = [*timed_rows(server, {**short, **long}, 0.003, 60), *timed_rows(ar, {**short, **long}, 0.001, 30),
+                  *timed_rows(spec, {**short, **long}, 0.001, 45)]
+    for r in everything:
+        r.update(target=r["cell"].split("|")[0], method=r["cell"].split("|")[1], drafter=r["cell"].split("|")[2],
+                 k=int(r["cell"].split("|")[3][2:]), dataset="d", temperature=0.0, steps=r["new_tokens"],
+                 drafted=0, accepted=0, draft_s=0.0, target_s=0.0, overhead_s=0.0, accepted_per_step=[],
+                 drafted_per_step=[], backend="llamacpp" if r["cell"].startswith("llamacpp") else "fast")
+    answer = " ".join(engine_answer(summarize(everything), None))
+    assert "Fastest measured for m on this machine: ngram at K=3 (SpS) on draftlab's torch backend" in answer
+    assert "decodes fastest" in answer and "because of prefill" in answer and "Prefill and decode apart" in answer
+
+
+def test_the_race_sees_the_longest_and_shortest_prompts_first_and_every_category_early():
+    lengths = {"p0": 50, "p1": 10, "p2": 900, "p3": 60, "p4": 70, "p5": 40}
+    categories = {"p0": "code", "p1": "chat", "p2": "summary", "p3": "math", "p4": "code", "p5": "chat"}
+    order = race_order(list(lengths), lengths, categories)
+    assert order[:2] == ["p2", "p1"] and set(order[:4]) == {"p2", "p1", "p0", "p3"} and sorted(order) == sorted(lengths)
+
+
+def test_a_dropped_cell_comes_back_when_the_leader_changes():
+    ar, lead, spec = cell("ar"), cell("plain", "bf16"), cell("sps", "ngram", 1)
+    lengths = {"a": 40, "b": 60, "c": 50}
+    early = [*rows_of(ar, 10, "ab"), *rows_of(lead, 30, "ab"), *rows_of(spec, 12, "ab")]
+    before = dropped_cells([ar, lead, spec], early, RaceRule(after=2), same(lengths))
+    assert spec.key in before
+    later = [*early, *rows_of(ar, 10, "c"), *[{**r, "wall_s": 16 / 2} for r in rows_of(lead, 2, "c")]]
+    after = dropped_cells([ar, lead, spec], later, RaceRule(after=2), same(lengths))
+    assert readmitted(set(before), after) == {spec.key}
 
 
 def write_prompts(path, lengths: list[int]) -> None:

@@ -10,6 +10,10 @@ the two it can at run time (see docs/backends.md and `exactness`):
   library loads unless the user set it;
 - llamafile's sgemm (blocks of 2+ rows for some weight types) is a build switch: `CMAKE_ARGS=-DGGML_LLAMAFILE=OFF`
   when pip builds llama-cpp-python (`./run.sh` does). `LlamaCppModel.sgemm` says what the installed library has.
+
+ggml's AMX kernels are left out of the build too (`-mno-amx-*`, ./run.sh): on AMX CPUs they die with a general
+protection fault in `ggml_backend_amx_mul_mat` at the first repacked decode. `LlamaCppModel.amx` says whether the
+installed library has them; `scripts/check-no-amx.sh` checks its symbols.
 """
 
 from __future__ import annotations
@@ -27,8 +31,8 @@ from draftlab.errors import DraftlabError
 
 EXACT_ENV = {"GGML_CPU_TILED_MM": "0"}  # read by ggml-cpu; set before the library loads
 GGML_LOG_LEVEL_ERROR = 4  # ggml.h: NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5
-INSTALL_HINT = ("install it with: CMAKE_ARGS=-DGGML_LLAMAFILE=OFF pip install 'draftlab[llamacpp]' "
-                "(./run.sh does; it compiles llama.cpp, ~4 minutes on 2 cores)")
+INSTALL_HINT = ("install it with ./run.sh --setup-only (it compiles llama.cpp without llamafile's sgemm and without "
+                "ggml's AMX kernels, ~4 minutes on 2 cores)")
 
 
 @lru_cache(maxsize=1)
@@ -140,6 +144,12 @@ class LlamaCppModel:
         return bool(re.search(r"LLAMAFILE = 1", system_info()))
 
     @property
+    def amx(self) -> bool:
+        """Whether the installed llama.cpp was built with ggml's AMX kernels (they crash on some AMX CPUs; ./run.sh
+        builds without them)."""
+        return bool(re.search(r"AMX_INT8 = 1", system_info()))
+
+    @property
     def weight_type(self) -> str:
         """The file's weight type as llama.cpp names it ('Q4_1', 'Q4_K - Medium')."""
         return re.sub(r"^\S+ \S+ ", "", self.description)
@@ -147,7 +157,7 @@ class LlamaCppModel:
     def kernels(self) -> str:
         """What the kernel settings are, for the results' record."""
         tiled = os.environ.get("GGML_CPU_TILED_MM", "default")
-        return (f"llama.cpp {self.weight_type}, sgemm {'on' if self.sgemm else 'off'}, "
+        return (f"llama.cpp {self.weight_type}, AMX {'on' if self.amx else 'off'}, sgemm {'on' if self.sgemm else 'off'}, "
                 f"repack {'on' if self.repack else 'off'}, tiled MM {'off' if tiled == '0' else tiled}")
 
     def __del__(self) -> None:

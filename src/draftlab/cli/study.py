@@ -76,6 +76,10 @@ def _add_sweep_args(parser: argparse.ArgumentParser, db_required: bool = True) -
     parser.add_argument("--weight-types", nargs="+", metavar="TYPE",
                         help="also run every llama.cpp target in these weight types (BF16, Q8_0, ...), derived with "
                              "llama.cpp's quantizer")
+    parser.add_argument("--preflight-timeout", type=float, metavar="SECONDS",
+                        help="each engine first decodes a few tokens in a child process; one that crashes or has not "
+                             "answered within this many seconds is left out, with one line (0: no preflight; "
+                             "default 300)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--no-progress", action="store_true")
 
@@ -97,7 +101,7 @@ def _sweep_config(args):
         temperatures=tuple_or_none(args.temperatures), limit=args.limit, skip=args.skip, max_new_tokens=args.max_new_tokens,
         warmup=args.warmup, baseline_every=args.baseline_every, race_after=args.race_after, seed=args.seed, device=args.device, dtype=args.dtype,
         backend=args.backend, host_baselines=False if args.no_host_baselines else None,
-        servers=tuple_or_none(args.servers), concurrency=concurrency,
+        servers=tuple_or_none(args.servers), concurrency=concurrency, preflight_s=args.preflight_timeout,
     )
     config = with_weight_types(config, tuple(args.weight_types or ()))
     return replace(config, drafters=with_adapting(config.drafters, args.adapt))
@@ -127,7 +131,7 @@ def cmd_study(args) -> None:
     from draftlab.study.page import build_report
     from draftlab.study.report import (baseline_drift, format_lossy, format_optimal, load_checks, load_study,
                                        lossy_cells, optimal_table, summarize)
-    from draftlab.study.answer import engine_answer, numerics_notes, recommend
+    from draftlab.study.answer import engine_answer, left_out_notes, numerics_notes, recommend
     from draftlab.study.pruning import format_skips, load_skips
     from draftlab.study.serving import server_answer
     from draftlab.study.weights import weight_type_answer
@@ -143,7 +147,8 @@ def cmd_study(args) -> None:
     print(f"report: {page}")
     print(drift.describe())
     print("\n".join(engine_answer(summaries, drift) + recommend(summaries, drift) + numerics_notes(envs)
-                    + server_answer(rows, margin=drift.typical) + weight_type_answer(summaries, rows)))
+                    + server_answer(rows, margin=drift.typical) + weight_type_answer(summaries, rows)
+                    + left_out_notes(db)))
     print(format_optimal(optimal_table(summaries, params)))
     _print_learning(summaries, rows)
     lossy = lossy_cells(summaries)
@@ -167,7 +172,7 @@ def cmd_report(args) -> None:
     """Write the HTML report of a study database; print the recommendation and the seeds' findings beside ours."""
     from draftlab.study.findings import format_findings, gather_evidence, seeds_findings
     from draftlab.study.page import build_report
-    from draftlab.study.answer import engine_answer, numerics_notes, recommend
+    from draftlab.study.answer import engine_answer, left_out_notes, numerics_notes, recommend
     from draftlab.study.report import baseline_drift, load_checks, load_study, summarize
     from draftlab.study.serving import server_answer
     from draftlab.study.weights import weight_type_answer
@@ -178,7 +183,8 @@ def cmd_report(args) -> None:
     summaries = summarize(rows, checks)
     drift = baseline_drift(rows, checks)
     print("\n".join(engine_answer(summaries, drift) + recommend(summaries, drift) + numerics_notes(envs)
-                    + server_answer(rows, margin=drift.typical) + weight_type_answer(summaries, rows)))
+                    + server_answer(rows, margin=drift.typical) + weight_type_answer(summaries, rows)
+                    + left_out_notes(args.db)))
     _print_learning(summaries, rows)
     _print_exports(summaries, rows, drift.typical, args.export)
     evidence = gather_evidence(summaries, params, rows, args.profile, args.microbench, args.correlate)

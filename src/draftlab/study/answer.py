@@ -33,9 +33,40 @@ def engine_answer(summaries: list[CellSummary], drift: Drift | None = None) -> l
         at = f" at temperature {temperature:g}" if len(temperatures[model]) > 1 else ""
         engines = ", ".join(f"{engine} {speed:.1f}" for engine, speed in sorted(plain.items(), key=lambda e: -e[1]))
         sentences.append(f"Fastest measured for {model}{at} on this machine: {_what(best)} on {_engine(best)}, "
-                         f"{best.tokens_per_s:.1f} tok/s over {best.prompts} prompts (plain decoding, tok/s: {engines})"
-                         f"{_runner_up(best, rest, drift)}.")
+                         f"{best.tokens_per_s:.1f} tok/s end to end over {best.prompts} prompts (plain decoding, "
+                         f"tok/s: {engines}){_runner_up(best, rest, drift)}.")
+        sentences += _decode_winner(best, cells) + _phases(cells, model + at)
     return sentences
+
+
+def _decode_winner(best: CellSummary, cells: list[CellSummary]) -> list[str]:
+    """A sentence when another engine decodes faster after its prefill than the end-to-end winner: prefill (long
+    prompts) decided the ranking."""
+    timed = [s for s in cells if s.decode_tokens_per_s]
+    if not timed:
+        return []
+    fastest = max(timed, key=lambda s: s.decode_tokens_per_s)
+    if _engine(fastest) == _engine(best) or (best.decode_tokens_per_s or 0) >= fastest.decode_tokens_per_s:
+        return []
+    theirs = f"{fastest.prefill_s:.2f} s of prefill a prompt"
+    ours = f"{best.prefill_s:.2f} s" if best.prefill_s is not None else "its prefill, not timed apart"
+    return [f"{_what(fastest).capitalize()} on {_engine(fastest)} decodes fastest ({fastest.decode_tokens_per_s:.1f} "
+            f"tok/s after its prefill); {_what(best)} on {_engine(best)} wins end to end because of prefill "
+            f"({theirs} against {ours})."]
+
+
+def _phases(cells: list[CellSummary], where: str) -> list[str]:
+    """Prefill and decode apart, per engine's fastest plain decoding (where the engine times its prefill)."""
+    plain: dict[str, CellSummary] = {}
+    for s in cells:
+        if s.method in PLAIN_METHODS and s.decode_tokens_per_s and (
+                _engine(s) not in plain or s.tokens_per_s > plain[_engine(s)].tokens_per_s):
+            plain[_engine(s)] = s
+    if len(plain) < 2:
+        return []
+    parts = [f"{engine}: {s.prefill_s:.2f} s a prompt, then {s.decode_tokens_per_s:.1f} tok/s"
+             for engine, s in sorted(plain.items(), key=lambda e: -e[1].decode_tokens_per_s)]
+    return [f"Prefill and decode apart for {where} (plain decoding, mean over the prompts): {'; '.join(parts)}."]
 
 
 def numerics_notes(envs: list[dict]) -> list[str]:
@@ -46,6 +77,25 @@ def numerics_notes(envs: list[dict]) -> list[str]:
     notes = {f"Numerics of {env.get('target') or 'the target'}: {env['numerics']}; its speculative outputs are "
              "lossless only up to rounding." for env in envs if ROUNDING in (env.get("numerics") or "")}
     return sorted(notes)
+
+
+def left_out_notes(db) -> list[str]:
+    """A line per engine the study's last sweep could not run (it died or hung in its preflight): the answer above
+    was chosen without it."""
+    import json
+
+    from draftlab.study.store import LEFT_OUT, ResultsStore
+
+    store = ResultsStore(db, read_only=True)
+    try:
+        text = store.get_meta(LEFT_OUT)
+    finally:
+        store.close()
+    try:
+        lines = json.loads(text) if text else []
+    except ValueError:
+        return []
+    return [f"Not run in this study, so not in the answer: {line}" for line in lines if isinstance(line, str)]
 
 
 def _what(s: CellSummary) -> str:

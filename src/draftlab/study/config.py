@@ -26,6 +26,7 @@ from draftlab.engine import GenerationConfig
 from draftlab.errors import DraftlabError
 from draftlab.models import (LoadedModel, ModelSpec, auto_dtype, check_device, check_dtype_name, is_gguf,
                              model_config, resolve_dtype_name)
+from draftlab.preflight import TIMEOUT_S as PREFLIGHT_TIMEOUT_S
 from draftlab.sampling import SamplingConfig
 from draftlab.study.cells import LLAMACPP_ONLY, LLAMACPP_TARGET as LLAMACPP, PEER_PLAIN, SERVER_METHODS, Cell
 from draftlab.server_configs import check_concurrency, parse_server_spec
@@ -65,6 +66,8 @@ class SweepConfig:
     servers: tuple[str, ...] = ()  # llama-server's own speculative types on GGUF targets, 'TYPE[/DRAFT][:K,...[:P,...]]'
     # (draftlab.server_configs); with any, the server's plain decoding runs too
     concurrency: tuple[int, ...] = (1,)  # requests in flight for the llama-server cells: each level its own servers
+    preflight_s: float = PREFLIGHT_TIMEOUT_S  # each engine decodes a few tokens in a child first, within this many
+    # seconds (draftlab.preflight); an engine that dies or hangs there is left out (0: no preflight)
 
     def __post_init__(self) -> None:
         if not self.ks or min(self.ks) < 1:
@@ -76,6 +79,8 @@ class SweepConfig:
             raise DraftlabError("limit and max_new_tokens must be >= 1")
         if self.skip < 0 or self.warmup < 0 or self.baseline_every < 0 or self.race_after < 0:
             raise DraftlabError("skip, warmup, baseline_every and race_after must be >= 0")
+        if not 0 <= self.preflight_s < float("inf"):  # NaN fails this too
+            raise DraftlabError(f"the preflight timeout must be >= 0 seconds (0: none), got {self.preflight_s}")
         check_dtype_name(self.dtype)
         check_device(self.device)
         check_backend_name(self.backend)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from draftlab.study.report import (
     CellSummary, Drift, OptimalRow, baseline_drift, load_checks, load_study, lossy_cells, optimal_table,
-    summarize, write_csv,
+    on_shared_prompts, summarize, write_csv,
 )
-from draftlab.study.answer import engine_answer, numerics_notes, recommend
+from draftlab.study.answer import engine_answer, left_out_notes, numerics_notes, recommend
 from draftlab.study.learning import format_learning, learning_rows
 from draftlab.study.pruning import load_skips, skipped_cells
 from draftlab.study.serving import draw_load, format_load, load_summaries, server_answer
@@ -42,7 +42,7 @@ def build_report(db: str | Path, out: str | Path, profile_path: str | Path | Non
     write_csv(out / "optimal.csv", optimal)
     load = load_summaries(rows)
     write_csv(out / "load.csv", [s for s in load if s.method in ("server", "server-ar")])
-    figures = plots.draw_all(summaries, out) + draw_load(load, out)
+    figures = plots.draw_all(summarize(on_shared_prompts(rows), checks), out) + draw_load(load, out)
     evidence = gather_evidence(summaries, params, rows, profile_path, microbench_path, correlate_path)
     model_section = _model_section(profile_path, evidence.comparisons, out) if profile_path else ""
     findings = seeds_findings(evidence)
@@ -50,7 +50,7 @@ def build_report(db: str | Path, out: str | Path, profile_path: str | Path | Non
     page = _html(db, summaries, optimal, figures, envs, drift,
                  engine_answer(summaries, drift) + recommend(summaries, drift) + numerics_notes(envs)
                  + server_answer(rows, table=False, margin=drift.typical)
-                 + weight_type_answer(summaries, rows, table=False))
+                 + weight_type_answer(summaries, rows, table=False) + left_out_notes(db))
     page = page.replace("<h2>Figures</h2>", _skips_section(load_skips(db)) + "<h2>Figures</h2>")
     types = format_weight_types(weight_type_rows(summaries, rows, file_bytes))
     if types:

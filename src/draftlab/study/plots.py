@@ -21,7 +21,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from draftlab.study.report import ALL, CellSummary  # noqa: E402
+from draftlab.study.report import ALL, CellSummary, write_csv  # noqa: E402
 
 
 def draw_all(summaries: list[CellSummary], out: Path) -> list[tuple[str, str]]:
@@ -75,15 +75,30 @@ def _lines(group: list[CellSummary], method: str) -> dict[str, list[CellSummary]
     return {d: sorted(v, key=lambda s: s.k) for d, v in sorted(lines.items())}
 
 
+def latency_points(group: list[CellSummary]) -> list[dict]:
+    """The latency-vs-K figure's data: one point per (line, K), with the prompts it was measured on."""
+    points = [{"line": f"{method.upper()} {drafter}", "k": c.k, "ms_per_token": c.ms_per_token, "prompts": c.prompts}
+              for method in ("sps", "asg") for drafter, cells in _lines(group, method).items() for c in cells]
+    return points + [{"line": "autoregressive", "k": 0, "ms_per_token": s.ms_per_token, "prompts": s.prompts}
+                     for s in group if s.method == "ar"]
+
+
 def _latency_vs_k(group, path, title) -> bool:
+    """Drawn from summaries of the prompts every cell ran (`report.on_shared_prompts`); its data beside it as CSV."""
+    points = latency_points(group)
+    write_csv(path.with_suffix(".csv"), points)
     fig, ax = plt.subplots(figsize=(8, 5))
     for method, style in (("sps", "-o"), ("asg", "--s")):
-        for drafter, cells in _lines(group, method).items():
-            ax.plot([c.k for c in cells], [c.ms_per_token for c in cells], style, label=f"{method.upper()} {drafter}")
-    for s in group:
-        if s.method == "ar":
-            ax.axhline(s.ms_per_token, color="black", linestyle=":", label="autoregressive")
-    return finish(fig, ax, path, "draft tokens per step K", "latency (ms per generated token)", title, integer_x=True)
+        for drafter in _lines(group, method):
+            line = [p for p in points if p["line"] == f"{method.upper()} {drafter}"]
+            ax.plot([p["k"] for p in line], [p["ms_per_token"] for p in line], style, label=f"{method.upper()} {drafter}")
+    for p in points:
+        if p["line"] == "autoregressive":
+            ax.axhline(p["ms_per_token"], color="black", linestyle=":", label="autoregressive")
+    prompts = sorted({p["prompts"] for p in points})
+    shared = f", on the {prompts[0]} prompts every cell ran" if len(prompts) == 1 else ""
+    return finish(fig, ax, path, "draft tokens per step K", "latency (ms per generated token)", title + shared,
+                  integer_x=True)
 
 
 def _throughput_vs_tar(group, path, title) -> bool:

@@ -1,24 +1,35 @@
-"""The study's race: once every cell has run the first prompts, cells that trail the best stop being measured.
+"""The study's race: cells that cannot win on the whole prompt set stop being measured.
 
 A study measures many cells that cannot win (a draft slower than plain decoding on another engine, the same draft
-at a K too large). After `after` prompts of a dataset, each cell is compared with the fastest cell of the same
-model (any engine, lossless or plain) on the prompts both ran: one that runs slower than the leader by more than
-the margin is dropped for the rest of the dataset (the leader is lossless: llama-server's own speculation, exact
-only up to rounding, can be dropped but never leads), and every prompt it will not run is stored as skipped with the
-reason, so the report shows what was dropped and why, and a resumed study makes the same decisions. The margin
-is the larger of a floor and the machine's drift measured so far (the baseline re-checks), so a noisy machine
-keeps more cells racing. The baseline of each engine ('ar') is never dropped: every output is compared with it,
-nor is a peer's plain decoding while one of its speculative cells still runs. Cells under load (llama-server with
-more than one request in flight) neither race nor lead: their throughput is another measure.
+at a K too large). After `after` prompts of a dataset, and again before every later prompt, each cell's time over
+the *whole* prompt set is projected from what it measured: its prefill as a function of prompt length (a line
+fitted to its prompts: the race's first prompts are the set's longest and shortest, `race_order`) and its decode
+time per token, applied to the lengths of the prompts it has not run and to the outputs they are expected to
+give. A cell is dropped only when even its best projection (its best decode rate measured, or the mean less two
+standard errors, whichever is faster) trails the leader's projection by more than the margin; the leader is the
+lossless cell with the fastest projection among those still racing (llama-server's own speculation, exact only
+up to rounding, can be dropped but never leads). So a cell that loses the short prompts but wins on the long ones
+(or the reverse) is judged on the set it will be ranked on, not on the prompts that happened to come first; a
+dropped cell that the margin would now admit (the leader changed) comes back and catches up (`readmitted`).
+Every prompt a dropped cell will not run is stored as skipped with the reason, so the report shows what was
+dropped and why, and a resumed study makes the same decisions. The margin is the larger of a floor and the
+machine's drift measured so far (the baseline re-checks). The baseline of each engine ('ar') is never dropped:
+every output is compared with it, nor is a peer's plain decoding while one of its speculative cells still runs.
+Cells under load (llama-server with more than one request in flight) neither race nor lead: their throughput is
+another measure.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Callable
 
 from draftlab.study.cells import LLAMACPP_TARGET, PEER_PLAIN, UP_TO_ROUNDING, Cell
 from draftlab.study.store import ResultsStore
+
+RACE_REASON = "dropped by the race"  # how every skip the race stores begins
 
 
 @dataclass(frozen=True)
@@ -34,51 +45,134 @@ class RaceRule:
         return self.after > 0
 
 
+@dataclass(frozen=True)
+class PromptSet:
+    """The prompts a race ranks cells on: every prompt of the dataset, with its length in tokens per target."""
+
+    lengths: dict[str, dict[str, int]]  # target name -> prompt id -> prompt tokens
+
+    def of(self, target: str) -> dict[str, int]:
+        """Prompt id -> length for one target (its tokenizer's count)."""
+        return self.lengths.get(target) or next(iter(self.lengths.values()), {})
+
+
+@dataclass(frozen=True)
+class Projection:
+    """A cell's time over the whole prompt set: measured where it ran, extrapolated from its rates elsewhere."""
+
+    tokens: float  # new tokens over the prompt set (measured, and expected where not run)
+    seconds: float  # its expected time
+    best_seconds: float  # its time if every prompt left decoded at its best rate measured
+    measured: int  # prompts it ran
+
+    @property
+    def speed(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def best_speed(self) -> float:
+        return self.tokens / self.best_seconds if self.best_seconds > 0 else 0.0
+
+
 def model_of(target: str) -> str:
     """The model a target name runs, whatever the engine: cells of one model race each other."""
     return target.removeprefix(LLAMACPP_TARGET)
 
 
-def pooled_speeds(rows: list[dict]) -> dict[str, dict[str, tuple[int, float]]]:
-    """cell key -> prompt id -> (new tokens, wall seconds) of every measured (cell, prompt)."""
-    speeds: dict[str, dict[str, tuple[int, float]]] = defaultdict(dict)
+def race_order(prompt_ids: list[str], lengths: dict[str, int], categories: dict[str, str]) -> list[str]:
+    """The order a race runs prompts in: the longest and the shortest first (a prefill-heavy prompt must be in what
+    the race first sees), then one of each category not yet seen, then the rest as given."""
+    if len(prompt_ids) < 3:
+        return list(prompt_ids)
+    longest = max(prompt_ids, key=lambda p: lengths[p])
+    shortest = min((p for p in prompt_ids if p != longest), key=lambda p: lengths[p])
+    first, seen = [longest, shortest], {categories[longest], categories[shortest]}
+    for p in prompt_ids:
+        if p not in first and categories[p] not in seen:
+            first.append(p)
+            seen.add(categories[p])
+    return first + [p for p in prompt_ids if p not in first]
+
+
+def project(runs: dict[str, dict], lengths: dict[str, int], outputs: dict[str, float],
+            engine_prefill: Callable[[int], float] = lambda length: 0.0) -> Projection:
+    """A cell's projection over every prompt of `lengths` from its measured `runs` (prompt id -> record row).
+    `outputs`: the new tokens expected of each prompt it has not run. `engine_prefill`: for a library that times no
+    prefill apart, its engine's prefill seconds by prompt length (its measured prompts hold their own)."""
+    timed = [(lengths[p], r["prefill_s"]) for p, r in runs.items() if (r.get("prefill_s") or 0) > 0]
+    prefill = prefill_line(timed) if timed else engine_prefill
+    per_token = [(r["wall_s"] - (r["prefill_s"] if timed else prefill(lengths[p]))) / r["new_tokens"]
+                 for p, r in runs.items() if r["new_tokens"]]
+    mean = statistics.fmean(per_token) if per_token else 0.0
+    spread = statistics.stdev(per_token) / len(per_token) ** 0.5 if len(per_token) > 1 else mean
+    best = max(min(min(per_token, default=0.0), mean - 2 * spread), 0.0)
+    left = [p for p in lengths if p not in runs]
+    measured_s = sum(r["wall_s"] for r in runs.values())
+    prefill_left = sum(prefill(lengths[p]) for p in left)
+    tokens_left = sum(outputs[p] for p in left)
+    return Projection(sum(r["new_tokens"] for r in runs.values()) + tokens_left,
+                      measured_s + prefill_left + mean * tokens_left, measured_s + prefill_left + best * tokens_left,
+                      len(runs))
+
+
+def prefill_line(points: list[tuple[int, float]]) -> Callable[[int], float]:
+    """Prefill seconds by prompt length: the least-squares line through (length, seconds), slope and intercept
+    clipped at zero (a flat line through the mean when every length is the same)."""
+    xs, ys = [x for x, _ in points], [y for _, y in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = max(sum((x - mx) * (y - my) for x, y in points) / sxx, 0.0) if sxx else 0.0
+    intercept = max(my - slope * mx, 0.0)
+    return lambda length: intercept + slope * length
+
+
+def expected_outputs(rows: list[dict], prompt_ids: list[str]) -> dict[str, float]:
+    """New tokens expected of each prompt: the median over the cells that ran it (lossless cells give the same
+    output), else the mean over every prompt run so far."""
+    by_prompt: dict[str, list[int]] = defaultdict(list)
     for r in rows:
-        if r["wall_s"] > 0:
-            speeds[r["cell"]][r["prompt_id"]] = (r["new_tokens"], r["wall_s"])
-    return speeds
+        by_prompt[r["prompt_id"]].append(r["new_tokens"])
+    measured = [statistics.median(v) for v in by_prompt.values()]
+    mean = statistics.fmean(measured) if measured else 0.0
+    return {p: statistics.median(by_prompt[p]) if p in by_prompt else mean for p in prompt_ids}
 
 
-def _speed_on(runs: dict[str, tuple[int, float]], prompts: set[str]) -> float:
-    tokens = sum(runs[p][0] for p in prompts)
-    wall = sum(runs[p][1] for p in prompts)
-    return tokens / wall if wall else 0.0
-
-
-def dropped_cells(cells: list[Cell], rows: list[dict], rule: RaceRule, drift: float = 0.0) -> dict[str, str]:
-    """cell key -> one-line reason, for the cells of `cells` (one model, dataset and temperature) that trail the
-    leader by more than the margin after at least `rule.after` prompts. `rows`: the stored records of those cells;
-    `drift`: the baseline's relative spread measured so far."""
+def dropped_cells(cells: list[Cell], rows: list[dict], rule: RaceRule, prompts: PromptSet, drift: float = 0.0
+                  ) -> dict[str, str]:
+    """cell key -> one-line reason, for the cells of `cells` (one model, dataset and temperature) that cannot beat
+    the leader on the whole prompt set by more than the margin, once every cell ran at least `rule.after`
+    prompts. `rows`: the stored records of those cells; `drift`: the baseline's relative spread measured so far.
+    A cell dropped before and absent from the answer comes back (`readmitted`)."""
     if not rule.active:
         return {}
     keys = {c.key: c for c in cells if c.concurrency == 1}
-    speeds = {key: runs for key, runs in pooled_speeds([r for r in rows if r["cell"] in keys]).items()
-              if len(runs) >= rule.after}
-    most = max((len(runs) for runs in speeds.values()), default=0)  # cells still racing; dropped ones ran fewer
-    lossless = ({key for key, runs in speeds.items() if len(runs) == most and keys[key].method not in UP_TO_ROUNDING}
+    runs: dict[str, dict[str, dict]] = defaultdict(dict)
+    for r in rows:
+        if r["cell"] in keys and r["wall_s"] > 0:
+            runs[r["cell"]][r["prompt_id"]] = r
+    runs = {key: its for key, its in runs.items() if len(its) >= max(rule.after, 2)}
+    outputs = expected_outputs([r for its in runs.values() for r in its.values()],
+                               sorted({p for key in runs for p in prompts.of(keys[key].target)}))
+    engines = _engine_prefills(keys, runs, prompts)
+    projected = {key: project(its, prompts.of(keys[key].target), outputs, engines.get(keys[key].target, _no_prefill))
+                 for key, its in runs.items()}
+    most = max((p.measured for p in projected.values()), default=0)  # cells still racing; dropped ones ran fewer
+    lossless = ({key for key, p in projected.items() if p.measured == most and keys[key].method not in UP_TO_ROUNDING}
                 - {r["cell"] for r in rows if r["identical"] == 0})
     if not lossless:
         return {}
-    leader = max(lossless, key=lambda key: _speed_on(speeds[key], set(speeds[key])))
+    leader = max(lossless, key=lambda key: projected[key].speed)
     margin = max(rule.margin, drift)
+    total = len(prompts.of(keys[leader].target))
     out = {}
-    for key, runs in speeds.items():
-        shared = set(runs) & set(speeds[leader])
-        if key == leader or keys[key].method == "ar" or len(shared) < rule.after:
+    for key, p in projected.items():
+        if key == leader or keys[key].method == "ar":
             continue
-        ratio = _speed_on(runs, shared) / _speed_on(speeds[leader], shared)
+        ratio = p.best_speed / projected[leader].speed
         if ratio * (1 + margin) < 1:
-            out[key] = (f"dropped by the race after {len(shared)} prompts: {ratio:.2f}x the speed of the leader "
-                        f"({_describe(keys[leader])}), beyond the margin of {margin:.0%}")
+            out[key] = (f"{RACE_REASON} after {p.measured} prompts: at best {ratio:.2f}x the projected speed of "
+                        f"the leader ({_describe(keys[leader])}) over the {total} prompts, beyond the margin of "
+                        f"{margin:.0%}")
     return _keep_peer_references(out, cells)
 
 
@@ -89,6 +183,28 @@ def _keep_peer_references(dropped: dict[str, str], cells: list[Cell]) -> dict[st
             if not any((cell.target, method) in running
                        for cell in cells if cell.key == key
                        for method, plain in PEER_PLAIN.items() if plain == cell.method)}
+
+
+def _no_prefill(length: int) -> float:
+    return 0.0
+
+
+def _engine_prefills(keys: dict[str, Cell], runs: dict[str, dict[str, dict]], prompts: PromptSet
+                     ) -> dict[str, Callable[[int], float]]:
+    """target -> its plain decoding's prefill line (the 'ar' cell, which times its prefill): the prefill of the
+    peers on that target that time none apart (HF's `generate`, llama-cpp-python's) is taken to grow alike."""
+    lines = {}
+    for key, its in runs.items():
+        cell, lengths = keys[key], prompts.of(keys[key].target)
+        timed = [(lengths[p], r["prefill_s"]) for p, r in its.items() if (r.get("prefill_s") or 0) > 0]
+        if cell.method == "ar" and timed:
+            lines[cell.target] = prefill_line(timed)
+    return lines
+
+
+def readmitted(dropped_before: set[str], dropped_now: dict[str, str]) -> set[str]:
+    """The cells the race dropped earlier that it would not drop now: they race again."""
+    return dropped_before - set(dropped_now)
 
 
 def _describe(cell: Cell) -> str:

@@ -57,6 +57,9 @@ class CellSummary:
     host_plain: str = ""  # which plain decoding that was ('ar': the study's own, else `plain_label`)
     backend: str = ""  # the backend its records ran on ('llamacpp', 'fast', 'auto', ...)
     complete: bool = True  # ran every prompt its group ran (False: dropped by the race, or skipped prompts)
+    decode_tokens_per_s: float | None = None  # new tokens over the time after each prefill; None when the cell's
+    # library times no prefill apart
+    prefill_s: float | None = None  # mean seconds of prefill a prompt; None likewise
 
     @property
     def lossy(self) -> bool:
@@ -98,6 +101,17 @@ def summarize(rows: list[dict], checks: list[dict] = ()) -> list[CellSummary]:
     _mark_complete(summaries)
     _add_host_speedups(summaries)
     return summaries
+
+
+def on_shared_prompts(rows: list[dict]) -> list[dict]:
+    """The records of the prompts that every cell of their (target, dataset, temperature) ran, alone: figures drawn
+    from them compare every line on the same prompts (a cell the race dropped ran fewer)."""
+    ran: dict[tuple, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
+    for r in rows:
+        if (r.get("concurrency") or 1) == 1:
+            ran[(r["target"], r["dataset"], r["temperature"])][r["cell"]].add(r["prompt_id"])
+    shared = {group: set.intersection(*cells.values()) for group, cells in ran.items()}
+    return [r for r in rows if r["prompt_id"] in shared.get((r["target"], r["dataset"], r["temperature"]), ())]
 
 
 def _mark_complete(summaries: list[CellSummary]) -> None:
@@ -202,6 +216,9 @@ def _summarize_group(key: tuple, rows: list[dict], baseline_speed: Callable[[dic
         per_position_acceptance=_per_position(rows),
     )
     _add_speedups(summary, rows, baseline_speed, decode_pace)
+    if method not in UNTIMED_PREFILL and all(r["wall_s"] > r["prefill_s"] for r in rows):
+        summary.prefill_s = sum(r["prefill_s"] for r in rows) / len(rows)
+        summary.decode_tokens_per_s = new_tokens / (wall - summary.prefill_s * len(rows))
     known = [r["identical"] for r in rows if r["identical"] is not None]
     summary.identical = sum(known) if known else None
     return summary

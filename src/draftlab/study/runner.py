@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -170,10 +170,11 @@ class CellRunner:
             return False
         return True
 
-    def warm_up(self, cells: list[Cell], prompt: EncodedPrompt) -> None:
+    def warm_up(self, cells: list[Cell], prompt: EncodedPrompt, starting: Callable[[Cell], None]) -> None:
         """Untimed short runs through every path: first calls pay one-off costs. A cell that fails here is left to
-        its timed runs, which store the reason."""
+        its timed runs, which store the reason. `starting` hears of each cell before it runs."""
         for cell in cells:
+            starting(cell)
             try:
                 warm_up({cell: self.contender(cell)}, prompt, self.settings(cell))
             except (Exception if cell.method in PEER_METHODS else DraftlabError):

@@ -74,6 +74,7 @@ from draftlab.study.cells import (  # noqa: F401  (re-exported: the store's row 
 
 APP = "draftlab-study"
 SCHEMA_VERSION = "7"
+LEFT_OUT = "left_out"  # meta key: the lines of the engines the last sweep left out (draftlab.preflight), JSON
 SETTINGS = ("seed", "dtype", "backend", "device", "skip")
 RECORD_COLUMNS = (
     "cell", "prompt_id", "target", "drafter", "k", "method", "dataset", "temperature", "max_new_tokens", *SETTINGS,
@@ -292,6 +293,16 @@ class ResultsStore:
         with self.conn:
             self.conn.execute("INSERT OR REPLACE INTO skips VALUES (?, ?, ?, ?, ?)",
                               (cell.key, prompt_id, run_id, reason.splitlines()[0] if reason else "?", _now()))
+
+    def remove_skips(self, cell_key: str, reason_prefix: str) -> list[str]:
+        """Forget the skips of a cell whose reason starts with `reason_prefix`; returns their prompt ids."""
+        with self.conn:
+            prompts = [p for (p,) in self.conn.execute(
+                "SELECT prompt_id FROM skips WHERE cell = ? AND substr(reason, 1, ?) = ?",
+                (cell_key, len(reason_prefix), reason_prefix))]
+            self.conn.execute("DELETE FROM skips WHERE cell = ? AND substr(reason, 1, ?) = ?",
+                              (cell_key, len(reason_prefix), reason_prefix))
+        return prompts
 
     def skips(self) -> list[dict]:
         """Every skipped (cell, prompt) with its reason, oldest first."""

@@ -14,6 +14,7 @@ records how many earlier responses it held at each prompt."""
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 from draftlab.api import prompt_ids
@@ -26,10 +27,12 @@ from draftlab.measure import EncodedPrompt, Rechecks, RunRecord, measure_prompt
 from draftlab.models import load_model
 from draftlab.progress import Bar
 from draftlab.study.cells import PEER_METHODS, PEER_PLAIN, SERVER_METHODS, Cell, Record
+from draftlab.study.crashes import CrashLog, preflight, skip_fatal
 from draftlab.study.config import (  # noqa: F401  (re-exported: the sweep's grid and presets)
     METHODS, PRESETS, SweepConfig, environment, load_config, make_config, target_backend,
 )
-from draftlab.study.pruning import RaceRule, dropped_cells, model_of
+from draftlab.study.pruning import (RACE_REASON, PromptSet, RaceRule, dropped_cells, model_of, race_order,
+                                    readmitted)
 from draftlab.study.runner import CellRunner, record_of
 from draftlab.study.store import ResultsStore
 
@@ -67,26 +70,35 @@ def run_sweep(config: SweepConfig, store: ResultsStore, progress: bool = True, g
 
     Prompts are the outer loop and targets the inner one, so that every engine's cells of a prompt are measured
     close together in time and the race (`config.race_after`) compares engines on the same prompts. `groups`: the
-    config's `plan`, when the caller loaded it already (to check the prompt sets before creating the database)."""
+    config's `plan`, when the caller loaded it already (to check the prompt sets before creating the database).
+    Each engine is checked first (`draftlab.preflight`); one that dies there is left out, with one line."""
     groups = plan(config) if groups is None else groups
     with store.writing():
         store.set_meta("config", config.to_json())
+        crashes = CrashLog.open(store)
         done = store.done()
         if all((c.key, p.id) in done for g in groups for cells in g.cells.values() for c in cells for p in g.prompts):
             return 0
-        return _run_all(config, store, groups, done, progress)
+        try:
+            return _run_all(config, store, groups, done, progress, crashes)
+        finally:  # a Python error or an interrupt is not a native crash: only a dead process leaves its mark
+            crashes.end()
 
 
-def _run_all(config: SweepConfig, store: ResultsStore, groups: list[Group], done: set, progress: bool) -> int:
-    """Load every target, then run every group's pending (cell, prompt) pairs; returns the records added. The
-    llama-server cells' servers are stopped on every way out."""
+def _run_all(config: SweepConfig, store: ResultsStore, groups: list[Group], done: set, progress: bool,
+             crashes: CrashLog) -> int:
+    """Check the engines, load every target whose engine runs, then run every group's pending (cell, prompt)
+    pairs; returns the records added. The llama-server cells' servers are stopped on every way out."""
+    left_out = preflight(config, store)
     servers = ServerPool(store.path.with_name(store.path.stem + ".server-logs"))
     try:
-        targets = {name: _start_target(name, config, store, done, servers) for name in config.targets}
-        todo = sum(1 for g in groups for t, cells in g.cells.items() for c in targets[t].runnable(cells)
-                   for p in g.prompts if (c.key, p.id) not in done)
+        targets = {name: _start_target(name, config, store, done, servers, "llama-server" in left_out.get(name, ()))
+                   for name in config.targets if not left_out.get(name, set()) - {"llama-server"}}
+        skip_fatal(crashes, groups, targets, store, done)
+        todo = sum(1 for g in groups for t, cells in g.cells.items() if t in targets
+                   for c in targets[t].runnable(cells) for p in g.prompts if (c.key, p.id) not in done)
         bar = Bar(todo, "sweep", "run", disable=not progress)
-        added = sum(_run_group(g, targets, config, store, done, bar) for g in groups)
+        added = sum(_run_group(g, targets, config, store, done, bar, crashes) for g in groups)
         bar.close()
     finally:
         servers.stop_all()
@@ -97,9 +109,10 @@ def _run_all(config: SweepConfig, store: ResultsStore, groups: list[Group], done
     return added
 
 
-def _start_target(name: str, config: SweepConfig, store: ResultsStore, done: set, servers: ServerPool
-                  ) -> TargetRun:
-    """Load a target, build its cell runner, record the run's environment and the parameter counts."""
+def _start_target(name: str, config: SweepConfig, store: ResultsStore, done: set, servers: ServerPool,
+                  server_died: bool = False) -> TargetRun:
+    """Load a target, build its cell runner, record the run's environment and the parameter counts. `server_died`:
+    llama-server failed its preflight, so its cells do not run."""
     backend, source = target_backend(name, config.backend)
     target = load_model(source, device=config.device, backend=backend,
                         dtype="auto" if engine_of_backend(backend).runs_gguf else config.dtype)
@@ -108,38 +121,56 @@ def _start_target(name: str, config: SweepConfig, store: ResultsStore, done: set
     run_id = store.start_run(environment(config, target, runner.baseline.target_backend.numerics, source))
     gone, no_asg = _unrunnable(runner, config)
     _record_params(store, runner, config, name, gone)
-    return TargetRun(runner, run_id, gone, no_asg, _no_server(runner, config))
+    return TargetRun(runner, run_id, gone, no_asg, server_died or _no_server(runner, config))
 
 
 def _run_group(group: Group, targets: dict[str, TargetRun], config: SweepConfig, store: ResultsStore, done: set,
-               bar: Bar) -> int:
+               bar: Bar, crashes: CrashLog) -> int:
     """Every prompt of one dataset and temperature on every target; returns the number of records added."""
-    cells = {name: targets[name].runnable(group.cells[name]) for name in group.cells}
+    cells = {name: targets[name].runnable(group.cells[name]) for name in group.cells if name in targets}
     encoded = {name: {p.id: EncodedPrompt(p.id, p.category, prompt_ids(targets[name].runner.target.tokenizer, p))
                       for p in group.prompts} for name in cells}
     for name, its_cells in cells.items():
-        if config.warmup and any((c.key, p.id) not in done for c in its_cells for p in group.prompts):
+        pending = [c for c in its_cells if any((c.key, p.id) not in done for p in group.prompts)]
+        if config.warmup and pending:
             first = min(encoded[name].values(), key=lambda p: len(p.ids))  # the cheapest; it fits if any does
-            targets[name].runner.warm_up(its_cells, first)
-    added = 0
+            targets[name].runner.warm_up(pending, first, lambda cell: crashes.start(cell.key, "its warm-up"))
+    order = _race_order(group, encoded) if config.race_after else [p.id for p in group.prompts]
     load = max(config.concurrency) - 1
-    for index, prompt in enumerate(group.prompts):
+
+    def run(index: int) -> int:
+        return sum(_run_prompt(targets[name], its_cells, encoded[name][order[index]], store, done, bar, config,
+                               crashes, tuple(encoded[name][p] for p in _companions(order, index, load)))
+                   for name, its_cells in cells.items())
+
+    added = 0
+    for index in range(len(order)):
         if index >= config.race_after > 0:
-            _drop_trailing(group, cells, index, store, done, bar, targets, config)
-        for name, its_cells in cells.items():
-            companions = tuple(encoded[name][p.id] for p in _companions(group.prompts, index, load))
-            added += _run_prompt(targets[name], its_cells, encoded[name][prompt.id], store, done, bar, config,
-                                 companions)
+            _race(group, order, cells, index, store, done, bar, targets, config, encoded)
+        added += run(index)
+    # Cells readmitted on the way, and those the final leader's margin admits again, catch up on what they missed.
+    readmitted_late = 1
+    while config.race_after and readmitted_late:
+        added += sum(run(index) for index in range(len(order)))
+        readmitted_late = _race(group, order, cells, len(order), store, done, bar, targets, config, encoded)
     return added
 
 
-def _companions(prompts: list[Prompt], index: int, count: int) -> list[Prompt]:
+def _race_order(group: Group, encoded: dict[str, dict[str, EncodedPrompt]]) -> list[str]:
+    """The group's prompt ids in the order a race runs them (`pruning.race_order`), by the first target's lengths."""
+    lengths = {p: len(e.ids) for p, e in next(iter(encoded.values()), {}).items()}
+    if not lengths:
+        return [p.id for p in group.prompts]
+    return race_order([p.id for p in group.prompts], lengths, {p.id: p.category for p in group.prompts})
+
+
+def _companions(prompts: list[str], index: int, count: int) -> list[str]:
     """The prompts sent beside prompt `index` under load: the next `count` of its group, wrapping around."""
     return [prompts[(index + j) % len(prompts)] for j in range(1, count + 1)]
 
 
 def _run_prompt(target: TargetRun, cells: list[Cell], prompt: EncodedPrompt, store: ResultsStore, done: set,
-                bar: Bar, config: SweepConfig, companions: tuple[EncodedPrompt, ...] = ()) -> int:
+                bar: Bar, config: SweepConfig, crashes: CrashLog, companions: tuple[EncodedPrompt, ...] = ()) -> int:
     """The target's pending cells on one prompt through the measurement loop, with baseline re-checks between them;
     each run stored as it ends; returns records added. A cell whose llama-server exits is ended for this run, with
     one line, and left for the next run to resume."""
@@ -170,12 +201,15 @@ def _run_prompt(target: TargetRun, cells: list[Cell], prompt: EncodedPrompt, sto
 
     contenders = {}
     for cell in pending:  # a server starts here, outside the timed runs; one that cannot start skips its cell
+        crashes.start(cell.key, prompt.id)
         try:
             contenders[cell] = runner.contender(cell, companions)
         except DraftlabError as exc:
             skipped(cell, exc)
     measure_prompt(contenders, prompt, runner.settings(baseline), stored, rechecks,
-                   lambda run: store.add_baseline_check(record_of(baseline, run), target.run_id), skipped)
+                   lambda run: store.add_baseline_check(record_of(baseline, run), target.run_id), skipped,
+                   lambda cell: crashes.start(cell.key, prompt.id))
+    crashes.end()
     return len(added)
 
 
@@ -194,33 +228,63 @@ def _store(target: TargetRun, cell: Cell, run: RunRecord, store: ResultsStore) -
     return record
 
 
-def _drop_trailing(group: Group, cells: dict[str, list[Cell]], index: int, store: ResultsStore, done: set,
-                   bar: Bar, targets: dict[str, TargetRun], config: SweepConfig) -> None:
-    """Before prompt `index`: the race drops, per model, the cells that trail its leader; each dropped cell is
-    stored as skipped on every prompt it has left, so a resumed sweep makes the same decision."""
+def _race(group: Group, order: list[str], cells: dict[str, list[Cell]], index: int, store: ResultsStore,
+          done: set, bar: Bar, targets: dict[str, TargetRun], config: SweepConfig,
+          encoded: dict[str, dict[str, EncodedPrompt]]) -> int:
+    """Before prompt `index` (or after the last): the race drops, per model, the cells that cannot beat its leader
+    on the whole prompt set, each stored as skipped on every prompt it has left (so a resumed sweep makes the same
+    decision), and readmits the dropped cells it would keep now; returns how many came back."""
     from draftlab.study.report import baseline_drift
 
     rows = [r for r in store.rows() if r["dataset"] == group.dataset and r["temperature"] == group.temperature]
     checks = [c for c in store.baseline_checks() if c["dataset"] == group.dataset]
     drift = baseline_drift(rows, checks).spread
-    models: dict[str, list[str]] = {}
+    raced = {s["cell"] for s in store.skips() if s["reason"].startswith(RACE_REASON)}
+    prompts = PromptSet({name: {p: len(e.ids) for p, e in its.items()} for name, its in encoded.items()})
+    models: dict[str, list[str]] = defaultdict(list)
     for name in cells:
-        models.setdefault(model_of(name), []).append(name)
-    rule = RaceRule(config.race_after)
+        models[model_of(name)].append(name)
+    back = 0
     for model, names in models.items():
         contenders = {c.key: c for name in names for c in cells[name]}
-        newly = []
-        for key, reason in dropped_cells(list(contenders.values()), rows, rule, drift).items():
-            left = [p for p in group.prompts[index:] if (key, p.id) not in done]
-            for prompt in left:
-                store.add_skip(contenders[key], prompt.id, reason, targets[contenders[key].target].run_id)
-                done.add((key, prompt.id))
-            bar.total -= len(left)
-            newly += [contenders[key]] if left else []
+        decided = dropped_cells(list(contenders.values()), rows, RaceRule(config.race_after), prompts, drift)
+        newly = [contenders[key] for key, reason in decided.items() if key not in raced
+                 and _drop(contenders[key], order[index:], reason, store, done, bar, targets)]
+        again = [contenders[key] for key in readmitted(raced & set(contenders), decided)]
+        for cell in again:
+            bar.total += _readmit(cell, order, store, done)
+        back += len(again)
         if newly:
             print(f"sweep: the race dropped {len(newly)} cell(s) of {model} after {index} prompts of {group.dataset} "
-                  f"(slower than the leader by more than the margin; the report lists each): "
-                  f"{', '.join(f'{c.method} {c.drafter} k={c.k}' for c in newly)}")
+                  f"(they cannot beat the leader over the {len(order)} prompts by more than the margin; the report "
+                  f"lists each): {', '.join(_words(c) for c in newly)}")
+        if again:
+            print(f"sweep: the race readmitted {len(again)} cell(s) of {model} (the leader changed; they are within "
+                  f"the margin now and catch up): {', '.join(_words(c) for c in again)}")
+    return back
+
+
+def _words(cell: Cell) -> str:
+    return f"{cell.method} {cell.drafter} k={cell.k}"
+
+
+def _drop(cell: Cell, left: list[str], reason: str, store: ResultsStore, done: set, bar: Bar,
+          targets: dict[str, TargetRun]) -> bool:
+    """Store a dropped cell as skipped on the prompts it has left; whether it had any."""
+    pending = [p for p in left if (cell.key, p) not in done]
+    for prompt_id in pending:
+        store.add_skip(cell, prompt_id, reason, targets[cell.target].run_id)
+        done.add((cell.key, prompt_id))
+    bar.total -= len(pending)
+    return bool(pending)
+
+
+def _readmit(cell: Cell, order: list[str], store: ResultsStore, done: set) -> int:
+    """Forget the race's skips of a readmitted cell, so that it runs those prompts; returns how many."""
+    removed = store.remove_skips(cell.key, RACE_REASON)
+    for prompt_id in removed:
+        done.discard((cell.key, prompt_id))
+    return len(removed)
 
 
 def _unrunnable(runner: CellRunner, config: SweepConfig) -> tuple[set[str], set[str]]:

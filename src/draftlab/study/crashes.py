@@ -1,0 +1,121 @@
+"""Engines and cells that kill a study's process: the preflight that leaves an engine out, the cell that was
+running when the process died, and the cells that killed it twice.
+
+A native library can kill the whole process (a segmentation fault, a general protection fault) with no Python
+exception. Before each run of a (cell, prompt), the study's database records it as running; when the run ends (or a
+Python error ends the sweep) the mark is cleared. A sweep that finds the mark on start knows its predecessor died
+there: it says so in one line and counts the death against the cell. A cell that killed the process `LIMIT` times
+is skipped on every prompt it has left, with that reason, so the study finishes without it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from draftlab.backends import engine_of_backend
+from draftlab.llama_server import server_built
+from draftlab.preflight import EngineCheck, check_engines
+from draftlab.study.config import SweepConfig, target_backend
+from draftlab.study.store import LEFT_OUT, ResultsStore
+
+RUNNING = "running"  # meta key: {"cell": key, "prompt": id} of the run in progress, '' when none
+DEATHS = "deaths"  # meta key: {cell key: [prompt ids it was running when the process died]}
+LIMIT = 2  # deaths of the process in one cell after which the cell is skipped
+
+
+@dataclass
+class CrashLog:
+    """The study database's record of runs in progress and of the deaths they caused."""
+
+    store: ResultsStore
+    deaths: dict[str, list[str]] = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, store: ResultsStore) -> "CrashLog":
+        """Read the deaths so far; count the last run's, when its mark is still there, and say so."""
+        log = cls(store, _deaths(store.get_meta(DEATHS)))
+        running = _read(store.get_meta(RUNNING))
+        if {"cell", "prompt"} <= set(running) and str(running["cell"]).count("|") >= 3:
+            log.deaths.setdefault(str(running["cell"]), []).append(str(running["prompt"]))
+            store.set_meta(DEATHS, json.dumps(log.deaths))
+            store.set_meta(RUNNING, "")
+            times = len(log.deaths[running["cell"]])
+            print(f"sweep: the last run died while running {_words(running['cell'])} on {running['prompt']} "
+                  f"({times} time(s); {'its cell is skipped' if times >= LIMIT else 'it runs again now'})")
+        return log
+
+    def start(self, cell_key: str, prompt_id: str) -> None:
+        """Mark a run as in progress (committed before it starts)."""
+        self.store.set_meta(RUNNING, json.dumps({"cell": cell_key, "prompt": prompt_id}))
+
+    def end(self) -> None:
+        """No run in progress any more."""
+        self.store.set_meta(RUNNING, "")
+
+    def fatal(self) -> dict[str, str]:
+        """cell key -> the one-line reason it is skipped, for the cells that killed the process `LIMIT` times."""
+        return {key: f"killed the study's process {len(prompts)} times (last while running {prompts[-1]}): a crash "
+                     "in a native library; skipped" for key, prompts in self.deaths.items() if len(prompts) >= LIMIT}
+
+
+def preflight(config: SweepConfig, store: ResultsStore) -> dict[str, set[str]]:
+    """Each engine of the study decodes a few tokens in a child first; target name -> the engines left out (each
+    said in one line, and kept in the database for the answer: `left_out`)."""
+    checks = {} if not config.preflight_s else {
+        check: name for name in config.targets for check in engine_checks(name, config)}
+    verdicts = check_engines(list(checks), config.preflight_s) if checks else []
+    left_out: dict[str, set[str]] = {}
+    for verdict in verdicts:
+        if not verdict.ok:
+            print(f"sweep: {verdict.line}")
+            for name in [n for check, n in checks.items() if check == verdict.check]:
+                left_out.setdefault(name, set()).add(verdict.check.engine)
+    store.set_meta(LEFT_OUT, json.dumps([v.line for v in verdicts if not v.ok]))
+    return left_out
+
+
+def engine_checks(name: str, config: SweepConfig) -> list[EngineCheck]:
+    """The engines a target runs on: draftlab's torch backend or llama.cpp, and llama-server when the study races
+    its cells and it is built."""
+    backend, source = target_backend(name, config.backend)
+    if not engine_of_backend(backend).runs_gguf:
+        return [EngineCheck("torch", source, config.device, config.dtype, backend)]
+    checks = [EngineCheck("llama.cpp", source, "cpu", "auto", backend)]
+    if config.servers and server_built():
+        checks.append(EngineCheck("llama-server", source, "cpu", "auto", backend))
+    return checks
+
+
+def skip_fatal(crashes: CrashLog, groups: list, targets: dict, store: ResultsStore, done: set) -> None:
+    """Skip, on every prompt they have left, the cells that killed the process `LIMIT` times; one line each.
+    `groups`: the sweep's; `targets`: its started targets (name -> `TargetRun`)."""
+    for key, reason in crashes.fatal().items():
+        cells = [(c, g, t) for g in groups for t, its in g.cells.items() if t in targets for c in its if c.key == key]
+        pending = [(c, p, t) for c, g, t in cells for p in g.prompts if (c.key, p.id) not in done]
+        for cell, prompt, name in pending:
+            store.add_skip(cell, prompt.id, reason, targets[name].run_id)
+            done.add((cell.key, prompt.id))
+        if pending:
+            print(f"sweep: {_words(key)} {reason}")
+
+
+def _read(text: str | None) -> dict:
+    """A JSON object from the meta table; {} when it is missing, empty or damaged (the file is untrusted)."""
+    try:
+        value = json.loads(text) if text else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _deaths(text: str | None) -> dict[str, list[str]]:
+    """The stored deaths, keeping only well-formed entries."""
+    return {key: [str(p) for p in prompts] for key, prompts in _read(text).items()
+            if isinstance(prompts, list) and prompts}
+
+
+def _words(key: str) -> str:
+    """'target|method|drafter|k=K|...' -> 'target METHOD drafter K=K'."""
+    target, method, drafter, k, *_ = key.split("|")
+    return f"{target} {method.upper()} {drafter} {k.upper()}"
