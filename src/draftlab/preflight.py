@@ -8,8 +8,9 @@ kernels and its default ones, which repack the weights). An engine whose child i
 nonzero or hangs past the time limit is left out with one line naming the engine, what happened and what to do;
 the work goes on with the others.
 
-`DRAFTLAB_PREFLIGHT_FAULT=ENGINE:MODE` (ENGINE: torch, llama.cpp or llama-server; MODE: segv, hang or exit) makes
-the child of that engine die that way before it decodes: how the tests reproduce a crashing library on any host.
+`DRAFTLAB_PREFLIGHT_FAULT=ENGINE:MODE[:SOURCE]` (ENGINE: torch, llama.cpp or llama-server; MODE: segv, hang or
+exit) makes the child of that engine (on that model) die that way before it decodes: how the tests reproduce a
+crashing library on any host.
 """
 
 from __future__ import annotations
@@ -116,17 +117,18 @@ def _kill_group(child: subprocess.Popen) -> None:
     child.communicate()
 
 
-def _fault(engine: str) -> None:
-    """Die as `DRAFTLAB_PREFLIGHT_FAULT` says, when it names this engine (tests)."""
-    named, _, mode = os.environ.get(FAULT_ENV, "").partition(":")
-    if named != engine:
+def _fault(check: EngineCheck) -> None:
+    """Die as `DRAFTLAB_PREFLIGHT_FAULT=ENGINE:MODE[:SOURCE]` says, when it names this engine (and source): tests."""
+    named, _, rest = os.environ.get(FAULT_ENV, "").partition(":")
+    mode, _, source = rest.partition(":")
+    if named != check.engine or source not in ("", check.source):
         return
     if mode == "segv":
         os.kill(os.getpid(), signal.SIGSEGV)
     elif mode == "hang":
         time.sleep(24 * 3600)
     elif mode == "exit":
-        raise SystemExit(f"{FAULT_ENV} asked this check to fail")
+        raise DraftlabError(f"{FAULT_ENV} asked this check to fail")
 
 
 def _decode(check: EngineCheck) -> None:
@@ -138,7 +140,7 @@ def _decode(check: EngineCheck) -> None:
 
     target = load_model(check.source, device=check.device, dtype=check.dtype, backend=check.backend)
     ids = prompt_ids(target.tokenizer, Prompt("preflight", "check", "def fibonacci(n):"))
-    _fault(check.engine)
+    _fault(check)
     if check.engine == "llama-server":
         return _decode_on_server(target, ids)
     plain = SpeculativeDecoder.from_names(target, drafter="none", k=1, backend=check.backend)

@@ -11,6 +11,8 @@ is skipped on every prompt it has left, with that reason, so the study finishes 
 from __future__ import annotations
 
 import json
+import os
+import signal
 from dataclasses import dataclass, field
 
 from draftlab.backends import engine_of_backend
@@ -22,6 +24,7 @@ from draftlab.study.store import LEFT_OUT, ResultsStore
 RUNNING = "running"  # meta key: {"cell": key, "prompt": id} of the run in progress, '' when none
 DEATHS = "deaths"  # meta key: {cell key: [prompt ids it was running when the process died]}
 LIMIT = 2  # deaths of the process in one cell after which the cell is skipped
+CRASH_ENV = "DRAFTLAB_CRASH_CELL"
 
 
 @dataclass
@@ -46,8 +49,11 @@ class CrashLog:
         return log
 
     def start(self, cell_key: str, prompt_id: str) -> None:
-        """Mark a run as in progress (committed before it starts)."""
+        """Mark a run as in progress (committed before it starts). `DRAFTLAB_CRASH_CELL=TEXT` then kills the process
+        by SIGSEGV when the cell's key holds TEXT: how the tests make a cell crash as a native library would."""
         self.store.set_meta(RUNNING, json.dumps({"cell": cell_key, "prompt": prompt_id}))
+        if os.environ.get(CRASH_ENV) and os.environ[CRASH_ENV] in cell_key:
+            os.kill(os.getpid(), signal.SIGSEGV)
 
     def end(self) -> None:
         """No run in progress any more."""
