@@ -151,6 +151,10 @@ def cases(root):
         "sweep prompt ids twice": ["sweep", "--db", str(root / "new.sqlite"), "--targets", str(root / "tiny"),
                                    "--datasets", str(root / "twice.jsonl")],
         "sweep race-after -1": [*sweep, "--race-after", "-1"],
+        "sweep inverted n-gram range": [*sweep, "--drafters", "ngram:3-1"],
+        "sweep n-gram size 0": [*sweep, "--drafters", "ngram:0"],
+        "sweep preflight timeout NaN": [*sweep, "--preflight-timeout", "nan"],
+        "bench preflight timeout -1": [*bench, "--preflight-timeout", "-1"],
         # outputs whose way is blocked by a file
         "report out under a file": ["report", "--db", str(root / "newer.sqlite"), "--out",
                                     str(root / "prompts.jsonl" / "r")],

@@ -24,7 +24,7 @@ def test_drafter_specs():
     assert parse_drafter_spec("none").kind == "none"
     assert parse_drafter_spec("model:/x/y").model == "/x/y"
     assert parse_drafter_spec("layers:0-3").layers == (0, 1, 2, 3)
-    for bad in ("layers:", "ngram:x", "foo", "model:"):
+    for bad in ("layers:", "ngram:x", "foo", "model:", "ngram:3-1", "ngram:0", "ngram:0-2"):
         with pytest.raises(DraftlabError):
             parse_drafter_spec(bad)
 
@@ -50,7 +50,9 @@ def test_ngram_drafter_copies_latest_continuation():
 def test_k_and_sampling_validation():
     for bad in (lambda: FixedK(0), lambda: DynamicK(0), lambda: SamplingConfig(-0.1),
                 lambda: SamplingConfig(1.0, top_p=0.0), lambda: SamplingConfig(1.0, top_k=-1),
-                lambda: GenerationConfig(max_new_tokens=0)):
+                lambda: GenerationConfig(max_new_tokens=0), lambda: GenerationConfig(max_new_tokens=float("nan")),
+                lambda: GenerationConfig(max_new_tokens=2.5), lambda: GenerationConfig(max_new_tokens=True),
+                lambda: GenerationConfig(seed=float("nan")), lambda: SamplingConfig(float("nan"))):
         with pytest.raises(DraftlabError):
             bad()
 

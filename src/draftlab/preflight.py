@@ -72,6 +72,37 @@ class Verdict:
         return not self.line
 
 
+def engine_checks(source: str, backend: str, device: str, dtype: str, servers: bool) -> list[EngineCheck]:
+    """The engines a target runs on: draftlab's torch backend, or llama.cpp in process and, with `servers`,
+    llama-server when it is built (without it, its cells are left out by the caller, with their own line)."""
+    from draftlab.backends import engine_of_backend
+    from draftlab.llama_server import server_built
+
+    if not engine_of_backend(backend).runs_gguf:
+        return [EngineCheck("torch", source, device, dtype, backend)]
+    checks = [EngineCheck("llama.cpp", source, "cpu", "auto", backend)]
+    if servers and server_built():
+        checks.append(EngineCheck("llama-server", source, "cpu", "auto", backend))
+    return checks
+
+
+def require(checks: list[EngineCheck], timeout_s: float, command: str) -> set[str]:
+    """For a command that runs one target (`bench`, `tune`): its engines checked. The target's own engine dying is
+    a one-line error (nothing is left to run); llama-server dying is said in one line, and it is left out:
+    returns the engines left out."""
+    if not timeout_s:
+        return set()
+    left_out = set()
+    for verdict in check_engines(checks, timeout_s):
+        if verdict.ok:
+            continue
+        if verdict.check.engine != "llama-server":
+            raise DraftlabError(verdict.line)
+        print(f"{command}: {verdict.line}", file=sys.stderr)
+        left_out.add(verdict.check.engine)
+    return left_out
+
+
 def check_engines(checks: list[EngineCheck], timeout_s: float = TIMEOUT_S) -> list[Verdict]:
     """Each check in its own child, one after the other (two children would time each other's load)."""
     return [check_engine(check, timeout_s) for check in dict.fromkeys(checks)]

@@ -128,6 +128,7 @@ CHECKS: dict[str, Callable[[str, object], None]] = {
     "db": _output,
     "adapt_save": _new_draft_dir,
     "race_after": _at_least(0),
+    "preflight_timeout": _at_least(0),
     "baseline_every": _at_least(0),
     "profile": _existing_file,
     "config": _existing_file,

@@ -12,7 +12,8 @@ import sys
 from draftlab.cli.audit import add_audit_command
 from draftlab.cli.checks import check_args
 from draftlab.cli.design import add_design_commands
-from draftlab.cli.options import add_adapt_args, add_drafter_args, add_sampling_args, add_target_args
+from draftlab.cli.options import (add_adapt_args, add_drafter_args, add_preflight_arg, add_sampling_args,
+                                  add_target_args)
 from draftlab.cli.serve import add_serve_commands
 from draftlab.cli.study import add_study_commands
 from draftlab.cli.tune import add_tune_commands
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "own in the same loop (ngram-mod, ngram-simple:16, draft-simple/DRAFT:4)")
     bench.add_argument("--no-host-baselines", action="store_true",
                        help="skip timing plain decoding in the host's other dtypes and routes")
+    add_preflight_arg(bench)
     bench.set_defaults(run=cmd_bench)
     add_study_commands(sub)
     add_tune_commands(sub)
@@ -121,14 +123,18 @@ def cmd_bench(args) -> None:
     """Baseline vs speculative on a prompt set; a table, and JSON with --json."""
     from draftlab.bench import BenchSettings, run_bench
     from draftlab.datasets import load_prompts
+    from draftlab.preflight import engine_checks, require
 
     prompts = load_prompts(args.dataset or args.prompts, args.limit, args.skip)
+    left_out = require(engine_checks(args.target, args.backend, args.device, args.dtype, bool(args.servers)),
+                       args.preflight_timeout, "bench")
+    servers = [] if "llama-server" in left_out else args.servers or []
     decoder = _decoder(args)
     settings = BenchSettings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.warmup,
                              not args.no_host_baselines)
     if args.servers and not decoder.target.engine.runs_gguf:
         raise DraftlabError("--servers runs llama-server on the target's GGUF: add --backend llamacpp")
-    summary = {**run_bench(decoder, prompts, settings, servers=args.servers or []).summary(),
+    summary = {**run_bench(decoder, prompts, settings, servers=servers).summary(),
                "numerics": decoder.target_backend.numerics}
     _save_adapted(decoder, args)
     print(format_bench_table(summary, args))

@@ -6,6 +6,7 @@ import argparse
 
 from draftlab.defaults import DEFAULT_BACKEND, DraftSettings
 from draftlab.models import DEFAULT_TARGET, ModelSpec
+from draftlab.preflight import TIMEOUT_S as PREFLIGHT_TIMEOUT_S
 from draftlab.registry import SPEC_HELP
 from draftlab.sampling import SamplingConfig
 
@@ -41,3 +42,11 @@ def add_adapt_args(parser: argparse.ArgumentParser) -> None:
                              "the target's hidden states while it decodes; OPTIONS e.g. lr=5e-4,every=32,steps=2")
     parser.add_argument("--adapt-save", default=None, metavar="DIR",
                         help="with --adapt: write the adapted draft here at the end (load it with model:DIR)")
+
+
+def add_preflight_arg(parser: argparse.ArgumentParser) -> None:
+    """--preflight-timeout: each engine first decodes a few tokens in a child process (`draftlab.preflight`)."""
+    parser.add_argument("--preflight-timeout", type=float, default=PREFLIGHT_TIMEOUT_S, metavar="SECONDS",
+                        help="each engine first decodes a few tokens in a child process; one that crashes or has not "
+                             f"answered within this many seconds is left out, with one line (0: no preflight; "
+                             f"default {PREFLIGHT_TIMEOUT_S})")

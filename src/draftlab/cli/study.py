@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from draftlab.cli.options import add_preflight_arg
 from draftlab.errors import DraftlabError
 from draftlab.export import ENGINES
 
@@ -76,10 +77,7 @@ def _add_sweep_args(parser: argparse.ArgumentParser, db_required: bool = True) -
     parser.add_argument("--weight-types", nargs="+", metavar="TYPE",
                         help="also run every llama.cpp target in these weight types (BF16, Q8_0, ...), derived with "
                              "llama.cpp's quantizer")
-    parser.add_argument("--preflight-timeout", type=float, metavar="SECONDS",
-                        help="each engine first decodes a few tokens in a child process; one that crashes or has not "
-                             "answered within this many seconds is left out, with one line (0: no preflight; "
-                             "default 300)")
+    add_preflight_arg(parser)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--no-progress", action="store_true")
 

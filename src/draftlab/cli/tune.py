@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from draftlab.cli.options import add_preflight_arg
 from draftlab.errors import DraftlabError
 from draftlab.defaults import DEFAULT_BACKEND
 from draftlab.export import ENGINES, Deployable, export
@@ -64,6 +65,7 @@ def _add_tune_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default=DEFAULT_BACKEND)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--no-progress", action="store_true")
+    add_preflight_arg(parser)
 
 
 DEFAULT_DRAFTS = ["ngram", "ngram:2-4", "layers:0-3", "layers:0-7"]
@@ -184,9 +186,13 @@ def cmd_tune(args) -> None:
     from draftlab.perf.sizing import TuneSettings
     from draftlab.perf.validate import format_predictions
     from draftlab.perf.tuner import tune
+    from draftlab.preflight import engine_checks, require
     from draftlab.server_configs import parse_server_spec
 
     tune_settings = TuneSettings(budget_s=args.budget)
+    left_out = require(engine_checks(args.target, args.backend, args.device, (args.dtypes or [args.dtype])[0],
+                                     bool(args.servers)), args.preflight_timeout, "tune")
+    args.servers = None if "llama-server" in left_out else args.servers  # the server round reads it
     if args.dtypes:
         _tune_dtypes(args, tune_settings)
         return

@@ -15,9 +15,7 @@ import os
 import signal
 from dataclasses import dataclass, field
 
-from draftlab.backends import engine_of_backend
-from draftlab.llama_server import server_built
-from draftlab.preflight import EngineCheck, check_engines
+from draftlab.preflight import check_engines, engine_checks
 from draftlab.study.config import SweepConfig, target_backend
 from draftlab.study.store import LEFT_OUT, ResultsStore
 
@@ -69,7 +67,7 @@ def preflight(config: SweepConfig, store: ResultsStore) -> dict[str, set[str]]:
     """Each engine of the study decodes a few tokens in a child first; target name -> the engines left out (each
     said in one line, and kept in the database for the answer: `left_out`)."""
     checks = {} if not config.preflight_s else {
-        check: name for name in config.targets for check in engine_checks(name, config)}
+        check: name for name in config.targets for check in _checks_of(name, config)}
     verdicts = check_engines(list(checks), config.preflight_s) if checks else []
     left_out: dict[str, set[str]] = {}
     for verdict in verdicts:
@@ -81,16 +79,10 @@ def preflight(config: SweepConfig, store: ResultsStore) -> dict[str, set[str]]:
     return left_out
 
 
-def engine_checks(name: str, config: SweepConfig) -> list[EngineCheck]:
-    """The engines a target runs on: draftlab's torch backend or llama.cpp, and llama-server when the study races
-    its cells and it is built."""
+def _checks_of(name: str, config: SweepConfig):
+    """The engines a study's target runs on (`preflight.engine_checks`)."""
     backend, source = target_backend(name, config.backend)
-    if not engine_of_backend(backend).runs_gguf:
-        return [EngineCheck("torch", source, config.device, config.dtype, backend)]
-    checks = [EngineCheck("llama.cpp", source, "cpu", "auto", backend)]
-    if config.servers and server_built():
-        checks.append(EngineCheck("llama-server", source, "cpu", "auto", backend))
-    return checks
+    return engine_checks(source, backend, config.device, config.dtype, bool(config.servers))
 
 
 def skip_fatal(crashes: CrashLog, groups: list, targets: dict, store: ResultsStore, done: set) -> None:
