@@ -13,7 +13,9 @@ fastest plain decoding, and llama.cpp plain decoding of the GGUF files given wit
 llama-cpp-python is installed.
 
 `--devices cuda cpu` measures a GPU and this machine's CPU in the same run (each row names its device; the route
-`auto` chooses is timed on each device).
+`auto` chooses is timed on each device). `--shape NAME` runs random weights in a real model's shape (every layer,
+its vocabulary: true costs, no download), e.g. `--shape qwen2.5-7b --devices cuda --dtypes bf16`; HF `generate`
+runs beside draftlab on the same weights. The last line of stdout is one JSON document.
 
 Timings are medians of interleaved rounds, so drift hits every block size alike.
 
@@ -24,14 +26,17 @@ Timings are medians of interleaved rounds, so drift hits every block size alike.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 
 from draftlab.backends import FastLlamaBackend
 from draftlab.backends.routes import KINDS, Route, choose_for, cpu_flags, cpu_model, exact_routes, gpu_name
+from draftlab.exactness import DTYPES, SHAPES, random_model, shapes_named
 from draftlab.models import load_model
 from draftlab.step import Block
 
@@ -143,6 +148,8 @@ def prefill_seconds(model, device: str, tokens: int, repeats: int = 3) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--shape", help="random weights in a named model's shape instead of --target (every layer, "
+                                        "real vocabulary; no download): " + ", ".join(SHAPES))
     parser.add_argument("--devices", nargs="+", default=["cpu"], help="cpu, cuda, or both (measured in one run)")
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
     parser.add_argument("--tokens", type=int, default=48, help="decoded tokens per plain decoding measurement")
@@ -155,10 +162,10 @@ def main() -> None:
                         help="GGUF files (e.g. F32 and F16 conversions of the target) to decode with llama.cpp")
     args = parser.parse_args()
     sizes = list(range(1, args.max_block + 1))
-    rows, prefills = [], {}
+    rows, prefills, hf_times = [], {}, {}
     for device in args.devices:
         print(f"{device}: {describe(device, read_bandwidth(device))}")
-        rows += measure_device(args, device, sizes, prefills)
+        rows += measure_device(args, device, sizes, prefills, hf_times)
     print(f"\n{'device':<7}{'route':<22}{'MB/token':>9}{'limit tok/s':>12}{'AR tok/s':>9}{'% limit':>8}"
           f"{'same rows':>10}  block cost / one token (n = " + " ".join(str(n) for n in sizes) + ")")
     for device, route, per_token, limit, seconds, curve, same in rows:
@@ -169,6 +176,8 @@ def main() -> None:
         f"{device} {dtype} {s:.3f} s" for (device, dtype), s in prefills.items()))
     for device in args.devices:
         summarize_device(args, device, [r[1:] for r in rows if r[0] == device])
+    for (device, dtype), seconds in hf_times.items():
+        print(f"{device} {dtype}: HF generate (eager, plain) {1 / seconds:.1f} tok/s")
     for gguf in args.llama_gguf:
         seconds = llama_cpp_seconds(gguf, args.tokens)
         fastest = min(r[4] for r in rows if r[0] == "cpu") if "cpu" in args.devices else None
@@ -180,15 +189,24 @@ def main() -> None:
     if not args.llama_gguf:
         print("llama.cpp: not measured (give --llama-gguf FILE...; needs pip install llama-cpp-python)")
     print("reproduce: python benchmarks/backend_limits.py " + " ".join(sys.argv[1:]))
+    print(json.dumps({"model": args.shape or args.target, "random_weights": bool(args.shape), "rows": [
+        {"device": device, "route": route.label, "bytes_per_token": per_token, "limit_tokens_per_s": limit,
+         "tokens_per_s": 1 / seconds, "share_of_limit": 1 / seconds / limit,
+         "block_cost": {n: curve[n] / curve[1] for n in sizes}, "identical_rows": same}
+        for device, route, per_token, limit, seconds, curve, same in rows],
+        "hf_generate_tokens_per_s": {f"{d} {t}": 1 / s for (d, t), s in hf_times.items()},
+        "prefill_s": {f"{d} {t}": s for (d, t), s in prefills.items()}}))
 
 
-def measure_device(args, device: str, sizes: list[int], prefills: dict) -> list[tuple]:
-    """(device, route, bytes/token, bandwidth limit, s/token, block curve, identical share) per dtype and route."""
+def measure_device(args, device: str, sizes: list[int], prefills: dict, hf_times: dict) -> list[tuple]:
+    """(device, route, bytes/token, bandwidth limit, s/token, block curve, identical share) per dtype and route;
+    the prefill and HF `generate`'s plain decoding per dtype."""
     bandwidth = read_bandwidth(device)
     rows = []
     for dtype in args.dtypes:
-        target = load_model(args.target, dtype=dtype, device=device)
+        target = model_of(args, dtype, device)
         per_token = weight_bytes(target.model)
+        hf_times[(device, dtype)] = hf_generate_seconds(target.model, device, args.tokens)
         for route in [Route(dtype, kind, 0) for kind in KINDS] + exact_routes(dtype):
             if args.routes and route.label.split(" ", 1)[1] not in args.routes:
                 continue
@@ -202,9 +220,30 @@ def measure_device(args, device: str, sizes: list[int], prefills: dict) -> list[
     return rows
 
 
+def model_of(args, dtype: str, device: str):
+    """The target, or random weights in --shape's shape (every layer, its vocabulary)."""
+    if not args.shape:
+        return load_model(args.target, dtype=dtype, device=device)
+    shape = shapes_named([args.shape])[0]
+    return SimpleNamespace(model=random_model(shape, DTYPES[dtype], device, layers=shape.depth))
+
+
+def hf_generate_seconds(model, device: str, tokens: int) -> float:
+    """Seconds per token of HF `generate` (greedy, eager, its own cache) after the prompt, first call untimed."""
+    ids = torch.tensor([[t % model.config.vocab_size for t in PROMPT]], device=device)
+    settings = dict(do_sample=False, min_new_tokens=tokens, max_new_tokens=tokens, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(ids, **{**settings, "min_new_tokens": 2, "max_new_tokens": 2})
+        start = time.perf_counter()
+        model.generate(ids, **settings)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) / tokens
+
+
 def summarize_device(args, device: str, rows: list[tuple]) -> None:
     """The route auto chooses on the device, the fastest plain decoding, and the chosen route's block of 8."""
-    config = load_model(args.target, dtype=args.dtypes[0]).model.config
+    config = model_of(args, args.dtypes[0], "cpu").model.config
     choice = choose_for(config, device)
     print(f"{device}: auto chooses {choice.describe()}")
     exact = [r for r in rows if r[0].exact]

@@ -163,3 +163,22 @@ def test_tiny_eagle3_draft_trains_and_drafts_on_cuda(tiny, tmp_path):
         for prompt in ([1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 9, 10, 9, 10, 11]):
             expected = run_tiny(tiny, NoDrafter(), 1, prompt).token_ids
             assert run_tiny(tiny, AnchoredDrafter(draft, "eagle3"), k, prompt).token_ids == expected
+
+
+TREE_DRAFTERS = ("tree:2x2:designed", "tree:dyn-2-6@0.05:designed", "merged:ngram/tree:2x2:designed",
+                 "tree:2x2:eagle3")
+
+
+@pytest.mark.parametrize("drafter", TREE_DRAFTERS)
+def test_tree_drafters_equal_plain_decoding_over_256_tokens_on_8_prompts(target, drafter):
+    """Long generations on the heldout prompts: the 0.16.0 H200 run saw tree cells leave plain decoding past 48
+    tokens (a norm's reduction that depended on the block's row count), which 48-token tests could not see."""
+    from draftlab.api import prompt_ids
+    from draftlab.datasets import load_prompts
+
+    plain = SpeculativeDecoder.from_names(target, drafter="none", k=1)
+    decoder = SpeculativeDecoder.from_names(target, drafter=drafter, k=3)
+    for prompt in load_prompts("heldout", 8):
+        ids = prompt_ids(target.tokenizer, prompt)
+        expected = plain.generate(ids, max_new_tokens=256).token_ids
+        assert decoder.generate(ids, max_new_tokens=256).token_ids == expected, f"{drafter} {prompt.id}"

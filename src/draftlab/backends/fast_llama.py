@@ -53,9 +53,11 @@ from draftlab.backends.base import ROUNDING, all_rows, is_prefix
 from draftlab.backends.numerics import (
     INVARIANT_ROWS,
     UpcastLinear,
+    attention_row,
     causal_mask,
     cut_head,
     invariant_linear,
+    invariant_rms_norm,
     rms_norm,
     rope,
     tree_mask,
@@ -120,6 +122,7 @@ class FastLlamaBackend:
         self.upcast = upcast_pays(config, dtype_label(self.dtype), self.device.type) if upcast is None else upcast
         self._fast_products = self._draft_products()  # prefills (and drafts' blocks): the fastest products
         self._project = self._route_products() if self.route is not None else self._fast_products
+        self._norm = invariant_rms_norm if self.batch_invariant else rms_norm
         self.numerics = (self.route.label if self.batch_invariant else
                          f"{self.route.label if self.route is not None else 'draft products'} ({ROUNDING})")
         self._keys: list[torch.Tensor] = []  # per layer [kv_heads, capacity, head_dim]
@@ -241,7 +244,7 @@ class FastLlamaBackend:
         if end > self._keys[0].shape[1]:
             self._allocate(min(max(2 * end, 256), self.max_positions))
         attend = _BlockAttention(start, ancestors, self.device) if prefill else self._attention(start, ancestors)
-        project = self._fast_products if prefill else self._project
+        ops = RowOps(attend, self._fast_products, rms_norm) if prefill else RowOps(attend, self._project, self._norm)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)  # [n]
         hidden = F.embedding(ids, self.model.model.embed_tokens.weight)  # [n, D]
         cos, sin = self._cos[positions], self._sin[positions]  # [n, head_dim]
@@ -249,30 +252,35 @@ class FastLlamaBackend:
         for index, layer in enumerate(self.layers):
             if index in taps:
                 tapped[index] = hidden
-            hidden = self._layer(index, layer, hidden, cos, sin, attend, start, end, project)
+            hidden = self._layer(index, layer, hidden, cos, sin, start, end, ops)
         self._block_start, self._len = start, end
         taps_out = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None  # [n, len(taps) * D]
-        return rms_norm(hidden, self.model.model.norm.weight, self.eps), taps_out  # [n, D]
+        return ops.norm(hidden, self.model.model.norm.weight, self.eps), taps_out  # [n, D]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM-head logits [n, V] ([n, V'] with head rows), fp32 on the CPU, from final hidden states [n, D]."""
         return self._project(hidden, self._head).float().cpu()
 
-    def _layer(self, index, layer, hidden, cos, sin, attend, start, end, project) -> torch.Tensor:
-        weights = self._weights[index]
+    def _layer(self, index, layer, hidden, cos, sin, start, end, ops: "RowOps") -> torch.Tensor:
+        weights, project = self._weights[index], ops.project
         n = hidden.shape[0]
-        normed = rms_norm(hidden, layer.input_layernorm.weight, self.eps)  # [n, D]
+        normed = ops.norm(hidden, layer.input_layernorm.weight, self.eps)  # [n, D]
         qkv = project(normed, weights.qkv, weights.qkv_bias)  # [n, (H + 2 Hkv) hd]
         query, key, value = qkv.view(n, -1, self.head_dim).transpose(0, 1).split(self._head_split)  # [heads, n, hd]
         query, key = rope(query, cos, sin), rope(key, cos, sin)
         self._keys[index][:, start:end] = key
         self._values[index][:, start:end] = value
-        out = attend(query, self._keys[index], self._values[index], layer.self_attn.scaling)  # [H, n, hd]
+        out = ops.attend(query, self._keys[index], self._values[index], layer.self_attn.scaling)  # [H, n, hd]
         o_proj, down_proj = layer.self_attn.o_proj, layer.mlp.down_proj
         hidden = hidden + project(out.transpose(0, 1).reshape(n, -1), o_proj.weight, o_proj.bias)
-        normed = rms_norm(hidden, layer.post_attention_layernorm.weight, self.eps)
+        normed = ops.norm(hidden, layer.post_attention_layernorm.weight, self.eps)
         gate, up = project(normed, weights.gate_up).chunk(2, dim=-1)  # [n, I] each
         return hidden + project(F.silu(gate) * up, down_proj.weight, down_proj.bias)
+
+    def block_ops(self, start: int, ancestors: torch.Tensor | None = None) -> "RowOps":
+        """The attention, products and norm a scored block after `start` cached tokens runs (`ancestors` [n, n]: its
+        tree; None for a chain): what `draftlab.exactness` checks op by op."""
+        return RowOps(self._attention(start, ancestors), self._project, self._norm)
 
     def _attention(self, start: int, ancestors: torch.Tensor | None) -> Callable:
         """attend(query [H, n, hd], keys, values [Hkv, capacity, hd], scale) -> [H, n, hd] for this block's shape."""
@@ -300,6 +308,15 @@ class FastLlamaBackend:
         new = torch.zeros(shape, dtype=self.dtype, device=self.device)
         new[:, :keep] = old[:, :keep]
         return new
+
+
+@dataclass(frozen=True)
+class RowOps:
+    """What a pass runs its rows through: exact (every row as if alone) for scored blocks, fastest for prefills."""
+
+    attend: Callable  # (query [H, n, hd], keys, values [Hkv, capacity, hd], scale) -> [H, n, hd]
+    project: Callable  # (x [n, D], weight [out, D], bias [out] | None) -> [n, out]
+    norm: Callable  # (x [n, D], weight [D], eps) -> [n, D]
 
 
 @dataclass(frozen=True)
@@ -371,5 +388,5 @@ class _RowAttention:
         else:
             keys, values = keys[:, self.gathered[i]], values[:, self.gathered[i]]
         return F.scaled_dot_product_attention(
-            query.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), scale=scale, enable_gqa=True
+            attention_row(query).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), scale=scale, enable_gqa=True
         )[0]  # [H, 1, hd]

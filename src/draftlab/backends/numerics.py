@@ -1,6 +1,13 @@
 """Numerics shared by draftlab's own forward passes (the fast backend, feature drafts).
 
-Written once so that every module computes them the same way, bit for bit.
+Written once so that every module computes them the same way, bit for bit. This is also the one place that owns
+row invariance (a row scored in a block of any size rounds as the row scored alone), op by op:
+- products: `invariant_linear`, every product on exactly R rows (the route's R, timed per host);
+- norms: `invariant_rms_norm`, every reduction on exactly `NORM_ROWS` rows;
+- attention: one SDPA call per row (`fast_llama._RowAttention`) on a contiguous copy of the row (`attention_row`)
+  over exactly the keys it sees, a view of the cache for chains and plain decoding alike;
+- rope, residual adds, SiLU, embedding: elementwise or gathers, row-invariant as they are.
+`draftlab.exactness` checks each of them on a device, per model shape (`draftlab check exact`).
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ import torch.nn.functional as F
 from draftlab.errors import DraftlabError
 
 INVARIANT_ROWS = 16  # the row chunk of exact products on CUDA (no host timing there yet)
+NORM_ROWS = 16  # an exact route's norms reduce chunks of exactly this many rows (`invariant_rms_norm`)
 WEIGHT_MAJOR_MAX_ROWS = 64  # above this many rows (a long prefill) the GEMM that F.linear calls is as fast or faster
 UPCAST_MIN_ROWS = 6  # emulated bf16/fp16: from this many rows on, converting the weight to fp32 first is faster
 UPCAST_CHUNK = 1 << 24  # weight elements converted at a time (64 MB of fp32 scratch)
@@ -21,6 +29,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return weight.to(x.dtype) * normed
+
+
+def invariant_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rows: int = NORM_ROWS) -> torch.Tensor:
+    """`rms_norm` on [n, D] whose every row is bitwise independent of n and of the other rows.
+
+    A reduction kernel picks its configuration (how a row's sum is split and in which order it is added) from the
+    shape it reduces: on CUDA, a row of a 7-row block and the same row alone were summed differently (fp32, hidden
+    1536). Here every reduction sees exactly `rows` rows, zero padded (an all-zero row normalises to zero and
+    touches no other row), so the configuration, and with it each row's rounding, is the same alone or in a block.
+    """
+    n = x.shape[0]
+    padded = F.pad(x, (0, 0, 0, (-n) % rows))  # [ceil(n / rows) * rows, D]
+    return torch.cat([rms_norm(chunk, weight, eps) for chunk in padded.split(rows)])[:n]  # [n, D]
+
+
+def attention_row(query: torch.Tensor) -> torch.Tensor:
+    """One query row [H, 1, hd] as every path gives it to attention: a fresh contiguous copy. Sliced from a block's
+    [H, n, hd] it is a strided view, and CUDA's SDPA rounded such a view apart from the same row contiguous (bf16,
+    head 128); a copy gives plain decoding, chains and trees one memory layout."""
+    return query.clone(memory_format=torch.contiguous_format)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

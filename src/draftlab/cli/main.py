@@ -10,6 +10,7 @@ import json
 import sys
 
 from draftlab.cli.audit import add_audit_command
+from draftlab.cli.check import add_check_commands
 from draftlab.cli.checks import check_args
 from draftlab.cli.design import add_design_commands
 from draftlab.cli.options import (add_adapt_args, add_drafter_args, add_preflight_arg, add_sampling_args,
@@ -65,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_design_commands(sub)
     add_audit_command(sub)
     add_serve_commands(sub)
+    add_check_commands(sub)
     return parser
 
 

@@ -20,11 +20,22 @@ def add_tune_commands(sub) -> None:
     calibrate = sub.add_parser("calibrate", help="measure target block times, draft costs and acceptance")
     _add_tune_args(calibrate)
     calibrate.add_argument("--out", required=True, help="profile JSON to write")
+    calibrate.add_argument("--shape-of", metavar="SHAPE",
+                           help="calibrate from a model's shape alone: its block costs 1..16 timed on --device with "
+                                "random weights (smollm2-135m, qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, llama-3-8b); "
+                                "then `predict --acceptance-from STUDY`")
+    calibrate.add_argument("--draft-shape", nargs="+", default=[], metavar="DRAFTER=SHAPE",
+                           help="with --shape-of: model drafts whose cost per token is timed from their shape, e.g. "
+                                "model:qwen2.5-coder-0.5b=qwen2.5-0.5b (other drafts' costs come from the study)")
     calibrate.add_argument("--json", action="store_true", help="end stdout with the profile as one JSON object")
     calibrate.set_defaults(run=cmd_calibrate)
     predict = sub.add_parser("predict", help="predicted tokens/s and speedup per draft and K from a profile")
     predict.add_argument("--profile", required=True)
     predict.add_argument("--goal", type=float, help="also print the TAR each draft needs for this tokens/s")
+    predict.add_argument("--acceptance-from", metavar="STUDY",
+                         help="a study database (run on any device): TAR per draft and K from its SpS records, the "
+                              "target's cost from the profile (`calibrate --shape-of`): a predicted table for the "
+                              "profile's device")
     predict.add_argument("--json", action="store_true", help="end stdout with one JSON object")
     predict.set_defaults(run=cmd_predict)
     validate = sub.add_parser("validate", help="compare the model's predictions with a measured study")
@@ -106,6 +117,9 @@ def cmd_calibrate(args) -> None:
     """Measure and save a profile."""
     from draftlab.perf.calibrate import calibrate
 
+    if args.shape_of:
+        _calibrate_shape(args)
+        return
     target, drafts, prompts, settings = _calibration_inputs(args)
     profile = calibrate(target, drafts, prompts, settings, progress=not args.no_progress)
     profile.save(args.out)
@@ -115,6 +129,41 @@ def cmd_calibrate(args) -> None:
         print(json.dumps(asdict(profile)))
 
 
+def _calibrate_shape(args) -> None:
+    """`calibrate --shape-of`: block costs from random weights in a shape, on --device."""
+    from draftlab.exactness import shapes_named
+    from draftlab.models import resolve_dtype_name
+    from draftlab.perf.shapes import calibrate_shape
+
+    drafts = {drafter: shapes_named([name])[0] for drafter, name in map(_draft_shape, args.draft_shape)}
+    dtype = resolve_dtype_name(args.dtype, args.device)
+    profile = calibrate_shape(shapes_named([args.shape_of])[0], dtype, args.device, drafts, args.repeats)
+    profile.save(args.out)
+    curve = ", ".join(f"{n}: {1000 * s:.2f}" for n, s in sorted(profile.target.score_s.items()) if n in (1, 2, 4, 8, 16))
+    print(f"calibrate: {profile.target.name} in {profile.seconds:.0f}s -> {args.out}; block ms {curve}")
+    if args.json:
+        print(json.dumps(asdict(profile)))
+
+
+def _draft_shape(text: str) -> tuple[str, str]:
+    drafter, _, shape = text.rpartition("=")
+    if not drafter or not shape:
+        raise DraftlabError(f"--draft-shape takes DRAFTER=SHAPE (model:qwen2.5-coder-0.5b=qwen2.5-0.5b), got {text!r}")
+    return drafter, shape
+
+
+def _predict_from_study(args, profile) -> None:
+    """`predict --acceptance-from`: the profile's device, the study's acceptance."""
+    from draftlab.perf.shapes import acceptance_from, format_predicted, predict_from
+
+    cells, plain = acceptance_from(args.acceptance_from)
+    same = bool(profile.device) and all(c.device == profile.device for c in cells)
+    rows = predict_from(profile, cells, same_device=same)
+    print(format_predicted(rows, profile, plain.get(profile.device) if same else None))
+    if args.json:
+        print(json.dumps({"profile": profile.target.name, "predicted": [asdict(r) for r in rows]}))
+
+
 def cmd_predict(args) -> None:
     """Print both formulas' predictions from a profile."""
     from draftlab.perf.calibrate import Profile
@@ -122,6 +171,9 @@ def cmd_predict(args) -> None:
     from draftlab.perf.present import format_what_if, required_tar
 
     profile = Profile.load(args.profile)
+    if args.acceptance_from:
+        _predict_from_study(args, profile)
+        return
     preds = predictions(profile)
     print(format_predictions(preds, profile.target.autoregressive_tokens_per_s))
     print(format_what_if(preds))

@@ -57,6 +57,7 @@ class Profile:
     drafts: list[DraftProfile] = field(default_factory=list)
     context_tokens: int = 0
     seconds: float = 0.0  # wall time the calibration took
+    device: str = ""  # where the target's costs were timed (a shape's profile names it; '' in older profiles)
 
     def save(self, path: str | Path) -> None:
         """Write the profile as JSON."""
@@ -76,7 +77,7 @@ class Profile:
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # a directory, not UTF-8, not ours
             raise DraftlabError(f"{path} is not a draftlab profile ({type(exc).__name__}: "
                                 f"{str(exc).splitlines()[0][:120] if str(exc) else ''})") from exc
-        return cls(target, drafts, data.get("context_tokens", 0), data.get("seconds", 0.0))
+        return cls(target, drafts, data.get("context_tokens", 0), data.get("seconds", 0.0), str(data.get("device", "")))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,58 @@
+"""Answers for a device from a model's shape: block costs timed on random weights in a shape, acceptance from a
+study run elsewhere, combined by the seeds' model into a predicted table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from draftlab.exactness import Shape
+from draftlab.perf.calibrate import Profile
+from draftlab.perf.model import DraftProfile, TargetProfile
+from draftlab.perf.shapes import Acceptance, acceptance_from, calibrate_shape, format_predicted, predict_from
+from draftlab.study.store import ResultsStore
+from draftlab.study.sweep import SweepConfig, run_sweep
+from tests.conftest import tiny_model_dir
+
+TINY = Shape("tiny", 64, 4, 2, 16, 128, False, 256, False, 2)
+
+
+def test_a_shape_profile_times_every_block_size_and_model_drafts_and_reloads(tmp_path):
+    profile = calibrate_shape(TINY, "fp32", "cpu", {"model:small": TINY}, repeats=2, context=32)
+    assert sorted(profile.target.score_s) == list(range(1, 17)) and all(s > 0 for s in profile.target.score_s.values())
+    assert profile.device == "cpu" and "shape:tiny fp32 on cpu" in profile.target.name
+    assert [d.name for d in profile.drafts] == ["model:small"] and profile.drafts[0].draft_s_per_token > 0
+    profile.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json").device == "cpu"
+
+
+def test_the_prediction_is_the_seeds_model_on_the_profiles_costs():
+    target = TargetProfile("shape:x", {1: 0.010, 2: 0.012, 3: 0.014, 4: 0.016}, overhead_s_per_step=0.001)
+    profile = Profile(target, [DraftProfile("model:d", 0.002, [])], device="cuda")
+    cells = [Acceptance("ngram", 3, 2.0, ((0, 0.5), (3, 0.5)), 0.0005, 0.002, 100, 55.0, "cpu"),
+             Acceptance("model:d", 2, 2.5, ((2, 1.0),), 0.030, 0.002, 100, 30.0, "cpu")]
+    ngram, model = predict_from(profile, cells, same_device=False)
+    # TAR / (E[t_target(1 + d)] + the study's overhead per step + drafting)
+    assert ngram.tokens_per_s == pytest.approx(2.0 / (0.5 * 0.010 + 0.5 * 0.016 + 0.002 + 0.0005))
+    assert model.t_draft_s == pytest.approx(2 * 0.002) and model.draft_cost_from == "profile"  # the shape's, not 0.030
+    assert ngram.measured_tokens_per_s is None  # another device: nothing measured to compare with
+    text = format_predicted([ngram, model], profile, None)
+    assert text.startswith("PREDICTED for shape:x") and "optimal K and ranking:" in text
+
+
+def test_acceptance_comes_from_a_studys_lossless_greedy_records(tmp_path):
+    model = tiny_model_dir(tmp_path / "tiny")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(f"w{(i + j) % 9}" for j in range(20)),
+                                           "category": "code", "id": f"q{i}"}) + "\n" for i in range(2)))
+    config = SweepConfig(targets=(str(model),), drafters=("ngram",), ks=(1, 3), methods=("sps",),
+                         datasets=(str(prompts),), limit=2, max_new_tokens=24, warmup=0, baseline_every=0,
+                         host_baselines=False, preflight_s=0)
+    store = ResultsStore(tmp_path / "s.sqlite")
+    run_sweep(config, store, progress=False)
+    store.close()
+    cells, plain = acceptance_from(tmp_path / "s.sqlite")
+    assert {(c.drafter, c.k) for c in cells} == {("ngram", 1), ("ngram", 3)}
+    assert all(1.0 <= c.tokens_per_step <= c.k + 1 and c.measured_tokens_per_s > 0 for c in cells)
+    assert all(abs(sum(p for _, p in c.drafted) - 1) < 1e-9 for c in cells) and plain["cpu"] > 0
