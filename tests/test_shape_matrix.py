@@ -26,7 +26,8 @@ def cpu_shape(name: str):
 
 @pytest.mark.parametrize("name, dtype", ON_CPU, ids=[f"{n}-{d}" for n, d in ON_CPU])
 def test_every_block_row_equals_plain_decoding_on_the_cpu(name, dtype):
-    prefixes, chains = ((17, 150), (1, 5, 16)) if dtype == "fp32" else ((17,), (16,))
+    large = SHAPES[name].hidden > 3000  # one prefix there: the budget (the kernels are the same at any length)
+    prefixes, chains = ((17,) if large else (17, 150), (1, 5, 16)) if dtype == "fp32" else ((17,), (16,))
     trees = tuple(TREES) if dtype == "fp32" or name == "qwen2.5-1.5b" else ("2x2",)
     findings = check_shape(cpu_shape(name), dtype, "cpu", prefixes, chains, trees, rows=4)
     assert {f.what for f in findings} >= {"norm", "products", "attention", "rope"}

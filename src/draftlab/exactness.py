@@ -15,12 +15,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from draftlab.backends.fast_llama import FastLlamaBackend
-from draftlab.backends.numerics import INVARIANT_ROWS, rope
+from draftlab.backends import row_check
+from draftlab.backends.numerics import INVARIANT_ROWS
 from draftlab.errors import DraftlabError
 from draftlab.step import Block
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-BLOCK_ROWS = (1, 2, 3, 5, 7, 8, 11, 12, 13, 16)  # the block sizes checked op by op (all up to 16 on a GPU)
 TREES = {  # parents of each block row (-1: the root, the last committed token)
     "2x2": (-1, 0, 0, 1, 1, 2, 2),
     "deep": (-1, 0, 1, 1, 2, 3, 4, 5, 5),
@@ -103,64 +103,11 @@ def random_model(shape: Shape, dtype: torch.dtype, device: str = "cpu", seed: in
 
 
 def check_ops(backend: FastLlamaBackend, shape: Shape, dtype_name: str, seed: int = 0) -> list[Finding]:
-    """The norm, the products, attention and rope of an exact route, each row of blocks of `BLOCK_ROWS` sizes
-    against the same row alone."""
-    device, dtype = backend.device, backend.dtype
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    x = torch.randn(16, shape.hidden, generator=generator).to(device, dtype)  # [16, D]
-    weight = (torch.randn(shape.hidden, generator=generator) * 0.5 + 1).to(device, dtype)  # [D]
-    projection = (torch.randn((shape.heads + 2 * shape.kv_heads) * shape.head_dim, shape.hidden,
-                              generator=generator) * shape.hidden ** -0.5).to(device, dtype)  # [out, D]
-    ops = backend.block_ops(0)
-    return [
-        _rows_alone(shape, dtype_name, "norm", lambda rows: ops.norm(rows, weight, 1e-6), x),
-        _rows_alone(shape, dtype_name, "products", lambda rows: ops.project(rows, projection, None), x),
-        _attention(backend, shape, dtype_name, generator),
-        _rope(backend, shape, dtype_name, generator),
-    ]
-
-
-def _rows_alone(shape: Shape, dtype: str, what: str, op, x: torch.Tensor) -> Finding:
-    """op(x[:n]) row i against op(x[i:i+1]) for every n of BLOCK_ROWS."""
-    alone = [op(x[i : i + 1]) for i in range(x.shape[0])]
-    differing, rows = [], 0
-    for n in BLOCK_ROWS:
-        block = op(x[:n])
-        differing += [f"n={n} row {i}" for i in range(n) if not torch.equal(block[i : i + 1], alone[i])]
-        rows += n
-    return Finding(shape.name, dtype, what, rows, tuple(differing))
-
-
-def _attention(backend: FastLlamaBackend, shape: Shape, dtype: str, generator: torch.Generator,
-               prefix: int = 37) -> Finding:
-    """Row i of a chain block of n after `prefix` cached keys, against the same query alone after prefix + i keys:
-    the queries laid out as the backend lays them out ([H, n, hd] from one [n, (H + 2 Hkv) hd] projection)."""
-    device, width = backend.device, (shape.heads + 2 * shape.kv_heads) * shape.head_dim
-    qkv = torch.randn(16, width, generator=generator).to(device, backend.dtype)  # [16, (H + 2 Hkv) hd]
-    cache = torch.randn(2, shape.kv_heads, prefix + 16, shape.head_dim, generator=generator).to(device, backend.dtype)
-
-    def queries(rows: torch.Tensor) -> torch.Tensor:  # [n, width] -> [H, n, hd], a strided view as in the backend
-        return rows.view(rows.shape[0], -1, shape.head_dim).transpose(0, 1)[: shape.heads]
-
-    scale = shape.head_dim ** -0.5
-    alone = [backend.block_ops(prefix + i).attend(queries(qkv[i : i + 1]), cache[0], cache[1], scale)
-             for i in range(16)]
-    differing, rows = [], 0
-    for n in BLOCK_ROWS:
-        block = backend.block_ops(prefix).attend(queries(qkv[:n]), cache[0], cache[1], scale)  # [H, n, hd]
-        differing += [f"n={n} row {i}" for i in range(n) if not torch.equal(block[:, i : i + 1], alone[i])]
-        rows += n
-    return Finding(shape.name, dtype, "attention", rows, tuple(differing))
-
-
-def _rope(backend: FastLlamaBackend, shape: Shape, dtype: str, generator: torch.Generator) -> Finding:
-    """Rope on [H, n, hd] with tables [n, hd], row by row."""
-    x, cos, sin = (torch.randn(*size, generator=generator).to(backend.device, backend.dtype)
-                   for size in ((shape.heads, 16, shape.head_dim), (16, shape.head_dim), (16, shape.head_dim)))
-    alone = [rope(x[:, i : i + 1], cos[i : i + 1], sin[i : i + 1]) for i in range(16)]
-    block = rope(x, cos, sin)
-    differing = tuple(f"row {i}" for i in range(16) if not torch.equal(block[:, i : i + 1], alone[i]))
-    return Finding(shape.name, dtype, "rope", 16, differing)
+    """The norm, the products, attention and rope of the backend's exact route, each row of blocks of 1 to 16 rows
+    against the same row alone (`row_check.check_ops`)."""
+    found = row_check.check_ops(backend.block_ops, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim,
+                                backend.device, backend.dtype, seed)
+    return [Finding(shape.name, dtype_name, f.what, f.rows, f.differing) for f in found]
 
 
 def check_model(backend: FastLlamaBackend, shape: Shape, dtype: str, prefixes: tuple[int, ...],

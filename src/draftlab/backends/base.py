@@ -61,6 +61,11 @@ class Backend(Protocol):
         """Keep the cache before the last block plus that block's tokens at `indices` (ascending)."""
         ...
 
+    def row_check(self) -> str:
+        """'' when the ops of an exact route are row-invariant on this device (checked on this model's sizes), else
+        which op differed where: a study records it with its numerics."""
+        ...
+
     def exact_rows(self, block: Block) -> set[int]:
         """The block rows scored bitwise as plain decoding would score them (every row, for a batch-invariant
         backend that scores trees exactly); greedy decoding re-verifies a path that leaves them."""

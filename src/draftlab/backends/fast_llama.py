@@ -64,6 +64,7 @@ from draftlab.backends.numerics import (
     weight_major_linear,
 )
 from draftlab.backends.routes import Route, default_route, dtype_label, upcast_pays
+from draftlab.backends.row_check import check_ops
 from draftlab.errors import DraftlabError
 from draftlab.step import Block, Scores
 
@@ -276,6 +277,15 @@ class FastLlamaBackend:
         normed = ops.norm(hidden, layer.post_attention_layernorm.weight, self.eps)
         gate, up = project(normed, weights.gate_up).chunk(2, dim=-1)  # [n, I] each
         return hidden + project(F.silu(gate) * up, down_proj.weight, down_proj.bias)
+
+    def row_check(self) -> str:
+        """'' when every op a scored block runs is row-invariant on this device (checked op by op on this model's
+        sizes, `row_check`), else which op differed where; '' for a draft's inexact products, which claim nothing."""
+        if not self.batch_invariant:
+            return ""
+        found = check_ops(self.block_ops, self.model.config.hidden_size, self.num_heads, self.num_kv_heads,
+                          self.head_dim, self.device, self.dtype)
+        return "; ".join(f"{f.what} at {f.differing[0]}" for f in found if f.differing)
 
     def block_ops(self, start: int, ancestors: torch.Tensor | None = None) -> "RowOps":
         """The attention, products and norm a scored block after `start` cached tokens runs (`ancestors` [n, n]: its

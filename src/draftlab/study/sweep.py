@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from draftlab.api import prompt_ids
 from draftlab.backends import engine_of_backend
+from draftlab.backends.base import ROUNDING
 from draftlab.datasets import Prompt, load_prompts
 from draftlab.errors import DraftlabError
 from draftlab.llama_server import ServerExited, server_binary
@@ -118,10 +119,17 @@ def _start_target(name: str, config: SweepConfig, store: ResultsStore, done: set
                         dtype="auto" if engine_of_backend(backend).runs_gguf else config.dtype)
     runner = CellRunner(target, config, backend, store.path.with_name(store.path.stem + ".suffix-caches"), done,
                         servers)
-    run_id = store.start_run(environment(config, target, runner.baseline.target_backend.numerics, source))
+    run_id = store.start_run(environment(config, target, _numerics(runner.baseline.target_backend, config), source))
     gone, no_asg = _unrunnable(runner, config)
     _record_params(store, runner, config, name, gone)
     return TargetRun(runner, run_id, gone, no_asg, server_died or _no_server(runner, config))
+
+
+def _numerics(backend, config: SweepConfig) -> str:
+    """What the target's products are, and, where an op of its exact route was not row-invariant on this device
+    (`Backend.row_check`), that its speculative outputs are lossless only up to rounding there."""
+    problem = backend.row_check()
+    return backend.numerics + (f" ({ROUNDING}: rows not invariant on {config.device}: {problem})" if problem else "")
 
 
 def _run_group(group: Group, targets: dict[str, TargetRun], config: SweepConfig, store: ResultsStore, done: set,
@@ -252,7 +260,7 @@ def _race(group: Group, order: list[str], cells: dict[str, list[Cell]], index: i
                  and _drop(contenders[key], order[index:], reason, store, done, bar, targets)]
         again = [contenders[key] for key in readmitted(raced & set(contenders), decided)]
         for cell in again:
-            bar.total += _readmit(cell, order, store, done)
+            bar.total += _readmit(cell, store, done)
         back += len(again)
         if newly:
             print(f"sweep: the race dropped {len(newly)} cell(s) of {model} after {index} prompts of {group.dataset} "
@@ -279,7 +287,7 @@ def _drop(cell: Cell, left: list[str], reason: str, store: ResultsStore, done: s
     return bool(pending)
 
 
-def _readmit(cell: Cell, order: list[str], store: ResultsStore, done: set) -> int:
+def _readmit(cell: Cell, store: ResultsStore, done: set) -> int:
     """Forget the race's skips of a readmitted cell, so that it runs those prompts; returns how many."""
     removed = store.remove_skips(cell.key, RACE_REASON)
     for prompt_id in removed:
