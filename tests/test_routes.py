@@ -122,3 +122,17 @@ def test_timings_are_kept_apart_per_isa_setting(monkeypatch):
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     assert routes._cache_key(shapes, "bf16") != native
     assert routes._cache_key(shapes, "bf16") != routes._cache_key(shapes, "fp32")
+
+
+def test_the_cpus_dtype_candidates_follow_its_flags_unless_fixed_for_another_host(monkeypatch):
+    monkeypatch.delenv(routes.CPU_DTYPES_ENV, raising=False)
+    native_fp16 = bool(routes.cpu_flags() & {"avx512_fp16", "amx_fp16"})
+    assert routes.candidate_dtypes() == (("fp32", "bf16", "fp16") if native_fp16 else ("fp32", "bf16"))
+    for forced in ("fp32", "fp32,bf16", "fp32,bf16,fp16"):  # an AVX2 host's, an AVX-512 BF16 host's, an AMX host's
+        monkeypatch.setenv(routes.CPU_DTYPES_ENV, forced)
+        assert routes.candidate_dtypes() == tuple(forced.split(","))
+    assert routes.candidate_dtypes("cuda") == ("bf16", "fp16", "fp32")
+    for bad in ("bf16", "fp32,int8"):
+        monkeypatch.setenv(routes.CPU_DTYPES_ENV, bad)
+        with pytest.raises(DraftlabError, match=routes.CPU_DTYPES_ENV):
+            routes.candidate_dtypes()

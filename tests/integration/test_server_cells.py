@@ -68,12 +68,13 @@ def test_server_cells_run_beside_draftlabs_engine_and_under_load(binary, prompts
     # ar, sps; per concurrency 1 and 2: server-ar, ngram-mod, ngram-simple 16; three prompts each
     assert added == len(rows) == 3 * (2 + 2 * 3)
     assert not server_pids()  # every server stopped with the sweep
-    ours = {r["prompt_id"]: r["new_tokens"] for r in rows if r["method"] == "ar"}
+    # llama-server decodes on llama.cpp's default kernels, which round apart from draftlab's exact ones (and by how
+    # much depends on the host's kernels): its outputs, and so their lengths, need not equal draftlab's
     plain = [r for r in rows if r["method"] == "server-ar" and r["concurrency"] == 1]
-    assert all(r["new_tokens"] == ours[r["prompt_id"]] and 0 < r["prefill_s"] < r["wall_s"] for r in plain)
+    assert len(plain) == 3 and all(0 < r["new_tokens"] <= 48 and 0 < r["prefill_s"] < r["wall_s"] for r in plain)
     loaded = [r for r in rows if r["concurrency"] == 2]  # each prompt sent with the next one of the dataset
-    assert all(r["window_tokens"] == ours[r["prompt_id"]] + ours[f"e{(int(r['prompt_id'][1]) + 1) % 3}"]
-               and 0 < r["latency_s"] <= r["wall_s"] for r in loaded)
+    assert all(r["new_tokens"] < r["window_tokens"] <= r["new_tokens"] + 48 and 0 < r["latency_s"] <= r["wall_s"]
+               for r in loaded)
     speculative = [r for r in rows if r["method"] == "server"]
     assert all(r["identical"] in (0, 1) for r in speculative) and sum(r["drafted"] for r in speculative) > 0
     assert all(r["identical"] == 1 for r in rows if r["method"] == "sps")  # draftlab's own: exact

@@ -10,6 +10,8 @@ import json
 
 import pytest
 
+from draftlab.backends.routes import candidate_dtypes
+
 from draftlab import hf_reference
 from draftlab.study import plots, sweep
 from draftlab.study.page import build_report
@@ -52,7 +54,8 @@ def test_hf_plain_decoding_runs_beside_asg_and_is_its_reference(lossy_study):
     rows, _, _ = load_study(lossy_study)
     assert sum(r["method"] == "hf" for r in rows) == 2  # one per prompt
     plain = [r for r in rows if r["method"] == "plain"]  # the host's other modes of plain decoding
-    assert plain and {r["dtype"] for r in plain} <= {"fp32", "bf16"} and all(r["identical"] is None for r in plain)
+    # the host's dtypes, whichever they are (fp16 too where the CPU multiplies it natively, or DRAFTLAB_CPU_DTYPES)
+    assert plain and {r["dtype"] for r in plain} <= set(candidate_dtypes()) and all(r["identical"] is None for r in plain)
     asg_ok = [r for r in rows if r["method"] == "asg" and r["k"] == 1]
     assert asg_ok and all(r["identical"] for r in asg_ok)  # compared with HF's own plain decoding
     assert not any(r["identical"] for r in rows if r["method"] == "asg" and r["k"] == LOSSY_K)

@@ -178,3 +178,28 @@ def test_a_prompt_longer_than_the_context_is_skipped_with_one_line_and_the_sweep
     assert {m for m, p in measured if p in ("q0", "q2")} == {"ar", "sps", "hf", "asg"}
     out = capsys.readouterr().out
     assert out.count("skipped q1") == 4 and "Traceback" not in out
+
+
+def test_the_latency_plot_and_the_optimal_table_compare_every_line_on_the_same_prompts(tmp_path):
+    """A cell the race dropped after two prompts beside cells that ran four: the figure is drawn on the two prompts
+    every cell ran (its data, written beside it, says so), and the table ranks only cells that ran every prompt."""
+    from draftlab.study.page import build_report
+    from draftlab.study.report import optimal_table
+    from draftlab.study.store import Record
+
+    store = ResultsStore(tmp_path / "s.sqlite")
+    run = store.start_run({})
+    ar, kept, dropped = cell("ar"), cell("sps", "ngram", 1), cell("sps", "ngram", 2)
+    for c, prompts, seconds in ((ar, "abcd", 1.0), (kept, "abcd", 0.8), (dropped, "ab", 0.5)):
+        for p in prompts:
+            store.add(Record(c, p, "code", 16, 8 if c.k else 16, 8 * c.k, 8, [1] * 8 if c.k else [],
+                             [c.k] * 8 if c.k else [], prefill_s=0.1, wall_s=seconds), run)
+    store.close()
+    build_report(tmp_path / "s.sqlite", tmp_path / "report")
+    with (tmp_path / "report" / "latency_vs_k_m_t0.csv").open() as handle:
+        points = list(__import__("csv").DictReader(handle))
+    assert {p["line"] for p in points} == {"SPS ngram", "autoregressive"} and len(points) == 3
+    assert {p["prompts"] for p in points} == {"2"}  # every line on the two prompts all cells ran
+    rows, params, _ = load_study(tmp_path / "s.sqlite")
+    ranked = optimal_table(summarize(rows), params)
+    assert all(r.k != 2 for r in ranked) and any(r.method == "sps" and r.k == 1 for r in ranked)

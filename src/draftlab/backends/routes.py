@@ -151,11 +151,21 @@ class Shapes:
         return cls(layer, config.num_hidden_layers, (config.vocab_size, hidden))
 
 
+CPU_DTYPES_ENV = "DRAFTLAB_CPU_DTYPES"  # e.g. fp32,bf16,fp16: the dtypes timed on a CPU, fixed (another host's set)
+
+
 def candidate_dtypes(device: str = "cpu") -> tuple[str, ...]:
     """Dtypes worth timing: fp32 and bf16 everywhere, fp16 where the CPU multiplies it natively (on a GPU: bf16
-    and fp16, which its tensor cores multiply, and fp32)."""
+    and fp16, which its tensor cores multiply, and fp32). `DRAFTLAB_CPU_DTYPES` fixes a CPU's set: the tests run
+    with another host kind's set that way, and a user may time fewer."""
     if device != "cpu":
         return ("bf16", "fp16", "fp32")
+    forced = os.environ.get(CPU_DTYPES_ENV, "").strip()
+    if forced:
+        names = tuple(dict.fromkeys(name.strip() for name in forced.split(",")))
+        if not set(names) <= {"fp32", "bf16", "fp16"} or "fp32" not in names:
+            raise DraftlabError(f"{CPU_DTYPES_ENV}={forced!r}: give fp32 and any of bf16, fp16, comma-separated")
+        return names
     native_fp16 = cpu_flags() & {"avx512_fp16", "amx_fp16"}
     return ("fp32", "bf16", "fp16") if native_fp16 else ("fp32", "bf16")
 
