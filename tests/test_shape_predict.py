@@ -10,9 +10,10 @@ import pytest
 from draftlab.exactness import Shape
 from draftlab.perf.calibrate import Profile
 from draftlab.perf.model import DraftProfile, TargetProfile
-from draftlab.perf.shapes import Acceptance, acceptance_from, calibrate_shape, format_predicted, predict_from
+from draftlab.perf.shapes import Acceptance, calibrate_shape, format_predicted, predict_from
 from draftlab.study.store import ResultsStore
 from draftlab.study.sweep import SweepConfig, run_sweep
+from draftlab.study.transfer import acceptance_from
 from tests.conftest import tiny_model_dir
 
 TINY = Shape("tiny", 64, 4, 2, 16, 128, False, 256, False, 2)

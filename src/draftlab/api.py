@@ -55,7 +55,7 @@ def eos_ids(model: LoadedModel) -> tuple[int, ...]:
     """End-of-sequence ids from the generation config and the tokenizer."""
     ids = model.model.generation_config.eos_token_id
     ids = list(ids) if isinstance(ids, (list, tuple)) else ([ids] if ids is not None else [])
-    if model.tokenizer.eos_token_id is not None:
+    if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:  # None: random weights in a shape
         ids.append(model.tokenizer.eos_token_id)
     return tuple(sorted(set(ids)))
 
@@ -83,7 +83,8 @@ class SpeculativeDecoder:
             drafter,
             policy,
             context_length=target.context_length,
-            decode=lambda ids: target.tokenizer.decode(ids, skip_special_tokens=True),
+            decode=None if target.tokenizer is None else  # random weights in a shape: token ids only
+            (lambda ids: target.tokenizer.decode(ids, skip_special_tokens=True)),
         )
 
     @classmethod

@@ -65,7 +65,6 @@ class Verdict:
 
     check: EngineCheck
     line: str = ""
-    seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -110,7 +109,6 @@ def check_engines(checks: list[EngineCheck], timeout_s: float = TIMEOUT_S) -> li
 
 def check_engine(check: EngineCheck, timeout_s: float = TIMEOUT_S) -> Verdict:
     """Run one check in a child; its verdict. The child is killed, with its process group, past `timeout_s`."""
-    started = time.perf_counter()
     command = [sys.executable, "-m", "draftlab.preflight", json.dumps(asdict(check))]
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                              start_new_session=True)
@@ -119,12 +117,11 @@ def check_engine(check: EngineCheck, timeout_s: float = TIMEOUT_S) -> Verdict:
     except subprocess.TimeoutExpired:
         _kill_group(child)
         return Verdict(check, f"{check.words()} did not decode {TOKENS} tokens within {timeout_s:.0f} s (a hang); "
-                              f"left out: {REMEDY[check.engine]}", time.perf_counter() - started)
-    seconds = time.perf_counter() - started
+                              f"left out: {REMEDY[check.engine]}")
     if child.returncode == 0:
-        return Verdict(check, "", seconds)
+        return Verdict(check)
     return Verdict(check, f"{check.words()} {_death(child.returncode, err)} while decoding {TOKENS} tokens; "
-                          f"left out: {REMEDY[check.engine]}", seconds)
+                          f"left out: {REMEDY[check.engine]}")
 
 
 def _death(returncode: int, err: bytes) -> str:

@@ -43,7 +43,10 @@ def test_the_answer_names_the_engine(study):
     rows, params, _ = load_study(study)
     summaries = summarize(rows)
     sentences = engine_answer(summaries)
-    assert len(sentences) == 1 and "smollm2-135m" in sentences[0]
-    assert "llama.cpp" in sentences[0] and "draftlab's torch backend" in sentences[0]
+    fastest = [s for s in sentences if s.startswith("Fastest measured for ")]
+    assert len(fastest) == 1 and "smollm2-135m" in fastest[0] and "end to end" in fastest[0]
+    assert "llama.cpp" in fastest[0] and "draftlab's torch backend" in fastest[0]
+    phases = [s for s in sentences if s.startswith("Prefill and decode apart for smollm2-135m")]
+    assert len(phases) == 1 and "llama.cpp (draftlab):" in phases[0] and "s a prompt, then" in phases[0]
     lcp = [r for r in optimal_table(summaries, params) if r.method == "lcp"]
     assert lcp and lcp[0].engine_plain_tokens_per_s  # llama-cpp-python's lookup against its own plain decoding

@@ -154,7 +154,8 @@ def _draft_shape(text: str) -> tuple[str, str]:
 
 def _predict_from_study(args, profile) -> None:
     """`predict --acceptance-from`: the profile's device, the study's acceptance."""
-    from draftlab.perf.shapes import acceptance_from, format_predicted, predict_from
+    from draftlab.perf.shapes import format_predicted, predict_from
+    from draftlab.study.transfer import acceptance_from
 
     cells, plain = acceptance_from(args.acceptance_from)
     same = bool(profile.device) and all(c.device == profile.device for c in cells)

@@ -4,8 +4,8 @@ A forward pass costs what its shape costs, whatever the weights, and greedy acce
 hardware. So the seeds' model, tokens/s = TAR / (t_target + t_draft + overhead), can take its two halves from two
 places: the target's (and a model draft's) cost per block size timed on this device with random weights in the
 model's shape (`calibrate_shape`, no weights needed: a pair whose files never reach the device), and TAR, the
-drafted block sizes and the host-side drafting cost per step from a study run anywhere (`acceptance_from`, its
-SpS records). `predict_from` combines them into a table labelled as predicted, with the profile's device; where
+drafted block sizes and the host-side drafting cost per step from a study run anywhere (`Acceptance`, read from its
+SpS records by `draftlab.study.transfer`). `predict_from` combines them into a table labelled as predicted, with the profile's device; where
 the study ran on the same device, its measured decode tok/s stand beside the prediction, and the error with them.
 """
 
@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from draftlab.backends import engine_of_backend
-from draftlab.errors import DraftlabError
 from draftlab.perf.calibrate import Profile, time_blocks
 from draftlab.perf.model import DraftProfile, TargetProfile
 
@@ -43,20 +40,27 @@ def calibrate_shape(shape: "Shape", dtype: str, device: str, drafts: dict[str, "
     tokens = [(31 * i + 7) % shape.vocab for i in range(context + max(BLOCKS))]
     blocks = time_blocks(backend, tokens[:context], BLOCKS, repeats)
     target = TargetProfile(f"shape:{shape.name} {dtype} on {device} ({backend.numerics})", blocks.median_s,
-                           _overhead_per_step(backend, tokens[:context]), blocks.spread, blocks.drift)
+                           _overhead_per_step(model, backend, tokens[:context]), blocks.spread, blocks.drift)
     costs = [DraftProfile(spec, _draft_cost(draft, dtype, device, tokens[:context], repeats), [])
              for spec, draft in drafts.items()]
     return Profile(target, costs, context, time.perf_counter() - started, device)
 
 
-def _overhead_per_step(backend, context: list[int]) -> float:
-    """The engine's bookkeeping per step of plain decoding (its steps' time less their scoring)."""
+def _overhead_per_step(model, backend, context: list[int]) -> float:
+    """The engine's bookkeeping per step of plain decoding, from its own stopwatch, through the measurement loop."""
+    import torch
+
+    from draftlab.api import SpeculativeDecoder
     from draftlab.drafters import NoDrafter
-    from draftlab.engine import GenerationConfig, SpeculativeEngine
+    from draftlab.measure import EncodedPrompt, RunSettings, measure
+    from draftlab.models import LoadedModel
     from draftlab.policy import FixedK
 
-    engine = SpeculativeEngine(backend, NoDrafter(), FixedK(1), context_length=len(context) + PLAIN_STEPS + 8)
-    stats = engine.generate(context, GenerationConfig(max_new_tokens=PLAIN_STEPS)).stats
+    target = LoadedModel("shape", model, None, backend.device, backend.dtype)
+    decoder = SpeculativeDecoder(target, NoDrafter(), FixedK(1), backend)
+    measured = measure({"plain": decoder}, [EncodedPrompt("context", "shape", context)], RunSettings(PLAIN_STEPS),
+                       warmup=1)
+    stats = measured.records["plain"][0].stats
     return stats.overhead_s / max(stats.steps, 1)
 
 
@@ -85,42 +89,6 @@ class Acceptance:
     steps: int
     measured_tokens_per_s: float  # decode only (after each prefill), on the study's device
     device: str
-
-
-def acceptance_from(db) -> tuple[list[Acceptance], dict[str, float]]:
-    """The lossless greedy SpS cells of a study, and its plain decoding's decode tok/s per device."""
-    from draftlab.study.report import load_study
-
-    rows, _, _ = load_study(db)
-    rows = [r for r in rows if (r.get("concurrency") or 1) == 1 and r["temperature"] == 0 and r["wall_s"] > r["prefill_s"]
-            and not engine_of_backend(r["backend"]).runs_gguf]  # draftlab's torch engine: what a shape calibrates
-    by_cell: dict[tuple, list[dict]] = defaultdict(list)
-    for r in rows:
-        if r["method"] == "sps" and r["identical"] and r["steps"]:
-            by_cell[(r["drafter"], r["k"], r["device"])].append(r)
-    cells = [_acceptance(drafter, k, device, its) for (drafter, k, device), its in sorted(by_cell.items())]
-    plain = defaultdict(list)
-    for r in rows:
-        if r["method"] == "ar":
-            plain[r["device"]].append(r)
-    if not cells:
-        raise DraftlabError(f"{db} holds no lossless greedy SpS records: run a study with --methods sps first")
-    return cells, {device: _decode_speed(its) for device, its in plain.items()}
-
-
-def _acceptance(drafter: str, k: int, device: str, rows: list[dict]) -> Acceptance:
-    steps = sum(r["steps"] for r in rows)
-    counts = Counter(d for r in rows for d in r["drafted_per_step"])
-    total = sum(counts.values()) or 1
-    return Acceptance(drafter, k, sum(r["new_tokens"] for r in rows) / steps,
-                      tuple((d, n / total) for d, n in sorted(counts.items())),
-                      sum(r["draft_s"] for r in rows) / steps, sum(r["overhead_s"] for r in rows) / steps, steps,
-                      _decode_speed(rows), device)
-
-
-def _decode_speed(rows: list[dict]) -> float:
-    seconds = sum(r["wall_s"] - r["prefill_s"] for r in rows)
-    return sum(r["new_tokens"] for r in rows) / seconds if seconds > 0 else 0.0
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,47 @@
+"""What a study measured that holds on any device: acceptance per (draft, K), for predictions elsewhere
+(`draftlab.perf.shapes`)."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+from draftlab.backends import engine_of_backend
+from draftlab.errors import DraftlabError
+from draftlab.perf.shapes import Acceptance
+from draftlab.study.report import load_study
+
+
+def acceptance_from(db) -> tuple[list[Acceptance], dict[str, float]]:
+    """The lossless greedy SpS cells of a study, and its plain decoding's decode tok/s per device."""
+    rows, _, _ = load_study(db)
+    rows = [r for r in rows if (r.get("concurrency") or 1) == 1 and r["temperature"] == 0 and r["wall_s"] > r["prefill_s"]
+            and not engine_of_backend(r["backend"]).runs_gguf]  # draftlab's torch engine: what a shape calibrates
+    by_cell: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        if r["method"] == "sps" and r["identical"] and r["steps"]:
+            by_cell[(r["drafter"], r["k"], r["device"])].append(r)
+    cells = [_acceptance(drafter, k, device, its) for (drafter, k, device), its in sorted(by_cell.items())]
+    plain = defaultdict(list)
+    for r in rows:
+        if r["method"] == "ar":
+            plain[r["device"]].append(r)
+    if not cells:
+        raise DraftlabError(f"{db} holds no lossless greedy SpS records: run a study with --methods sps first")
+    return cells, {device: _decode_speed(its) for device, its in plain.items()}
+
+
+def _acceptance(drafter: str, k: int, device: str, rows: list[dict]) -> Acceptance:
+    steps = sum(r["steps"] for r in rows)
+    counts = Counter(d for r in rows for d in r["drafted_per_step"])
+    total = sum(counts.values()) or 1
+    return Acceptance(drafter, k, sum(r["new_tokens"] for r in rows) / steps,
+                      tuple((d, n / total) for d, n in sorted(counts.items())),
+                      sum(r["draft_s"] for r in rows) / steps, sum(r["overhead_s"] for r in rows) / steps, steps,
+                      _decode_speed(rows), device)
+
+
+def _decode_speed(rows: list[dict]) -> float:
+    seconds = sum(r["wall_s"] - r["prefill_s"] for r in rows)
+    return sum(r["new_tokens"] for r in rows) / seconds if seconds > 0 else 0.0
+
+
