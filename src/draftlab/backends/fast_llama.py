@@ -123,7 +123,7 @@ class FastLlamaBackend:
         self.upcast = upcast_pays(config, dtype_label(self.dtype), self.device.type) if upcast is None else upcast
         self._fast_products = self._draft_products()  # prefills (and drafts' blocks): the fastest products
         self._project = self._route_products() if self.route is not None else self._fast_products
-        self._norm = invariant_rms_norm if self.batch_invariant else rms_norm
+        self._norm = partial(invariant_rms_norm, rows=self.route.rows) if self.batch_invariant else rms_norm
         self.numerics = (self.route.label if self.batch_invariant else
                          f"{self.route.label if self.route is not None else 'draft products'} ({ROUNDING})")
         self._keys: list[torch.Tensor] = []  # per layer [kv_heads, capacity, head_dim]

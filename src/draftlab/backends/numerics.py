@@ -3,7 +3,7 @@
 Written once so that every module computes them the same way, bit for bit. This is also the one place that owns
 row invariance (a row scored in a block of any size rounds as the row scored alone), op by op:
 - products: `invariant_linear`, every product on exactly R rows (the route's R, timed per host);
-- norms: `invariant_rms_norm`, every reduction on exactly `NORM_ROWS` rows;
+- norms: `invariant_rms_norm`, every reduction on exactly R rows too (the route's R);
 - attention: one SDPA call per row (`fast_llama._RowAttention`) on a contiguous copy of the row (`attention_row`)
   over exactly the keys it sees, a view of the cache for chains and plain decoding alike;
 - rope, residual adds, SiLU, embedding: elementwise or gathers, row-invariant as they are.
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from draftlab.errors import DraftlabError
 
 INVARIANT_ROWS = 16  # the row chunk of exact products on CUDA (no host timing there yet)
-NORM_ROWS = 16  # an exact route's norms reduce chunks of exactly this many rows (`invariant_rms_norm`)
+NORM_ROWS = 16  # `invariant_rms_norm`'s default chunk (a backend passes its route's R)
 WEIGHT_MAJOR_MAX_ROWS = 64  # above this many rows (a long prefill) the GEMM that F.linear calls is as fast or faster
 UPCAST_MIN_ROWS = 6  # emulated bf16/fp16: from this many rows on, converting the weight to fp32 first is faster
 UPCAST_CHUNK = 1 << 24  # weight elements converted at a time (64 MB of fp32 scratch)
