@@ -24,6 +24,9 @@ def add_tune_commands(sub) -> None:
                            help="calibrate from a model's shape alone: its block costs 1..16 timed on --device with "
                                 "random weights (smollm2-135m, qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, llama-3-8b); "
                                 "then `predict --acceptance-from STUDY`")
+    calibrate.add_argument("--context", type=int, default=256,
+                           help="with --shape-of: cached tokens before each timed block (match the workload's mean "
+                                "prompt length plus half its new tokens; `predict --acceptance-from` says the study's)")
     calibrate.add_argument("--draft-shape", nargs="+", default=[], metavar="DRAFTER=SHAPE",
                            help="with --shape-of: model drafts whose cost per token is timed from their shape, e.g. "
                                 "model:qwen2.5-coder-0.5b=qwen2.5-0.5b (other drafts' costs come from the study)")
@@ -137,7 +140,10 @@ def _calibrate_shape(args) -> None:
 
     drafts = {drafter: shapes_named([name])[0] for drafter, name in map(_draft_shape, args.draft_shape)}
     dtype = resolve_dtype_name(args.dtype, args.device)
-    profile = calibrate_shape(shapes_named([args.shape_of])[0], dtype, args.device, drafts, args.repeats)
+    if not 16 <= args.context <= 8192:
+        raise DraftlabError(f"--context must be in 16..8192 tokens, got {args.context}")
+    profile = calibrate_shape(shapes_named([args.shape_of])[0], dtype, args.device, drafts, args.repeats,
+                              args.context)
     profile.save(args.out)
     curve = ", ".join(f"{n}: {1000 * s:.2f}" for n, s in sorted(profile.target.score_s.items()) if n in (1, 2, 4, 8, 16))
     print(f"calibrate: {profile.target.name} in {profile.seconds:.0f}s -> {args.out}; block ms {curve}")
@@ -155,12 +161,13 @@ def _draft_shape(text: str) -> tuple[str, str]:
 def _predict_from_study(args, profile) -> None:
     """`predict --acceptance-from`: the profile's device, the study's acceptance."""
     from draftlab.perf.shapes import format_predicted, predict_from
-    from draftlab.study.transfer import acceptance_from
+    from draftlab.study.transfer import acceptance_from, mean_context
 
     cells, plain = acceptance_from(args.acceptance_from)
     same = bool(profile.device) and all(c.device == profile.device for c in cells)
     rows = predict_from(profile, cells, same_device=same)
-    print(format_predicted(rows, profile, plain.get(profile.device) if same else None))
+    print(format_predicted(rows, profile, plain.get(profile.device) if same else None,
+                           mean_context(args.acceptance_from)))
     if args.json:
         print(json.dumps({"profile": profile.target.name, "predicted": [asdict(r) for r in rows]}))
 

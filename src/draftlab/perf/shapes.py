@@ -128,8 +128,10 @@ def predict_from(profile: Profile, cells: list[Acceptance], same_device: bool) -
     return out
 
 
-def format_predicted(rows: list[Predicted], profile: Profile, plain_measured: float | None) -> str:
-    """The predicted table, labelled with the profile's device; the optimal K and the ranking of drafts."""
+def format_predicted(rows: list[Predicted], profile: Profile, plain_measured: float | None,
+                     study_context: int | None = None) -> str:
+    """The predicted table, labelled with the profile's device; the optimal K and the ranking of drafts; a line when
+    the profile was timed at another context than the study's steps saw (`study_context`)."""
     plain = 1.0 / (profile.target.score_s[1] + profile.target.overhead_s_per_step)
     lines = [f"PREDICTED for {profile.target.name} (target cost from the shape, acceptance from the study):",
              f"  plain decoding {plain:.1f} tok/s" + (f" (measured in the study: {plain_measured:.1f})"
@@ -147,6 +149,9 @@ def format_predicted(rows: list[Predicted], profile: Profile, plain_measured: fl
             best[r.drafter] = r
     ranking = sorted(best.values(), key=lambda r: -r.tokens_per_s)
     lines.append("  optimal K and ranking: " + "; ".join(f"{r.drafter} K={r.k} ({r.speedup:.2f}x)" for r in ranking))
+    if study_context and abs(profile.context_tokens / study_context - 1) > 0.25:
+        lines.append(f"  note: the profile was timed after {profile.context_tokens} cached tokens, the study's steps "
+                     f"saw ~{study_context} on average: `calibrate --shape-of ... --context {study_context}` matches it")
     errors = [abs(r.error) for r in rows if r.error is not None]
     if errors:
         lines.append(f"  against the study on this device: mean |error| {statistics.fmean(errors):.1%} over "

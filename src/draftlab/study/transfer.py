@@ -45,3 +45,27 @@ def _decode_speed(rows: list[dict]) -> float:
     return sum(r["new_tokens"] for r in rows) / seconds if seconds > 0 else 0.0
 
 
+
+
+def mean_context(db) -> int:
+    """The cached tokens a study's decode steps saw on average: its prompts' mean length (in its first target's
+    tokenizer) plus half its new tokens. A block's cost grows with the context (exact attention reads the whole cache
+    once per row), so a shape's profile predicts this study best when timed at this context."""
+    import json
+    import statistics
+
+    from draftlab.api import prompt_ids
+    from draftlab.models import load_model
+    from draftlab.study.config import SweepConfig, target_backend
+    from draftlab.study.store import ResultsStore
+    from draftlab.study.sweep import plan
+
+    store = ResultsStore(db, read_only=True)
+    try:
+        settings = json.loads(store.get_meta("config") or "{}")
+    finally:
+        store.close()
+    config = SweepConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in settings.items()})
+    tokenizer = load_model(target_backend(config.targets[0], config.backend)[1], dtype="fp32").tokenizer
+    lengths = [len(prompt_ids(tokenizer, p)) for group in plan(config) for p in group.prompts]
+    return int(statistics.fmean(lengths) + config.max_new_tokens / 2)
