@@ -10,7 +10,7 @@ import pytest
 from draftlab.exactness import Shape
 from draftlab.perf.calibrate import Profile
 from draftlab.perf.model import DraftProfile, TargetProfile
-from draftlab.perf.shapes import Acceptance, calibrate_shape, format_predicted, predict_from
+from draftlab.perf.shapes import Acceptance, StepCounts, acceptance, calibrate_shape, format_predicted, predict_from
 from draftlab.study.store import ResultsStore
 from draftlab.study.sweep import SweepConfig, run_sweep
 from draftlab.study.transfer import acceptance_from
@@ -57,3 +57,22 @@ def test_acceptance_comes_from_a_studys_lossless_greedy_records(tmp_path):
     assert {(c.drafter, c.k) for c in cells} == {("ngram", 1), ("ngram", 3)}
     assert all(1.0 <= c.tokens_per_step <= c.k + 1 and c.measured_tokens_per_s > 0 for c in cells)
     assert all(abs(sum(p for _, p in c.drafted) - 1) < 1e-9 for c in cells) and plain["cpu"] > 0
+
+
+def test_acceptance_pools_decodes_and_trees_are_reported_apart_with_anchored_errors():
+    chain = acceptance("ngram", 2, "cpu", [StepCounts(4, 6, (2, 0, 2, 1), False, 0.004, 0.002, 0.2),
+                                           StepCounts(2, 3, (2, 2), False, 0.002, 0.001, 0.1)])
+    assert chain.tokens_per_step == pytest.approx(9 / 6) and dict(chain.drafted) == {0: 1 / 6, 1: 1 / 6, 2: 4 / 6}
+    assert chain.draft_s_per_step == pytest.approx(0.001) and chain.measured_tokens_per_s == pytest.approx(30.0)
+    tree = acceptance("tree", 1, "cpu", [StepCounts(2, 4, (3, 3), True, 0.0, 0.0, 0.1)])
+    assert tree.tree and not chain.tree
+    target = TargetProfile("shape:x", {1: 0.010, 2: 0.011, 3: 0.012, 4: 0.013}, overhead_s_per_step=0.0)
+    profile = Profile(target, [], device="cpu")
+    rows = predict_from(profile, [chain, tree], same_device=True)
+    assert [r.tree for r in rows] == [False, True]
+    # plain decoding measured at half the profile's speed: anchored, each prediction is halved before comparing
+    text = format_predicted(rows, profile, plain_measured=50.0, measured_in="this round")
+    chain_line = next(line for line in text.splitlines() if "chain cells" in line)
+    anchored = abs(rows[0].tokens_per_s * 0.5 / 30.0 - 1)
+    assert f"mean |error| {abs(rows[0].error):.1%} over 1" in chain_line and f"(0.50x the profile's speed): mean {anchored:.1%}" in chain_line
+    assert "tree cells" in text and "costed as chains" in text and "measured in this round: 50.0" in text

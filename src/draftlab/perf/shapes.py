@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -76,6 +77,32 @@ def _draft_cost(shape: "Shape", dtype: str, device: str, context: list[int], rep
 
 
 @dataclass(frozen=True)
+class StepCounts:
+    """One decode's share of an `Acceptance`: what the engine counted and timed in it."""
+
+    steps: int
+    new_tokens: int
+    drafted_per_step: tuple[int, ...]
+    tree: bool  # some step drafted more than one token on a level
+    draft_s: float
+    overhead_s: float
+    decode_s: float  # the whole call less its prefill
+
+
+def acceptance(drafter: str, k: int, device: str, decodes: list[StepCounts]) -> "Acceptance":
+    """One (draft, K)'s acceptance and host-side costs per step, over its decodes (a study's records or a run's)."""
+    steps = sum(d.steps for d in decodes)
+    counts = Counter(n for d in decodes for n in d.drafted_per_step)
+    total = sum(counts.values()) or 1
+    seconds = sum(d.decode_s for d in decodes)
+    return Acceptance(drafter, k, sum(d.new_tokens for d in decodes) / steps,
+                      tuple((n, c / total) for n, c in sorted(counts.items())),
+                      sum(d.draft_s for d in decodes) / steps, sum(d.overhead_s for d in decodes) / steps, steps,
+                      sum(d.new_tokens for d in decodes) / seconds if seconds > 0 else 0.0, device,
+                      any(d.tree for d in decodes))
+
+
+@dataclass(frozen=True)
 class Acceptance:
     """What a study measured of one (draft, K) on the target, whatever the device: its TAR, the distribution of
     tokens drafted per step, its host-side costs per step, and its decode speed there."""
@@ -89,6 +116,7 @@ class Acceptance:
     steps: int
     measured_tokens_per_s: float  # decode only (after each prefill), on the study's device
     device: str
+    tree: bool = False  # its steps drafted trees: the profile times chains, so its block costs are a chain's
 
 
 @dataclass(frozen=True)
@@ -104,6 +132,7 @@ class Predicted:
     speedup: float  # over plain decoding predicted on the same profile
     draft_cost_from: str  # 'profile' (its shape timed on the device) or 'study' (its host-side cost measured there)
     measured_tokens_per_s: float | None  # the study's, when it ran on the profile's device
+    tree: bool = False  # a tree's blocks, costed as chains of as many tokens
 
     @property
     def error(self) -> float | None:
@@ -124,17 +153,17 @@ def predict_from(profile: Profile, cells: list[Acceptance], same_device: bool) -
         speed = cell.tokens_per_step / (t_target + t_draft)
         out.append(Predicted(cell.drafter, cell.k, cell.tokens_per_step, t_target, t_draft, speed, speed / plain,
                              "profile" if cell.drafter in timed else "study",
-                             cell.measured_tokens_per_s if same_device else None))
+                             cell.measured_tokens_per_s if same_device else None, cell.tree))
     return out
 
 
 def format_predicted(rows: list[Predicted], profile: Profile, plain_measured: float | None,
-                     study_context: int | None = None) -> str:
+                     study_context: int | None = None, measured_in: str = "the study") -> str:
     """The predicted table, labelled with the profile's device; the optimal K and the ranking of drafts; a line when
     the profile was timed at another context than the study's steps saw (`study_context`)."""
     plain = 1.0 / (profile.target.score_s[1] + profile.target.overhead_s_per_step)
     lines = [f"PREDICTED for {profile.target.name} (target cost from the shape, acceptance from the study):",
-             f"  plain decoding {plain:.1f} tok/s" + (f" (measured in the study: {plain_measured:.1f})"
+             f"  plain decoding {plain:.1f} tok/s" + (f" (measured in {measured_in}: {plain_measured:.1f})"
                                                      if plain_measured else ""),
              f"  {'draft':<34}{'K':>3}{'TAR':>7}{'t_target ms':>13}{'t_draft ms':>12}{'tok/s':>8}{'speedup':>9}"
              f"{'measured':>10}{'error':>8}"]
@@ -152,8 +181,28 @@ def format_predicted(rows: list[Predicted], profile: Profile, plain_measured: fl
     if study_context and abs(profile.context_tokens / study_context - 1) > 0.25:
         lines.append(f"  note: the profile was timed after {profile.context_tokens} cached tokens, the study's steps "
                      f"saw ~{study_context} on average: `calibrate --shape-of ... --context {study_context}` matches it")
-    errors = [abs(r.error) for r in rows if r.error is not None]
-    if errors:
-        lines.append(f"  against the study on this device: mean |error| {statistics.fmean(errors):.1%} over "
-                     f"{len(errors)} cells, worst {max(errors):.1%}")
+    lines.extend(error_lines(rows, plain, plain_measured, measured_in))
     return "\n".join(lines)
+
+
+def error_lines(rows: list[Predicted], plain_predicted: float, plain_measured: float | None,
+                measured_in: str = "the study") -> list[str]:
+    """Against measured tok/s on the same device: the mean error of chain cells (the profile times chains) and of
+    trees apart; and anchored, each prediction scaled by measured over predicted plain decoding, which cancels the
+    machine's speed between the profile's run and the study's (a shared host's drifts exceed 10% from run to run)."""
+    lines = []
+    for label, group in (("chain", [r for r in rows if not r.tree]), ("tree", [r for r in rows if r.tree])):
+        errors = [abs(r.error) for r in group if r.error is not None]
+        if not errors:
+            continue
+        line = (f"  against {measured_in} on this device, {label} cells: mean |error| {statistics.fmean(errors):.1%} "
+                f"over {len(errors)}, worst {max(errors):.1%}")
+        if plain_measured:
+            scale = plain_measured / plain_predicted
+            anchored = [abs(r.error + 1) * scale - 1 for r in group if r.error is not None]
+            line += (f"; anchored to plain decoding ({scale:.2f}x the profile's speed): mean "
+                     f"{statistics.fmean(abs(a) for a in anchored):.1%}")
+        if label == "tree":
+            line += " (a tree's blocks are costed as chains of as many tokens)"
+        lines.append(line)
+    return lines

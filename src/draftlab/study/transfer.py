@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import defaultdict
 
 from draftlab.backends import engine_of_backend
 from draftlab.errors import DraftlabError
-from draftlab.perf.shapes import Acceptance
+from draftlab.perf.shapes import Acceptance, StepCounts, acceptance
 from draftlab.study.report import load_study
 
 
@@ -31,20 +31,15 @@ def acceptance_from(db) -> tuple[list[Acceptance], dict[str, float]]:
 
 
 def _acceptance(drafter: str, k: int, device: str, rows: list[dict]) -> Acceptance:
-    steps = sum(r["steps"] for r in rows)
-    counts = Counter(d for r in rows for d in r["drafted_per_step"])
-    total = sum(counts.values()) or 1
-    return Acceptance(drafter, k, sum(r["new_tokens"] for r in rows) / steps,
-                      tuple((d, n / total) for d, n in sorted(counts.items())),
-                      sum(r["draft_s"] for r in rows) / steps, sum(r["overhead_s"] for r in rows) / steps, steps,
-                      _decode_speed(rows), device)
+    return acceptance(drafter, k, device, [
+        StepCounts(r["steps"], r["new_tokens"], tuple(r["drafted_per_step"]),
+                   any(max(levels, default=1) > 1 for levels in r["levels_per_step"] or ()), r["draft_s"],
+                   r["overhead_s"], r["wall_s"] - r["prefill_s"]) for r in rows])
 
 
 def _decode_speed(rows: list[dict]) -> float:
     seconds = sum(r["wall_s"] - r["prefill_s"] for r in rows)
     return sum(r["new_tokens"] for r in rows) / seconds if seconds > 0 else 0.0
-
-
 
 
 def mean_context(db) -> int:
