@@ -33,7 +33,7 @@ def acceptance_from(db) -> tuple[list[Acceptance], dict[str, float]]:
 def _acceptance(drafter: str, k: int, device: str, rows: list[dict]) -> Acceptance:
     return acceptance(drafter, k, device, [
         StepCounts(r["steps"], r["new_tokens"], tuple(r["drafted_per_step"]),
-                   any(max(levels, default=1) > 1 for levels in r["levels_per_step"] or ()), r["draft_s"],
+                   any(max(levels, default=1) > 1 for levels in r.get("levels_per_step") or ()), r["draft_s"],
                    r["overhead_s"], r["wall_s"] - r["prefill_s"]) for r in rows])
 
 
