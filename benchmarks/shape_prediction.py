@@ -8,10 +8,12 @@ measured side is the real model decoding the same prompts through the measuremen
 A shared host's speed drifts by more than 10% between runs, so both sides are timed in one run, interleaved: each
 round calibrates the shape, then decodes every prompt with plain decoding and every (draft, K); the profile that
 predicts a round is the mean of the calibrations before and after it. The profile is timed after the prompts' mean
-context (mean prompt length plus half the new tokens). Trees are reported apart: the profile times chains.
+context (mean prompt length plus half the new tokens). Trees are reported apart: the profile times one tree shape
+per size (two paths from the root), a drafter's trees take many.
 
     python benchmarks/shape_prediction.py                                    # SmolLM2-135M, fp32, on the CPU
     python benchmarks/shape_prediction.py --acceptance-from results/study.sqlite --rounds 3
+    python benchmarks/shape_prediction.py --drafters ngram designed merged:ngram/tree:1:designed   # trees too
     python benchmarks/shape_prediction.py --device cuda --dtype bf16         # where a GPU and the model are at hand
 
 The last line of stdout is one JSON document. Run it alone: it is a benchmark.
@@ -103,7 +105,8 @@ def mean_profile(profiles: list[Profile]) -> Profile:
     first = profiles[0].target
     blocks = {n: statistics.fmean(p.target.score_s[n] for p in profiles) for n in first.score_s}
     overhead = statistics.fmean(p.target.overhead_s_per_step for p in profiles)
-    target = TargetProfile(first.name, blocks, overhead, first.score_spread, first.drift)
+    trees = {n: statistics.fmean(p.target.tree_s[n] for p in profiles) for n in first.tree_s}
+    target = TargetProfile(first.name, blocks, overhead, first.score_spread, first.drift, trees)
     return Profile(target, [], profiles[0].context_tokens, sum(p.seconds for p in profiles), profiles[0].device)
 
 

@@ -4,11 +4,12 @@ study run elsewhere, combined by the seeds' model into a predicted table."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from draftlab.exactness import Shape
-from draftlab.perf.calibrate import Profile
+from draftlab.perf.calibrate import Profile, two_paths
 from draftlab.perf.model import DraftProfile, TargetProfile
 from draftlab.perf.shapes import Acceptance, StepCounts, acceptance, calibrate_shape, format_predicted, predict_from
 from draftlab.study.store import ResultsStore
@@ -24,8 +25,15 @@ def test_a_shape_profile_times_every_block_size_and_model_drafts_and_reloads(tmp
     assert sorted(profile.target.score_s) == list(range(1, 17)) and all(s > 0 for s in profile.target.score_s.values())
     assert profile.device == "cpu" and "shape:tiny fp32 on cpu" in profile.target.name
     assert [d.name for d in profile.drafts] == ["model:small"] and profile.drafts[0].draft_s_per_token > 0
+    assert sorted(profile.target.tree_s) == list(range(3, 17)) and all(s > 0 for s in profile.target.tree_s.values())
     profile.save(tmp_path / "p.json")
     assert Profile.load(tmp_path / "p.json").device == "cpu"
+    assert Profile.load(tmp_path / "p.json").target.tree_s == profile.target.tree_s  # int keys again
+
+
+def test_the_timed_tree_has_two_paths_from_the_root():
+    assert two_paths([5, 6, 7]).parents == (-1, 0, 0)
+    assert two_paths([5, 6, 7, 8, 9]).parents == (-1, 0, 1, 0, 3) and not two_paths([5, 6, 7, 8]).is_chain
 
 
 def test_the_prediction_is_the_seeds_model_on_the_profiles_costs():
@@ -69,7 +77,10 @@ def test_acceptance_pools_decodes_and_trees_are_reported_apart_with_anchored_err
     target = TargetProfile("shape:x", {1: 0.010, 2: 0.011, 3: 0.012, 4: 0.013}, overhead_s_per_step=0.0)
     profile = Profile(target, [], device="cpu")
     rows = predict_from(profile, [chain, tree], same_device=True)
-    assert [r.tree for r in rows] == [False, True]
+    assert [r.tree for r in rows] == [False, True] and rows[1].t_target_s == pytest.approx(0.013)  # a chain's cost
+    timed = Profile(replace(target, tree_s={4: 0.020}), [], device="cpu")
+    assert predict_from(timed, [tree], same_device=True)[0].t_target_s == pytest.approx(0.020)  # the tree's own
+    assert "two-path tree" in format_predicted(predict_from(timed, [chain, tree], True), timed, 50.0)
     # plain decoding measured at half the profile's speed: anchored, each prediction is halved before comparing
     text = format_predicted(rows, profile, plain_measured=50.0, measured_in="this round")
     chain_line = next(line for line in text.splitlines() if "chain cells" in line)

@@ -27,6 +27,7 @@ from draftlab.api import SpeculativeDecoder, build_drafter, prompt_ids
 from draftlab.policy import FixedK
 from draftlab.progress import track
 from draftlab.backends.base import Backend
+from draftlab.step import Block
 from draftlab.datasets import Prompt
 from draftlab.defaults import DEFAULT_BACKEND, SHORT_RUN_TOKENS
 from draftlab.errors import DraftlabError
@@ -70,7 +71,7 @@ class Profile:
             data = json.loads(Path(path).read_text())
             fields = data["target"]
             target = TargetProfile(**{**fields, **{name: {int(k): v for k, v in fields.get(name, {}).items()}
-                                                   for name in ("score_s", "score_spread")}})
+                                                   for name in ("score_s", "score_spread", "tree_s")}})
             drafts = [DraftProfile(**d) for d in data["drafts"]]
         except FileNotFoundError as exc:
             raise DraftlabError(f"profile not found: {path}; run `draftlab calibrate` first") from exc
@@ -89,8 +90,10 @@ class BlockTimes:
     drift: float  # relative change of speed from the first to the last third of the rounds
 
 
-def time_blocks(backend: Backend, context: list[int], sizes: list[int] | range, repeats: int) -> BlockTimes:
-    """Seconds to score a block of each size on top of `context` (rolled back after each).
+def time_blocks(backend: Backend, context: list[int], sizes: list[int] | range, repeats: int, tree: bool = False
+                ) -> BlockTimes:
+    """Seconds to score a block of each size on top of `context` (rolled back after each); with `tree`, a
+    tree-shaped block of that size (`two_paths`) instead of a chain.
 
     Interleaved: each round times every size once, in an order rotated from round to round, so that
     a machine that speeds up or slows down during calibration shifts every size alike.
@@ -104,7 +107,10 @@ def time_blocks(backend: Backend, context: list[int], sizes: list[int] | range, 
     def score(n: int) -> float:
         backend.synchronize()
         start = time.perf_counter()
-        backend.score(block[:n])
+        if tree:
+            backend.score_block(two_paths(block[:n]))
+        else:
+            backend.score(block[:n])
         backend.synchronize()
         elapsed = time.perf_counter() - start
         backend.rollback(base)
@@ -119,6 +125,15 @@ def time_blocks(backend: Backend, context: list[int], sizes: list[int] | range, 
     median = {n: statistics.median(t[n] for t in rounds) for n in sizes}
     return BlockTimes(median, {n: _half_iqr([t[n] for t in rounds]) / median[n] for n in sizes},
                       _drift([statistics.mean(t[n] / median[n] for n in sizes) for t in rounds]))
+
+
+def two_paths(tokens: list[int]) -> Block:
+    """A tree of the given tokens: the root, then two paths from it of (nearly) equal lengths, as a merged draft
+    (a model's chain beside an n-gram branch) proposes."""
+    first = len(tokens) // 2  # nodes on the first path (the second has the rest)
+    parents = [-1] + [i - 1 if i > 1 else 0 for i in range(1, first + 1)]
+    parents += [0 if i == first + 1 else i - 1 for i in range(first + 1, len(tokens))]
+    return Block(list(tokens), tuple(parents))
 
 
 def _half_iqr(values: list[float]) -> float:

@@ -168,6 +168,7 @@ class TargetProfile:
     overhead_s_per_step: float = 0.0  # engine bookkeeping per step
     score_spread: dict[int, float] = field(default_factory=dict)  # block size -> relative half-IQR of its timings
     drift: float = 0.0  # relative change of the machine's speed from the first to the last calibration round
+    tree_s: dict[int, float] = field(default_factory=dict)  # block size -> seconds for a tree-shaped block, where timed
 
     def relative_uncertainty(self, blocks: list[tuple[int, float]]) -> float:
         """Relative half-width of the target's time for blocks of 1 + d tokens, d distributed as given."""
@@ -193,6 +194,11 @@ class TargetProfile:
         ~1.45x 3 tokens), so the mean of the times is taken, not the time of the mean block.
         """
         return sum(p * self.t_target(1 + d) for d, p in drafted)
+
+    def expected_t_tree(self, drafted: list[tuple[int, float]]) -> float:
+        """As `expected_t_target`, for a tree's blocks of 1 + d tokens: the tree's timed cost where the profile has
+        it (a tree gathers each row's ancestors, so it costs more than a chain), else a chain's."""
+        return sum(p * self.tree_s.get(1 + d, self.t_target(1 + d)) for d, p in drafted)
 
     @property
     def autoregressive_tokens_per_s(self) -> float:

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from draftlab.exactness import Shape
 
 BLOCKS = tuple(range(1, 17))  # block sizes timed: one token to 16
+TREE_BLOCKS = tuple(range(3, 17))  # tree-shaped blocks timed (two paths from the root; smaller trees are chains)
 CONTEXT = 256  # cached tokens the blocks are timed after
 PLAIN_STEPS = 24  # one-token steps of the engine timed for its bookkeeping per step
 
@@ -40,8 +41,10 @@ def calibrate_shape(shape: "Shape", dtype: str, device: str, drafts: dict[str, "
     backend = FastLlamaBackend(model, device, capacity=context + 64)  # the exact route timed fastest here
     tokens = [(31 * i + 7) % shape.vocab for i in range(context + max(BLOCKS))]
     blocks = time_blocks(backend, tokens[:context], BLOCKS, repeats)
+    trees = time_blocks(backend, tokens[:context], TREE_BLOCKS, repeats, tree=True)
     target = TargetProfile(f"shape:{shape.name} {dtype} on {device} ({backend.numerics})", blocks.median_s,
-                           _overhead_per_step(model, backend, tokens[:context]), blocks.spread, blocks.drift)
+                           _overhead_per_step(model, backend, tokens[:context]), blocks.spread, blocks.drift,
+                           trees.median_s)
     costs = [DraftProfile(spec, _draft_cost(draft, dtype, device, tokens[:context], repeats), [])
              for spec, draft in drafts.items()]
     return Profile(target, costs, context, time.perf_counter() - started, device)
@@ -116,7 +119,7 @@ class Acceptance:
     steps: int
     measured_tokens_per_s: float  # decode only (after each prefill), on the study's device
     device: str
-    tree: bool = False  # its steps drafted trees: the profile times chains, so its block costs are a chain's
+    tree: bool = False  # its steps drafted trees (a tree block costs more than a chain of as many tokens)
 
 
 @dataclass(frozen=True)
@@ -132,7 +135,7 @@ class Predicted:
     speedup: float  # over plain decoding predicted on the same profile
     draft_cost_from: str  # 'profile' (its shape timed on the device) or 'study' (its host-side cost measured there)
     measured_tokens_per_s: float | None  # the study's, when it ran on the profile's device
-    tree: bool = False  # a tree's blocks, costed as chains of as many tokens
+    tree: bool = False  # a tree's blocks, costed as the profile's tree of as many tokens (or a chain's)
 
     @property
     def error(self) -> float | None:
@@ -147,7 +150,8 @@ def predict_from(profile: Profile, cells: list[Acceptance], same_device: bool) -
     timed = {d.name: d.draft_s_per_token for d in profile.drafts}
     out = []
     for cell in cells:
-        t_target = target.expected_t_target(list(cell.drafted)) + cell.overhead_s_per_step
+        blocks = target.expected_t_tree if cell.tree else target.expected_t_target
+        t_target = blocks(list(cell.drafted)) + cell.overhead_s_per_step
         mean_drafted = sum(d * p for d, p in cell.drafted)
         t_draft = timed[cell.drafter] * mean_drafted if cell.drafter in timed else cell.draft_s_per_step
         speed = cell.tokens_per_step / (t_target + t_draft)
@@ -181,14 +185,14 @@ def format_predicted(rows: list[Predicted], profile: Profile, plain_measured: fl
     if study_context and abs(profile.context_tokens / study_context - 1) > 0.25:
         lines.append(f"  note: the profile was timed after {profile.context_tokens} cached tokens, the study's steps "
                      f"saw ~{study_context} on average: `calibrate --shape-of ... --context {study_context}` matches it")
-    lines.extend(error_lines(rows, plain, plain_measured, measured_in))
+    lines.extend(error_lines(rows, plain, plain_measured, measured_in, bool(profile.target.tree_s)))
     return "\n".join(lines)
 
 
 def error_lines(rows: list[Predicted], plain_predicted: float, plain_measured: float | None,
-                measured_in: str = "the study") -> list[str]:
-    """Against measured tok/s on the same device: the mean error of chain cells (the profile times chains) and of
-    trees apart; and anchored, each prediction scaled by measured over predicted plain decoding, which cancels the
+                measured_in: str = "the study", trees_timed: bool = False) -> list[str]:
+    """Against measured tok/s on the same device: the mean error of chain cells and of trees apart (a profile times
+    one tree shape per size, or none); and anchored, each prediction scaled by measured over predicted plain decoding, which cancels the
     machine's speed between the profile's run and the study's (a shared host's drifts exceed 10% from run to run)."""
     lines = []
     for label, group in (("chain", [r for r in rows if not r.tree]), ("tree", [r for r in rows if r.tree])):
@@ -203,6 +207,7 @@ def error_lines(rows: list[Predicted], plain_predicted: float, plain_measured: f
             line += (f"; anchored to plain decoding ({scale:.2f}x the profile's speed): mean "
                      f"{statistics.fmean(abs(a) for a in anchored):.1%}")
         if label == "tree":
-            line += " (a tree's blocks are costed as chains of as many tokens)"
+            line += (" (trees of every shape costed as the profile's two-path tree of as many tokens)" if trees_timed
+                     else " (a tree's blocks are costed as chains of as many tokens: the profile timed no trees)")
         lines.append(line)
     return lines
