@@ -192,8 +192,9 @@ def format_predicted(rows: list[Predicted], profile: Profile, plain_measured: fl
 def error_lines(rows: list[Predicted], plain_predicted: float, plain_measured: float | None,
                 measured_in: str = "the study", trees_timed: bool = False) -> list[str]:
     """Against measured tok/s on the same device: the mean error of chain cells and of trees apart (a profile times
-    one tree shape per size, or none); and anchored, each prediction scaled by measured over predicted plain decoding, which cancels the
-    machine's speed between the profile's run and the study's (a shared host's drifts exceed 10% from run to run)."""
+    one tree shape per size, or none); and anchored, each prediction scaled by measured over predicted plain
+    decoding, which cancels the machine's speed between the profile's run and the study's (a shared host's speed
+    drifts by more than 10% from run to run)."""
     lines = []
     for label, group in (("chain", [r for r in rows if not r.tree]), ("tree", [r for r in rows if r.tree])):
         errors = [abs(r.error) for r in group if r.error is not None]
@@ -203,7 +204,7 @@ def error_lines(rows: list[Predicted], plain_predicted: float, plain_measured: f
                 f"over {len(errors)}, worst {max(errors):.1%}")
         if plain_measured:
             scale = plain_measured / plain_predicted
-            anchored = [abs(r.error + 1) * scale - 1 for r in group if r.error is not None]
+            anchored = [(r.error + 1) * scale - 1 for r in group if r.error is not None]  # predicted x scale / measured
             line += (f"; anchored to plain decoding ({scale:.2f}x the profile's speed): mean "
                      f"{statistics.fmean(abs(a) for a in anchored):.1%}")
         if label == "tree":
