@@ -4,11 +4,14 @@ study run elsewhere, combined by the seeds' model into a predicted table."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
 
-from draftlab.exactness import Shape
+from draftlab.errors import DraftlabError
+from draftlab.exactness import Shape, shapes_named
 from draftlab.perf.calibrate import Profile, two_paths
 from draftlab.perf.model import DraftProfile, TargetProfile
 from draftlab.perf.shapes import Acceptance, StepCounts, acceptance, calibrate_shape, format_predicted, predict_from
@@ -50,6 +53,31 @@ def test_the_prediction_is_the_seeds_model_on_the_profiles_costs():
     assert text.startswith("PREDICTED for shape:x") and "optimal K and ranking:" in text
 
 
+def draftlab(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "draftlab.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_the_cli_calibrates_a_config_files_shape_and_refuses_what_is_not_one(tmp_path):
+    folder = tmp_path / "my-llama"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 128, "vocab_size": 256, "num_hidden_layers": 2, "tie_word_embeddings": True}))
+    assert shapes_named([str(folder)]) == [Shape("my-llama", 64, 4, 2, 16, 128, False, 256, True, 2)]
+    out = draftlab("calibrate", "--shape-of", folder, "--context", 32, "--repeats", 1, "--out", tmp_path / "p.json")
+    assert out.returncode == 0, out.stderr
+    assert "shape:my-llama fp32 on cpu" in out.stdout and "tree ms 4:" in out.stdout
+    assert sorted(Profile.load(tmp_path / "p.json").target.tree_s) == list(range(3, 17))
+    (tmp_path / "bad.json").write_text('{"model_type": "gpt2"}')
+    out = draftlab("calibrate", "--shape-of", tmp_path / "bad.json", "--out", tmp_path / "q.json")
+    assert out.returncode != 0 and "Traceback" not in out.stderr and not (tmp_path / "q.json").exists()
+    assert len(out.stderr.strip().splitlines()) == 1 and "gpt2" in out.stderr, out.stderr  # one clear line
+    for bad, says in ((tmp_path / "nowhere", "unknown shape"), (tmp_path / "bad.json", "model_type 'gpt2'")):
+        with pytest.raises(DraftlabError, match=says):
+            shapes_named([str(bad)])
+
+
 def test_acceptance_comes_from_a_studys_lossless_greedy_records(tmp_path):
     model = tiny_model_dir(tmp_path / "tiny")
     prompts = tmp_path / "p.jsonl"
@@ -65,6 +93,12 @@ def test_acceptance_comes_from_a_studys_lossless_greedy_records(tmp_path):
     assert {(c.drafter, c.k) for c in cells} == {("ngram", 1), ("ngram", 3)}
     assert all(1.0 <= c.tokens_per_step <= c.k + 1 and c.measured_tokens_per_s > 0 for c in cells)
     assert all(abs(sum(p for _, p in c.drafted) - 1) < 1e-9 for c in cells) and plain["cpu"] > 0
+    # the command line: a profile of the tiny model's own shape (its config.json), the study's acceptance on it
+    calibrate_shape(shapes_named([str(model)])[0], "fp32", "cpu", {}, repeats=1, context=32).save(tmp_path / "p.json")
+    out = draftlab("predict", "--profile", tmp_path / "p.json", "--acceptance-from", tmp_path / "s.sqlite")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("PREDICTED for shape:") and "optimal K and ranking: ngram K=" in out.stdout
+    assert "measured in the study:" in out.stdout and "chain cells: mean |error|" in out.stdout  # same device
 
 
 def test_acceptance_pools_decodes_and_trees_are_reported_apart_with_anchored_errors():

@@ -10,11 +10,13 @@ exact` prints it for a device; the tests run the same matrix (`tests/test_shape_
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
-from draftlab.backends.fast_llama import FastLlamaBackend
+from draftlab.backends.fast_llama import SUPPORTED_MODEL_TYPES, FastLlamaBackend
 from draftlab.backends import row_check
 from draftlab.backends.numerics import INVARIANT_ROWS
 from draftlab.errors import DraftlabError
@@ -167,10 +169,35 @@ def check_shape(shape: Shape, dtype: str, device: str, prefixes: tuple[int, ...]
 
 
 def shapes_named(names: list[str] | None) -> list[Shape]:
-    """The shapes a user named (all when none), refused with the known names otherwise."""
+    """The shapes a user named (all when none): short names, or a model's `config.json` (or its folder); anything
+    else is refused with the known names."""
     if not names:
         return list(SHAPES.values())
-    unknown = [n for n in names if n not in SHAPES]
+    unknown = [n for n in names if n not in SHAPES and not _config_file(n).is_file()]
     if unknown:
-        raise DraftlabError(f"unknown shape(s) {unknown}; known: {', '.join(SHAPES)}")
-    return [SHAPES[n] for n in names]
+        raise DraftlabError(f"unknown shape(s) {unknown}; known: {', '.join(SHAPES)}, or a model's config.json")
+    return [SHAPES[n] if n in SHAPES else shape_of_config(_config_file(n)) for n in names]
+
+
+def _config_file(name: str) -> Path:
+    path = Path(name)
+    return path / "config.json" if path.is_dir() else path
+
+
+def shape_of_config(path: Path) -> Shape:
+    """The shape a Hugging Face `config.json` describes (a Llama or a Qwen2: what draftlab's engine runs), named
+    after its folder; one clear line for a file that is not such a config."""
+    try:
+        config = json.loads(path.read_text())
+        model_type = config["model_type"]
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise DraftlabError(f"{path}: model_type {model_type!r}; a shape must be one of {SUPPORTED_MODEL_TYPES}")
+        heads, hidden = int(config["num_attention_heads"]), int(config["hidden_size"])
+        name = path.resolve().parent.name if path.name == "config.json" else path.stem
+        return Shape(name, hidden, heads,
+                     int(config.get("num_key_value_heads") or heads), int(config.get("head_dim") or hidden // heads),
+                     int(config["intermediate_size"]), model_type == "qwen2", int(config["vocab_size"]),
+                     bool(config.get("tie_word_embeddings", False)), int(config["num_hidden_layers"]))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # not UTF-8, not JSON, not a config
+        raise DraftlabError(f"{path} is not a model's config.json ({type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0][:120] if str(exc) else ''})") from exc

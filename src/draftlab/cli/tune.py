@@ -22,8 +22,8 @@ def add_tune_commands(sub) -> None:
     calibrate.add_argument("--out", required=True, help="profile JSON to write")
     calibrate.add_argument("--shape-of", metavar="SHAPE",
                            help="calibrate from a model's shape alone: its block costs 1..16 timed on --device with "
-                                "random weights (smollm2-135m, qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, llama-3-8b); "
-                                "then `predict --acceptance-from STUDY`")
+                                "random weights (smollm2-135m, qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, llama-3-8b, "
+                                "or a Llama/Qwen2 config.json or its folder); then `predict --acceptance-from STUDY`")
     calibrate.add_argument("--context", type=int, default=256,
                            help="with --shape-of: cached tokens before each timed block (match the workload's mean "
                                 "prompt length plus half its new tokens; `predict --acceptance-from` says the study's)")
@@ -146,7 +146,9 @@ def _calibrate_shape(args) -> None:
                               args.context)
     profile.save(args.out)
     curve = ", ".join(f"{n}: {1000 * s:.2f}" for n, s in sorted(profile.target.score_s.items()) if n in (1, 2, 4, 8, 16))
-    print(f"calibrate: {profile.target.name} in {profile.seconds:.0f}s -> {args.out}; block ms {curve}")
+    trees = ", ".join(f"{n}: {1000 * s:.2f}" for n, s in sorted(profile.target.tree_s.items()) if n in (4, 8, 16))
+    print(f"calibrate: {profile.target.name} in {profile.seconds:.0f}s -> {args.out}; block ms {curve}; "
+          f"tree ms {trees}")
     if args.json:
         print(json.dumps(asdict(profile)))
 
