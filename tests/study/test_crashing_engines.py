@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from draftlab.preflight import FAULT_ENV, EngineCheck, check_engine
-from draftlab.study.crashes import CRASH_ENV
+from draftlab.study.crashes import CRASH_ENV, LIMIT, SIGNAL_ENV
 from draftlab.study.store import ResultsStore
 from tests.conftest import tiny_model_dir
 
@@ -80,10 +80,11 @@ def test_a_cell_that_kills_the_process_twice_is_skipped_and_the_study_completes(
     assert first.returncode == -signal.SIGSEGV
     second = draftlab(args, crash)
     assert second.returncode == -signal.SIGSEGV
-    assert "the last run died while running " in second.stdout and "SPS layers:0-1 K=2 on q0 (1 time(s)" in second.stdout
+    assert "the last run died while running " in second.stdout
+    assert "SPS layers:0-1 K=2 on q0 (Segmentation fault; 1 time(s); it runs again now)" in second.stdout
     third = draftlab(args, crash)  # it would crash again: the cell is skipped before it runs
     assert third.returncode == 0, third.stderr[-2000:]
-    assert "(2 time(s); its cell is skipped)" in third.stdout
+    assert "(Segmentation fault; 2 time(s); its cell is skipped)" in third.stdout
     assert "killed the study's process 2 times (last while running q0)" in third.stdout
     store = ResultsStore(db, read_only=True)
     rows, skips = store.rows(), store.skips()
@@ -91,3 +92,25 @@ def test_a_cell_that_kills_the_process_twice_is_skipped_and_the_study_completes(
     assert {(r["drafter"], r["prompt_id"]) for r in rows} == {(d, f"q{i}") for d in ("none", "ngram") for i in range(3)}
     assert {s["prompt_id"] for s in skips if "layers:0-1" in s["cell"]} == {"q0", "q1", "q2"}
     assert all("killed the study's process 2 times" in s["reason"] for s in skips)
+
+
+def test_a_sweep_stopped_from_outside_is_not_taken_for_a_crash_and_completes(models):
+    root, one, _ = models
+    db = root / "stopped.sqlite"
+    args = ["sweep", "--db", str(db), "--targets", str(one), "--drafters", "layers:0-1", "--ks", "2",
+            "--methods", "sps", "--datasets", prompts_file(root / "p.jsonl"), "--limit", "2",
+            "--max-new-tokens", "8", "--warmup", "0", "--no-host-baselines", "--race-after", "0", "--no-progress",
+            "--preflight-timeout", "0"]
+    for _ in range(LIMIT + 1):  # kill -9 at the same cell, more times than a crashing cell is allowed
+        stopped = draftlab(args, {CRASH_ENV: "|sps|layers:0-1|", SIGNAL_ENV: "KILL"})
+        assert stopped.returncode == -signal.SIGKILL
+    assert "stopped from outside while running " in stopped.stdout and "(no crash: it runs again now)" in stopped.stdout
+    assert "died" not in stopped.stdout
+    done = draftlab(args, {})
+    assert done.returncode == 0, done.stderr[-2000:]
+    store = ResultsStore(db, read_only=True)
+    rows, skips = store.rows(), store.skips()
+    store.close()
+    assert not skips and {(r["drafter"], r["prompt_id"]) for r in rows} == {
+        (d, f"q{i}") for d in ("none", "layers:0-1") for i in range(2)}
+    assert not (root / "stopped.sqlite.fatal").exists()  # removed by the sweep that ended well

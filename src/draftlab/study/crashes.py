@@ -3,17 +3,25 @@ running when the process died, and the cells that killed it twice.
 
 A native library can kill the whole process (a segmentation fault, a general protection fault) with no Python
 exception. Before each run of a (cell, prompt), the study's database records it as running; when the run ends (or a
-Python error ends the sweep) the mark is cleared. A sweep that finds the mark on start knows its predecessor died
-there: it says so in one line and counts the death against the cell. A cell that killed the process `LIMIT` times
-is skipped on every prompt it has left, with that reason, so the study finishes without it.
+Python error ends the sweep) the mark is cleared. While the sweep runs, `faulthandler` writes the traceback of a
+fatal signal (SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT) to the study's `.fatal` file. A sweep that finds the mark on
+start knows its predecessor died there: with a traceback in that file it crashed, and the death counts against the
+cell; without one it was stopped from outside (kill -9, the OOM killer, a power cut), which is no fault of the cell:
+it runs again. Each is said in one line. A cell that crashed the process `LIMIT` times is skipped on every prompt it
+has left, with that reason, so the study finishes without it.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
+import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
 
 from draftlab.preflight import check_engines, engine_checks
 from draftlab.study.config import SweepConfig, target_backend
@@ -23,6 +31,8 @@ RUNNING = "running"  # meta key: {"cell": key, "prompt": id} of the run in progr
 DEATHS = "deaths"  # meta key: {cell key: [prompt ids it was running when the process died]}
 LIMIT = 2  # deaths of the process in one cell after which the cell is skipped
 CRASH_ENV = "DRAFTLAB_CRASH_CELL"
+SIGNAL_ENV = "DRAFTLAB_CRASH_SIGNAL"  # with CRASH_ENV: SEGV (a crash, the default) or KILL (a stop from outside)
+TEST_SIGNALS = {"SEGV": signal.SIGSEGV, "KILL": signal.SIGKILL}
 
 
 @dataclass
@@ -34,24 +44,48 @@ class CrashLog:
 
     @classmethod
     def open(cls, store: ResultsStore) -> "CrashLog":
-        """Read the deaths so far; count the last run's, when its mark is still there, and say so."""
+        """Read the deaths so far; when the last run's mark is still there, count its death if it crashed (a fatal
+        signal's traceback in the `.fatal` file), and say which it was."""
         log = cls(store, _deaths(store.get_meta(DEATHS)))
         running = _read(store.get_meta(RUNNING))
+        crashed = _fatal_signal(fatal_file(store))
         if {"cell", "prompt"} <= set(running) and str(running["cell"]).count("|") >= 3:
-            log.deaths.setdefault(str(running["cell"]), []).append(str(running["prompt"]))
-            store.set_meta(DEATHS, json.dumps(log.deaths))
+            cell, prompt = str(running["cell"]), str(running["prompt"])
             store.set_meta(RUNNING, "")
-            times = len(log.deaths[running["cell"]])
-            print(f"sweep: the last run died while running {_words(running['cell'])} on {running['prompt']} "
-                  f"({times} time(s); {'its cell is skipped' if times >= LIMIT else 'it runs again now'})")
+            if crashed:
+                log.deaths.setdefault(cell, []).append(prompt)
+                store.set_meta(DEATHS, json.dumps(log.deaths))
+                times = len(log.deaths[cell])
+                print(f"sweep: the last run died while running {_words(cell)} on {prompt} ({crashed}; {times} "
+                      f"time(s); {'its cell is skipped' if times >= LIMIT else 'it runs again now'})")
+            else:
+                print(f"sweep: the last run was stopped from outside while running {_words(cell)} on {prompt} (no "
+                      "crash: it runs again now)")
         return log
+
+    @contextmanager
+    def watching(self) -> Iterator[None]:
+        """While the sweep runs, a fatal signal's traceback goes to the `.fatal` file (removed when the sweep ends
+        without one); the process's earlier fault handler is restored after."""
+        path = fatal_file(self.store)
+        was_enabled = faulthandler.is_enabled()
+        with open(path, "w", encoding="utf-8") as handle:
+            faulthandler.enable(file=handle)
+            try:
+                yield
+            finally:
+                faulthandler.disable()
+                _restore_stderr_handler(was_enabled)
+        if path.stat().st_size == 0:
+            path.unlink()
 
     def start(self, cell_key: str, prompt_id: str) -> None:
         """Mark a run as in progress (committed before it starts). `DRAFTLAB_CRASH_CELL=TEXT` then kills the process
-        by SIGSEGV when the cell's key holds TEXT: how the tests make a cell crash as a native library would."""
+        by SIGSEGV when the cell's key holds TEXT (by SIGKILL with `DRAFTLAB_CRASH_SIGNAL=KILL`): how the tests make a
+        cell crash as a native library would, or stop the process as kill -9 would."""
         self.store.set_meta(RUNNING, json.dumps({"cell": cell_key, "prompt": prompt_id}))
         if os.environ.get(CRASH_ENV) and os.environ[CRASH_ENV] in cell_key:
-            os.kill(os.getpid(), signal.SIGSEGV)
+            os.kill(os.getpid(), TEST_SIGNALS.get(os.environ.get(SIGNAL_ENV, "SEGV"), signal.SIGSEGV))
 
     def end(self) -> None:
         """No run in progress any more."""
@@ -96,6 +130,31 @@ def skip_fatal(crashes: CrashLog, groups: list, targets: dict, store: ResultsSto
             done.add((cell.key, prompt.id))
         if pending:
             print(f"sweep: {_words(key)} {reason}")
+
+
+def fatal_file(store: ResultsStore) -> Path:
+    """Beside the study's database: where a fatal signal's traceback is written while a sweep runs."""
+    return store.path.with_name(store.path.name + ".fatal")
+
+
+def _fatal_signal(path: Path) -> str:
+    """The fatal error the last sweep's process wrote ('' when none: it ended, or was stopped from outside)."""
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return ""
+    return next((line.removeprefix("Fatal Python error: ").strip() for line in lines if line.strip()), "")
+
+
+def _restore_stderr_handler(was_enabled: bool) -> None:
+    """Enable the fault handler on standard error again where it was on before (a test runner's, an embedding
+    application's); a standard error without a file descriptor cannot take it."""
+    if not was_enabled:
+        return
+    try:
+        faulthandler.enable(file=sys.__stderr__)
+    except (ValueError, AttributeError, OSError, RuntimeError):
+        pass
 
 
 def _read(text: str | None) -> dict:

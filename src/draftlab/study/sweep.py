@@ -81,7 +81,8 @@ def run_sweep(config: SweepConfig, store: ResultsStore, progress: bool = True, g
         if all((c.key, p.id) in done for g in groups for cells in g.cells.values() for c in cells for p in g.prompts):
             return 0
         try:
-            return _run_all(config, store, groups, done, progress, crashes)
+            with crashes.watching():
+                return _run_all(config, store, groups, done, progress, crashes)
         finally:  # a Python error or an interrupt is not a native crash: only a dead process leaves its mark
             crashes.end()
 
