@@ -143,7 +143,7 @@ def _fatal_signal(path: Path) -> str:
         lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError:
         return ""
-    return next((line.removeprefix("Fatal Python error: ").strip() for line in lines if line.strip()), "")
+    return next((line.removeprefix("Fatal Python error: ").strip()[:80] for line in lines if line.strip()), "")
 
 
 def _restore_stderr_handler(was_enabled: bool) -> None:
