@@ -18,18 +18,19 @@ fi
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/python -m pip install --quiet "torch==2.13.0"
 fi
-# llama.cpp (the llamacpp backend) compiles with this machine's compiler, ~4 minutes on 2 cores the first time
-# (pip caches the wheel). Without llamafile's sgemm, a row of a block rounds as the row scored alone. Without ggml's
-# AMX kernels (which `-march=native` compiles in on AMX CPUs): they crash every decode there (docs/backends.md).
-NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-LLAMA_CMAKE_ARGS="${CMAKE_ARGS:-} -DGGML_LLAMAFILE=OFF -DCMAKE_C_FLAGS='$NO_AMX' -DCMAKE_CXX_FLAGS='$NO_AMX'"
-CMAKE_ARGS="$LLAMA_CMAKE_ARGS" .venv/bin/python -m pip install --quiet -e ".[test,llamacpp]"
-# pip reuses a cached wheel whatever CMAKE_ARGS says: check what is installed, and rebuild a library that holds AMX.
-if ! bash scripts/check-no-amx.sh .venv/bin/python; then
-  echo "run.sh: the installed llama.cpp holds ggml's AMX kernels (a cached wheel); rebuilding it without them (~4 min)"
-  CMAKE_ARGS="$LLAMA_CMAKE_ARGS" .venv/bin/python -m pip install --quiet --no-cache-dir --force-reinstall --no-deps \
-    "llama-cpp-python==0.3.36"
-  bash scripts/check-no-amx.sh .venv/bin/python || { echo "run.sh: llama.cpp still holds AMX kernels" >&2; exit 1; }
+.venv/bin/python -m pip install --quiet -e ".[test]"
+# llama.cpp, compiled once here (~6 minutes on 2 cores, cached in ~/.cache/draftlab) for both of its engines:
+# llama-cpp-python (the llamacpp backend) loads its libraries, built without llamafile's sgemm so that a row of a block
+# rounds as the row scored alone; llama-server, the server CPU users deploy, runs on the same libraries but its own
+# ggml-cpu with llama.cpp's defaults (the one part compiled twice). Both without ggml's AMX kernels, which crash every
+# decode on AMX CPUs; what is installed is checked (docs/backends.md). The study races llama-server's own
+# speculation beside draftlab's; a failed build leaves the llama.cpp engines out, with one line.
+if ! bash scripts/build-llama-cpp.sh .venv/bin/python >/dev/null; then
+  # An installed library that holds AMX kernels (exit 1) stops here; a build that failed leaves the engines out.
+  if [ "$(bash scripts/check-no-amx.sh .venv/bin/python 2>/dev/null; echo $?)" = 1 ]; then
+    echo "run.sh: the installed llama.cpp holds ggml's AMX kernels (scripts/check-no-amx.sh)" >&2; exit 1
+  fi
+  echo "run.sh: llama.cpp was not built (see above); the study leaves its llama.cpp cells out"
 fi
 # Suffix decoding (--drafter suffix) runs Arctic Inference's suffix trees, as vLLM does. 0.3.0 is a source package
 # (~20 s to build) whose build needs these tools and this venv's Python first on PATH (else CMake finds another).
@@ -38,10 +39,6 @@ if ! .venv/bin/python -c "import arctic_inference.suffix_decoding" 2>/dev/null; 
   PATH="$PWD/.venv/bin:$PATH" .venv/bin/python -m pip install --quiet --no-build-isolation --no-deps \
     "arctic-inference==0.3.0"
 fi
-# llama-server, the server CPU users deploy, from the same llama.cpp source (~4-10 minutes on 2 cores, once, cached):
-# the study races its own speculative types beside draftlab's. Without it those cells are left out, with one line.
-PYTHON=.venv/bin/python bash scripts/build-llama-server.sh >/dev/null \
-  || echo "run.sh: llama-server was not built (see above); the study leaves its cells out"
 if [ "${1:-}" = "--setup-only" ]; then
   exit 0
 fi

@@ -7,7 +7,7 @@
 # The training text is the designed feature draft's (scripts/build-draft.sh: the target's own answers to 480 of
 # 1200 prompts; ~17 min on 2 CPU cores without native bf16, reused from --reuse-text DIR when given). Resumes
 # where it stopped when run again. Also writes the engines' checkpoint (vLLM, SGLang) and, with llama-server
-# built (scripts/build-llama-server.sh), llama.cpp's GGUF.
+# built (scripts/build-llama-cpp.sh), llama.cpp's GGUF.
 #   bash scripts/build-eagle3.sh [OUT]        (default OUT: drafts/smollm2-eagle3)
 # Use it with: draftlab bench --drafter model:OUT --k 3 --dataset humaneval --skip 60 --limit 20
 set -euo pipefail

@@ -1,8 +1,8 @@
 """llama-server, llama.cpp's OpenAI-compatible server, as an engine draftlab starts, drives and stops.
 
-What CPU users deploy, with its own speculative decoding (`--spec-type`). `scripts/build-llama-server.sh` builds it
-from the llama.cpp that llama-cpp-python vendors (the same source as draftlab's llamacpp backend) into draftlab's
-cache; `$DRAFTLAB_LLAMA_SERVER` names another binary. A `LlamaServer` runs one configuration (`ServerConfig`: the
+What CPU users deploy, with its own speculative decoding (`--spec-type`). `scripts/build-llama-cpp.sh` builds it
+from the llama.cpp that llama-cpp-python vendors, in the same build as draftlab's llamacpp backend's libraries, into
+draftlab's cache; `$DRAFTLAB_LLAMA_SERVER` names another binary. A `LlamaServer` runs one configuration (`ServerConfig`: the
 model, a draft, the speculative flags, threads, slots) on a free port of 127.0.0.1 only, waits until it answers
 `/health`, and is stopped on every exit path: `stop()`, leaving a `with` block (an exception, Ctrl-C), and the
 death of the Python process that started it (the kernel signals the server: `PR_SET_PDEATHSIG`), so no server is
@@ -35,7 +35,7 @@ from draftlab.errors import DraftlabError
 from draftlab.metrics import GenerationStats
 
 SERVER_VERSION = "0.3.36"  # the llama-cpp-python release whose vendored llama.cpp it is built from
-BUILD_HINT = "build it with scripts/build-llama-server.sh (~10 minutes on 2 cores), or set DRAFTLAB_LLAMA_SERVER"
+BUILD_HINT = "build it with scripts/build-llama-cpp.sh (~6 minutes on 2 cores), or set DRAFTLAB_LLAMA_SERVER"
 START_TIMEOUT_S = 180.0  # loading a 1.5B model on 2 cores takes seconds; a stuck start is an error
 REQUEST_TIMEOUT_S = 600.0
 SPEC_TYPES = ("draft-simple", "draft-eagle3", "draft-mtp", "draft-dflash", "draft-dspark", "ngram-simple",
@@ -49,11 +49,15 @@ class ServerExited(DraftlabError):
 def server_binary() -> Path:
     """The llama-server binary: `$DRAFTLAB_LLAMA_SERVER`, else the one the build script put in draftlab's cache."""
     explicit = os.environ.get("DRAFTLAB_LLAMA_SERVER")
-    path = Path(explicit).expanduser() if explicit else assets.cache_dir() / "llama-server" / SERVER_VERSION / \
-        "llama-server"
+    path = Path(explicit).expanduser() if explicit else build_dir() / "server" / "llama-server"
     if not (path.is_file() and os.access(path, os.X_OK)):
         raise DraftlabError(f"llama-server not found at {path}; {BUILD_HINT}")
     return path
+
+
+def build_dir() -> Path:
+    """Where scripts/build-llama-cpp.sh puts its build: lib/, server/ and the GGUF converter in convert/."""
+    return assets.cache_dir() / "llama.cpp" / SERVER_VERSION
 
 
 def server_built() -> bool:

@@ -8,9 +8,11 @@ kernels and its default ones, which repack the weights). An engine whose child i
 nonzero or hangs past the time limit is left out with one line naming the engine, what happened and what to do;
 the work goes on with the others.
 
-`DRAFTLAB_PREFLIGHT_FAULT=ENGINE:MODE[:SOURCE]` (ENGINE: torch, llama.cpp or llama-server; MODE: segv, hang or
-exit) makes the child of that engine (on that model) die that way before it decodes: how the tests reproduce a
-crashing library on any host.
+`DRAFTLAB_PREFLIGHT_FAULT=ENGINE:MODE[:SOURCE]` (ENGINE: torch, llama.cpp or llama-server; MODE: segv, hang,
+hang=SECONDS or exit) makes the child of that engine (on that model) die that way before it decodes: how the tests
+reproduce a crashing library on any host. `hang=SECONDS` is judged by its own limit: the parent waits that long for
+that child, while every other engine keeps the work's limit, which a healthy engine on a slow host meets with a wide
+margin (a tiny model's check takes ~10 s on the slowest hosts seen; the default limit is 300 s).
 """
 
 from __future__ import annotations
@@ -31,10 +33,10 @@ FAULT_ENV = "DRAFTLAB_PREFLIGHT_FAULT"
 ENGINES = ("torch", "llama.cpp", "llama-server")
 REMEDY = {
     "torch": "check torch on that device, or run with another --device or --dtype",
-    "llama.cpp": "rebuild llama-cpp-python with ./run.sh --setup-only (it rebuilds a library that holds ggml's AMX "
+    "llama.cpp": "rebuild llama.cpp with ./run.sh --setup-only (it rebuilds a library that holds ggml's AMX "
                  "kernels; docs/backends.md)",
-    "llama-server": "rebuild it: remove draftlab's llama-server cache (~/.cache/draftlab/llama-server) and run "
-                    "scripts/build-llama-server.sh",
+    "llama-server": "rebuild it: remove draftlab's llama.cpp build (~/.cache/draftlab/llama.cpp) and run "
+                    "scripts/build-llama-cpp.sh",
 }
 
 
@@ -112,6 +114,7 @@ def check_engine(check: EngineCheck, timeout_s: float = TIMEOUT_S) -> Verdict:
     command = [sys.executable, "-m", "draftlab.preflight", json.dumps(asdict(check))]
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                              start_new_session=True)
+    timeout_s = _fault_limit(check) or timeout_s
     try:
         _, err = child.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -145,12 +148,28 @@ def _kill_group(child: subprocess.Popen) -> None:
     child.communicate()
 
 
-def _fault(check: EngineCheck) -> None:
-    """Die as `DRAFTLAB_PREFLIGHT_FAULT=ENGINE:MODE[:SOURCE]` says, when it names this engine (and source): tests."""
+def _fault_mode(check: EngineCheck) -> str:
+    """The fault `DRAFTLAB_PREFLIGHT_FAULT=ENGINE:MODE[:SOURCE]` asks of this check ('' when it names another)."""
     named, _, rest = os.environ.get(FAULT_ENV, "").partition(":")
     mode, _, source = rest.partition(":")
-    if named != check.engine or source not in ("", check.source):
-        return
+    return mode if named == check.engine and source in ("", check.source) else ""
+
+
+def _fault_limit(check: EngineCheck) -> float:
+    """A `hang=SECONDS` fault's own limit for this check (0 for none): a test's hang is judged by it, not by the
+    limit every healthy engine keeps."""
+    mode, _, seconds = _fault_mode(check).partition("=")
+    if mode != "hang" or not seconds:
+        return 0.0
+    try:
+        return max(float(seconds), 0.1)
+    except ValueError:
+        raise DraftlabError(f"{FAULT_ENV}: hang={seconds!r} is not a number of seconds") from None
+
+
+def _fault(check: EngineCheck) -> None:
+    """Die as `DRAFTLAB_PREFLIGHT_FAULT` says, when it names this engine (and source): tests."""
+    mode = _fault_mode(check).partition("=")[0]
     if mode == "segv":
         os.kill(os.getpid(), signal.SIGSEGV)
     elif mode == "hang":

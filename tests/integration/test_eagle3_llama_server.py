@@ -65,7 +65,7 @@ def test_the_shipped_smollm2_eagle3_draft_drafts_on_llama_server(binary, tmp_pat
 @next(m for m in qwen_marks if m.name == "skipif")  # the Qwen pair's: cached, or DRAFTLAB_QWEN=1 (CI)
 def test_an_eagle3_draft_trained_here_drafts_for_the_qwen_target(binary, tmp_path):
     """`draftlab design eagle3 --gguf` end to end on the Qwen2.5-Coder 1.5B (a few steps on prompt text), then
-    llama-server drafts with it: its qwen2 graph hands EAGLE-3 the layer inputs (scripts/build-llama-server.sh)."""
+    llama-server drafts with it: its qwen2 graph hands EAGLE-3 the layer inputs (scripts/build-llama-cpp.sh)."""
     out = tmp_path / "draft"
     command = [sys.executable, "-m", "draftlab.cli", "design", "eagle3", "--target", "qwen2.5-coder-1.5b", "--out",
                str(out), "--datasets", "humaneval:40", "--generate", "0", "--vocab", "4096", "--intermediate-size",

@@ -1,6 +1,6 @@
 """llama-server started, driven and stopped by draftlab: real servers on the shipped SmolLM2 GGUF.
 
-The server is built by scripts/build-llama-server.sh (CI runs it, and sets DRAFTLAB_REQUIRE_LLAMA_SERVER so that a
+The server is built by scripts/build-llama-cpp.sh (CI runs it, and sets DRAFTLAB_REQUIRE_LLAMA_SERVER so that a
 missing binary fails here instead of skipping)."""
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def test_start_failures_are_one_line_naming_the_cause(binary, tmp_path):
 
 def test_a_missing_binary_says_how_to_build_it(monkeypatch, tmp_path):
     monkeypatch.setenv("DRAFTLAB_LLAMA_SERVER", str(tmp_path / "nowhere"))
-    with pytest.raises(DraftlabError, match="build it with scripts/build-llama-server.sh"):
+    with pytest.raises(DraftlabError, match="build it with scripts/build-llama-cpp.sh"):
         server_binary()
 
 

@@ -37,10 +37,24 @@ def test_the_installed_llama_cpp_holds_no_amx_kernels():
     assert check.returncode == 0, check.stderr
 
 
+def server_ggml(binary: Path) -> dict[str, str]:
+    """The ggml libraries llama-server loads (beside it: scripts/build-llama-cpp.sh), by name: their symbols."""
+    return {lib.name: symbols(lib, dynamic=True) for lib in sorted(binary.parent.glob("libggml*.so"))}
+
+
 def test_the_built_llama_server_holds_no_amx_kernels(binary):
-    table = symbols(binary, dynamic=False)
-    assert "ggml_backend_cpu_init" in table  # not stripped: the check can fail
-    assert AMX not in table
+    table = server_ggml(binary)
+    assert "ggml_backend_cpu_init" in "".join(table.values())  # the symbols are readable: the check can fail
+    assert not [name for name, text in table.items() if AMX in text]
+
+
+def test_llama_server_has_llamas_default_kernels_and_the_backend_its_exact_ones(binary):
+    """One build: llama-server's ggml-cpu with llama.cpp's defaults (llamafile's sgemm), the library llama-cpp-python
+    loads without it (a row of a block rounds as the row alone); the other libraries are the same files' copies."""
+    assert "llamafile_sgemm" in server_ggml(binary)["libggml-cpu.so"]
+    installed = {lib.name: lib for lib in installed_ggml()}
+    assert "llamafile_sgemm" not in symbols(installed["libggml-cpu.so"], dynamic=True)
+    assert (binary.parent / "libggml-base.so").read_bytes() == installed["libggml-base.so"].read_bytes()
 
 
 def test_run_shs_check_finds_amx_kernels_in_a_cached_wheels_library(tmp_path):

@@ -34,18 +34,23 @@ def models(tmp_path_factory):
     return root, tiny_model_dir(root / "one", seed=0), tiny_model_dir(root / "two", seed=1)
 
 
-@pytest.mark.parametrize("mode, timeout, words", [("segv", 300, "was killed by SIGSEGV"),
-                                                  ("hang", 8, "did not decode 4 tokens within 8 s (a hang)")])
-def test_a_preflight_that_dies_leaves_its_engine_out_and_the_study_answers_with_the_others(models, mode, timeout,
-                                                                                          words):
+def study_args(root, out) -> list[str]:
+    """A study of the two tiny models, with the default preflight limit (which a healthy engine meets on any host)."""
+    _, one, two = root
+    return ["study", "--out", str(out), "--targets", str(one), str(two), "--drafters", "ngram", "--ks", "2",
+            "--methods", "sps", "--datasets", prompts_file(root[0] / "p.jsonl"), "--limit", "3", "--max-new-tokens", "8",
+            "--warmup", "0", "--no-host-baselines", "--race-after", "0", "--no-progress"]
+
+
+# A hang is judged by its own limit (`hang=5`: the parent waits 5 s for that child); the healthy engine keeps the
+# default limit (300 s), which it meets on any host: no test races the host's speed.
+@pytest.mark.parametrize("mode, words", [("segv", "was killed by SIGSEGV"),
+                                         ("hang=5", "did not decode 4 tokens within 5 s (a hang)")])
+def test_a_preflight_that_dies_leaves_its_engine_out_and_the_study_answers_with_the_others(models, mode, words):
     root, one, two = models
     out = root / f"study-{mode}"
     # The fault names the engine and, for the test, the source: one tiny model's torch engine dies, the other runs.
-    result = draftlab(["study", "--out", str(out), "--targets", str(one), str(two), "--drafters", "ngram", "--ks", "2",
-                       "--methods", "sps", "--datasets", prompts_file(root / "p.jsonl"),
-                       "--limit", "3", "--max-new-tokens", "8", "--warmup", "0", "--no-host-baselines",
-                       "--race-after", "0", "--no-progress", "--preflight-timeout", str(timeout)],
-                      {FAULT_ENV: f"torch:{mode}:{two}"})
+    result = draftlab(study_args(models, out), {FAULT_ENV: f"torch:{mode}:{two}"})
     assert result.returncode == 0, result.stderr[-2000:]
     lines = [line for line in result.stdout.splitlines() if words in line]
     assert len([line for line in lines if line.startswith("sweep: ")]) == 1, result.stdout
@@ -56,6 +61,18 @@ def test_a_preflight_that_dies_leaves_its_engine_out_and_the_study_answers_with_
     targets = {r["target"] for r in store.rows()}
     store.close()
     assert targets == {str(one)}  # the other engine ran every cell; the dead one none
+
+
+def test_a_study_whose_every_engine_fails_its_preflight_exits_1_with_a_line_per_engine(models):
+    root, one, two = models
+    result = draftlab(study_args(models, root / "study-all-dead"), {FAULT_ENV: "torch:segv"})
+    assert result.returncode == 1, (result.stdout[-2000:], result.stderr[-2000:])
+    lines = [line for line in result.stdout.splitlines() if "was killed by SIGSEGV" in line]
+    assert len(lines) == 2 and any(str(one) in line for line in lines) and any(str(two) in line for line in lines)
+    assert result.stderr.strip().splitlines() == [
+        "draftlab: error: every engine of this study failed its preflight (said above, one line each); nothing was "
+        "measured"]
+    assert "Traceback" not in result.stdout + result.stderr and "draftlab sweep" not in result.stdout + result.stderr
 
 
 def test_a_preflight_reports_a_nonzero_exit_with_its_last_error_line(models):

@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         args.run(args)
     except DraftlabError as exc:
         print(f"draftlab: error: {_one_line(str(exc))}", file=sys.stderr)
-        return 2
+        return exc.exit_code
     except KeyboardInterrupt:
         print("draftlab: interrupted", file=sys.stderr)
         return 130

@@ -3,7 +3,7 @@
 llama.cpp's converter (`convert_hf_to_gguf.py DRAFT_DIR --target-model-dir TARGET_DIR`) reads the engines'
 checkpoint (`draftlab.drafters.eagle3_checkpoint`) and the target's tokenizer and config; `write_target_dir` writes
 those two from the target draftlab loaded (a GGUF target has no HF directory). `to_gguf` runs the converter of the
-llama.cpp that draftlab's llama-server is built from (kept beside the binary by `scripts/build-llama-server.sh`).
+llama.cpp that draftlab's llama-server is built from (kept in the build by `scripts/build-llama-cpp.sh`).
 """
 
 from __future__ import annotations
@@ -13,12 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from draftlab import assets
 from draftlab.errors import DraftlabError
-from draftlab.llama_server import BUILD_HINT, SERVER_VERSION
+from draftlab.llama_server import BUILD_HINT, build_dir
 from draftlab.models import LoadedModel
 
-CONVERTER_DIR = "convert"  # beside the llama-server binary: convert_hf_to_gguf.py, conversion/, gguf-py/
+CONVERTER_DIR = "convert"  # in the llama.cpp build: convert_hf_to_gguf.py, conversion/, gguf-py/
 
 
 def write_target_dir(target: LoadedModel, out: str | Path) -> Path:
@@ -33,7 +32,7 @@ def write_target_dir(target: LoadedModel, out: str | Path) -> Path:
 
 def converter() -> Path:
     """The llama.cpp converter kept beside the llama-server binary."""
-    script = assets.cache_dir() / "llama-server" / SERVER_VERSION / CONVERTER_DIR / "convert_hf_to_gguf.py"
+    script = build_dir() / CONVERTER_DIR / "convert_hf_to_gguf.py"
     if not script.is_file():
         raise DraftlabError(f"llama.cpp's converter not found at {script}; {BUILD_HINT}")
     return script

@@ -21,7 +21,7 @@ from draftlab.api import prompt_ids
 from draftlab.backends import engine_of_backend
 from draftlab.backends.base import ROUNDING
 from draftlab.datasets import Prompt, load_prompts
-from draftlab.errors import DraftlabError
+from draftlab.errors import DraftlabError, NothingToMeasure
 from draftlab.llama_server import ServerExited, server_binary
 from draftlab.server_configs import ServerPool
 from draftlab.measure import EncodedPrompt, Rechecks, RunRecord, measure_prompt
@@ -92,10 +92,14 @@ def _run_all(config: SweepConfig, store: ResultsStore, groups: list[Group], done
     """Check the engines, load every target whose engine runs, then run every group's pending (cell, prompt)
     pairs; returns the records added. The llama-server cells' servers are stopped on every way out."""
     left_out = preflight(config, store)
+    runnable = [name for name in config.targets if not left_out.get(name, set()) - {"llama-server"}]
+    if not runnable:
+        raise NothingToMeasure("every engine of this study failed its preflight (said above, one line each); "
+                               "nothing was measured")
     servers = ServerPool(store.path.with_name(store.path.stem + ".server-logs"))
     try:
         targets = {name: _start_target(name, config, store, done, servers, "llama-server" in left_out.get(name, ()))
-                   for name in config.targets if not left_out.get(name, set()) - {"llama-server"}}
+                   for name in runnable}
         skip_fatal(crashes, groups, targets, store, done)
         todo = sum(1 for g in groups for t, cells in g.cells.items() if t in targets
                    for c in targets[t].runnable(cells) for p in g.prompts if (c.key, p.id) not in done)

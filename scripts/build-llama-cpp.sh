@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# Build llama.cpp once, from the llama.cpp that llama-cpp-python 0.3.36 vendors (its source package from the package
+# index), for both of draftlab's llama.cpp engines, and install llama-cpp-python over it:
+#   $out/lib/      libllama, libggml*, libmtmd: what llama-cpp-python loads (copied into its package's lib/), built
+#                  without llamafile's sgemm so that a row of a block rounds as the row scored alone;
+#   $out/server/   llama-server as users build it (llama.cpp's defaults, sgemm on), on the same libraries but its
+#                  own libggml-cpu: the one target whose switches differ is the only one compiled twice;
+#   $out/convert/  the same llama.cpp's GGUF converter (EAGLE-3 drafts for llama-server, `draftlab design eagle3`).
+# $out is $DRAFTLAB_CACHE/llama.cpp/0.3.36 (default ~/.cache/draftlab). ~6 minutes on 2 cores, once; no network
+# beyond the package index (the server's web UI, which the default build downloads, is left out). ggml's AMX kernels
+# are compiled out everywhere: they crash every decode on AMX CPUs (docs/backends.md); a build holding them is
+# refused, a cached one rebuilt.
+#   scripts/build-llama-cpp.sh [PYTHON]   build unless built, install llama-cpp-python into PYTHON's environment
+#                                         (default python3) unless it is there, copy the libraries in, check them
+set -euo pipefail
+VERSION=0.3.36
+PYTHON=${1:-${PYTHON:-python3}}
+here=$(cd "$(dirname "$0")" && pwd)
+cache=${DRAFTLAB_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/draftlab}
+out="$cache/llama.cpp/$VERSION"
+sdist="$out/llama_cpp_python-$VERSION.tar.gz"
+stamp="$out/built"  # written last: a build killed half way is redone
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+work=""
+trap '[ -z "$work" ] || rm -rf "$work"' EXIT
+holds_amx() { nm -D "$1" 2>/dev/null | grep -q 'ggml_backend_amx'; }
+
+built_without_amx() {
+  [ -f "$stamp" ] && [ -x "$out/server/llama-server" ] && [ -f "$out/lib/libllama.so" ] || return 1
+  local lib
+  for lib in "$out"/lib/libggml*.so "$out"/server/libggml*.so; do
+    if holds_amx "$lib"; then
+      echo "build-llama-cpp: the cached $lib holds ggml's AMX kernels; rebuilding without them" >&2
+      return 1
+    fi
+  done
+}
+
+need_tools() {
+  local tool
+  for tool in cmake c++ make tar nm; do
+    if ! command -v "$tool" >/dev/null 2>&1; then
+      echo "build-llama-cpp: '$tool' not found; install it (Debian/Ubuntu: apt-get install cmake g++ make binutils)" >&2
+      exit 2
+    fi
+  done
+}
+
+# EAGLE-3 drafting in llama-server (--spec-type draft-eagle3) reads the inputs of three target layers, which each
+# model's graph must hand over (`res->t_layer_inp[il] = inpL;`, as its llama graph does); this release's qwen2 graph
+# does not, and llama-server aborts on a Qwen2 target. Add that one line (it only records a tensor's address).
+patch_qwen2() {
+  local qwen2="$1/src/models/qwen2.cpp"
+  if ! grep -q 't_layer_inp' "$qwen2"; then
+    sed -i 's|^\( *\)for (int il = 0; il < n_layer; ++il) {$|&\n\1    res->t_layer_inp[il] = inpL;|' "$qwen2"
+    grep -q 'res->t_layer_inp\[il\] = inpL;' "$qwen2" || { echo "build-llama-cpp: could not add the qwen2 hook" >&2; exit 1; }
+  fi
+}
+
+# configure SRC BUILD SGEMM: shared libraries that find each other beside themselves ($ORIGIN), no AMX.
+configure() {
+  CFLAGS="${CFLAGS:-} $NO_AMX" CXXFLAGS="${CXXFLAGS:-} $NO_AMX" cmake -G "Unix Makefiles" -S "$1" -B "$2" \
+    -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DGGML_LLAMAFILE="$3" \
+    -DCMAKE_INSTALL_RPATH='$ORIGIN' -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_USE_PREBUILT_UI=OFF \
+    -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF
+}
+
+build() {
+  need_tools
+  mkdir -p "$out"
+  local log src jobs
+  work=$(mktemp -d "$out/.build.XXXXXX")
+  log="$out/build.log"
+  jobs=$(nproc)
+  echo "build-llama-cpp: building llama-cpp-python $VERSION's llama.cpp once for draftlab's llamacpp backend and llama-server (~6 minutes on 2 cores; log: $log)" >&2
+  if [ ! -f "$sdist" ]; then
+    "$PYTHON" -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$work" >"$log" 2>&1 \
+      || { echo "build-llama-cpp: could not download llama-cpp-python $VERSION's source package; see $log" >&2; exit 1; }
+    mv "$work/llama_cpp_python-$VERSION.tar.gz" "$sdist"
+  fi
+  tar -xzf "$sdist" -C "$work"
+  src="$work/llama_cpp_python-$VERSION/vendor/llama.cpp"
+  patch_qwen2 "$src"
+  # One build of everything with draftlab's switches (sgemm off) ...
+  if ! { configure "$src" "$work/exact" OFF \
+         && cmake --build "$work/exact" --target llama mtmd llama-server -j"$jobs"; } >>"$log" 2>&1; then
+    echo "build-llama-cpp: the build failed; the last lines of $log:" >&2; tail -5 "$log" >&2; exit 1
+  fi
+  # ... then only ggml-cpu again with llama.cpp's default (sgemm on), for llama-server: `ggml-cpu/fast` builds the
+  # target without rebuilding what it links to; it links to the first build's libggml-base, the same switches.
+  if ! { configure "$src" "$work/default" ON \
+         && mkdir -p "$work/default/bin" && cp -a "$work/exact/bin/"libggml-base.so* "$work/default/bin/" \
+         && make -C "$work/default" ggml-cpu/fast -j"$jobs"; } >>"$log" 2>&1; then
+    echo "build-llama-cpp: the build of llama-server's ggml-cpu failed; the last lines of $log:" >&2; tail -5 "$log" >&2
+    exit 1
+  fi
+  rm -rf "$out/lib" "$out/server" "$out/convert" "$stamp"
+  mkdir -p "$out/lib" "$out/server"
+  cp -a "$work/exact/bin/"lib{llama,ggml,ggml-base,ggml-cpu,mtmd}.so* "$out/lib/"
+  cp -a "$work/exact/bin/"*.so* "$work/exact/bin/llama-server" "$out/server/"
+  cp -a "$work/default/bin/"libggml-cpu.so* "$out/server/"
+  mkdir -p "$out/convert"
+  cp -r "$src/convert_hf_to_gguf.py" "$src/conversion" "$src/gguf-py" "$out/convert/"
+  for lib in "$out"/lib/libggml*.so "$out"/server/libggml*.so; do
+    if holds_amx "$lib"; then
+      echo "build-llama-cpp: the build still holds ggml's AMX kernels ($lib: nm -D shows ggml_backend_amx_*)" >&2
+      exit 1
+    fi
+  done
+  touch "$stamp"
+}
+
+# llama-cpp-python's Python package without a build of its own (LLAMA_BUILD=OFF), then the libraries above in its
+# lib/. Not from pip's wheel cache: a wheel cached by an earlier build (or this one's empty one) is not reused.
+install_python_package() {
+  local libdir
+  if ! "$PYTHON" -c "import importlib.metadata as m; assert m.version('llama_cpp_python') == '$VERSION'" 2>/dev/null; then
+    CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" "$PYTHON" -m pip install --quiet --no-cache-dir "$sdist" \
+      || { echo "build-llama-cpp: pip could not install llama-cpp-python from $sdist" >&2; exit 1; }
+  fi
+  libdir=$("$PYTHON" -c "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('llama_cpp').origin).parent / 'lib')")
+  mkdir -p "$libdir"
+  rm -f "$libdir"/lib*.so*
+  cp -a "$out/lib/"*.so* "$libdir/"
+}
+
+built_without_amx || build
+install_python_package
+bash "$here/check-no-amx.sh" "$PYTHON"
+echo "$out/server/llama-server"
