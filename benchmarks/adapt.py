@@ -27,10 +27,10 @@ from collections import defaultdict
 
 from draftlab.api import SpeculativeDecoder, build_drafter, prompt_ids
 from draftlab.backends.routes import cpu_flags, cpu_model
-from draftlab.datasets import load_prompts
-from draftlab.plain import host_plain
+from draftlab.files.datasets import load_prompts
+from draftlab.contenders.plain import host_plain
 from draftlab.models import load_model
-from draftlab.policy import FixedK
+from draftlab.decoding.policy import FixedK
 
 
 def decoders(args, plain: SpeculativeDecoder) -> dict[str, SpeculativeDecoder]:

@@ -36,9 +36,9 @@ import torch
 
 from draftlab.backends import FastLlamaBackend
 from draftlab.backends.routes import KINDS, Route, choose_for, cpu_flags, cpu_model, exact_routes, gpu_name
-from draftlab.exactness import DTYPES, SHAPES, random_model, shapes_named
+from draftlab.checks.exactness import DTYPES, SHAPES, random_model, shapes_named
 from draftlab.models import load_model
-from draftlab.step import Block
+from draftlab.decoding.step import Block
 
 PROMPT = [1, 504, 3458, 282, 4125, 28, 357, 253, 2641, 30, 378, 1028, 314, 253, 1789, 2295] * 4  # 64 tokens
 

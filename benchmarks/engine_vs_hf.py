@@ -24,10 +24,10 @@ import sys
 import torch
 
 from draftlab.api import SpeculativeDecoder, eos_ids, parse_drafter_spec, prompt_ids
-from draftlab.hf_reference import HFGenerate, hf_assist
-from draftlab.measure import DECODE, END_TO_END, EncodedPrompt, RunSettings, measure
-from draftlab.plain import autoregressive
-from draftlab.datasets import load_prompts
+from draftlab.contenders.hf import HFGenerate, hf_assist
+from draftlab.measuring.loop import DECODE, END_TO_END, EncodedPrompt, RunSettings, measure
+from draftlab.contenders.plain import autoregressive
+from draftlab.files.datasets import load_prompts
 from draftlab.models import load_model
 
 

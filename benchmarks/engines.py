@@ -21,13 +21,13 @@ from collections import defaultdict
 
 from draftlab.api import SpeculativeDecoder, encode_prompt, eos_ids, prompt_ids
 from draftlab.backends.routes import cpu_flags, cpu_model
-from draftlab.datasets import load_prompts
-from draftlab.llamacpp_reference import LlamaCppPeer
-from draftlab.measure import EncodedPrompt, RunSettings, run_once
+from draftlab.files.datasets import load_prompts
+from draftlab.contenders.llama_cpp_python import LlamaCppPeer
+from draftlab.measuring.loop import EncodedPrompt, RunSettings, run_once
 from draftlab.models import gguf_path, load_model
-from draftlab.plain import default_kernels
+from draftlab.contenders.plain import default_kernels
 from draftlab.perf.calibrate import time_blocks
-from draftlab.sampling import SamplingConfig
+from draftlab.decoding.sampling import SamplingConfig
 
 PLAIN = ("llama-cpp-python generate", "draftlab llama.cpp plain (repack)", "draftlab llama.cpp plain (exact)",
          "draftlab torch plain")

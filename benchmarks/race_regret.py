@@ -26,7 +26,7 @@ from pathlib import Path
 
 from draftlab.backends.routes import cpu_flags
 from draftlab.study.cells import UP_TO_ROUNDING
-from draftlab.study.pruning import PromptSet, RaceRule, dropped_cells, race_order
+from draftlab.study.race import PromptSet, RaceRule, dropped_cells, race_order
 from draftlab.study.report import ALL, baseline_drift, load_checks, load_study, summarize
 from draftlab.study.store import ResultsStore
 from draftlab.study.sweep import make_config, plan

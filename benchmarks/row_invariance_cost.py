@@ -25,8 +25,8 @@ import draftlab.backends.fast_llama as fast_llama
 from draftlab.backends import FastLlamaBackend
 from draftlab.backends.numerics import rms_norm
 from draftlab.backends.routes import cpu_flags
-from draftlab.exactness import DTYPES, random_model, shapes_named
-from draftlab.step import Block
+from draftlab.checks.exactness import DTYPES, random_model, shapes_named
+from draftlab.decoding.step import Block
 
 PROMPT = [(31 * i + 7) % 4096 for i in range(64)]
 

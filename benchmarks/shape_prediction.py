@@ -28,20 +28,20 @@ from dataclasses import asdict, replace
 
 from draftlab.api import SpeculativeDecoder, prompt_ids
 from draftlab.backends.routes import cpu_flags
-from draftlab.datasets import load_prompts
-from draftlab.exactness import shapes_named
-from draftlab.measure import EncodedPrompt, RunSettings, measure
+from draftlab.files.datasets import load_prompts
+from draftlab.checks.exactness import shapes_named
+from draftlab.measuring.loop import EncodedPrompt, RunSettings, measure
 from draftlab.perf.calibrate import Profile
-from draftlab.perf.model import TargetProfile
+from draftlab.perf.throughput import TargetProfile
 from draftlab.perf.shapes import StepCounts, acceptance, calibrate_shape, format_predicted, predict_from
-from draftlab.policy import FixedK
+from draftlab.decoding.policy import FixedK
 from draftlab.registry import build_drafter
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="smollm2-135m")
-    parser.add_argument("--shape", default="smollm2-135m", help="the target's shape (draftlab.exactness.SHAPES)")
+    parser.add_argument("--shape", default="smollm2-135m", help="the target's shape (draftlab.checks.exactness.SHAPES)")
     parser.add_argument("--dtype", default="fp32")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--drafters", nargs="+", default=["ngram", "designed"])

@@ -24,14 +24,14 @@ from collections import defaultdict
 
 from draftlab.api import SpeculativeDecoder, build_drafter, eos_ids, prompt_ids
 from draftlab.backends.routes import cpu_flags, cpu_model
-from draftlab.datasets import load_prompts
-from draftlab.hf_reference import HFAssist, HFGenerate
-from draftlab.measure import EncodedPrompt, RunSettings, run_once
-from draftlab.plain import host_plain
-from draftlab.llamacpp_reference import LlamaCppPeer
+from draftlab.files.datasets import load_prompts
+from draftlab.contenders.hf import HFAssist, HFGenerate
+from draftlab.measuring.loop import EncodedPrompt, RunSettings, run_once
+from draftlab.contenders.plain import host_plain
+from draftlab.contenders.llama_cpp_python import LlamaCppPeer
 from draftlab.models import gguf_path, load_model
-from draftlab.policy import FixedK
-from draftlab.sampling import SamplingConfig
+from draftlab.decoding.policy import FixedK
+from draftlab.decoding.sampling import SamplingConfig
 
 GREEDY = SamplingConfig()
 

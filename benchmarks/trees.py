@@ -92,7 +92,7 @@ def tree_specs(draft: str, shapes: list[str], guide: str | None) -> list[str]:
 
 def check_model(args, specs: list[str], rows: list[dict]) -> dict:
     """Calibrate every spec at the deepest K on the benchmark's prompts; predicted vs measured decode tok/s."""
-    from draftlab.datasets import load_prompts
+    from draftlab.files.datasets import load_prompts
     from draftlab.models import load_model
     from draftlab.perf.calibrate import CalibrationSettings, calibrate
     from draftlab.perf.validate import compare, error_summary

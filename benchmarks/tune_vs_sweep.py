@@ -40,8 +40,8 @@ from draftlab.models import load_model
 from draftlab.study.report import summarize
 from draftlab.study.store import ResultsStore
 from draftlab.study.sweep import SweepConfig, run_sweep
-from draftlab.datasets import load_prompts
-from draftlab.perf.race import PLAIN
+from draftlab.files.datasets import load_prompts
+from draftlab.perf.halving import PLAIN
 from draftlab.perf.sizing import TuneSettings
 from draftlab.perf.validate import compare, error_summary, measured_cells
 from draftlab.perf.tuner import tune
@@ -195,8 +195,8 @@ def head_to_head(target, best: tuple[str, int], picked: tuple[str, int], prompts
     """Re-measure the sweep's best and the pick beside plain decoding, interleaved, on the same prompts (the race's
     rounds, decode speedups)."""
     from draftlab.api import SpeculativeDecoder
-    from draftlab.measure import RunSettings
-    from draftlab.perf.race import encode, race_speedup, run_round
+    from draftlab.measuring.loop import RunSettings
+    from draftlab.perf.halving import encode, race_speedup, run_round
 
     keys = list(dict.fromkeys([PLAIN, best, picked]))
     decoders = {key: SpeculativeDecoder.from_names(target, drafter=key[0], k=max(key[1], 1), backend=settings.backend)

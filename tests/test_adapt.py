@@ -17,7 +17,7 @@ from draftlab.drafters.feature import new_feature_draft, save_feature_draft
 from draftlab.drafters.heads import HeadsDrafter, new_heads_draft
 from draftlab.engine import GenerationConfig, SpeculativeEngine
 from draftlab.errors import DraftlabError
-from draftlab.policy import FixedK
+from draftlab.decoding.policy import FixedK
 from draftlab.registry import adapt_spec, build_drafter, parse_drafter_spec
 from tests.conftest import tiny_llama
 from tests.test_engine_sampling import K, SAMPLINGS, VOCAB, assert_joint_matches, empirical_joint, exact_joint

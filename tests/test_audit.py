@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from draftlab.audit import AuditSettings, exact_first_distribution, format_audit, run_audit
+from draftlab.checks.audit import AuditSettings, exact_first_distribution, format_audit, run_audit
 from draftlab.backends import FastLlamaBackend
 from draftlab.drafters import ModelDrafter, NoDrafter
 from draftlab.engine import GenerationConfig, SpeculativeEngine
 from draftlab.errors import DraftlabError
-from draftlab.policy import FixedK
-from draftlab.sampling import SamplingConfig, logits_to_probs, sample
-from draftlab.verify import Verdict
+from draftlab.decoding.policy import FixedK
+from draftlab.decoding.sampling import SamplingConfig, logits_to_probs, sample
+from draftlab.decoding.verify import Verdict
 from tests.conftest import noisy_copy, tiny_llama
 
 PROMPT = [1, 2, 3, 4, 5]
@@ -79,7 +79,7 @@ def test_the_exact_reference_is_plain_decodings_first_step():
     plain = engine(target, NoDrafter())
     first = plain.next_token_logits(PROMPT)  # [V]
     backend = plain.target
-    from draftlab.step import Block
+    from draftlab.decoding.step import Block
 
     backend.reset()
     backend.score_block(Block.chain(PROMPT[:-1]), last_only=True)

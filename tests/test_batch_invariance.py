@@ -12,8 +12,8 @@ from draftlab.backends.numerics import INVARIANT_ROWS, invariant_linear
 from draftlab.drafters import NGramDrafter, NoDrafter
 from draftlab.engine import GenerationConfig, SpeculativeEngine
 from draftlab.errors import DraftlabError
-from draftlab.policy import FixedK
-from draftlab.step import Block
+from draftlab.decoding.policy import FixedK
+from draftlab.decoding.step import Block
 from tests.conftest import tiny_llama
 
 PREFIX = [3, 14, 15, 92, 65, 35, 89]

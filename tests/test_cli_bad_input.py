@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from draftlab.cli import main
-from draftlab.drafters.pruned import build_draft, save_draft
+from draftlab.drafters.designed import build_draft, save_draft
 from draftlab.models import load_model
 from draftlab.study.store import ResultsStore
 from tests.conftest import tiny_model_dir

@@ -14,14 +14,14 @@ import torch
 
 from draftlab.api import SpeculativeDecoder
 from draftlab.design.distill import DistillSettings, distill, soft_cross_entropy, windows
-from draftlab.design.prune import agreement, frequent_tokens, search_layers, target_next_tokens
-from draftlab.drafters.pruned import build_draft, draft_state, load_draft, save_draft
+from draftlab.design.layer_search import agreement, frequent_tokens, search_layers, target_next_tokens
+from draftlab.drafters.designed import build_draft, draft_state, load_draft, save_draft
 from draftlab.drafters import ModelDrafter, NoDrafter
 from draftlab.engine import GenerationConfig, SpeculativeEngine
 from draftlab.errors import DraftlabError
 from draftlab.backends import make_backend
-from draftlab.policy import FixedK
-from draftlab.sampling import SamplingConfig
+from draftlab.decoding.policy import FixedK
+from draftlab.decoding.sampling import SamplingConfig
 from tests.conftest import tiny_model_dir
 
 SEQUENCES = [[(i * 7 + j * 3) % 60 for j in range(40)] for i in range(6)]
@@ -253,7 +253,7 @@ def test_design_cut_command_writes_a_draft_of_the_most_frequent_tokens(tmp_path)
 
 
 def test_fill_by_rank_tops_up_with_the_lowest_free_ids():
-    from draftlab.design.prune import fill_by_rank
+    from draftlab.design.layer_search import fill_by_rank
 
     assert fill_by_rank(torch.tensor([3, 9]), 5, 64).tolist() == [0, 1, 2, 3, 9]
     assert fill_by_rank(torch.tensor([3, 9]), 2, 64).tolist() == [3, 9]

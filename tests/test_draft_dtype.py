@@ -9,7 +9,7 @@ from draftlab.api import SpeculativeDecoder
 from draftlab.errors import DraftlabError
 from draftlab.models import load_model
 from draftlab.registry import build_drafter, parse_drafter_spec
-from draftlab.sampling import SamplingConfig
+from draftlab.decoding.sampling import SamplingConfig
 from tests.conftest import tiny_model_dir
 
 PROMPT = " ".join(f"w{(3 * i) % 50}" for i in range(10))

@@ -17,9 +17,9 @@ from draftlab.drafters.eagle3 import Eagle3Shape, is_eagle3_draft, load_eagle3_d
 from draftlab.drafters.tree import TreeDrafter, TreeShape
 from draftlab.engine import GenerationConfig, SpeculativeEngine
 from draftlab.errors import DraftlabError
-from draftlab.policy import FixedK
+from draftlab.decoding.policy import FixedK
 from draftlab.registry import build_drafter
-from draftlab.step import Block
+from draftlab.decoding.step import Block
 from tests.conftest import tiny_llama
 from tests.test_engine_sampling import K, SAMPLINGS, VOCAB, assert_joint_matches, empirical_joint, exact_joint
 
@@ -77,7 +77,7 @@ def test_training_time_test_drafts_what_the_drafter_drafts(tiny_target, trained)
     drafter = AnchoredDrafter(draft, "eagle3")
     drafter.begin(context)
     drafter.observe(taps)
-    from draftlab.sampling import SamplingConfig
+    from draftlab.decoding.sampling import SamplingConfig
 
     proposal = drafter.propose(context, 3, SamplingConfig(0.0), None).tokens
     tokens = torch.tensor([context + proposal[:2]])  # the drafted tokens are what step 1, 2 read

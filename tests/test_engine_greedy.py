@@ -9,7 +9,7 @@ from draftlab.backends.hf import HFBackend
 from draftlab.drafters import ModelDrafter, NGramDrafter, NoDrafter, build_layer_draft
 from draftlab.engine import GenerationConfig, SpeculativeEngine
 from draftlab.backends import make_backend
-from draftlab.policy import DynamicK, FixedK
+from draftlab.decoding.policy import DynamicK, FixedK
 from tests.conftest import noisy_copy
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 9, 10, 9, 10, 11], [42]]
@@ -116,7 +116,7 @@ def test_stop_strings_cut_at_the_completing_token(tiny_target, baselines):
 
 def test_seeded_sampling_is_reproducible(tiny_target):
     drafter = lambda: ModelDrafter(HFBackend(noisy_copy(tiny_target, 0.3).model))  # noqa: E731
-    from draftlab.sampling import SamplingConfig
+    from draftlab.decoding.sampling import SamplingConfig
 
     a = run(tiny_target, drafter(), FixedK(3), PROMPTS[0], sampling=SamplingConfig(1.0), seed=7)
     b = run(tiny_target, drafter(), FixedK(3), PROMPTS[0], sampling=SamplingConfig(1.0), seed=7)

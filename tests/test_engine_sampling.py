@@ -23,9 +23,9 @@ from scipy.stats import chisquare
 from draftlab.backends import FastLlamaBackend
 from draftlab.drafters import ModelDrafter, NGramDrafter
 from draftlab.engine import GenerationConfig, SpeculativeEngine
-from draftlab.policy import FixedK
+from draftlab.decoding.policy import FixedK
 from draftlab.registry import build_drafter
-from draftlab.sampling import SamplingConfig, logits_to_probs
+from draftlab.decoding.sampling import SamplingConfig, logits_to_probs
 from tests.conftest import noisy_copy, tiny_llama
 
 VOCAB = 4

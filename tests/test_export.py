@@ -16,7 +16,7 @@ import shlex
 import pytest
 
 from draftlab.errors import DraftlabError
-from draftlab.export import ENGINES, Deployable, export, vllm_config
+from draftlab.deploy import ENGINES, Deployable, export, vllm_config
 
 VLLM_METHODS = {"ngram", "medusa", "mlp_speculator", "draft_model", "suffix", "eagle", "eagle3", "ngram_gpu"}
 VLLM_FIELDS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",

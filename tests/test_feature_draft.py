@@ -13,8 +13,8 @@ from draftlab.errors import DraftlabError
 from draftlab.backends import FastLlamaBackend
 from draftlab.drafters.anchored import FeatureDrafter
 from draftlab.drafters.feature import is_feature_draft, load_feature_draft, new_feature_draft
-from draftlab.policy import FixedK
-from draftlab.step import Block
+from draftlab.decoding.policy import FixedK
+from draftlab.decoding.step import Block
 from tests.conftest import tiny_llama
 from tests.test_engine_sampling import K, SAMPLINGS, VOCAB, assert_joint_matches, empirical_joint, exact_joint
 
@@ -164,7 +164,7 @@ def test_design_feature_command_builds_a_usable_draft(tmp_path):
     import subprocess
     import sys
 
-    from draftlab.plain import autoregressive
+    from draftlab.contenders.plain import autoregressive
     from draftlab.api import SpeculativeDecoder
     from tests.conftest import tiny_model_dir
 
@@ -199,7 +199,7 @@ def test_design_feature_command_builds_a_usable_draft(tmp_path):
 
 def test_calibrate_charges_a_feature_draft_its_drafting_time(tmp_path):
     """Every drafter's cost is measured the same way: a feature draft is not free."""
-    from draftlab.datasets import Prompt
+    from draftlab.files.datasets import Prompt
     from draftlab.drafters.feature import save_feature_draft
     from draftlab.models import load_model
     from draftlab.perf.calibrate import CalibrationSettings, calibrate

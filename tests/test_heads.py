@@ -16,9 +16,9 @@ from draftlab.drafters.heads import HeadsDrafter, is_heads_draft, load_heads_dra
 from draftlab.drafters.tree import TreeDrafter, TreeShape
 from draftlab.engine import GenerationConfig, SpeculativeEngine
 from draftlab.errors import DraftlabError
-from draftlab.policy import FixedK
+from draftlab.decoding.policy import FixedK
 from draftlab.registry import build_drafter
-from draftlab.sampling import SamplingConfig
+from draftlab.decoding.sampling import SamplingConfig
 from tests.conftest import tiny_llama
 from tests.test_engine_sampling import K, SAMPLINGS, VOCAB, assert_joint_matches, empirical_joint, exact_joint
 
@@ -176,7 +176,7 @@ def test_heads_keep_the_joint_distribution(name, shape):
 
 def test_design_heads_command_trains_on_a_feature_drafts_features(trained, tmp_path):
     """`draftlab design heads --features DIR` reuses cached target features; the heads work through the API."""
-    from draftlab.plain import autoregressive
+    from draftlab.contenders.plain import autoregressive
     from draftlab.api import SpeculativeDecoder
     from tests.conftest import tiny_model_dir
 

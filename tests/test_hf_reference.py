@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from draftlab.errors import DraftlabError
-from draftlab.hf_reference import HFAssist, hf_assist, hf_generate
+from draftlab.contenders.hf import HFAssist, hf_assist, hf_generate
 from draftlab.models import LoadedModel
 from draftlab.registry import parse_drafter_spec
 from tests.conftest import noisy_copy, tiny_llama

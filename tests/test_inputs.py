@@ -7,13 +7,13 @@ import json
 import pytest
 
 from draftlab.api import parse_drafter_spec, parse_layers
-from draftlab.datasets import Prompt, balanced, load_prompts
+from draftlab.files.datasets import Prompt, balanced, load_prompts
 from draftlab.drafters import NGramDrafter, build_layer_draft, check_compatible
 from draftlab.engine import GenerationConfig, SpeculativeEngine
 from draftlab.errors import DraftlabError
 from draftlab.models import ModelSpec, convert_gguf, resolve_directory
-from draftlab.policy import DynamicK, FixedK
-from draftlab.sampling import SamplingConfig
+from draftlab.decoding.policy import DynamicK, FixedK
+from draftlab.decoding.sampling import SamplingConfig
 from tests.conftest import tiny_llama
 
 

@@ -7,13 +7,13 @@ import pytest
 from draftlab.api import SpeculativeDecoder
 from draftlab.engine import GenerationResult
 from draftlab.errors import DraftlabError
-from draftlab.measure import (
+from draftlab.measuring.loop import (
     DECODE, END_TO_END, EncodedPrompt, Measurement, Rechecks, RunRecord, RunSettings, measure, measure_prompt,
     paired, run_once, speedup,
 )
-from draftlab.metrics import GenerationStats
+from draftlab.decoding.metrics import GenerationStats
 from draftlab.models import load_model
-from draftlab.plain import autoregressive
+from draftlab.contenders.plain import autoregressive
 from tests.conftest import tiny_model_dir
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from draftlab.perf.model import (
+from draftlab.perf.throughput import (
     DraftProfile,
     TargetProfile,
     accepted_at_least,
@@ -130,7 +130,7 @@ def test_a_tree_is_predicted_with_the_block_of_its_nodes():
 
 
 def test_calibration_times_every_block_a_tree_produces(tmp_path):
-    from draftlab.datasets import Prompt
+    from draftlab.files.datasets import Prompt
     from draftlab.models import load_model
     from draftlab.perf.calibrate import CalibrationSettings, Profile, calibrate
     from tests.conftest import tiny_model_dir

@@ -9,8 +9,8 @@ from draftlab.backends import FastLlamaBackend, make_backend
 from draftlab.backends.hf import HFBackend
 from draftlab.drafters import ModelDrafter, NGramDrafter, NoDrafter
 from draftlab.engine import GenerationConfig, SpeculativeEngine
-from draftlab.policy import FixedK
-from draftlab.step import Block
+from draftlab.decoding.policy import FixedK
+from draftlab.decoding.step import Block
 
 TOKENS = [5, 9, 2, 33, 17, 8, 41, 3, 3, 60, 12, 7]
 

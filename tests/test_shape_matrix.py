@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from draftlab.exactness import SHAPES, TREES, check_shape
+from draftlab.checks.exactness import SHAPES, TREES, check_shape
 
 CPU_MLP = 1024
 ON_CPU = [(name, dtype) for name in SHAPES for dtype in ("fp32", "bf16", "fp16")]

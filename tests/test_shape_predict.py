@@ -11,9 +11,9 @@ from dataclasses import replace
 import pytest
 
 from draftlab.errors import DraftlabError
-from draftlab.exactness import Shape, shapes_named
+from draftlab.checks.exactness import Shape, shapes_named
 from draftlab.perf.calibrate import Profile, two_paths
-from draftlab.perf.model import DraftProfile, TargetProfile
+from draftlab.perf.throughput import DraftProfile, TargetProfile
 from draftlab.perf.shapes import Acceptance, StepCounts, acceptance, calibrate_shape, format_predicted, predict_from
 from draftlab.study.store import ResultsStore
 from draftlab.study.sweep import SweepConfig, run_sweep

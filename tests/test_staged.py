@@ -12,8 +12,8 @@ from draftlab.drafters.ngram import NGramDrafter
 from draftlab.drafters.staged import StagedDrafter
 from draftlab.errors import DraftlabError
 from draftlab.registry import build_drafter, parse_drafter_spec
-from draftlab.sampling import SamplingConfig
-from draftlab.step import Proposal
+from draftlab.decoding.sampling import SamplingConfig
+from draftlab.decoding.step import Proposal
 from tests.conftest import noisy_copy, tiny_llama
 from tests.test_engine_sampling import K, PROMPT, SAMPLINGS, VOCAB, adversarial, assert_joint_matches, \
     empirical_joint, exact_joint
@@ -94,7 +94,7 @@ def toy():
 def test_staged_sampling_keeps_the_joint_distribution(toy, draft, name, helper):
     """Rejection sampling at the draft's level keeps each token's law = its draft_probs row: the target's law holds."""
     from draftlab.engine import SpeculativeEngine
-    from draftlab.policy import FixedK
+    from draftlab.decoding.policy import FixedK
 
     draft_model = noisy_copy(toy, 0.8, seed=2) if draft == "noisy" else adversarial(toy)
     guesser = NGramDrafter(3, 1) if helper == "ngram" else ConstantGuess(PROMPT[-1])
@@ -131,7 +131,7 @@ def test_staged_specs_in_the_registry(tiny_target):
         build_drafter("staged:ngram/ngram", tiny_target)
     with pytest.raises(DraftlabError, match="unknown drafter"):
         parse_drafter_spec("staged:ngram", 4)
-    from draftlab.hf_reference import hf_assist
+    from draftlab.contenders.hf import hf_assist
 
     with pytest.raises(DraftlabError, match="no staged drafting"):
         hf_assist(plan, built.model, 2)

@@ -19,9 +19,9 @@ from draftlab.drafters.anchored import FeatureDrafter
 from draftlab.drafters.feature import new_feature_draft
 from draftlab.engine import GenerationConfig, SpeculativeEngine
 from draftlab.models import load_model
-from draftlab.policy import FixedK
-from draftlab.sampling import SamplingConfig, logits_to_probs
-from draftlab.step import ROOT, Block, Proposal
+from draftlab.decoding.policy import FixedK
+from draftlab.decoding.sampling import SamplingConfig, logits_to_probs
+from draftlab.decoding.step import ROOT, Block, Proposal
 from tests.conftest import noisy_copy, tiny_model_dir
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]

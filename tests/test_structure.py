@@ -120,13 +120,13 @@ def test_only_the_backends_registry_and_cli_name_the_llamacpp_engine():
 
 
 def test_every_timed_decode_goes_through_the_measurement_loop():
-    """No module but `draftlab.measure` reads a clock around a decode (`generate`, a contender's `run`); the
+    """No module but `draftlab.measuring.loop` reads a clock around a decode (`generate`, a contender's `run`); the
     engine's own stopwatch times its phases inside one generation."""
     decodes = {"generate", "hf_generate", "run", "run_once"}
     timed = []
     for path in SOURCE.rglob("*.py"):
         module, tree = _module_name(path), ast.parse(path.read_text())
-        if module == "draftlab.measure":
+        if module == "draftlab.measuring.loop":
             continue
         clocks = [n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in ("perf_counter", "time")
                   and isinstance(n.value, ast.Name) and n.value.id == "time"]
@@ -134,4 +134,4 @@ def test_every_timed_decode_goes_through_the_measurement_loop():
                   for n in ast.walk(tree) if isinstance(n, ast.Call)}
         if clocks and called & decodes:
             timed.append(f"{module}: {sorted(called & decodes)}")
-    assert not timed, f"timed decodes outside draftlab.measure: {timed}"
+    assert not timed, f"timed decodes outside draftlab.measuring.loop: {timed}"

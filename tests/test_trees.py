@@ -13,10 +13,10 @@ from draftlab.drafters.feature import new_feature_draft
 from draftlab.drafters.tree import TreeDrafter, TreeShape
 from draftlab.engine import GenerationConfig, SpeculativeEngine
 from draftlab.errors import DraftlabError
-from draftlab.policy import AdaptiveConfidence, FixedK
+from draftlab.decoding.policy import AdaptiveConfidence, FixedK
 from draftlab.registry import build_drafter, parse_drafter_spec
-from draftlab.sampling import SamplingConfig
-from draftlab.step import ROOT, Proposal
+from draftlab.decoding.sampling import SamplingConfig
+from draftlab.decoding.step import ROOT, Proposal
 from tests.conftest import noisy_copy, tiny_llama
 from tests.test_engine_sampling import K, SAMPLINGS, VOCAB, adversarial, assert_joint_matches, empirical_joint, exact_joint
 
@@ -94,7 +94,7 @@ def run_proposals(target, drafter, sampling, tree):
 
 
 def _chain(tokens):
-    from draftlab.step import Block
+    from draftlab.decoding.step import Block
 
     return Block.chain(tokens)
 
@@ -172,7 +172,7 @@ def test_tree_specs_in_the_registry(tiny_target):
     with pytest.raises(DraftlabError, match="tree shape"):
         parse_drafter_spec("tree:2y:layers:0-1", 4)
     with pytest.raises(DraftlabError, match="chains only"):
-        from draftlab.hf_reference import hf_assist
+        from draftlab.contenders.hf import hf_assist
 
         hf_assist(parse_drafter_spec("tree:2:layers:0-1", 4), built.model, 2)
 
@@ -270,7 +270,7 @@ def test_merged_specs_in_the_registry(tiny_target):
         build_drafter("merged:layers:0/tree:2:layers:0-1", tiny_target)
     with pytest.raises(DraftlabError, match="no logits"):
         build_drafter("merged:ngram/ngram", tiny_target)
-    from draftlab.hf_reference import hf_assist
+    from draftlab.contenders.hf import hf_assist
 
     with pytest.raises(DraftlabError, match="chains only"):
         hf_assist(plan, built.model, 2)

@@ -6,11 +6,11 @@ import time
 
 import pytest
 
-from draftlab.datasets import Prompt
+from draftlab.files.datasets import Prompt
 from draftlab.errors import DraftlabError
 from draftlab.models import load_model
 from draftlab.perf.calibrate import CalibrationSettings
-from draftlab.perf.model import DraftProfile, TargetProfile, predict
+from draftlab.perf.throughput import DraftProfile, TargetProfile, predict
 from draftlab.perf.sizing import TuneSettings
 from draftlab.perf.tuner import contenders, tune
 from tests.conftest import tiny_model_dir
@@ -93,7 +93,7 @@ def test_tune_and_sweep_read_a_users_mt_bench_file(tmp_path, capsys):
 
 def test_race_plan_keeps_every_prompt_and_full_length_runs_and_fits_the_time_left():
     from draftlab.perf.sizing import Pilot
-    from draftlab.perf.race import plan_race
+    from draftlab.perf.halving import plan_race
 
     unlimited = plan_race(4, 3, 48, None, float("inf"))
     assert (unlimited.contenders, unlimited.prompts, unlimited.tokens) == (4, 3, 48)

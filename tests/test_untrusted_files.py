@@ -14,7 +14,7 @@ import sqlite3
 import pytest
 import torch
 
-from draftlab.datasets import load_prompts
+from draftlab.files.datasets import load_prompts
 from draftlab.design.corpus import _reused
 from draftlab.design.distill import TEACHER, load_or_make_teacher
 from draftlab.design.feature import FEATURES, load_or_make_features
@@ -23,9 +23,9 @@ from draftlab.drafters.adapt import AdaptSettings
 from draftlab.drafters.suffix import SuffixCache, read_responses
 from draftlab.errors import DraftlabError
 from draftlab.perf.calibrate import Profile
-from draftlab.safeio import load_tensors, save_tensors, write_atomic
+from draftlab.files.safeio import load_tensors, save_tensors, write_atomic
 from draftlab.backends.routes import parse_route
-from draftlab.sampling import SamplingConfig
+from draftlab.decoding.sampling import SamplingConfig
 from draftlab.study.runner import _read_state, _stored_pairs
 from draftlab.study.store import SCHEMA_VERSION, ResultsStore
 from tests.conftest import older_database_file

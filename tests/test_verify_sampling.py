@@ -14,9 +14,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from draftlab.sampling import SamplingConfig, logits_to_probs
-from draftlab.step import Block, Proposal
-from draftlab.verify import residual_distribution, verify_greedy, verify_sampling
+from draftlab.decoding.sampling import SamplingConfig, logits_to_probs
+from draftlab.decoding.step import Block, Proposal
+from draftlab.decoding.verify import residual_distribution, verify_greedy, verify_sampling
 
 V = 6
 N = 10000

@@ -4,13 +4,13 @@ from draftlab.api import SpeculativeDecoder, encode_prompt, parse_drafter_spec
 from draftlab.drafters import Drafter, ModelDrafter, NGramDrafter, NoDrafter, build_layer_draft
 from draftlab.drafters.adapt import AdaptingDrafter, AdaptSettings
 from draftlab.drafters.suffix import SuffixCache, SuffixDrafter, SuffixOptions
-from draftlab.step import Proposal
+from draftlab.decoding.step import Proposal
 from draftlab.engine import GenerationConfig, GenerationResult, SpeculativeEngine
 from draftlab.errors import DraftlabError
-from draftlab.metrics import GenerationStats
+from draftlab.decoding.metrics import GenerationStats
 from draftlab.models import LoadedModel, ModelSpec, load_model
-from draftlab.policy import DraftLengthPolicy, DynamicK, FixedK
-from draftlab.sampling import SamplingConfig
+from draftlab.decoding.policy import DraftLengthPolicy, DynamicK, FixedK
+from draftlab.decoding.sampling import SamplingConfig
 
 __all__ = [
     "AdaptingDrafter", "AdaptSettings", "Drafter", "DraftLengthPolicy", "DraftlabError", "DynamicK", "FixedK", "GenerationConfig",

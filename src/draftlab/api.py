@@ -14,17 +14,17 @@ from typing import Callable, Sequence
 
 from draftlab.backends import Backend, Engine, engine_of_backend, make_backend
 from draftlab.backends.routes import parse_route
-from draftlab.datasets import Prompt
+from draftlab.files.datasets import Prompt
 from draftlab.drafters.adapt import AdaptSettings
 from draftlab.drafters.base import Drafter
 from draftlab.engine import GenerationConfig, GenerationResult, SpeculativeEngine
 from draftlab.errors import DraftlabError
-from draftlab.measure import RunSettings
+from draftlab.measuring.loop import RunSettings
 from draftlab.defaults import DEFAULT_BACKEND, DraftSettings
 from draftlab.models import DEFAULT_TARGET, LoadedModel, ModelSpec, load_model
-from draftlab.policy import DraftLengthPolicy, DynamicK, FixedK
+from draftlab.decoding.policy import DraftLengthPolicy, DynamicK, FixedK
 from draftlab.registry import DraftPlan, adapt_spec, build_drafter, parse_drafter_spec, parse_layers  # noqa: F401 (API)
-from draftlab.sampling import SamplingConfig
+from draftlab.decoding.sampling import SamplingConfig
 
 
 def make_policy(k: int, dynamic: bool = False) -> DraftLengthPolicy:
@@ -166,10 +166,10 @@ class SpeculativeDecoder:
         its path."""
         return str(self.drafter.save_learned(out))
 
-    times_prefill = True  # the engine times its prefill apart (`draftlab.measure.Contender`)
+    times_prefill = True  # the engine times its prefill apart (`draftlab.measuring.loop.Contender`)
 
     def run(self, prompt_ids: list[int], settings: RunSettings) -> GenerationResult:
-        """One generation with the measurement loop's settings (`draftlab.measure.Contender`)."""
+        """One generation with the measurement loop's settings (`draftlab.measuring.loop.Contender`)."""
         return self.generate(prompt_ids, max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                              top_k=settings.top_k, top_p=settings.top_p, seed=settings.seed)
 

@@ -7,7 +7,7 @@ autoregressive decoding, which is the baseline every speedup is measured
 against.
 
 Cache invariant: between steps the target cache holds every committed token
-but the last. A step scores a block (`draftlab.step.Block`): the last
+but the last. A step scores a block (`draftlab.decoding.step.Block`): the last
 committed token (the root) and the drafted tokens, a chain or a tree, each
 row scoring the token after it. After verification the backend keeps the
 root and the accepted path (`Backend.keep`), so that the cache again holds
@@ -29,11 +29,11 @@ import torch
 from draftlab.backends.base import Backend, Stopwatch
 from draftlab.drafters.base import Drafter, NoDrafter
 from draftlab.errors import DraftlabError
-from draftlab.metrics import GenerationStats
-from draftlab.policy import DraftLengthPolicy, FixedK, with_confidence_stop
-from draftlab.sampling import SamplingConfig
-from draftlab.step import Block, Proposal
-from draftlab.verify import Verifier, verify
+from draftlab.decoding.metrics import GenerationStats
+from draftlab.decoding.policy import DraftLengthPolicy, FixedK, with_confidence_stop
+from draftlab.decoding.sampling import SamplingConfig
+from draftlab.decoding.step import Block, Proposal
+from draftlab.decoding.verify import Verifier, verify
 
 
 @dataclass(frozen=True)

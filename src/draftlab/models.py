@@ -18,7 +18,7 @@ from typing import Iterator
 
 import torch
 
-from draftlab import assets
+from draftlab.files import assets
 from draftlab.backends.engines import Engine, engine_of_backend, engine_of_model
 from draftlab.backends.gguf import LlamaCppModel, describe_gguf
 from draftlab.backends.quantize import WEIGHT_TYPES, derive_weight_type

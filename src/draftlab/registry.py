@@ -49,13 +49,13 @@ import torch
 
 from draftlab.backends import make_backend
 from draftlab.defaults import DEFAULT_BACKEND
-from draftlab.drafters import cut, eagle3, eagle3_checkpoint, feature, heads, pruned
+from draftlab.drafters import cut, designed, eagle3, eagle3_checkpoint, feature, heads
 from draftlab.drafters.anchored import AnchoredDrafter, FeatureDrafter
 from draftlab.drafters.adapt import AdaptingDrafter, AdaptSettings
 from draftlab.drafters.base import Drafter, NoDrafter
 from draftlab.drafters.files import draft_format
 from draftlab.drafters.layers import build_layer_draft
-from draftlab.drafters.model import ModelDrafter, check_compatible
+from draftlab.drafters.standalone import ModelDrafter, check_compatible
 from draftlab.drafters.ngram import NGramDrafter
 from draftlab.drafters.shipped import shipped_draft
 from draftlab.drafters.staged import StagedDrafter
@@ -319,13 +319,13 @@ def _model_built(drafter: ModelDrafter, draft: LoadedModel) -> BuiltDraft:
     return BuiltDraft(drafter, draft, tree_source=drafter, model_drafter=drafter)
 
 
-def _load_pruned(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
-    _refuse_dtype(plan, "a pruned draft (it shares the target's embeddings)")
-    designed = pruned.load_draft(plan.model, target)
-    drafter = ModelDrafter(make_backend(designed.model.model, target.device, backend, batch_invariant=False),
-                           designed.model.name,
-                           designed.vocab_map, target.vocab_size)
-    return _model_built(drafter, designed.model)
+def _load_designed(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
+    _refuse_dtype(plan, "a designed draft (it shares the target's embeddings)")
+    draft = designed.load_draft(plan.model, target)
+    drafter = ModelDrafter(make_backend(draft.model.model, target.device, backend, batch_invariant=False),
+                           draft.model.name,
+                           draft.vocab_map, target.vocab_size)
+    return _model_built(drafter, draft.model)
 
 
 def _load_cut(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
@@ -380,7 +380,7 @@ DRAFTERS: dict[str, Callable[[DraftPlan, LoadedModel, str], BuiltDraft]] = {
     "adapt": _build_adapt,
 }
 DRAFT_FORMATS: dict[str, Callable[[DraftPlan, LoadedModel, str], BuiltDraft]] = {
-    pruned.FORMAT: _load_pruned,
+    designed.FORMAT: _load_designed,
     cut.FORMAT: _load_cut,
     feature.FORMAT: _load_feature,
     eagle3.FORMAT: _load_eagle3,

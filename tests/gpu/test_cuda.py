@@ -20,8 +20,8 @@ from draftlab.drafters import ModelDrafter, NGramDrafter, NoDrafter, build_layer
 from draftlab.engine import GenerationConfig, SpeculativeEngine
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel, load_model
-from draftlab.policy import FixedK
-from draftlab.step import Block
+from draftlab.decoding.policy import FixedK
+from draftlab.decoding.step import Block
 from tests.conftest import noisy_copy, tiny_llama
 
 DEVICE = os.environ.get("DRAFTLAB_TEST_DEVICE", "cuda")
@@ -174,7 +174,7 @@ def test_tree_drafters_equal_plain_decoding_over_256_tokens_on_8_prompts(target,
     """Long generations on the heldout prompts: the 0.16.0 H200 run saw tree cells leave plain decoding past 48
     tokens (a norm's reduction that depended on the block's row count), which 48-token tests could not see."""
     from draftlab.api import prompt_ids
-    from draftlab.datasets import load_prompts
+    from draftlab.files.datasets import load_prompts
 
     plain = SpeculativeDecoder.from_names(target, drafter="none", k=1)
     decoder = SpeculativeDecoder.from_names(target, drafter=drafter, k=3)

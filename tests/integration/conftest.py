@@ -7,7 +7,7 @@ import os
 import pytest
 
 from draftlab.errors import DraftlabError
-from draftlab.llama_server import server_binary
+from draftlab.contenders.llama_server import server_binary
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from draftlab.api import SpeculativeDecoder
-from draftlab.datasets import load_prompts
+from draftlab.files.datasets import load_prompts
 from draftlab.drafters.adapt import AdaptingDrafter
 from draftlab.models import load_model
 

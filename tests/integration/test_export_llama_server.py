@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 
-from draftlab.export import Deployable, export
-from draftlab.llama_server import SPEC_TYPES
+from draftlab.deploy import Deployable, export
+from draftlab.contenders.llama_server import SPEC_TYPES
 
 pytestmark = pytest.mark.integration
 

@@ -15,8 +15,8 @@ import time
 import pytest
 
 from draftlab.errors import DraftlabError
-from draftlab.llama_server import LlamaServer, ServerConfig, server_binary
-from draftlab.measure import DECODE, END_TO_END, EncodedPrompt, RunSettings, measure, run_once
+from draftlab.contenders.llama_server import LlamaServer, ServerConfig, server_binary
+from draftlab.measuring.loop import DECODE, END_TO_END, EncodedPrompt, RunSettings, measure, run_once
 from draftlab.models import gguf_path
 
 pytestmark = pytest.mark.integration
@@ -96,7 +96,7 @@ def test_a_missing_binary_says_how_to_build_it(monkeypatch, tmp_path):
 SCRIPT = """
 import sys, time
 from pathlib import Path
-from draftlab.llama_server import LlamaServer, ServerConfig
+from draftlab.contenders.llama_server import LlamaServer, ServerConfig
 from draftlab.models import gguf_path
 server = LlamaServer(ServerConfig(gguf_path("smollm2-135m"), context=512), Path(sys.argv[1]))
 server.start()
@@ -119,7 +119,7 @@ def test_no_server_outlives_a_killed_study(binary, tmp_path):
 
 
 def test_a_command_line_is_read_as_the_configuration_it_runs(tmp_path):
-    from draftlab.serve_check import parse_command, plain_of
+    from draftlab.contenders.serve_check import parse_command, plain_of
 
     config = parse_command("llama-server -m smollm2-135m --spec-type ngram-mod --spec-draft-n-max 16 -np 2 -c 2048 "
                            "--host 0.0.0.0 --port 8080 --spec-ngram-mod-n-match 12 -fa on")
@@ -158,7 +158,7 @@ def test_serve_check_measures_a_command_against_its_plain_decoding(binary, capsy
 
 
 def test_where_speculation_stops_paying_under_load():
-    from draftlab.serve_check import LoadLevel, pays_up_to, per_batch_size
+    from draftlab.contenders.serve_check import LoadLevel, pays_up_to, per_batch_size
 
     def level(concurrency, speedup):
         return LoadLevel(concurrency, 100.0, 100.0 * speedup, 1.0, 1.0, 4, 4)

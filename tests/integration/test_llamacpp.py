@@ -10,8 +10,8 @@ from draftlab.api import SpeculativeDecoder, encode_prompt, eos_ids
 from draftlab.backends.llamacpp import LlamaCppBackend, dfs_order, inverse, leaves_below
 from draftlab.errors import DraftlabError
 from draftlab.models import gguf_path, load_model
-from draftlab.sampling import SamplingConfig
-from draftlab.step import Block, tree_layout
+from draftlab.decoding.sampling import SamplingConfig
+from draftlab.decoding.step import Block, tree_layout
 
 pytestmark = pytest.mark.integration
 SLOW = pytest.mark.slow
@@ -174,8 +174,8 @@ def test_bad_inputs_get_one_line_errors(tmp_path):
 
 
 def test_llama_cpp_pythons_own_generate_and_prompt_lookup(target, reference):
-    from draftlab.llamacpp_reference import LlamaCppPeer
-    from draftlab.measure import DECODE, EncodedPrompt, RunSettings, run_once
+    from draftlab.contenders.llama_cpp_python import LlamaCppPeer
+    from draftlab.measuring.loop import DECODE, EncodedPrompt, RunSettings, run_once
 
     peer = LlamaCppPeer(gguf_path("smollm2-135m"))
     ids = encode_prompt(target.tokenizer, PROMPTS[1])

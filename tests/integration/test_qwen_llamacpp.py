@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from draftlab.api import SpeculativeDecoder, encode_prompt
-from draftlab.datasets import load_prompts
+from draftlab.files.datasets import load_prompts
 from draftlab.models import load_model
 from tests.integration.test_qwen_pair import pytestmark  # noqa: F401 (integration, slow, skipped unless cached)
 

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from draftlab import assets
+from draftlab.files import assets
 from draftlab.api import SpeculativeDecoder, encode_prompt
 from draftlab.drafters import check_compatible
 from draftlab.models import LoadedModel, load_model
@@ -63,7 +63,7 @@ def test_greedy_with_each_draft_equals_autoregressive(target, prompt_ids, refere
 
 
 def test_cut_vocabulary_draft_equals_autoregressive_and_computes_fewer_rows(target, prompt_ids, reference, tmp_path):
-    from draftlab.design.prune import fill_by_rank, frequent_tokens
+    from draftlab.design.layer_search import fill_by_rank, frequent_tokens
     from draftlab.drafters.cut import CutDraft, save_cut_draft
 
     vocab_map = fill_by_rank(frequent_tokens([prompt_ids], 4096), 16384, target.vocab_size)

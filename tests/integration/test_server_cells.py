@@ -124,7 +124,7 @@ def test_a_server_killed_mid_sweep_ends_its_cell_and_the_next_run_resumes_it(bin
 def test_bench_runs_llama_servers_types_beside_draftlab(binary, prompts):
     from draftlab.api import SpeculativeDecoder
     from draftlab.bench import BenchSettings, run_bench
-    from draftlab.datasets import load_prompts
+    from draftlab.files.datasets import load_prompts
 
     decoder = SpeculativeDecoder.from_names("smollm2-135m", drafter="ngram", k=3, backend="llamacpp")
     summary = run_bench(decoder, load_prompts(str(prompts), 2), BenchSettings(32, host_baselines=False),
@@ -137,7 +137,7 @@ def test_bench_runs_llama_servers_types_beside_draftlab(binary, prompts):
 
 
 def test_the_tuners_server_round_ends_with_the_command_to_deploy(binary, prompts, tmp_path):
-    from draftlab.datasets import load_prompts
+    from draftlab.files.datasets import load_prompts
     from draftlab.models import load_model
     from draftlab.perf.serve_race import SERVER_PLAIN, server_round
 

@@ -204,7 +204,7 @@ def test_feature_draft_on_the_real_target_is_lossless(target, baseline):
     from draftlab.backends import FastLlamaBackend
     from draftlab.drafters.anchored import FeatureDrafter
     from draftlab.drafters.feature import new_feature_draft
-    from draftlab.policy import FixedK
+    from draftlab.decoding.policy import FixedK
 
     draft = new_feature_draft(target, torch.arange(4096))
     engine = SpeculativeEngine(FastLlamaBackend(target.model), FeatureDrafter(draft), FixedK(2))
@@ -214,7 +214,7 @@ def test_feature_draft_on_the_real_target_is_lossless(target, baseline):
 
 
 def test_questions_prompt_set():
-    from draftlab.datasets import load_prompts
+    from draftlab.files.datasets import load_prompts
 
     prompts = load_prompts("questions", limit=8)
     assert {p.category for p in prompts} == {"finance", "health", "truthfulness", "trivia"}
@@ -224,7 +224,7 @@ def test_questions_prompt_set():
 @SLOW
 def test_audit_passes_draftlab_and_fails_a_broken_verifier(target):
     """The losslessness audit on the real target at temperature 0.8 with two drafters, and a broken verifier."""
-    from draftlab.audit import AuditSettings, exact_first_distribution, run_audit
+    from draftlab.checks.audit import AuditSettings, exact_first_distribution, run_audit
     from tests.test_audit import accept_everything
 
     prompt_ids = encode_prompt(target.tokenizer, "List three colours, then three animals, then three colours again:")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from draftlab.api import SpeculativeDecoder, encode_prompt
-from draftlab.assets import sha256_file
+from draftlab.files.assets import sha256_file
 from draftlab.backends.quantize import weight_type_name
 from draftlab.errors import DraftlabError
 from draftlab.models import gguf_path, is_gguf, load_model, split_weight_type

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from draftlab.preflight import FAULT_ENV, EngineCheck, check_engine
+from draftlab.contenders.preflight import FAULT_ENV, EngineCheck, check_engine
 from draftlab.study.crashes import CRASH_ENV, LIMIT, SIGNAL_ENV
 from draftlab.study.store import ResultsStore
 from tests.conftest import tiny_model_dir

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 
-from draftlab.datasets import DATASETS, load_prompts, prompt_line
+from draftlab.files.datasets import DATASETS, load_prompts, prompt_line
 from draftlab.study.store import ResultsStore
 from draftlab.study.sweep import make_config, run_sweep
 

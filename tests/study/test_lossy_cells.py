@@ -12,7 +12,7 @@ import pytest
 
 from draftlab.backends.routes import candidate_dtypes
 
-from draftlab import hf_reference
+from draftlab.contenders import hf
 from draftlab.study import plots, sweep
 from draftlab.study.page import build_report
 from draftlab.study.answer import recommend
@@ -32,7 +32,7 @@ def lossy_study(tmp_path_factory):
     prompts.write_text("".join(
         json.dumps({"prompt": " ".join(f"w{(i * 5 + j) % 60}" for j in range(10)), "category": "code", "id": f"q{i}"})
         + "\n" for i in range(2)))
-    real_generate = hf_reference.hf_generate
+    real_generate = hf.hf_generate
 
     def drifting_hf_generate(target, prompt_ids, max_new_tokens, eos, sampling, seed, assist=None):
         tokens = real_generate(target, prompt_ids, max_new_tokens, eos, sampling, seed, assist)
@@ -44,7 +44,7 @@ def lossy_study(tmp_path_factory):
                                datasets=(str(prompts),), limit=2, max_new_tokens=12, warmup=0, baseline_every=0)
     store = ResultsStore(root / "study.sqlite")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(hf_reference, "hf_generate", drifting_hf_generate)
+        patch.setattr(hf, "hf_generate", drifting_hf_generate)
         sweep.run_sweep(config, store, progress=False)
     store.close()
     return root / "study.sqlite"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from draftlab.study.answer import engine_answer, recommend
-from draftlab.study.pruning import PromptSet, RaceRule, dropped_cells, format_skips, race_order, readmitted
+from draftlab.study.race import PromptSet, RaceRule, dropped_cells, format_skips, race_order, readmitted
 from draftlab.study.report import baseline_drift, load_checks, load_study, summarize
 from draftlab.study.store import Cell, ResultsStore
 from draftlab.study.sweep import SweepConfig, run_sweep

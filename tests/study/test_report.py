@@ -83,7 +83,7 @@ def test_report_files(study, tmp_path):
 
 def test_report_with_profile_checks_the_model(study, tmp_path):
     from draftlab.perf.calibrate import Profile
-    from draftlab.perf.model import DraftProfile, TargetProfile
+    from draftlab.perf.throughput import DraftProfile, TargetProfile
 
     # decode time = wall - prefill(0): ngram K=2 measured 200 tokens / 10 s = 20 tok/s
     target = TargetProfile("tgt", {1: 0.1, 2: 0.1, 3: 0.1, 4: 0.1, 5: 0.1})
@@ -189,7 +189,7 @@ def test_the_answer_is_judged_against_the_fastest_plain_decoding_on_the_host(tmp
 
 def test_the_study_exports_its_fastest_lossless_configuration(study):
     """ngram K=2 (2.0x, every output identical) is exported; K=4 differed once, so it never is."""
-    from draftlab.export import export
+    from draftlab.deploy import export
     from draftlab.study.answer import fastest_lossless
 
     rows, _, _ = load_study(study)

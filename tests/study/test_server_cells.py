@@ -10,11 +10,11 @@ import pytest
 
 from draftlab.engine import GenerationResult
 from draftlab.errors import DraftlabError
-from draftlab.measure import EncodedPrompt, InFlight, RunSettings, run_once
-from draftlab.metrics import GenerationStats
+from draftlab.measuring.loop import EncodedPrompt, InFlight, RunSettings, run_once
+from draftlab.decoding.metrics import GenerationStats
 from draftlab.study.cells import Cell
 from draftlab.study.config import SweepConfig, with_weight_types
-from draftlab.server_configs import parse_server_spec, spec_config
+from draftlab.contenders.server_configs import parse_server_spec, spec_config
 from draftlab.study.serving import deploy_config, level_answers, load_summaries, per_batch_size, server_sentences
 from draftlab.study.store import SCHEMA_VERSION, Record, ResultsStore
 from tests.conftest import older_database_file
@@ -189,7 +189,7 @@ def test_the_answer_per_concurrency_ranks_rounding_apart_and_ends_with_a_command
 
 def test_weight_types_are_compared_on_speed_size_and_outputs():
     from draftlab.study.report import summarize
-    from draftlab.study.weights import format_weight_types, weight_type_rows, weight_type_sentences
+    from draftlab.study.weight_types import format_weight_types, weight_type_rows, weight_type_sentences
 
     def record(target, method, drafter, k, wall, sha, prompt):
         return {**row(method, drafter, k, 1, 64, wall, True if method == "ar" else None, prompt), "target": target,
@@ -214,7 +214,7 @@ def test_weight_types_are_compared_on_speed_size_and_outputs():
 def test_a_study_at_several_concurrency_levels_exports_its_k_per_batch_size_to_vllm():
     """The chosen llama-server configuration (a draft model at K=4) pays alone and at 2, not at 4: vLLM's export of
     it carries that table; llama-server's keeps the server's own flags."""
-    from draftlab.export import export, vllm_config
+    from draftlab.deploy import export, vllm_config
     from draftlab.study.serving import server_deployables
 
     draft = "draft-simple/qwen2.5-coder-0.5b"

@@ -3,7 +3,7 @@
 Cache invariant (the engine relies on it): a backend's cache holds exactly the
 tokens it was fed and kept, `cache_len` of them. `score(tokens)` appends a run
 of consecutive tokens (a prompt, a chain); `score_block(block)` appends a
-tree-shaped block (see `draftlab.step`), each token at position cache_len +
+tree-shaped block (see `draftlab.decoding.step`), each token at position cache_len +
 its depth, seeing the cache and its own ancestors. `keep(indices)` then keeps
 the cache as it was before the last block plus that block's tokens at
 `indices` (the root and the accepted path), in that order; `rollback(n)`
@@ -20,7 +20,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from draftlab.step import Block, Scores
+from draftlab.decoding.step import Block, Scores
 
 
 ROUNDING = "not exact: equal to plain decoding up to rounding"  # said of every mode whose block rows may round apart

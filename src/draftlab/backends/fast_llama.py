@@ -66,7 +66,7 @@ from draftlab.backends.numerics import (
 from draftlab.backends.routes import Route, default_route, dtype_label, upcast_pays
 from draftlab.backends.row_check import check_ops
 from draftlab.errors import DraftlabError
-from draftlab.step import Block, Scores
+from draftlab.decoding.step import Block, Scores
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")  # qwen2: Llama with q/k/v biases
 
@@ -289,7 +289,7 @@ class FastLlamaBackend:
 
     def block_ops(self, start: int, ancestors: torch.Tensor | None = None) -> "RowOps":
         """The attention, products and norm a scored block after `start` cached tokens runs (`ancestors` [n, n]: its
-        tree; None for a chain): what `draftlab.exactness` checks op by op."""
+        tree; None for a chain): what `draftlab.checks.exactness` checks op by op."""
         return RowOps(self._attention(start, ancestors), self._project, self._norm)
 
     def _attention(self, start: int, ancestors: torch.Tensor | None) -> Callable:

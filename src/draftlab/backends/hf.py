@@ -13,7 +13,7 @@ import torch
 
 from draftlab.backends.base import ROUNDING, all_rows, is_prefix
 from draftlab.backends.numerics import checked_rows
-from draftlab.step import Block, Scores
+from draftlab.decoding.step import Block, Scores
 
 
 class HFBackend:

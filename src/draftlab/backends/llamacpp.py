@@ -31,7 +31,7 @@ import torch
 from draftlab.backends.base import ROUNDING
 from draftlab.backends.gguf import INSTALL_HINT, LlamaCppModel, llama_lib, threads
 from draftlab.errors import DraftlabError
-from draftlab.step import Block, Scores
+from draftlab.decoding.step import Block, Scores
 
 MAX_CONTEXT = 8192  # KV cells per context (the model's training context if smaller)
 MAX_BATCH = 512  # tokens per llama_decode call (a longer prefill is split)

@@ -7,7 +7,7 @@ row invariance (a row scored in a block of any size rounds as the row scored alo
 - attention: one SDPA call per row (`fast_llama._RowAttention`) on a contiguous copy of the row (`attention_row`)
   over exactly the keys it sees, a view of the cache for chains and plain decoding alike;
 - rope, residual adds, SiLU, embedding: elementwise or gathers, row-invariant as they are.
-`draftlab.exactness` checks each of them on a device, per model shape (`draftlab check exact`).
+`draftlab.checks.exactness` checks each of them on a device, per model shape (`draftlab check exact`).
 """
 
 from __future__ import annotations

@@ -14,10 +14,10 @@ import ctypes
 import os
 from pathlib import Path
 
-from draftlab.assets import sha256_file
+from draftlab.files.assets import sha256_file
 from draftlab.backends.gguf import llama_lib, threads
 from draftlab.errors import DraftlabError
-from draftlab.safeio import write_atomic
+from draftlab.files.safeio import write_atomic
 
 WEIGHT_TYPES = {  # the name users give -> llama.cpp's file type constant
     "F32": "LLAMA_FTYPE_ALL_F32", "F16": "LLAMA_FTYPE_MOSTLY_F16", "BF16": "LLAMA_FTYPE_MOSTLY_BF16",

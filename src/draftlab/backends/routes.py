@@ -227,7 +227,7 @@ def plain_contenders(config, device: str, own: Route | None) -> list[Route]:
 
 def route_cache() -> Path:
     """Where measured timings are kept: draftlab's cache directory."""
-    from draftlab.assets import cache_dir
+    from draftlab.files.assets import cache_dir
 
     return cache_dir() / "routes"
 

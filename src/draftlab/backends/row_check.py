@@ -1,7 +1,7 @@
 """Row invariance of an exact route's ops on its device: each row of a block against the same row alone, bitwise.
 
 The norm, the products, attention (a chain's rows after a cached prefix, the queries laid out as the backend lays
-them out) and rope, over blocks of `BLOCK_ROWS` sizes, on random inputs of a model's sizes. `draftlab.exactness`
+them out) and rope, over blocks of `BLOCK_ROWS` sizes, on random inputs of a model's sizes. `draftlab.checks.exactness`
 runs it per model shape (`draftlab check exact`); a backend runs it on its own sizes for a study's record
 (`FastLlamaBackend.row_check`).
 """

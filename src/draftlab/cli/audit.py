@@ -31,11 +31,11 @@ def add_audit_command(sub) -> None:
 def cmd_audit(args) -> None:
     """Run the audit, print the table (and JSON); exit status 1 when a draftlab configuration fails."""
     from draftlab.api import SpeculativeDecoder, eos_ids, encode_prompt
-    from draftlab.audit import AuditSettings, exact_first_distribution, format_audit, run_audit
-    from draftlab.hf_reference import hf_assist, hf_generate
+    from draftlab.checks.audit import AuditSettings, exact_first_distribution, format_audit, run_audit
+    from draftlab.contenders.hf import hf_assist, hf_generate
     from draftlab.models import load_model
     from draftlab.registry import parse_drafter_spec
-    from draftlab.sampling import SamplingConfig
+    from draftlab.decoding.sampling import SamplingConfig
 
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
     if sampling.greedy:

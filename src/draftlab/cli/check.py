@@ -1,5 +1,5 @@
 """`draftlab check exact`: whether every row of a scored block equals the row scored alone on this device, per op
-and per model shape (`draftlab.exactness`)."""
+and per model shape (`draftlab.checks.exactness`)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def cmd_check_exact(args) -> None:
 
     from draftlab.backends.routes import cpu_flags
     from draftlab.errors import DraftlabError
-    from draftlab.exactness import check_shape, shapes_named
+    from draftlab.checks.exactness import check_shape, shapes_named
     from draftlab.models import check_device
 
     check_device(args.device)

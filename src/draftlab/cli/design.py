@@ -114,7 +114,7 @@ def _target_and_text(args):
 
 def _vocab_map(target, sequences, size):
     from draftlab.api import eos_ids
-    from draftlab.design.prune import frequent_tokens
+    from draftlab.design.layer_search import frequent_tokens
 
     if size is None:
         return None
@@ -147,7 +147,7 @@ def cmd_prune(args) -> None:
     import torch
 
     from draftlab.api import parse_layers
-    from draftlab.design.prune import agreement, build_draft, save_draft, search_layers, target_next_tokens
+    from draftlab.design.layer_search import agreement, build_draft, save_draft, search_layers, target_next_tokens
 
     target, sequences = _target_and_text(args)
     vocab_map = _vocab_map(target, sequences, args.vocab)
@@ -172,9 +172,9 @@ def cmd_prune(args) -> None:
 def cmd_cut(args) -> None:
     """Save a cut-vocabulary version of a stand-alone draft: its most frequent tokens in the text."""
     from draftlab.api import eos_ids
-    from draftlab.design.prune import fill_by_rank, frequent_tokens
+    from draftlab.design.layer_search import fill_by_rank, frequent_tokens
     from draftlab.drafters.cut import CutDraft, load_cut_model, save_cut_draft
-    from draftlab.drafters.model import check_compatible
+    from draftlab.drafters.standalone import check_compatible
 
     target, sequences = _target_and_text(args)
     check_vocab_size(target, args.vocab)
@@ -200,7 +200,7 @@ def cmd_distill(args) -> None:
     from draftlab.api import parse_layers
     from draftlab.design.distill import DistillSettings, distill
     from draftlab.design.training import CHECKPOINT
-    from draftlab.drafters.pruned import build_draft, is_draft_dir, load_draft
+    from draftlab.drafters.designed import build_draft, is_draft_dir, load_draft
 
     settings = DistillSettings(budget_s=args.budget, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
                                top_k=args.top_k, checkpoint_every_s=args.checkpoint_every)
@@ -317,7 +317,7 @@ def cmd_correlate(args) -> None:
     import random
 
     from draftlab.api import prompt_ids
-    from draftlab.datasets import load_prompts, mmlu_items
+    from draftlab.files.datasets import load_prompts, mmlu_items
     from draftlab.design import correlate
     from draftlab.design.corpus import prompt_sequences
     from draftlab.models import load_model

@@ -11,7 +11,7 @@ import sys
 
 from draftlab.cli.audit import add_audit_command
 from draftlab.cli.check import add_check_commands
-from draftlab.cli.checks import check_args
+from draftlab.cli.arguments import check_args
 from draftlab.cli.design import add_design_commands
 from draftlab.cli.options import (add_adapt_args, add_drafter_args, add_preflight_arg, add_sampling_args,
                                   add_target_args)
@@ -124,8 +124,8 @@ def cmd_generate(args) -> None:
 def cmd_bench(args) -> None:
     """Baseline vs speculative on a prompt set; a table, and JSON with --json."""
     from draftlab.bench import BenchSettings, run_bench
-    from draftlab.datasets import load_prompts
-    from draftlab.preflight import engine_checks, require
+    from draftlab.files.datasets import load_prompts
+    from draftlab.contenders.preflight import engine_checks, require
 
     prompts = load_prompts(args.dataset or args.prompts, args.limit, args.skip)
     left_out = require(engine_checks(args.target, args.backend, args.device, args.dtype, bool(args.servers)),

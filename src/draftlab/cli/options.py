@@ -6,9 +6,9 @@ import argparse
 
 from draftlab.defaults import DEFAULT_BACKEND, DraftSettings
 from draftlab.models import DEFAULT_TARGET, ModelSpec
-from draftlab.preflight import TIMEOUT_S as PREFLIGHT_TIMEOUT_S
+from draftlab.contenders.preflight import TIMEOUT_S as PREFLIGHT_TIMEOUT_S
 from draftlab.registry import SPEC_HELP
-from draftlab.sampling import SamplingConfig
+from draftlab.decoding.sampling import SamplingConfig
 
 
 def add_target_args(parser: argparse.ArgumentParser) -> None:
@@ -45,7 +45,7 @@ def add_adapt_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_preflight_arg(parser: argparse.ArgumentParser) -> None:
-    """--preflight-timeout: each engine first decodes a few tokens in a child process (`draftlab.preflight`)."""
+    """--preflight-timeout: each engine first decodes a few tokens in a child process (`draftlab.contenders.preflight`)."""
     parser.add_argument("--preflight-timeout", type=float, default=PREFLIGHT_TIMEOUT_S, metavar="SECONDS",
                         help="each engine first decodes a few tokens in a child process; one that crashes or has not "
                              f"answered within this many seconds is left out, with one line (0: no preflight; "

@@ -33,10 +33,10 @@ def add_serve_commands(sub) -> None:
 def cmd_serve_check(args: argparse.Namespace) -> None:
     """Both servers on every prompt; a verdict, and JSON with --json."""
     from draftlab.api import prompt_ids
-    from draftlab.datasets import load_prompts
-    from draftlab.measure import EncodedPrompt, RunSettings
+    from draftlab.files.datasets import load_prompts
+    from draftlab.measuring.loop import EncodedPrompt, RunSettings
     from draftlab.models import gguf_tokenizer
-    from draftlab.serve_check import as_dict, parse_command, serve_check, serve_check_load
+    from draftlab.contenders.serve_check import as_dict, parse_command, serve_check, serve_check_load
 
     config = parse_command(args.server_command)
     levels = _levels(args.concurrency)
@@ -74,7 +74,7 @@ def _levels(text: str | None) -> list[int]:
 
 def _load_table(load, k: int | None) -> str:
     """Per concurrency, both servers' aggregate tokens/s and latency, and where speculation stops paying."""
-    from draftlab.serve_check import pays_up_to, per_batch_size
+    from draftlab.contenders.serve_check import pays_up_to, per_batch_size
 
     lines = [f"{'concurrency':>11}{'plain tok/s':>13}{'command tok/s':>15}{'speedup':>9}{'latency plain/command':>24}"
              f"{'identical':>11}"]

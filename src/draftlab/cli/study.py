@@ -8,7 +8,7 @@ from pathlib import Path
 
 from draftlab.cli.options import add_preflight_arg
 from draftlab.errors import DraftlabError
-from draftlab.export import ENGINES
+from draftlab.deploy import ENGINES
 
 
 def add_study_commands(sub) -> None:
@@ -130,9 +130,9 @@ def cmd_study(args) -> None:
     from draftlab.study.report import (baseline_drift, format_lossy, format_optimal, load_checks, load_study,
                                        lossy_cells, optimal_table, summarize)
     from draftlab.study.answer import engine_answer, left_out_notes, numerics_notes, recommend
-    from draftlab.study.pruning import format_skips, load_skips
+    from draftlab.study.race import format_skips, load_skips
     from draftlab.study.serving import server_answer
-    from draftlab.study.weights import weight_type_answer
+    from draftlab.study.weight_types import weight_type_answer
 
     out = Path(args.out)
     db = args.db or str(out / "study.sqlite")
@@ -173,7 +173,7 @@ def cmd_report(args) -> None:
     from draftlab.study.answer import engine_answer, left_out_notes, numerics_notes, recommend
     from draftlab.study.report import baseline_drift, load_checks, load_study, summarize
     from draftlab.study.serving import server_answer
-    from draftlab.study.weights import weight_type_answer
+    from draftlab.study.weight_types import weight_type_answer
 
     print(f"report: {build_report(args.db, args.out, args.profile, args.microbench, args.correlate)}")
     rows, params, envs = load_study(args.db)

@@ -10,7 +10,7 @@ from pathlib import Path
 from draftlab.cli.options import add_preflight_arg
 from draftlab.errors import DraftlabError
 from draftlab.defaults import DEFAULT_BACKEND
-from draftlab.export import ENGINES, Deployable, export
+from draftlab.deploy import ENGINES, Deployable, export
 from draftlab.models import DEFAULT_TARGET, ModelSpec
 from draftlab.perf.calibrate import CalibrationSettings
 
@@ -94,7 +94,7 @@ def _calibration_inputs(args):
 
 def _search_inputs(args):
     from draftlab.perf.calibrate import CalibrationSettings
-    from draftlab.datasets import load_prompts
+    from draftlab.files.datasets import load_prompts
 
     settings = CalibrationSettings(args.k_max, args.max_new_tokens, args.repeats, args.backend)
     if settings.k_max < 1:
@@ -134,7 +134,7 @@ def cmd_calibrate(args) -> None:
 
 def _calibrate_shape(args) -> None:
     """`calibrate --shape-of`: block costs from random weights in a shape, on --device."""
-    from draftlab.exactness import shapes_named
+    from draftlab.checks.exactness import shapes_named
     from draftlab.models import resolve_dtype_name
     from draftlab.perf.shapes import calibrate_shape
 
@@ -248,8 +248,8 @@ def cmd_tune(args) -> None:
     from draftlab.perf.sizing import TuneSettings
     from draftlab.perf.validate import format_predictions
     from draftlab.perf.tuner import tune
-    from draftlab.preflight import engine_checks, require
-    from draftlab.server_configs import parse_server_spec
+    from draftlab.contenders.preflight import engine_checks, require
+    from draftlab.contenders.server_configs import parse_server_spec
 
     tune_settings = TuneSettings(budget_s=args.budget)
     left_out = require(engine_checks(args.target, args.backend, args.device, (args.dtypes or [args.dtype])[0],
@@ -286,7 +286,7 @@ def print_exports(choice, engines: list[str]) -> dict[str, str]:
 
 def _server_round(args, target, rec, prompts):
     """The pick beside llama-server's plain decoding and its own types; prints the round and the command."""
-    from draftlab.assets import cache_dir
+    from draftlab.files.assets import cache_dir
     from draftlab.perf.serve_race import server_round
 
     served = server_round(target, (rec.draft, rec.k), args.servers, prompts, args.max_new_tokens,

@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 
 from draftlab.api import eos_ids, prompt_ids
-from draftlab.datasets import load_prompts
+from draftlab.files.datasets import load_prompts
 from draftlab.errors import DraftlabError
 from draftlab.models import DTYPES, LoadedModel, batch_dtype_name
 from draftlab.progress import track
-from draftlab.safeio import load_tensors, save_tensors
+from draftlab.files.safeio import load_tensors, save_tensors
 
 TEXT = "text.pt"
 

@@ -21,13 +21,13 @@ import torch
 from draftlab.api import SpeculativeDecoder
 from draftlab.backends import FastLlamaBackend
 from draftlab.progress import track
-from draftlab.datasets import Prompt
+from draftlab.files.datasets import Prompt
 from draftlab.drafters.feature import FeatureDraft
 from draftlab.errors import DraftlabError
-from draftlab.measure import EncodedPrompt, RunSettings, measure as measure_runs
+from draftlab.measuring.loop import EncodedPrompt, RunSettings, measure as measure_runs
 from draftlab.models import LoadedModel
 from draftlab.registry import build_drafter
-from draftlab.step import Block
+from draftlab.decoding.step import Block
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 
 from draftlab.design.training import LoopSettings, train
-from draftlab.drafters.pruned import DesignedDraft, build_draft, draft_state, save_draft
+from draftlab.drafters.designed import DesignedDraft, build_draft, draft_state, save_draft
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel
-from draftlab.safeio import load_tensors, save_tensors
+from draftlab.files.safeio import load_tensors, save_tensors
 
 TEACHER = "teacher.pt"
 LOG = "distill_log.jsonl"

@@ -31,7 +31,7 @@ from draftlab.design.training import LoopSettings, train
 from draftlab.drafters.eagle3 import Eagle3Draft, save_eagle3_draft
 from draftlab.errors import DraftlabError
 from draftlab.models import DTYPES, LoadedModel, batch_dtype_name
-from draftlab.safeio import load_tensors, save_tensors
+from draftlab.files.safeio import load_tensors, save_tensors
 
 FEATURES = "eagle3_features.pt"
 LOG = "train_log.jsonl"

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from draftlab.errors import DraftlabError
-from draftlab.llama_server import BUILD_HINT, build_dir
+from draftlab.contenders.llama_server import BUILD_HINT, build_dir
 from draftlab.models import LoadedModel
 
 CONVERTER_DIR = "convert"  # in the llama.cpp build: convert_hf_to_gguf.py, conversion/, gguf-py/

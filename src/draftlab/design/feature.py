@@ -30,7 +30,7 @@ from draftlab.design.training import LoopSettings, train
 from draftlab.drafters.feature import FeatureDraft, feature_loss, save_feature_draft
 from draftlab.errors import DraftlabError
 from draftlab.models import DTYPES, LoadedModel, batch_dtype_name
-from draftlab.safeio import load_tensors, save_tensors
+from draftlab.files.safeio import load_tensors, save_tensors
 
 FEATURES = "features.pt"
 LOG = "train_log.jsonl"

@@ -25,7 +25,7 @@ from typing import Protocol
 
 import torch
 
-from draftlab.safeio import load_tensors, save_tensors
+from draftlab.files.safeio import load_tensors, save_tensors
 
 CHECKPOINT = "checkpoint.pt"
 

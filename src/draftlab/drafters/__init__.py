@@ -2,7 +2,7 @@
 
 from draftlab.drafters.base import BlindDrafter, Drafter, NoDrafter, PerRequest
 from draftlab.drafters.layers import build_layer_draft, format_layers
-from draftlab.drafters.model import ModelDrafter, check_compatible
+from draftlab.drafters.standalone import ModelDrafter, check_compatible
 from draftlab.drafters.ngram import NGramDrafter
 from draftlab.drafters.staged import StagedDrafter
 from draftlab.drafters.suffix import SuffixDrafter

@@ -36,8 +36,8 @@ from draftlab.drafters.anchored import FeatureDrafter
 from draftlab.drafters.feature import FeatureDraft, feature_loss, save_feature_draft
 from draftlab.drafters.heads import HeadsDraft, HeadsDrafter, heads_loss, save_heads_draft
 from draftlab.errors import DraftlabError
-from draftlab.step import Proposal
-from draftlab.verify import Verdict
+from draftlab.decoding.step import Proposal
+from draftlab.decoding.verify import Verdict
 
 WINDOW_HISTORY = 10  # requests in the record's "acceptance before/after" windows
 HEADS_DECAY = 0.8  # head k's loss weight is HEADS_DECAY ** (k - 1), as `draftlab design heads` trains them

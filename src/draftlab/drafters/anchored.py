@@ -20,8 +20,8 @@ import torch
 from draftlab.backends.numerics import causal_mask, scatter_vocab
 from draftlab.drafters.base import PerRequest, draft_chain
 from draftlab.errors import DraftlabError
-from draftlab.sampling import SamplingConfig, choose
-from draftlab.step import Proposal, tree_layout
+from draftlab.decoding.sampling import SamplingConfig, choose
+from draftlab.decoding.step import Proposal, tree_layout
 
 
 class KVCache:

@@ -1,7 +1,7 @@
 """The one protocol every draft source implements, and the drafter that proposes nothing.
 
 A `Drafter` proposes tokens that continue the committed context, as a chain or
-a tree (`draftlab.step.Proposal`). It does not choose how many (a
+a tree (`draftlab.decoding.step.Proposal`). It does not choose how many (a
 `DraftLengthPolicy` does) and does not verify (the verifier does). Drafters
 that sample return the probabilities they sampled from, so that rejection
 sampling stays exact; drafters that look tokens up return None and are
@@ -22,12 +22,12 @@ never ask which kind it is: `held` (how many earlier requests it holds; None:
 it keeps nothing), `forgetful` (a view that learns nothing: warm-up runs),
 `fork` (an independent drafter starting from what it was built with: a sweep
 cell's own), `state`/`load_state` (what it learned, as tensors and lists
-`draftlab.safeio` saves; None: nothing). `PerRequest` gives the answers of a
+`draftlab.files.safeio` saves; None: nothing). `PerRequest` gives the answers of a
 drafter that keeps nothing.
 
 Draft sources, one file each: `ngram.py` (prompt lookup), `model.py` (a
 separate causal LM), `layers.py` (a self-draft of the target's layers),
-`pruned.py` (designed layer drafts and their file format), `feature.py`
+`designed.py` (designed layer drafts and their file format), `feature.py`
 (EAGLE-style feature drafts and their file format), `heads.py` (Medusa-style
 decoder heads and their file format), `suffix.py` (suffix decoding over trees of
 this and earlier requests), `shipped.py` (the draft shipped for a target); wrappers: `tree.py` (token
@@ -44,10 +44,10 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from draftlab.errors import DraftlabError
-from draftlab.policy import ConfidenceStop
-from draftlab.sampling import SamplingConfig
-from draftlab.step import Proposal
-from draftlab.verify import Verdict
+from draftlab.decoding.policy import ConfidenceStop
+from draftlab.decoding.sampling import SamplingConfig
+from draftlab.decoding.step import Proposal
+from draftlab.decoding.verify import Verdict
 
 
 class Drafter(Protocol):
@@ -82,7 +82,7 @@ class Drafter(Protocol):
 
     def confidence_stop(self) -> ConfidenceStop | None:
         """The adaptive confidence stop it grows trees by, which the engine's policy moves
-        (`draftlab.policy.AdaptiveConfidence`); None: none."""
+        (`draftlab.decoding.policy.AdaptiveConfidence`); None: none."""
         ...
 
     def held(self) -> int | None:
@@ -98,7 +98,7 @@ class Drafter(Protocol):
         ...
 
     def state(self) -> dict | None:
-        """What it learned across requests (tensors, numbers, lists), for `draftlab.safeio.save_tensors`; None:
+        """What it learned across requests (tensors, numbers, lists), for `draftlab.files.safeio.save_tensors`; None:
         nothing."""
         ...
 

@@ -25,7 +25,7 @@ import torch
 from draftlab.drafters.eagle3 import Eagle3Draft, Eagle3Layer, Eagle3Shape, _assemble, default_aux_layers
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel
-from draftlab.safeio import write_atomic
+from draftlab.files.safeio import write_atomic
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 CONFIG, WEIGHTS = "config.json", "model.safetensors"

@@ -3,7 +3,7 @@
     draftlab_draft.json   {"format": <one of the formats below>, "version": 1, "target": ..., ...}
     weights.safetensors   the draft's own tensors
 
-Each format is defined beside its drafter (`pruned.py`: "draftlab-draft",
+Each format is defined beside its drafter (`designed.py`: "draftlab-draft",
 `feature.py`: "draftlab-feature-draft"); this module only reads what they
 share, and refuses damaged files with a clear error.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from draftlab.errors import DraftlabError
-from draftlab.safeio import write_atomic
+from draftlab.files.safeio import write_atomic
 
 RECORD = "draftlab_draft.json"
 WEIGHTS = "weights.safetensors"

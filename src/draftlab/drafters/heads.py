@@ -43,8 +43,8 @@ from draftlab.drafters.files import (check_target_vocab, draft_format, load_stri
                                      write_draft_files)
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel
-from draftlab.sampling import SamplingConfig, choose
-from draftlab.step import Proposal, node_depths
+from draftlab.decoding.sampling import SamplingConfig, choose
+from draftlab.decoding.step import Proposal, node_depths
 
 FORMAT = "draftlab-heads-draft"
 

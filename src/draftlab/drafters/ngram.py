@@ -9,7 +9,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from draftlab.drafters.base import BlindDrafter
 from draftlab.errors import DraftlabError
-from draftlab.step import Proposal
+from draftlab.decoding.step import Proposal
 
 
 class NGramDrafter(BlindDrafter):

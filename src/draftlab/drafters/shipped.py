@@ -50,7 +50,7 @@ def shipped_draft(target_name: str, kind: str = "designed") -> Path:
 
 def check_files(directory: Path, manifest: dict[str, str]) -> None:
     """Raise unless every file of `manifest` exists in `directory` with its pinned SHA256."""
-    from draftlab.assets import sha256_file
+    from draftlab.files.assets import sha256_file
 
     for name, expected in manifest.items():
         path = directory / name

@@ -23,9 +23,9 @@ import torch
 
 from draftlab.backends.numerics import scatter_vocab
 from draftlab.drafters.base import BlindDrafter, Drafter
-from draftlab.drafters.model import ModelDrafter
-from draftlab.sampling import SamplingConfig, logits_to_probs, sample
-from draftlab.step import Proposal
+from draftlab.drafters.standalone import ModelDrafter
+from draftlab.decoding.sampling import SamplingConfig, logits_to_probs, sample
+from draftlab.decoding.step import Proposal
 
 
 class StagedDrafter(BlindDrafter):

@@ -35,8 +35,8 @@ import numpy as np
 
 from draftlab.drafters.base import BlindDrafter
 from draftlab.errors import DraftlabError
-from draftlab.safeio import write_atomic
-from draftlab.step import ROOT, Proposal, chain_parents
+from draftlab.files.safeio import write_atomic
+from draftlab.decoding.step import ROOT, Proposal, chain_parents
 
 LIBRARY = "arctic-inference==0.3.0"
 INSTALL_HINT = (f"--drafter suffix needs {LIBRARY} (Arctic Inference's suffix trees, as vLLM runs them): "

@@ -1,7 +1,7 @@
 """Token trees: any drafter with logits proposes several branches, verified by the target in one pass.
 
 When the draft's first guess is wrong its second is often right; a tree
-drafts both and the target's single pass (tree attention mask, `draftlab.step`)
+drafts both and the target's single pass (tree attention mask, `draftlab.decoding.step`)
 scores every branch. `TreeDrafter` wraps a `TreeSource` (a drafter that can
 give its logits after any node of a tree: `ModelDrafter`, `FeatureDrafter`,
 `HeadsDrafter`)
@@ -22,7 +22,7 @@ confidence stop; a node whose cumulative draft probability is below P is
 drafted but not expanded (`1@0.3` is a chain that stops once the drafted
 sequence's likelihood falls below 0.3, up to K tokens). `@auto` lets the
 threshold move with what the target accepts: the tree exposes it as a knob
-(`confidence_stop`) and the engine's policy (`draftlab.policy.AdaptiveConfidence`)
+(`confidence_stop`) and the engine's policy (`draftlab.decoding.policy.AdaptiveConfidence`)
 moves it, down after a step whose deepest drafted path was accepted whole, up
 after a rejection.
 
@@ -59,9 +59,9 @@ import torch
 from draftlab.backends.numerics import scatter_vocab
 from draftlab.drafters.base import PerRequest
 from draftlab.errors import DraftlabError
-from draftlab.sampling import SamplingConfig, logits_to_probs
-from draftlab.policy import AdaptiveConfidence, ConfidenceStop
-from draftlab.step import MAX_DRAFT_TOKENS, ROOT, Proposal
+from draftlab.decoding.sampling import SamplingConfig, logits_to_probs
+from draftlab.decoding.policy import AdaptiveConfidence, ConfidenceStop
+from draftlab.decoding.step import MAX_DRAFT_TOKENS, ROOT, Proposal
 
 SHAPE_HELP = ("BxBx... (static branching per depth, optional -N node budget) or dyn-T-N (dynamic, EAGLE-2), "
               "either optionally with @P (confidence stop)")

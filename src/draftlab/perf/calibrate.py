@@ -24,17 +24,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from draftlab.api import SpeculativeDecoder, build_drafter, prompt_ids
-from draftlab.policy import FixedK
+from draftlab.decoding.policy import FixedK
 from draftlab.progress import track
 from draftlab.backends.base import Backend
-from draftlab.step import Block
-from draftlab.datasets import Prompt
+from draftlab.decoding.step import Block
+from draftlab.files.datasets import Prompt
 from draftlab.defaults import DEFAULT_BACKEND, SHORT_RUN_TOKENS
 from draftlab.errors import DraftlabError
-from draftlab.measure import EncodedPrompt, Measurement, RunSettings, measure, warm_up
+from draftlab.measuring.loop import EncodedPrompt, Measurement, RunSettings, measure, warm_up
 from draftlab.models import LoadedModel
-from draftlab.perf.model import DraftProfile, TargetProfile, accepted_at_least, at_least, prompt_standard_errors
-from draftlab.safeio import write_atomic
+from draftlab.perf.throughput import DraftProfile, TargetProfile, accepted_at_least, at_least, prompt_standard_errors
+from draftlab.files.safeio import write_atomic
 
 WARMUP_TOKENS = 4  # an untimed generation per draft before its measured runs
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from draftlab.api import parse_drafter_spec
 from draftlab.drafters import feature, heads
 from draftlab.drafters.files import draft_format
-from draftlab.perf.model import Prediction
+from draftlab.perf.throughput import Prediction
 from draftlab.perf.validate import Comparison
 
 

@@ -2,7 +2,7 @@
 speculative types, on the same prompts in the same run, and the answer as a llama-server command line.
 
 Every contender goes through the measurement loop (interleaved per prompt, order rotated, after a warm-up); each
-server configuration is its own server start (`draftlab.server_configs`), stopped when the round ends however it
+server configuration is its own server start (`draftlab.contenders.server_configs`), stopped when the round ends however it
 ends. The server's speculation is compared with its own plain decoding output by output: its kernels round a
 block's rows apart from single rows, so it is lossless only up to rounding, and the round says how many outputs
 differed rather than ranking it with draftlab's exact configurations.
@@ -13,11 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftlab.datasets import Prompt
-from draftlab.measure import DECODE, END_TO_END, RunSettings, measure
+from draftlab.files.datasets import Prompt
+from draftlab.measuring.loop import DECODE, END_TO_END, RunSettings, measure
 from draftlab.models import LoadedModel, gguf_path
-from draftlab.perf.race import encode, race_decoder
-from draftlab.server_configs import ServerPool, parse_server_spec, spec_config
+from draftlab.perf.halving import encode, race_decoder
+from draftlab.contenders.server_configs import ServerPool, parse_server_spec, spec_config
 
 DRAFTLAB_PLAIN, SERVER_PLAIN = "draftlab plain decoding", "llama-server plain decoding"
 

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from draftlab.perf.calibrate import Profile, time_blocks
-from draftlab.perf.model import DraftProfile, TargetProfile
+from draftlab.perf.throughput import DraftProfile, TargetProfile
 
 if TYPE_CHECKING:
-    from draftlab.exactness import Shape
+    from draftlab.checks.exactness import Shape
 
 BLOCKS = tuple(range(1, 17))  # block sizes timed: one token to 16
 TREE_BLOCKS = tuple(range(3, 17))  # tree-shaped blocks timed (two paths from the root; smaller trees are chains)
@@ -34,7 +34,7 @@ def calibrate_shape(shape: "Shape", dtype: str, device: str, drafts: dict[str, "
     """The target's block cost curve (1..16 tokens after `context`) and each model draft's cost per token, timed on
     `device` with random weights in the given shapes (`drafts`: drafter spec -> its draft's shape)."""
     from draftlab.backends.fast_llama import FastLlamaBackend
-    from draftlab.exactness import DTYPES, random_model
+    from draftlab.checks.exactness import DTYPES, random_model
 
     started = time.perf_counter()
     model = random_model(shape, DTYPES[dtype], device, layers=shape.depth)  # every layer: the true cost
@@ -56,9 +56,9 @@ def _overhead_per_step(model, backend, context: list[int]) -> float:
 
     from draftlab.api import SpeculativeDecoder
     from draftlab.drafters import NoDrafter
-    from draftlab.measure import EncodedPrompt, RunSettings, measure
+    from draftlab.measuring.loop import EncodedPrompt, RunSettings, measure
     from draftlab.models import LoadedModel
-    from draftlab.policy import FixedK
+    from draftlab.decoding.policy import FixedK
 
     target = LoadedModel("shape", model, None, backend.device, backend.dtype)
     decoder = SpeculativeDecoder(target, NoDrafter(), FixedK(1), backend)
@@ -71,7 +71,7 @@ def _overhead_per_step(model, backend, context: list[int]) -> float:
 def _draft_cost(shape: "Shape", dtype: str, device: str, context: list[int], repeats: int) -> float:
     """Seconds a model draft of this shape takes to draft one token (a one-token pass on the draft's products)."""
     from draftlab.backends.fast_llama import FastLlamaBackend
-    from draftlab.exactness import DTYPES, random_model
+    from draftlab.checks.exactness import DTYPES, random_model
 
     backend = FastLlamaBackend(random_model(shape, DTYPES[dtype], device, layers=shape.depth), device,
                                batch_invariant=False,

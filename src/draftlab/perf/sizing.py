@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from draftlab.datasets import Prompt
+from draftlab.files.datasets import Prompt
 from draftlab.errors import DraftlabError
-from draftlab.measure import DECODE, EncodedPrompt, RunSettings, run_once, warm_up
+from draftlab.measuring.loop import DECODE, EncodedPrompt, RunSettings, run_once, warm_up
 from draftlab.models import LoadedModel
 from draftlab.perf.calibrate import CalibrationSettings
 

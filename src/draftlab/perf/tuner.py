@@ -19,12 +19,12 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from draftlab.datasets import Prompt
+from draftlab.files.datasets import Prompt
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel
 from draftlab.perf.calibrate import CalibrationSettings, Profile, calibrate
-from draftlab.perf.model import Prediction
-from draftlab.perf.race import PLAIN, head_to_head, label, race, race_decoder
+from draftlab.perf.throughput import Prediction
+from draftlab.perf.halving import PLAIN, head_to_head, label, race, race_decoder
 from draftlab.perf.sizing import TuneSettings, fit_calibration, run_pilot
 from draftlab.perf.validate import predictions
 

@@ -14,10 +14,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
 
-from draftlab.baselines import nearest_baseline, prompt_key
+from draftlab.measuring.baselines import nearest_baseline, prompt_key
 from draftlab.errors import DraftlabError
 from draftlab.perf.calibrate import Profile
-from draftlab.perf.model import Prediction, predict
+from draftlab.perf.throughput import Prediction, predict
 
 
 def predictions(profile: Profile, k_max: int | None = None) -> list[Prediction]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from draftlab.backends import engine_of_backend
-from draftlab.export import Deployable
+from draftlab.deploy import Deployable
 from draftlab.study.report import ALL, METHOD_NAMES, PLAIN_METHODS, CellSummary, Drift, plain_label
 from draftlab.study.cells import LLAMACPP_TARGET, PEER_PLAIN, SERVER_METHODS
 

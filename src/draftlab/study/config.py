@@ -16,7 +16,7 @@ from pathlib import Path
 
 from draftlab.api import parse_drafter_spec
 from draftlab.backends import LLAMACPP as LLAMACPP_ENGINE, engine_of_backend
-from draftlab.plain import DEFAULT_KERNELS
+from draftlab.contenders.plain import DEFAULT_KERNELS
 from draftlab.backends import check_backend_name, gguf
 from draftlab.backends.fast_llama import SUPPORTED_MODEL_TYPES
 from draftlab.backends.quantize import weight_type_name
@@ -26,10 +26,10 @@ from draftlab.engine import GenerationConfig
 from draftlab.errors import DraftlabError
 from draftlab.models import (LoadedModel, ModelSpec, auto_dtype, check_device, check_dtype_name, is_gguf,
                              model_config, resolve_dtype_name)
-from draftlab.preflight import TIMEOUT_S as PREFLIGHT_TIMEOUT_S
-from draftlab.sampling import SamplingConfig
+from draftlab.contenders.preflight import TIMEOUT_S as PREFLIGHT_TIMEOUT_S
+from draftlab.decoding.sampling import SamplingConfig
 from draftlab.study.cells import LLAMACPP_ONLY, LLAMACPP_TARGET as LLAMACPP, PEER_PLAIN, SERVER_METHODS, Cell
-from draftlab.server_configs import check_concurrency, parse_server_spec
+from draftlab.contenders.server_configs import check_concurrency, parse_server_spec
 
 METHODS = ("ar", "sps", "asg", "hf", "lcp", "llama")  # 'plain' cells follow host_baselines, 'server' cells servers
 TORCH_ONLY = ("asg", "hf")  # HF's methods run torch targets
@@ -62,12 +62,12 @@ class SweepConfig:
     dtype: str = ModelSpec.dtype
     backend: str = DEFAULT_BACKEND
     host_baselines: bool = True  # also time plain decoding in the host's fastest mode of each dtype ('plain' cells)
-    race_after: int = 0  # drop cells that trail the leader after this many prompts of a dataset (0: never; pruning.py)
+    race_after: int = 0  # drop cells that trail the leader after this many prompts of a dataset (0: never; study/race.py)
     servers: tuple[str, ...] = ()  # llama-server's own speculative types on GGUF targets, 'TYPE[/DRAFT][:K,...[:P,...]]'
-    # (draftlab.server_configs); with any, the server's plain decoding runs too
+    # (draftlab.contenders.server_configs); with any, the server's plain decoding runs too
     concurrency: tuple[int, ...] = (1,)  # requests in flight for the llama-server cells: each level its own servers
     preflight_s: float = PREFLIGHT_TIMEOUT_S  # each engine decodes a few tokens in a child first, within this many
-    # seconds (draftlab.preflight); an engine that dies or hangs there is left out (0: no preflight)
+    # seconds (draftlab.contenders.preflight); an engine that dies or hangs there is left out (0: no preflight)
 
     def __post_init__(self) -> None:
         if not self.ks or min(self.ks) < 1:
@@ -147,7 +147,7 @@ PRESETS = {
     # in: the best tree in `benchmarks/trees.py`) and n-gram lookup, on prompts the designed draft never saw (2
     # each of code, summarization, chat, math), on draftlab's torch backend and on llama.cpp, beside HF's and
     # llama-cpp-python's own speculation. Every cell runs the first 4 prompts (one of each category); then the
-    # race drops the cells that trail the fastest one (pruning.py), so the answer comes in minutes. The layer
+    # race drops the cells that trail the fastest one (study/race.py), so the answer comes in minutes. The layer
     # self-draft, which never won on a CPU (docs/results.md), runs in the full preset.
     "quick": SweepConfig(targets=("smollm2-135m", f"{LLAMACPP}smollm2-135m"),
                          drafters=("designed", "merged:ngram/tree:1:designed", "ngram"),

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from draftlab.preflight import check_engines, engine_checks
+from draftlab.contenders.preflight import check_engines, engine_checks
 from draftlab.study.config import SweepConfig, target_backend
 from draftlab.study.store import LEFT_OUT, ResultsStore
 

@@ -14,9 +14,9 @@ from draftlab.study.report import (
 )
 from draftlab.study.answer import engine_answer, left_out_notes, numerics_notes, recommend
 from draftlab.study.learning import format_learning, learning_rows
-from draftlab.study.pruning import load_skips, skipped_cells
+from draftlab.study.race import load_skips, skipped_cells
 from draftlab.study.serving import draw_load, format_load, load_summaries, server_answer
-from draftlab.study.weights import file_bytes, format_weight_types, weight_type_answer, weight_type_rows
+from draftlab.study.weight_types import file_bytes, format_weight_types, weight_type_answer, weight_type_rows
 
 
 def build_report(db: str | Path, out: str | Path, profile_path: str | Path | None = None,

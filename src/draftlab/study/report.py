@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from draftlab.baselines import baseline_timings, nearest_baseline, prompt_key
+from draftlab.measuring.baselines import baseline_timings, nearest_baseline, prompt_key
 from draftlab.errors import DraftlabError
-from draftlab.measure import speedup
+from draftlab.measuring.loop import speedup
 from draftlab.study.cells import UNTIMED_PREFILL, UP_TO_ROUNDING
 from draftlab.study.store import PEER_PLAIN, ResultsStore
 
@@ -43,8 +43,8 @@ class CellSummary:
     draft_ms_per_step: float | None
     target_ms_per_step: float | None
     overhead_ms_per_step: float | None
-    speedup: float = 0.0  # end to end (`draftlab.measure.END_TO_END`) over draftlab's plain decoding (the ar cell)
-    decode_speedup: float | None = None  # decode only (`draftlab.measure.DECODE`) over the ar cell's decoding; None
+    speedup: float = 0.0  # end to end (`draftlab.measuring.loop.END_TO_END`) over draftlab's plain decoding (the ar cell)
+    decode_speedup: float | None = None  # decode only (`draftlab.measuring.loop.DECODE`) over the ar cell's decoding; None
     # for a peer library's cells, which time no prefill apart
     speedup_min: float = 0.0
     speedup_median: float = 0.0
@@ -226,7 +226,7 @@ def _summarize_group(key: tuple, rows: list[dict], baseline_speed: Callable[[dic
 
 def _add_speedups(summary: CellSummary, rows: list[dict], baseline_speed: Callable[[dict], float | None],
                   decode_pace: dict[tuple, float]) -> None:
-    """The measurement loop's speedups (`draftlab.measure.speedup`): end to end against the baseline measured
+    """The measurement loop's speedups (`draftlab.measuring.loop.speedup`): end to end against the baseline measured
     closest in time on each prompt, with its spread over prompts; decode only against the ar record's decoding."""
     matched = [(r, baseline_speed(r)) for r in rows]
     matched = [(r, base) for r, base in matched if base and r["wall_s"] > 0]

@@ -1,6 +1,6 @@
 """A sweep's contenders for each (cell, prompt): our decoders, HF's and llama-cpp-python's, built once per target.
 
-The measurement loop (`draftlab.measure`) times them; a cell whose drafter learns across requests (suffix decoding,
+The measurement loop (`draftlab.measuring.loop`) times them; a cell whose drafter learns across requests (suffix decoding,
 online adaptation) keeps its own copy, whose state (`Drafter.state`) is saved beside the database after each
 prompt, so that a resumed sweep goes on with what the cell had learned from its stored prompts."""
 
@@ -17,15 +17,15 @@ from draftlab.api import SpeculativeDecoder, build_drafter, eos_ids, parse_draft
 from draftlab.drafters.base import Drafter
 from draftlab.drafters.suffix import RESPONSES_FILE, read_responses
 from draftlab.errors import DraftlabError
-from draftlab.hf_reference import HFGenerate, hf_assist
-from draftlab.llamacpp_reference import LlamaCppPeer
-from draftlab.measure import Contender, EncodedPrompt, InFlight, RunRecord, RunSettings, warm_up
+from draftlab.contenders.hf import HFGenerate, hf_assist
+from draftlab.contenders.llama_cpp_python import LlamaCppPeer
+from draftlab.measuring.loop import Contender, EncodedPrompt, InFlight, RunRecord, RunSettings, warm_up
 from draftlab.models import LoadedModel, gguf_path
-from draftlab.plain import plain_mode
-from draftlab.policy import FixedK
-from draftlab.safeio import load_tensors, save_tensors
+from draftlab.contenders.plain import plain_mode
+from draftlab.decoding.policy import FixedK
+from draftlab.files.safeio import load_tensors, save_tensors
 from draftlab.study.cells import LLAMACPP_ONLY, PEER_METHODS, SERVER_METHODS, Cell, Record
-from draftlab.server_configs import ServerPool, spec_config
+from draftlab.contenders.server_configs import ServerPool, spec_config
 
 if TYPE_CHECKING:
     from draftlab.study.config import SweepConfig

@@ -2,7 +2,7 @@
 one, up to which concurrency speculation pays, and the llama-server command line to deploy.
 
 Computed from the records alone. Under load a record's prompt went out with the prompts of its window
-(`draftlab.measure.InFlight`): a cell's throughput is its windows' new tokens over their wall time (aggregate
+(`draftlab.measuring.loop.InFlight`): a cell's throughput is its windows' new tokens over their wall time (aggregate
 tokens/s) and its latency the mean of its requests'. Alone (concurrency 1) every cell of the study takes part,
 draftlab's own included; above 1 only llama-server's. llama-server's own speculation is lossless only up to
 rounding (its kernels round a block's rows apart from single rows), so it is never the fastest *lossless* answer,
@@ -16,9 +16,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftlab.export import Deployable
-from draftlab.llama_server import ServerConfig
-from draftlab.server_configs import spec_config
+from draftlab.deploy import Deployable
+from draftlab.contenders.llama_server import ServerConfig
+from draftlab.contenders.server_configs import spec_config
 from draftlab.study.cells import LLAMACPP_TARGET, PEER_PLAIN, SERVER_METHODS, UP_TO_ROUNDING
 from draftlab.study.report import ALL, PLAIN_ENGINES, PLAIN_METHODS
 
@@ -193,7 +193,7 @@ def server_sentences(answers: list[LevelAnswer], model_file, margin: float = 0.0
 
 def server_deployables(rows: list[dict], margin: float = 0.0) -> list[Deployable]:
     """Per target where llama-server ran, over all the study's prompts: the configuration to deploy and, when the
-    study measured more than one concurrency, its K per batch size (`draftlab.export`)."""
+    study measured more than one concurrency, its K per batch size (`draftlab.deploy`)."""
     answers = level_answers(load_summaries(rows))
     out = []
     for target in sorted({a.target for a in answers}):

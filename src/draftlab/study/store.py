@@ -74,7 +74,7 @@ from draftlab.study.cells import (  # noqa: F401  (re-exported: the store's row 
 
 APP = "draftlab-study"
 SCHEMA_VERSION = "7"
-LEFT_OUT = "left_out"  # meta key: the lines of the engines the last sweep left out (draftlab.preflight), JSON
+LEFT_OUT = "left_out"  # meta key: the lines of the engines the last sweep left out (draftlab.contenders.preflight), JSON
 SETTINGS = ("seed", "dtype", "backend", "device", "skip")
 RECORD_COLUMNS = (
     "cell", "prompt_id", "target", "drafter", "k", "method", "dataset", "temperature", "max_new_tokens", *SETTINGS,

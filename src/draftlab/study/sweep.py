@@ -5,7 +5,7 @@ autoregressive cell runs first on a prompt, then every (method, drafter, K) cell
 cells of a prompt, on every engine, are measured close together in time. The autoregressive cell is re-timed every
 `baseline_every` cells and after the prompt's last cell (the baseline checks): the report compares each cell with
 the baseline measured closest in time and flags the study as noisy when the baseline drifted. With
-`race_after`, cells that trail the fastest one stop being measured (`pruning.py`). A cell that cannot run a prompt
+`race_after`, cells that trail the fastest one stop being measured (`study/race.py`). A cell that cannot run a prompt
 is stored as skipped with a one-line reason. Finished (cell, prompt) pairs in the database, measured or skipped,
 are passed over, which makes a killed sweep resume where it stopped and a finished sweep a no-op; one sweep
 writes a database at a time. Suffix decoding learns across requests: each of its cells keeps its own cache over
@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from draftlab.api import prompt_ids
 from draftlab.backends import engine_of_backend
 from draftlab.backends.base import ROUNDING
-from draftlab.datasets import Prompt, load_prompts
+from draftlab.files.datasets import Prompt, load_prompts
 from draftlab.errors import DraftlabError, NothingToMeasure
-from draftlab.llama_server import ServerExited, server_binary
-from draftlab.server_configs import ServerPool
-from draftlab.measure import EncodedPrompt, Rechecks, RunRecord, measure_prompt
+from draftlab.contenders.llama_server import ServerExited, server_binary
+from draftlab.contenders.server_configs import ServerPool
+from draftlab.measuring.loop import EncodedPrompt, Rechecks, RunRecord, measure_prompt
 from draftlab.models import load_model
 from draftlab.progress import Bar
 from draftlab.study.cells import PEER_METHODS, PEER_PLAIN, SERVER_METHODS, Cell, Record
@@ -32,7 +32,7 @@ from draftlab.study.crashes import CrashLog, preflight, skip_fatal
 from draftlab.study.config import (  # noqa: F401  (re-exported: the sweep's grid and presets)
     METHODS, PRESETS, SweepConfig, environment, load_config, make_config, target_backend,
 )
-from draftlab.study.pruning import (RACE_REASON, PromptSet, RaceRule, dropped_cells, model_of, race_order,
+from draftlab.study.race import (RACE_REASON, PromptSet, RaceRule, dropped_cells, model_of, race_order,
                                     readmitted)
 from draftlab.study.runner import CellRunner, record_of
 from draftlab.study.store import ResultsStore
@@ -72,7 +72,7 @@ def run_sweep(config: SweepConfig, store: ResultsStore, progress: bool = True, g
     Prompts are the outer loop and targets the inner one, so that every engine's cells of a prompt are measured
     close together in time and the race (`config.race_after`) compares engines on the same prompts. `groups`: the
     config's `plan`, when the caller loaded it already (to check the prompt sets before creating the database).
-    Each engine is checked first (`draftlab.preflight`); one that dies there is left out, with one line."""
+    Each engine is checked first (`draftlab.contenders.preflight`); one that dies there is left out, with one line."""
     groups = plan(config) if groups is None else groups
     with store.writing():
         store.set_meta("config", config.to_json())

@@ -20,7 +20,7 @@ from draftlab.backends.fast_llama import SUPPORTED_MODEL_TYPES, FastLlamaBackend
 from draftlab.backends import row_check
 from draftlab.backends.numerics import INVARIANT_ROWS
 from draftlab.errors import DraftlabError
-from draftlab.step import Block
+from draftlab.decoding.step import Block
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TREES = {  # parents of each block row (-1: the root, the last committed token)

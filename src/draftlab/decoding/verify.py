@@ -25,8 +25,8 @@ from typing import Callable
 
 import torch
 
-from draftlab.sampling import SamplingConfig, logits_to_probs, sample
-from draftlab.step import Block, Proposal
+from draftlab.decoding.sampling import SamplingConfig, logits_to_probs, sample
+from draftlab.decoding.step import Block, Proposal
 
 
 @dataclass(frozen=True)

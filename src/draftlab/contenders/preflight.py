@@ -77,7 +77,7 @@ def engine_checks(source: str, backend: str, device: str, dtype: str, servers: b
     """The engines a target runs on: draftlab's torch backend, or llama.cpp in process and, with `servers`,
     llama-server when it is built (without it, its cells are left out by the caller, with their own line)."""
     from draftlab.backends import engine_of_backend
-    from draftlab.llama_server import server_built
+    from draftlab.contenders.llama_server import server_built
 
     if not engine_of_backend(backend).runs_gguf:
         return [EngineCheck("torch", source, device, dtype, backend)]
@@ -111,7 +111,7 @@ def check_engines(checks: list[EngineCheck], timeout_s: float = TIMEOUT_S) -> li
 
 def check_engine(check: EngineCheck, timeout_s: float = TIMEOUT_S) -> Verdict:
     """Run one check in a child; its verdict. The child is killed, with its process group, past `timeout_s`."""
-    command = [sys.executable, "-m", "draftlab.preflight", json.dumps(asdict(check))]
+    command = [sys.executable, "-m", "draftlab.contenders.preflight", json.dumps(asdict(check))]
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                              start_new_session=True)
     timeout_s = _fault_limit(check) or timeout_s
@@ -181,9 +181,9 @@ def _fault(check: EngineCheck) -> None:
 def _decode(check: EngineCheck) -> None:
     """In the child: load the target as the work will and decode a few tokens on every kernel set it will use."""
     from draftlab.api import SpeculativeDecoder, prompt_ids
-    from draftlab.datasets import Prompt
+    from draftlab.files.datasets import Prompt
     from draftlab.models import load_model
-    from draftlab.plain import fastest_plain
+    from draftlab.contenders.plain import fastest_plain
 
     target = load_model(check.source, device=check.device, dtype=check.dtype, backend=check.backend)
     ids = prompt_ids(target.tokenizer, Prompt("preflight", "check", "def fibonacci(n):"))
@@ -202,10 +202,10 @@ def _decode_on_server(target, ids: list[int]) -> None:
     import tempfile
     from pathlib import Path
 
-    from draftlab.llama_server import LlamaServer
-    from draftlab.measure import RunSettings
+    from draftlab.contenders.llama_server import LlamaServer
+    from draftlab.measuring.loop import RunSettings
     from draftlab.models import gguf_path
-    from draftlab.server_configs import spec_config
+    from draftlab.contenders.server_configs import spec_config
 
     with tempfile.TemporaryDirectory() as logs:
         server = LlamaServer(spec_config(gguf_path(target.source), "none", 0), Path(logs))

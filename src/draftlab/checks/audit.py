@@ -31,7 +31,7 @@ from scipy.stats import chi2_contingency, chisquare
 
 from draftlab.engine import SpeculativeEngine
 from draftlab.errors import DraftlabError
-from draftlab.sampling import SamplingConfig, logits_to_probs
+from draftlab.decoding.sampling import SamplingConfig, logits_to_probs
 
 END = -1  # the category of a position past an early end of sequence
 

@@ -17,7 +17,7 @@ from draftlab.backends.gguf import llama_lib, threads
 from draftlab.backends.llamacpp import MAX_CONTEXT
 from draftlab.engine import GenerationResult, check_room, tokens_result
 from draftlab.errors import DraftlabError
-from draftlab.sampling import SamplingConfig
+from draftlab.decoding.sampling import SamplingConfig
 
 
 class LlamaCppPeer:
@@ -75,7 +75,7 @@ class LlamaCppPeer:
 @dataclass(frozen=True)
 class LlamaCppRun:
     """llama-cpp-python's `generate` (k=0) or its prompt lookup at k as a measurement contender
-    (`draftlab.measure.Contender`): it times only the whole call (no prefill apart)."""
+    (`draftlab.measuring.loop.Contender`): it times only the whole call (no prefill apart)."""
 
     peer: LlamaCppPeer
     eos: tuple[int, ...]

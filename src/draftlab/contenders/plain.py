@@ -16,7 +16,7 @@ from draftlab.backends import other_routes
 from draftlab.backends.routes import Route, parse_route
 from draftlab.drafters.base import NoDrafter
 from draftlab.models import DTYPES, LoadedModel, dtype_name, is_gguf
-from draftlab.policy import FixedK
+from draftlab.decoding.policy import FixedK
 
 DEFAULT_KERNELS = "llama.cpp repack"  # the label of plain decoding on llama.cpp's default kernels
 

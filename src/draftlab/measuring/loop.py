@@ -33,9 +33,9 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Hashable, Mapping, Protocol, Sequence
 
 from draftlab.engine import GenerationConfig, GenerationResult
-from draftlab.metrics import GenerationStats
+from draftlab.decoding.metrics import GenerationStats
 from draftlab.progress import track
-from draftlab.sampling import SamplingConfig
+from draftlab.decoding.sampling import SamplingConfig
 
 DECODE = "decode"  # new tokens / (total - prefill) seconds
 END_TO_END = "end-to-end"  # new tokens / total seconds

@@ -11,8 +11,8 @@ from draftlab.backends.numerics import scatter_vocab
 from draftlab.drafters.base import BlindDrafter, draft_chain
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel
-from draftlab.sampling import choose
-from draftlab.step import Block, Proposal
+from draftlab.decoding.sampling import choose
+from draftlab.decoding.step import Block, Proposal
 
 
 class ModelDrafter(BlindDrafter):

@@ -7,7 +7,7 @@ optionally, only the most frequent tokens of the output vocabulary: the LM
 head dominates a small draft's cost (SmolLM2: 49k x 576; Gemma 3 270M: 262k),
 and a draft that can only propose frequent tokens loses little acceptance.
 
-The draft and its file format live in `draftlab.drafters.pruned`.
+The draft and its file format live in `draftlab.drafters.designed`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from draftlab.models import LoadedModel
 
-from draftlab.drafters.pruned import DesignedDraft, build_draft
+from draftlab.drafters.designed import DesignedDraft, build_draft
 
 
 def frequent_tokens(sequences: Sequence[Sequence[int]], size: int, always: Sequence[int] = ()) -> torch.Tensor:

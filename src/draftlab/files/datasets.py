@@ -26,7 +26,7 @@ from itertools import zip_longest
 from pathlib import Path
 from typing import Callable
 
-from draftlab import assets
+from draftlab.files import assets
 from draftlab.errors import DraftlabError
 
 

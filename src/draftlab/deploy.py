@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftlab.errors import DraftlabError
-from draftlab.llama_server import SPEC_TYPES
+from draftlab.contenders.llama_server import SPEC_TYPES
 
 ENGINES = ("vllm", "sglang", "llama-server")
 HF_REPOS = {  # the embedded models' names on the Hugging Face hub, as vLLM and SGLang load them
@@ -153,7 +153,7 @@ def llama_server_flags(choice: Deployable) -> list[str]:
     if kind == "eagle3":
         return ["--spec-type", "draft-eagle3", "-md", eagle3_files(arg, choice.target)[1], *length]
     if kind == "server":
-        from draftlab.server_configs import length_flags
+        from draftlab.contenders.server_configs import length_flags
 
         types, _, rest = choice.draft.partition("/")
         draft, _, p_min = rest.partition(",p=")
@@ -240,7 +240,7 @@ def _static_tree_nodes(branching: tuple[int, ...], depth: int) -> int:
 def _gguf(source: str) -> str:
     """A GGUF for llama-server: the embedded model's cached file, a .gguf path as given, an EAGLE-3 draft directory's
     GGUF, else a placeholder."""
-    from draftlab.assets import MODEL_ASSETS, cached_path
+    from draftlab.files.assets import MODEL_ASSETS, cached_path
     from draftlab.drafters.eagle3_checkpoint import engine_files
 
     if source.endswith(".gguf"):

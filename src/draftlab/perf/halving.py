@@ -10,11 +10,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
-from draftlab.datasets import Prompt
-from draftlab.measure import DECODE, EncodedPrompt, Measurement, RunSettings, measure, paired, speedup
+from draftlab.files.datasets import Prompt
+from draftlab.measuring.loop import DECODE, EncodedPrompt, Measurement, RunSettings, measure, paired, speedup
 from draftlab.models import LoadedModel
 from draftlab.perf.calibrate import CalibrationSettings
-from draftlab.perf.model import Prediction
+from draftlab.perf.throughput import Prediction
 from draftlab.perf.sizing import DRAFT_SETUP_TOKENS, MIN_RUN_TOKENS, Pilot
 
 
@@ -115,7 +115,7 @@ def race(target: LoadedModel, entrants: list[Prediction], prompts: list[Prompt],
     race has measured; what did not fit is noted.
     """
     from draftlab.api import SpeculativeDecoder
-    from draftlab.plain import fastest_plain
+    from draftlab.contenders.plain import fastest_plain
 
     outcome = RaceOutcome(PLAIN)
     plan = plan_race(len(entrants), len(prompts), settings.max_new_tokens, pilot, deadline - time.perf_counter())

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftlab.errors import DraftlabError
-from draftlab.safeio import write_atomic
+from draftlab.files.safeio import write_atomic
 
 
 @dataclass(frozen=True)

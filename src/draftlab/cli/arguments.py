@@ -49,7 +49,7 @@ def _new_draft_dir(flag: str, value) -> None:
 
 
 def _k(flag: str, value) -> None:
-    from draftlab.policy import FixedK
+    from draftlab.decoding.policy import FixedK
 
     FixedK(value)
 
@@ -142,6 +142,6 @@ def check_args(args: argparse.Namespace) -> None:
         if value is not None:
             check("--" + name.replace("_", "-"), value)
     if getattr(args, "temperature", None) is not None:
-        from draftlab.sampling import SamplingConfig
+        from draftlab.decoding.sampling import SamplingConfig
 
         SamplingConfig(args.temperature, args.top_k, args.top_p)

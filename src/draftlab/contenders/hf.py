@@ -19,7 +19,7 @@ from draftlab.registry import DraftPlan
 from draftlab.errors import DraftlabError
 from draftlab.engine import GenerationConfig, GenerationResult, check_room, tokens_result
 from draftlab.models import LoadedModel
-from draftlab.sampling import SamplingConfig
+from draftlab.decoding.sampling import SamplingConfig
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ def hf_generate(
 @dataclass(frozen=True)
 class HFGenerate:
     """HF `generate` (plain, or assisted generation with `assist`) as a measurement contender
-    (`draftlab.measure.Contender`): it times only the whole call (no prefill apart)."""
+    (`draftlab.measuring.loop.Contender`): it times only the whole call (no prefill apart)."""
 
     target: LoadedModel
     eos: tuple[int, ...]

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from draftlab.errors import DraftlabError
-from draftlab.llama_server import SPEC_TYPES, LlamaServer, LlamaServerRun, ServerConfig
+from draftlab.contenders.llama_server import SPEC_TYPES, LlamaServer, LlamaServerRun, ServerConfig
 from draftlab.models import gguf_path
 
 CONTEXT_PER_SLOT = 4096  # tokens of context each slot gets: the longest shipped prompt plus its answer fits

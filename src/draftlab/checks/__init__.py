@@ -1,0 +1,1 @@
+"""Correctness checks: the lossless audit and the row-invariance check of the exact route."""

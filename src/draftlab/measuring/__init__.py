@@ -1,0 +1,1 @@
+"""The one measurement loop and the plain-decoding baselines it compares with."""
