@@ -25,7 +25,7 @@ import torch
 
 from draftlab.api import SpeculativeDecoder, eos_ids, parse_drafter_spec, prompt_ids
 from draftlab.contenders.hf import HFGenerate, hf_assist
-from draftlab.measuring.loop import DECODE, END_TO_END, EncodedPrompt, RunSettings, measure
+from draftlab.measure import DECODE, END_TO_END, EncodedPrompt, RunSettings, measure
 from draftlab.contenders.plain import autoregressive
 from draftlab.files.datasets import load_prompts
 from draftlab.models import load_model

@@ -23,7 +23,7 @@ from draftlab.api import SpeculativeDecoder, encode_prompt, eos_ids, prompt_ids
 from draftlab.backends.routes import cpu_flags, cpu_model
 from draftlab.files.datasets import load_prompts
 from draftlab.contenders.llama_cpp_python import LlamaCppPeer
-from draftlab.measuring.loop import EncodedPrompt, RunSettings, run_once
+from draftlab.measure import EncodedPrompt, RunSettings, run_once
 from draftlab.models import gguf_path, load_model
 from draftlab.contenders.plain import default_kernels
 from draftlab.perf.calibrate import time_blocks

@@ -1,6 +1,6 @@
 """Do bench, the sweep and the tuner's race report the same speedup for the same configuration and prompts?
 
-All three now time through the one measurement loop (`draftlab.measuring.loop`) and use its speedup definitions. This
+All three now time through the one measurement loop (`draftlab.measure`) and use its speedup definitions. This
 runs them back to back, in one process, on the same target, drafter, K and prompts: `draftlab bench`'s
 `run_bench`, a sweep of the one cell (its store and report, `summarize`), and the race's round (`run_round`, what
 `draftlab tune` races with), each against draftlab's plain decoding on the same backend; `--repeats` times, so
@@ -25,7 +25,7 @@ from draftlab.api import SpeculativeDecoder
 from draftlab.backends.routes import cpu_flags
 from draftlab.bench import BenchSettings, run_bench
 from draftlab.files.datasets import load_prompts
-from draftlab.measuring.loop import DECODE, END_TO_END, RunSettings
+from draftlab.measure import DECODE, END_TO_END, RunSettings
 from draftlab.perf.halving import PLAIN, encode, run_round
 from draftlab.study.report import summarize
 from draftlab.study.store import ResultsStore

@@ -25,7 +25,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from draftlab.backends.routes import cpu_flags
-from draftlab.study.cells import UP_TO_ROUNDING
+from draftlab.contenders.methods import method_of
 from draftlab.study.race import PromptSet, RaceRule, dropped_cells, race_order
 from draftlab.study.report import ALL, baseline_drift, load_checks, load_study, summarize
 from draftlab.study.store import ResultsStore
@@ -72,7 +72,7 @@ def speeds(db: Path) -> tuple[dict[tuple, float], float]:
     rows, _, _ = load_study(db)
     checks = load_checks(db)
     summaries = [s for s in summarize(rows, checks) if s.dataset == ALL and s.complete and s.tokens_per_s > 0
-                 and not s.lossy and s.method not in UP_TO_ROUNDING]
+                 and not s.lossy and method_of(s.method).lossless]
     return {(s.target, s.method, s.drafter, s.k): s.tokens_per_s for s in summaries}, baseline_drift(rows, checks).spread
 
 
@@ -128,7 +128,7 @@ def replay_race(db: Path, preset: str) -> tuple:
                     ran[key].add(order[index])
     complete = {key for key in ran if key not in dropped}
     summaries = [s for s in summarize([by_cell[k][p] for k in complete for p in by_cell[k]], [])
-                 if s.dataset == ALL and s.complete and not s.lossy and s.method not in UP_TO_ROUNDING]
+                 if s.dataset == ALL and s.complete and not s.lossy and method_of(s.method).lossless]
     best = max(summaries, key=lambda s: s.tokens_per_s)
     return (best.target, best.method, best.drafter, best.k)
 

@@ -1,6 +1,6 @@
 """A llama-server command against every plain decoding draftlab can run on this host, in one measurement loop.
 
-The command's server and, interleaved per prompt through `draftlab.measuring.loop`: the same server without its
+The command's server and, interleaved per prompt through `draftlab.measure`: the same server without its
 speculative flags, llama-cpp-python's `generate`, draftlab's plain decoding on llama.cpp's exact kernels and on
 its default (repacked) kernels, and draftlab's torch backend in the host's own fastest route (`auto`) and its other
 dtypes' fastest routes. Prints each one's tokens/s, the command's speedup over each (end to end and decode only),
@@ -23,7 +23,7 @@ from draftlab.backends.routes import cpu_flags
 from draftlab.files.datasets import load_prompts
 from draftlab.contenders.llama_server import LlamaServer
 from draftlab.contenders.llama_cpp_python import LlamaCppPeer
-from draftlab.measuring.loop import DECODE, END_TO_END, EncodedPrompt, RunSettings, measure
+from draftlab.measure import DECODE, END_TO_END, EncodedPrompt, RunSettings, measure
 from draftlab.models import gguf_path
 from draftlab.contenders.plain import autoregressive, default_kernels, host_plain
 from draftlab.contenders.serve_check import parse_command, plain_of

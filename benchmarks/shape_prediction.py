@@ -30,7 +30,7 @@ from draftlab.api import SpeculativeDecoder, prompt_ids
 from draftlab.backends.routes import cpu_flags
 from draftlab.files.datasets import load_prompts
 from draftlab.checks.exactness import shapes_named
-from draftlab.measuring.loop import EncodedPrompt, RunSettings, measure
+from draftlab.measure import EncodedPrompt, RunSettings, measure
 from draftlab.perf.calibrate import Profile
 from draftlab.perf.throughput import TargetProfile
 from draftlab.perf.shapes import StepCounts, acceptance, calibrate_shape, format_predicted, predict_from

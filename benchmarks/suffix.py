@@ -26,7 +26,7 @@ from draftlab.api import SpeculativeDecoder, build_drafter, eos_ids, prompt_ids
 from draftlab.backends.routes import cpu_flags, cpu_model
 from draftlab.files.datasets import load_prompts
 from draftlab.contenders.hf import HFAssist, HFGenerate
-from draftlab.measuring.loop import EncodedPrompt, RunSettings, run_once
+from draftlab.measure import EncodedPrompt, RunSettings, run_once
 from draftlab.contenders.plain import host_plain
 from draftlab.contenders.llama_cpp_python import LlamaCppPeer
 from draftlab.models import gguf_path, load_model

@@ -195,7 +195,7 @@ def head_to_head(target, best: tuple[str, int], picked: tuple[str, int], prompts
     """Re-measure the sweep's best and the pick beside plain decoding, interleaved, on the same prompts (the race's
     rounds, decode speedups)."""
     from draftlab.api import SpeculativeDecoder
-    from draftlab.measuring.loop import RunSettings
+    from draftlab.measure import RunSettings
     from draftlab.perf.halving import encode, race_speedup, run_round
 
     keys = list(dict.fromkeys([PLAIN, best, picked]))

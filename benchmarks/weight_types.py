@@ -2,7 +2,7 @@
 speculative types, on the same prompts in one measurement loop, with file size, output identity and quality.
 
 Per weight type (the shipped file, then each type derived from it with llama.cpp's quantizer): llama-server's plain
-decoding and each `--servers` configuration, all interleaved per prompt (`draftlab.measuring.loop`). Printed per dataset and
+decoding and each `--servers` configuration, all interleaved per prompt (`draftlab.measure`). Printed per dataset and
 type: file size, plain and best speculative end-to-end tok/s, both as ratios to the *shipped* type's plain decoding
 on the server (the issue's mark: 1.5x on code-edit), outputs equal to the shipped type's plain decoding, outputs of
 the best configuration equal to its own type's plain decoding (the server's speculation is lossless only up to
@@ -27,7 +27,7 @@ import torch
 from draftlab.api import SpeculativeDecoder, prompt_ids
 from draftlab.backends.routes import cpu_flags
 from draftlab.files.datasets import load_prompts
-from draftlab.measuring.loop import END_TO_END, EncodedPrompt, RunSettings, measure
+from draftlab.measure import END_TO_END, EncodedPrompt, RunSettings, measure
 from draftlab.models import gguf_path
 from draftlab.contenders.server_configs import ServerPool, parse_server_spec, spec_config
 

@@ -7,7 +7,7 @@ import pytest
 from draftlab.api import SpeculativeDecoder
 from draftlab.engine import GenerationResult
 from draftlab.errors import DraftlabError
-from draftlab.measuring.loop import (
+from draftlab.measure import (
     DECODE, END_TO_END, EncodedPrompt, Measurement, Rechecks, RunRecord, RunSettings, measure, measure_prompt,
     paired, run_once, speedup,
 )

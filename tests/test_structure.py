@@ -120,13 +120,13 @@ def test_only_the_backends_registry_and_cli_name_the_llamacpp_engine():
 
 
 def test_every_timed_decode_goes_through_the_measurement_loop():
-    """No module but `draftlab.measuring.loop` reads a clock around a decode (`generate`, a contender's `run`); the
+    """No module but `draftlab.measure` reads a clock around a decode (`generate`, a contender's `run`); the
     engine's own stopwatch times its phases inside one generation."""
     decodes = {"generate", "hf_generate", "run", "run_once"}
     timed = []
     for path in SOURCE.rglob("*.py"):
         module, tree = _module_name(path), ast.parse(path.read_text())
-        if module == "draftlab.measuring.loop":
+        if module == "draftlab.measure":
             continue
         clocks = [n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in ("perf_counter", "time")
                   and isinstance(n.value, ast.Name) and n.value.id == "time"]
@@ -134,4 +134,57 @@ def test_every_timed_decode_goes_through_the_measurement_loop():
                   for n in ast.walk(tree) if isinstance(n, ast.Call)}
         if clocks and called & decodes:
             timed.append(f"{module}: {sorted(called & decodes)}")
-    assert not timed, f"timed decodes outside draftlab.measuring.loop: {timed}"
+    assert not timed, f"timed decodes outside draftlab.measure: {timed}"
+
+
+ENGINE_NAMES = {"torch", "llamacpp", "llama.cpp", "llama-server", "vllm", "sglang"}
+TABLES = ("draftlab.contenders.methods", "draftlab.backends.engines")  # where methods and engines are named
+
+
+def _string_constants(node: ast.AST) -> set[str]:
+    """The string literals an operand of a comparison is, or holds (a tuple, list, set or dict of them)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value}
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return {v for e in node.elts for v in _string_constants(e)}
+    return set()
+
+
+def _names_a_method(node: ast.AST) -> bool:
+    """Whether an operand reads a method's name: `x.method`, `row["method"]`, `method`, `plain_method`..."""
+    text = ast.unparse(node)
+    return bool(re.search(r"(^|\.|_)method$|\[['\"]method['\"]\]$", text))
+
+
+def name_comparisons() -> list[str]:
+    """Comparisons of a method name with a string literal, or of anything with an engine's name, outside the
+    tables."""
+    found = []
+    for path in SOURCE.rglob("*.py"):
+        module, tree = _module_name(path), ast.parse(path.read_text())
+        if module in TABLES:
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Compare):
+                continue
+            operands = [node.left, *node.comparators]
+            literals = set().union(*(_string_constants(o) for o in operands))
+            if literals and any(_names_a_method(o) for o in operands):
+                found.append(f"{module}:{node.lineno}: {ast.unparse(node)}")
+            elif literals & ENGINE_NAMES:
+                found.append(f"{module}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_method_or_engine_name_is_compared_with_a_string_outside_the_tables():
+    """A method is asked of its entry in `contenders.methods`, an engine of its entry in `backends.engines`."""
+    found = name_comparisons()
+    assert not found, "names compared with strings outside the tables:\n" + "\n".join(found)
+
+
+def test_the_name_check_finds_a_comparison(tmp_path):
+    tree = ast.parse('if cell.method == "sps" or row["method"] in ("ar", "hf") or engine != "llama-server": pass')
+    compare = [n for n in ast.walk(tree) if isinstance(n, ast.Compare)]
+    assert len(compare) == 3 and all(_string_constants(c.comparators[0]) for c in compare)
+    assert _names_a_method(compare[0].left) and _names_a_method(compare[1].left)
+    assert _string_constants(compare[2].comparators[0]) & ENGINE_NAMES

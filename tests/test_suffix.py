@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from draftlab.measuring.loop import RunSettings
+from draftlab.measure import RunSettings
 from draftlab.drafters import suffix
 from draftlab.drafters.suffix import SuffixCache, SuffixDrafter, SuffixOptions
 from draftlab.engine import GenerationConfig, SpeculativeEngine
@@ -138,7 +138,7 @@ def test_greedy_output_equals_plain_decoding_on_a_tiny_model_cold_and_warm(tiny_
 def test_a_race_never_times_a_prompt_with_its_own_earlier_answer(tmp_path):
     """The tuner's race repeats its prompts each round: a suffix candidate sees them as one stream per round."""
     from draftlab.api import SpeculativeDecoder
-    from draftlab.measuring.loop import EncodedPrompt
+    from draftlab.measure import EncodedPrompt
     from draftlab.models import load_model
     from draftlab.perf.halving import run_round
     from tests.conftest import tiny_model_dir

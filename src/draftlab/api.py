@@ -19,7 +19,7 @@ from draftlab.drafters.adapt import AdaptSettings
 from draftlab.drafters.base import Drafter
 from draftlab.engine import GenerationConfig, GenerationResult, SpeculativeEngine
 from draftlab.errors import DraftlabError
-from draftlab.measuring.loop import RunSettings
+from draftlab.measure import RunSettings
 from draftlab.defaults import DEFAULT_BACKEND, DraftSettings
 from draftlab.models import DEFAULT_TARGET, LoadedModel, ModelSpec, load_model
 from draftlab.decoding.policy import DraftLengthPolicy, DynamicK, FixedK
@@ -166,10 +166,10 @@ class SpeculativeDecoder:
         its path."""
         return str(self.drafter.save_learned(out))
 
-    times_prefill = True  # the engine times its prefill apart (`draftlab.measuring.loop.Contender`)
+    times_prefill = True  # the engine times its prefill apart (`draftlab.measure.Contender`)
 
     def run(self, prompt_ids: list[int], settings: RunSettings) -> GenerationResult:
-        """One generation with the measurement loop's settings (`draftlab.measuring.loop.Contender`)."""
+        """One generation with the measurement loop's settings (`draftlab.measure.Contender`)."""
         return self.generate(prompt_ids, max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                              top_k=settings.top_k, top_p=settings.top_p, seed=settings.seed)
 

@@ -1,6 +1,6 @@
 """Our speculative decoder against our autoregressive loop, on the same prompts in one process.
 
-The measurement loop (`draftlab.measuring.loop`) runs the baseline, the speculative decoder and plain decoding in the
+The measurement loop (`draftlab.measure`) runs the baseline, the speculative decoder and plain decoding in the
 host's fastest mode of every other dtype (and route, `draftlab.contenders.plain.host_plain`) on each prompt, interleaved, so
 that drift in machine speed hits all alike. Speedups are the loop's, both kinds named: `speedup` end to end
 (prefill included) and `decode_speedup`, each over the baseline and over the fastest plain decoding measured
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from draftlab.api import SpeculativeDecoder, prompt_ids
 from draftlab.files.datasets import Prompt
-from draftlab.measuring.loop import DECODE, END_TO_END, EncodedPrompt, Measurement, RunRecord, RunSettings, measure
+from draftlab.measure import DECODE, END_TO_END, EncodedPrompt, Measurement, RunRecord, RunSettings, measure
 from draftlab.models import gguf_path
 from draftlab.contenders.plain import autoregressive, host_plain
 from draftlab.contenders.server_configs import ServerPool, parse_server_spec, spec_config

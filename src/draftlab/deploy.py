@@ -28,10 +28,11 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftlab.errors import DraftlabError
+from draftlab.backends.engines import LLAMA_SERVER, SERVED, SGLANG, VLLM
 from draftlab.contenders.llama_server import SPEC_TYPES
+from draftlab.errors import DraftlabError
 
-ENGINES = ("vllm", "sglang", "llama-server")
+ENGINES = tuple(e.name for e in SERVED)  # what `--export` takes
 HF_REPOS = {  # the embedded models' names on the Hugging Face hub, as vLLM and SGLang load them
     "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
     "gemma3-270m": "google/gemma-3-270m",
@@ -62,7 +63,7 @@ def export(choice: Deployable, engine: str) -> str:
     """The command that runs `choice` on `engine` (one of ENGINES); a one-line error where it has no counterpart."""
     if engine not in ENGINES:
         raise DraftlabError(f"unknown engine {engine!r} to export to; use one of {', '.join(ENGINES)}")
-    return {"vllm": vllm_command, "sglang": sglang_command, "llama-server": llama_server_command}[engine](choice)
+    return {VLLM.name: vllm_command, SGLANG.name: sglang_command, LLAMA_SERVER.name: llama_server_command}[engine](choice)
 
 
 def hf_model(source: str) -> str:
@@ -72,7 +73,7 @@ def hf_model(source: str) -> str:
 
 def vllm_config(choice: Deployable) -> dict | None:
     """vLLM's `speculative_config` for the choice (None: plain decoding)."""
-    kind, arg = _draft_kind(choice.draft, "vllm")
+    kind, arg = _draft_kind(choice.draft, VLLM.name)
     if kind == "none":
         return None
     if kind == "ngram":
@@ -105,7 +106,7 @@ def vllm_command(choice: Deployable) -> str:
 
 def sglang_flags(choice: Deployable) -> list[str]:
     """SGLang's `--speculative-*` flags for the choice ([] for plain decoding)."""
-    kind, arg = _draft_kind(choice.draft, "sglang")
+    kind, arg = _draft_kind(choice.draft, SGLANG.name)
     k = choice.k or 4
     chain = ["--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
              "--speculative-num-draft-tokens", str(k + 1)]
@@ -140,7 +141,7 @@ def sglang_command(choice: Deployable) -> str:
 
 def llama_server_flags(choice: Deployable) -> list[str]:
     """llama-server's `--spec-*` flags for the choice ([] for plain decoding)."""
-    kind, arg = _draft_kind(choice.draft, "llama-server")
+    kind, arg = _draft_kind(choice.draft, LLAMA_SERVER.name)
     length = ["--spec-draft-n-max", str(choice.k)] if choice.k else []
     if kind == "none":
         return []
@@ -161,7 +162,7 @@ def llama_server_flags(choice: Deployable) -> list[str]:
         return [*(["-md", _gguf(draft)] if draft else []), "--spec-type", types,
                 *(["--spec-draft-n-max", str(n_max)] if n_max else []), *extra,
                 *(["--spec-draft-p-min", p_min] if p_min else [])]
-    raise _no_counterpart(choice.draft, "llama-server", kind, arg)
+    raise _no_counterpart(choice.draft, LLAMA_SERVER.name, kind, arg)
 
 
 def llama_server_command(choice: Deployable) -> str:
@@ -178,7 +179,7 @@ def _draft_kind(draft: str, engine: str) -> tuple[str, object]:
         return "none", None
     head, _, model = draft.partition("/")
     if all(t in SPEC_TYPES for t in head.split(",")):
-        if engine == "llama-server":
+        if engine == LLAMA_SERVER.name:
             return "server", draft
         if head == "draft-eagle3":  # its GGUF lies in the draft directory beside the engines' checkpoint
             return "eagle3", str(Path(model).parent) if model.endswith(".gguf") else model

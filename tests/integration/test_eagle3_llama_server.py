@@ -18,7 +18,7 @@ from draftlab.drafters import eagle3_checkpoint
 from draftlab.drafters.eagle3 import load_eagle3_draft
 from draftlab.drafters.shipped import shipped_draft
 from draftlab.contenders.llama_server import LlamaServer, ServerConfig
-from draftlab.measuring.loop import EncodedPrompt, RunSettings, run_once
+from draftlab.measure import EncodedPrompt, RunSettings, run_once
 from draftlab.models import gguf_path, load_model
 from tests.integration.test_qwen_pair import pytestmark as qwen_marks
 

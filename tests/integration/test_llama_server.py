@@ -16,7 +16,7 @@ import pytest
 
 from draftlab.errors import DraftlabError
 from draftlab.contenders.llama_server import LlamaServer, ServerConfig, server_binary
-from draftlab.measuring.loop import DECODE, END_TO_END, EncodedPrompt, RunSettings, measure, run_once
+from draftlab.measure import DECODE, END_TO_END, EncodedPrompt, RunSettings, measure, run_once
 from draftlab.models import gguf_path
 
 pytestmark = pytest.mark.integration

@@ -175,7 +175,7 @@ def test_bad_inputs_get_one_line_errors(tmp_path):
 
 def test_llama_cpp_pythons_own_generate_and_prompt_lookup(target, reference):
     from draftlab.contenders.llama_cpp_python import LlamaCppPeer
-    from draftlab.measuring.loop import DECODE, EncodedPrompt, RunSettings, run_once
+    from draftlab.measure import DECODE, EncodedPrompt, RunSettings, run_once
 
     peer = LlamaCppPeer(gguf_path("smollm2-135m"))
     ids = encode_prompt(target.tokenizer, PROMPTS[1])

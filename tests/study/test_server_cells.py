@@ -10,7 +10,7 @@ import pytest
 
 from draftlab.engine import GenerationResult
 from draftlab.errors import DraftlabError
-from draftlab.measuring.loop import EncodedPrompt, InFlight, RunSettings, run_once
+from draftlab.measure import EncodedPrompt, InFlight, RunSettings, run_once
 from draftlab.decoding.metrics import GenerationStats
 from draftlab.study.cells import Cell
 from draftlab.study.config import SweepConfig, with_weight_types

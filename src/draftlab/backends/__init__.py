@@ -16,7 +16,8 @@ from draftlab.backends.gguf import LlamaCppModel
 from draftlab.backends.hf import HFBackend
 from draftlab.backends.llamacpp import LlamaCppBackend
 from draftlab.backends.engines import (  # noqa: F401  (the engines' interface)
-    ENGINES, LLAMACPP, TORCH, Engine, PlainMode, default_kernels_plain, engine_of_backend, engine_of_model,
+    ENGINES, LLAMA_SERVER, LLAMACPP, SERVED, SGLANG, TORCH, VLLM, Engine, PlainMode, default_kernels_plain,
+    engine_named, engine_of_backend, engine_of_model,
 )
 from draftlab.backends.routes import Route, plain_contenders
 from draftlab.defaults import DEFAULT_BACKEND
@@ -56,7 +57,7 @@ def make_backend(
     `route`: the fast backend's products (`draftlab.backends.routes`); None: measured on this host.
     """
     check_backend_name(kind)
-    if isinstance(model, LlamaCppModel) or kind == "llamacpp":
+    if isinstance(model, LlamaCppModel) or kind == LLAMACPP.backend:
         return _llamacpp_backend(model, kind, route, head_rows)
     supported = getattr(model.config, "model_type", None) in SUPPORTED_MODEL_TYPES
     if kind == "fast" and not supported:
@@ -78,7 +79,7 @@ def _llamacpp_backend(model, kind: str, route: Route | None, head_rows: torch.Te
     if not isinstance(model, LlamaCppModel):
         raise DraftlabError("--backend llamacpp runs GGUF files loaded in llama.cpp; load the model with "
                             "load_model(..., backend='llamacpp') (the CLI does so under --backend llamacpp)")
-    if kind not in ("auto", "llamacpp"):
+    if kind not in (TORCH.backend, LLAMACPP.backend):
         raise DraftlabError(f"{model.path.name} is loaded in llama.cpp; the {kind} backend needs a torch model")
     if route is not None:
         raise DraftlabError("routes (--numerics) choose the torch backend's products; llama.cpp uses its own kernels")

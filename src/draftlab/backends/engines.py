@@ -2,7 +2,9 @@
 
 Code outside `backends/` asks a target's `Engine` (`LoadedModel.engine`) what it can do: whether it loads GGUF
 files as they are, whether drafts built from the target's torch weights run on it, which numerics it takes, which
-plain decoding is its fastest. It never compares engine names.
+plain decoding is its fastest. It never compares engine names with strings (tests/test_structure.py): it names an
+entry of this table. The served engines are here too: llama-server, which draftlab starts, races and exports to,
+and vLLM and SGLang, which it exports to.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from draftlab.backends.gguf import LlamaCppModel, available
+from draftlab.errors import DraftlabError
 
 LLAMACPP_NUMERICS = ("auto", "exact", "repack")
 
@@ -24,6 +27,7 @@ class Engine:
     runs_gguf: bool  # loads GGUF files as they are (no de-quantization into torch)
     torch_drafts: bool  # drafts built from the target's torch weights (layer, designed, feature, heads) run on it
     numerics: tuple[str, ...]  # the --numerics it takes; empty: the torch backend's routes
+    served: bool = False  # an OpenAI-compatible server (a process of its own), not a backend in this process
 
     def __str__(self) -> str:
         return self.label
@@ -31,7 +35,19 @@ class Engine:
 
 TORCH = Engine("torch", "torch", "auto", runs_gguf=False, torch_drafts=True, numerics=())
 LLAMACPP = Engine("llamacpp", "llama.cpp", "llamacpp", runs_gguf=True, torch_drafts=False, numerics=LLAMACPP_NUMERICS)
-ENGINES = (TORCH, LLAMACPP)
+ENGINES = (TORCH, LLAMACPP)  # the backends' engines: a target loads on one of them in this process
+LLAMA_SERVER = Engine("llama-server", "llama-server", "", runs_gguf=True, torch_drafts=False, numerics=(), served=True)
+VLLM = Engine("vllm", "vLLM", "", runs_gguf=False, torch_drafts=True, numerics=(), served=True)
+SGLANG = Engine("sglang", "SGLang", "", runs_gguf=False, torch_drafts=True, numerics=(), served=True)
+SERVED = (VLLM, SGLANG, LLAMA_SERVER)  # the servers a study's answer is exported to (llama-server is also raced)
+
+
+def engine_named(name: str) -> Engine:
+    """The engine of that name (in records, environment variables and `--export`)."""
+    found = next((e for e in (*ENGINES, *SERVED) if e.name == name), None)
+    if found is None:
+        raise DraftlabError(f"unknown engine {name!r}: one of {', '.join(e.name for e in (*ENGINES, *SERVED))}")
+    return found
 
 
 def engine_of_backend(backend: str) -> Engine:

@@ -125,12 +125,13 @@ def cmd_bench(args) -> None:
     """Baseline vs speculative on a prompt set; a table, and JSON with --json."""
     from draftlab.bench import BenchSettings, run_bench
     from draftlab.files.datasets import load_prompts
+    from draftlab.backends import LLAMA_SERVER
     from draftlab.contenders.preflight import engine_checks, require
 
     prompts = load_prompts(args.dataset or args.prompts, args.limit, args.skip)
     left_out = require(engine_checks(args.target, args.backend, args.device, args.dtype, bool(args.servers)),
                        args.preflight_timeout, "bench")
-    servers = [] if "llama-server" in left_out else args.servers or []
+    servers = [] if LLAMA_SERVER.name in left_out else args.servers or []
     decoder = _decoder(args)
     settings = BenchSettings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.warmup,
                              not args.no_host_baselines)

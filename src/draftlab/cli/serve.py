@@ -34,7 +34,7 @@ def cmd_serve_check(args: argparse.Namespace) -> None:
     """Both servers on every prompt; a verdict, and JSON with --json."""
     from draftlab.api import prompt_ids
     from draftlab.files.datasets import load_prompts
-    from draftlab.measuring.loop import EncodedPrompt, RunSettings
+    from draftlab.measure import EncodedPrompt, RunSettings
     from draftlab.models import gguf_tokenizer
     from draftlab.contenders.serve_check import as_dict, parse_command, serve_check, serve_check_load
 

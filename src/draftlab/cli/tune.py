@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from draftlab.backends.engines import engine_of_backend
 from draftlab.cli.options import add_preflight_arg
 from draftlab.errors import DraftlabError
 from draftlab.defaults import DEFAULT_BACKEND
@@ -99,7 +100,7 @@ def _search_inputs(args):
     settings = CalibrationSettings(args.k_max, args.max_new_tokens, args.repeats, args.backend)
     if settings.k_max < 1:
         raise DraftlabError(f"--k-max must be >= 1, got {settings.k_max}")
-    defaults = LLAMACPP_DRAFTS if args.backend == "llamacpp" else DEFAULT_DRAFTS
+    defaults = LLAMACPP_DRAFTS if engine_of_backend(args.backend).runs_gguf else DEFAULT_DRAFTS
     adapting = [d for d in args.drafts or [] if d.startswith(("adapt/", "adapt:"))]
     if adapting:
         raise DraftlabError(f"{adapting[0]}: calibration and the race time each prompt more than once, and an adapting "
@@ -248,13 +249,14 @@ def cmd_tune(args) -> None:
     from draftlab.perf.sizing import TuneSettings
     from draftlab.perf.validate import format_predictions
     from draftlab.perf.tuner import tune
+    from draftlab.backends import LLAMA_SERVER
     from draftlab.contenders.preflight import engine_checks, require
     from draftlab.contenders.server_configs import parse_server_spec
 
     tune_settings = TuneSettings(budget_s=args.budget)
     left_out = require(engine_checks(args.target, args.backend, args.device, (args.dtypes or [args.dtype])[0],
                                      bool(args.servers)), args.preflight_timeout, "tune")
-    args.servers = None if "llama-server" in left_out else args.servers  # the server round reads it
+    args.servers = None if LLAMA_SERVER.name in left_out else args.servers  # the server round reads it
     if args.dtypes:
         _tune_dtypes(args, tune_settings)
         return

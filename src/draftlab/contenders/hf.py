@@ -114,7 +114,7 @@ def hf_generate(
 @dataclass(frozen=True)
 class HFGenerate:
     """HF `generate` (plain, or assisted generation with `assist`) as a measurement contender
-    (`draftlab.measuring.loop.Contender`): it times only the whole call (no prefill apart)."""
+    (`draftlab.measure.Contender`): it times only the whole call (no prefill apart)."""
 
     target: LoadedModel
     eos: tuple[int, ...]

@@ -75,7 +75,7 @@ class LlamaCppPeer:
 @dataclass(frozen=True)
 class LlamaCppRun:
     """llama-cpp-python's `generate` (k=0) or its prompt lookup at k as a measurement contender
-    (`draftlab.measuring.loop.Contender`): it times only the whole call (no prefill apart)."""
+    (`draftlab.measure.Contender`): it times only the whole call (no prefill apart)."""
 
     peer: LlamaCppPeer
     eos: tuple[int, ...]

@@ -11,7 +11,7 @@ left behind. Its output goes to a log file every error names.
 Requests send token ids to `/completion` with `cache_prompt: false` (no run reuses another's prefill) and
 `return_tokens: true`; the response gives the output ids and the server's own counters (`timings`: prompt and
 decode milliseconds, drafted and accepted tokens). `LlamaServerRun` is a contender of the measurement loop
-(`draftlab.measuring.loop`). Per-request speculative settings are compiled out of this llama.cpp version, so each
+(`draftlab.measure`). Per-request speculative settings are compiled out of this llama.cpp version, so each
 speculative configuration is its own server start.
 """
 
@@ -252,7 +252,7 @@ class LlamaServer:
 
 @dataclass(frozen=True)
 class LlamaServerRun:
-    """A running llama-server as a contender of the measurement loop (`draftlab.measuring.loop.Contender`): the prefill
+    """A running llama-server as a contender of the measurement loop (`draftlab.measure.Contender`): the prefill
     is the server's own prompt time; drafted and accepted tokens are its counters."""
 
     server: LlamaServer

@@ -8,7 +8,7 @@ kernels and its default ones, which repack the weights). An engine whose child i
 nonzero or hangs past the time limit is left out with one line naming the engine, what happened and what to do;
 the work goes on with the others.
 
-`DRAFTLAB_PREFLIGHT_FAULT=ENGINE:MODE[:SOURCE]` (ENGINE: torch, llama.cpp or llama-server; MODE: segv, hang,
+`DRAFTLAB_PREFLIGHT_FAULT=ENGINE:MODE[:SOURCE]` (ENGINE: torch, llamacpp or llama-server; MODE: segv, hang,
 hang=SECONDS or exit) makes the child of that engine (on that model) die that way before it decodes: how the tests
 reproduce a crashing library on any host. `hang=SECONDS` is judged by its own limit: the parent waits that long for
 that child, while every other engine keeps the work's limit, which a healthy engine on a slow host meets with a wide
@@ -22,20 +22,30 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
+from draftlab.api import SpeculativeDecoder, prompt_ids
+from draftlab.backends.engines import LLAMA_SERVER, LLAMACPP, TORCH, engine_named, engine_of_backend
+from draftlab.contenders.llama_server import LlamaServer, server_built
+from draftlab.contenders.plain import fastest_plain
+from draftlab.contenders.server_configs import spec_config
 from draftlab.errors import DraftlabError
+from draftlab.files.datasets import Prompt
+from draftlab.measure import RunSettings
+from draftlab.models import gguf_path, load_model
 
 TOKENS = 4  # decoded by each check: enough to run prefill, a block and single-token steps
 TIMEOUT_S = 300  # a check that has not answered after this long hangs (loading a 1.5B model in fp32 takes ~30 s)
 FAULT_ENV = "DRAFTLAB_PREFLIGHT_FAULT"
-ENGINES = ("torch", "llama.cpp", "llama-server")
+ENGINES = (TORCH.name, LLAMACPP.name, LLAMA_SERVER.name)  # the engines checked, by `backends.engines` name
 REMEDY = {
-    "torch": "check torch on that device, or run with another --device or --dtype",
-    "llama.cpp": "rebuild llama.cpp with ./run.sh --setup-only (it rebuilds a library that holds ggml's AMX "
+    TORCH.name: "check torch on that device, or run with another --device or --dtype",
+    LLAMACPP.name: "rebuild llama.cpp with ./run.sh --setup-only (it rebuilds a library that holds ggml's AMX "
                  "kernels; docs/backends.md)",
-    "llama-server": "rebuild it: remove draftlab's llama.cpp build (~/.cache/draftlab/llama.cpp) and run "
+    LLAMA_SERVER.name: "rebuild it: remove draftlab's llama.cpp build (~/.cache/draftlab/llama.cpp) and run "
                     "scripts/build-llama-cpp.sh",
 }
 
@@ -56,9 +66,9 @@ class EngineCheck:
 
     def words(self) -> str:
         """The engine in words, for its line."""
-        if self.engine == "torch":
+        if self.engine == TORCH.name:
             return f"draftlab's torch backend ({self.source} on {self.device}, {self.dtype})"
-        return f"{self.engine} ({self.source})"
+        return f"{engine_named(self.engine).label} ({self.source})"
 
 
 @dataclass(frozen=True)
@@ -76,14 +86,11 @@ class Verdict:
 def engine_checks(source: str, backend: str, device: str, dtype: str, servers: bool) -> list[EngineCheck]:
     """The engines a target runs on: draftlab's torch backend, or llama.cpp in process and, with `servers`,
     llama-server when it is built (without it, its cells are left out by the caller, with their own line)."""
-    from draftlab.backends import engine_of_backend
-    from draftlab.contenders.llama_server import server_built
-
     if not engine_of_backend(backend).runs_gguf:
-        return [EngineCheck("torch", source, device, dtype, backend)]
-    checks = [EngineCheck("llama.cpp", source, "cpu", "auto", backend)]
+        return [EngineCheck(TORCH.name, source, device, dtype, backend)]
+    checks = [EngineCheck(LLAMACPP.name, source, "cpu", "auto", backend)]
     if servers and server_built():
-        checks.append(EngineCheck("llama-server", source, "cpu", "auto", backend))
+        checks.append(EngineCheck(LLAMA_SERVER.name, source, "cpu", "auto", backend))
     return checks
 
 
@@ -97,7 +104,7 @@ def require(checks: list[EngineCheck], timeout_s: float, command: str) -> set[st
     for verdict in check_engines(checks, timeout_s):
         if verdict.ok:
             continue
-        if verdict.check.engine != "llama-server":
+        if verdict.check.engine != LLAMA_SERVER.name:
             raise DraftlabError(verdict.line)
         print(f"{command}: {verdict.line}", file=sys.stderr)
         left_out.add(verdict.check.engine)
@@ -180,15 +187,10 @@ def _fault(check: EngineCheck) -> None:
 
 def _decode(check: EngineCheck) -> None:
     """In the child: load the target as the work will and decode a few tokens on every kernel set it will use."""
-    from draftlab.api import SpeculativeDecoder, prompt_ids
-    from draftlab.files.datasets import Prompt
-    from draftlab.models import load_model
-    from draftlab.contenders.plain import fastest_plain
-
     target = load_model(check.source, device=check.device, dtype=check.dtype, backend=check.backend)
     ids = prompt_ids(target.tokenizer, Prompt("preflight", "check", "def fibonacci(n):"))
     _fault(check)
-    if check.engine == "llama-server":
+    if check.engine == LLAMA_SERVER.name:
         return _decode_on_server(target, ids)
     plain = SpeculativeDecoder.from_names(target, drafter="none", k=1, backend=check.backend)
     fastest = fastest_plain(plain)  # llama.cpp: its default kernels (repacked weights) beside the exact ones
@@ -199,14 +201,6 @@ def _decode(check: EngineCheck) -> None:
 def _decode_on_server(target, ids: list[int]) -> None:
     """In the child: start llama-server on the target's GGUF and ask it for a few tokens; a server that dies passes
     its signal on (the child dies of it), so the parent's line names it."""
-    import tempfile
-    from pathlib import Path
-
-    from draftlab.contenders.llama_server import LlamaServer
-    from draftlab.measuring.loop import RunSettings
-    from draftlab.models import gguf_path
-    from draftlab.contenders.server_configs import spec_config
-
     with tempfile.TemporaryDirectory() as logs:
         server = LlamaServer(spec_config(gguf_path(target.source), "none", 0), Path(logs))
         with server:

@@ -2,13 +2,13 @@
 load.
 
 The command's server and the same server without its speculative flags (its own plain decoding) run side by side
-on 127.0.0.1, and the measurement loop (`draftlab.measuring.loop`) sends every prompt to both, interleaved, after a
+on 127.0.0.1, and the measurement loop (`draftlab.measure`) sends every prompt to both, interleaved, after a
 warm-up. The result: both speedups of the command over plain decoding, its drafted and accepted tokens, and how many
 outputs equal plain decoding's. llama-server's default kernels round a block's rows apart from single rows, so its
 speculation is lossless only up to rounding: differing outputs are counted and said, never assumed away.
 
 Under load (`--concurrency 1,2,4`) both servers get that many slots and that many requests in flight
-(`draftlab.measuring.loop.measure_load`): aggregate tokens/s and each request's latency per level, and up to which
+(`draftlab.measure.measure_load`): aggregate tokens/s and each request's latency per level, and up to which
 concurrency the command pays, also in the shape vLLM's `num_speculative_tokens_per_batch_size` takes.
 """
 
@@ -18,9 +18,10 @@ import shlex
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from draftlab.errors import DraftlabError
+from draftlab.backends.engines import LLAMA_SERVER
 from draftlab.contenders.llama_server import LlamaServer, ServerConfig
-from draftlab.measuring.loop import DECODE, END_TO_END, EncodedPrompt, RunSettings, measure, measure_load
+from draftlab.errors import DraftlabError
+from draftlab.measure import DECODE, END_TO_END, EncodedPrompt, RunSettings, measure, measure_load
 from draftlab.models import gguf_path
 
 PLAIN, COMMAND = "plain", "command"
@@ -39,7 +40,7 @@ def parse_command(text: str) -> ServerConfig:
         words = shlex.split(text)
     except ValueError as exc:
         raise DraftlabError(f"cannot read the command: {exc}") from None
-    if words and Path(words[0]).name == "llama-server":
+    if words and Path(words[0]).name == LLAMA_SERVER.name:
         words = words[1:]
     values: dict = {}
     extra: list[str] = []

@@ -24,7 +24,7 @@ from draftlab.progress import track
 from draftlab.files.datasets import Prompt
 from draftlab.drafters.feature import FeatureDraft
 from draftlab.errors import DraftlabError
-from draftlab.measuring.loop import EncodedPrompt, RunSettings, measure as measure_runs
+from draftlab.measure import EncodedPrompt, RunSettings, measure as measure_runs
 from draftlab.models import LoadedModel
 from draftlab.registry import build_drafter
 from draftlab.decoding.step import Block

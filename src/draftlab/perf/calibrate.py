@@ -31,7 +31,7 @@ from draftlab.decoding.step import Block
 from draftlab.files.datasets import Prompt
 from draftlab.defaults import DEFAULT_BACKEND, SHORT_RUN_TOKENS
 from draftlab.errors import DraftlabError
-from draftlab.measuring.loop import EncodedPrompt, Measurement, RunSettings, measure, warm_up
+from draftlab.measure import EncodedPrompt, Measurement, RunSettings, measure, warm_up
 from draftlab.models import LoadedModel
 from draftlab.perf.throughput import DraftProfile, TargetProfile, accepted_at_least, at_least, prompt_standard_errors
 from draftlab.files.safeio import write_atomic

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from draftlab.files.datasets import Prompt
-from draftlab.measuring.loop import DECODE, EncodedPrompt, Measurement, RunSettings, measure, paired, speedup
+from draftlab.measure import DECODE, EncodedPrompt, Measurement, RunSettings, measure, paired, speedup
 from draftlab.models import LoadedModel
 from draftlab.perf.calibrate import CalibrationSettings
 from draftlab.perf.throughput import Prediction

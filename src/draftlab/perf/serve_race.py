@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftlab.files.datasets import Prompt
-from draftlab.measuring.loop import DECODE, END_TO_END, RunSettings, measure
+from draftlab.measure import DECODE, END_TO_END, RunSettings, measure
 from draftlab.models import LoadedModel, gguf_path
 from draftlab.perf.halving import encode, race_decoder
 from draftlab.contenders.server_configs import ServerPool, parse_server_spec, spec_config

@@ -56,7 +56,7 @@ def _overhead_per_step(model, backend, context: list[int]) -> float:
 
     from draftlab.api import SpeculativeDecoder
     from draftlab.drafters import NoDrafter
-    from draftlab.measuring.loop import EncodedPrompt, RunSettings, measure
+    from draftlab.measure import EncodedPrompt, RunSettings, measure
     from draftlab.models import LoadedModel
     from draftlab.decoding.policy import FixedK
 

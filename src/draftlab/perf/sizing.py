@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from draftlab.files.datasets import Prompt
 from draftlab.errors import DraftlabError
-from draftlab.measuring.loop import DECODE, EncodedPrompt, RunSettings, run_once, warm_up
+from draftlab.measure import DECODE, EncodedPrompt, RunSettings, run_once, warm_up
 from draftlab.models import LoadedModel
 from draftlab.perf.calibrate import CalibrationSettings
 

@@ -14,10 +14,11 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
 
-from draftlab.measuring.baselines import nearest_baseline, prompt_key
+from draftlab.perf.baselines import nearest_baseline, prompt_key
 from draftlab.errors import DraftlabError
 from draftlab.perf.calibrate import Profile
 from draftlab.perf.throughput import Prediction, predict
+from draftlab.contenders.methods import AR, SPS
 
 
 def predictions(profile: Profile, k_max: int | None = None) -> list[Prediction]:
@@ -82,7 +83,7 @@ class MeasuredCell:
     overhead_s: float  # per step
 
 
-def measured_cells(rows: list[dict], method: str = "sps") -> dict[tuple[str, int], MeasuredCell]:
+def measured_cells(rows: list[dict], method: str = SPS.name) -> dict[tuple[str, int], MeasuredCell]:
     """Decode throughput (prefill excluded) and its parts for every cell of `method`, over all its datasets
     (plain decoding's records: method "ar", cell ("none", 0))."""
     sums: dict[tuple, list[float]] = defaultdict(lambda: [0.0] * 6)
@@ -149,7 +150,7 @@ def anchor_factors(rows: list[dict], checks: list[dict], calibration_ar: float) 
     Re-timings store wall time only; each is turned into decode time with its prompt's own ar record's
     prefill share."""
     wall_speed = nearest_baseline(rows, checks)
-    plain = {prompt_key(r): r for r in rows if r["method"] == "ar"}
+    plain = {prompt_key(r): r for r in rows if r["method"] == AR.name}
 
     def factor(row: dict) -> float:
         ar, speed = plain.get(prompt_key(row)), wall_speed(row)
@@ -163,7 +164,7 @@ def anchor_factors(rows: list[dict], checks: list[dict], calibration_ar: float) 
 
 def cell_anchor(rows: list[dict], draft: str, k: int, factor: Callable[[dict], float]) -> float:
     """The cell's scale: its tokens over the time they take at each record's anchored speed (time-weighted)."""
-    records = [r for r in rows if r["method"] == "sps" and r["drafter"] == draft and r["k"] == k]
+    records = [r for r in rows if r["method"] == SPS.name and r["drafter"] == draft and r["k"] == k]
     tokens = sum(r["new_tokens"] for r in records)
     return tokens / sum(r["new_tokens"] / factor(r) for r in records)
 

@@ -6,8 +6,9 @@ from collections import defaultdict
 
 from draftlab.backends import engine_of_backend
 from draftlab.deploy import Deployable
-from draftlab.study.report import ALL, METHOD_NAMES, PLAIN_METHODS, CellSummary, Drift, plain_label
-from draftlab.study.cells import LLAMACPP_TARGET, PEER_PLAIN, SERVER_METHODS
+from draftlab.study.report import ALL, CellSummary, Drift, plain_label
+from draftlab.study.cells import LLAMACPP_TARGET
+from draftlab.contenders.methods import AR, HF, LLAMA, PLAIN, SPS, is_baseline, method_of
 
 
 def engine_answer(summaries: list[CellSummary], drift: Drift | None = None) -> list[str]:
@@ -25,7 +26,7 @@ def engine_answer(summaries: list[CellSummary], drift: Drift | None = None) -> l
     for (model, temperature), cells in sorted(groups.items()):
         plain = {}
         for s in cells:
-            if s.method in PLAIN_METHODS:
+            if method_of(s.method).plain:
                 plain[_engine(s)] = max(plain.get(_engine(s), 0.0), s.tokens_per_s)
         if len(plain) < 2:
             continue
@@ -59,7 +60,7 @@ def _phases(cells: list[CellSummary], where: str) -> list[str]:
     """Prefill and decode apart, per engine's fastest plain decoding (where the engine times its prefill)."""
     plain: dict[str, CellSummary] = {}
     for s in cells:
-        if s.method in PLAIN_METHODS and s.decode_tokens_per_s and (
+        if method_of(s.method).plain and s.decode_tokens_per_s and (
                 _engine(s) not in plain or s.tokens_per_s > plain[_engine(s)].tokens_per_s):
             plain[_engine(s)] = s
     if len(plain) < 2:
@@ -99,8 +100,7 @@ def left_out_notes(db) -> list[str]:
 
 
 def _what(s: CellSummary) -> str:
-    return "plain decoding" if s.method in PLAIN_METHODS else (
-        f"{s.drafter} at K={s.k} ({METHOD_NAMES.get(s.method, s.method)})")
+    return "plain decoding" if method_of(s.method).plain else f"{s.drafter} at K={s.k} ({method_of(s.method)})"
 
 
 def _runner_up(best: CellSummary, rest: list[CellSummary], drift: Drift | None) -> str:
@@ -117,14 +117,16 @@ def _runner_up(best: CellSummary, rest: list[CellSummary], drift: Drift | None) 
 
 def _engine(s: CellSummary) -> str:
     """The engine a cell ran on, in words."""
-    if s.method in SERVER_METHODS:
+    method = method_of(s.method)
+    if method.served:
         return "llama-server"
-    on_llamacpp = engine_of_backend(s.backend).runs_gguf or s.target.startswith(LLAMACPP_TARGET)
-    if on_llamacpp or s.drafter.startswith("llama.cpp") or s.method in ("lcp", "llama"):
-        return "llama.cpp (llama-cpp-python)" if s.method in ("lcp", "llama") else "llama.cpp (draftlab)"
-    if s.method in ("asg", "hf"):
+    if method.engine == LLAMA.engine:
+        return "llama.cpp (llama-cpp-python)"
+    if engine_of_backend(s.backend).runs_gguf or s.target.startswith(LLAMACPP_TARGET) or s.drafter.startswith("llama.cpp"):
+        return "llama.cpp (draftlab)"
+    if method.engine == HF.engine:
         return "HF transformers"
-    return f"draftlab's torch backend ({s.drafter})" if s.method == "plain" else "draftlab's torch backend"
+    return f"draftlab's torch backend ({s.drafter})" if method is PLAIN else "draftlab's torch backend"
 
 
 def _identical_text(s: CellSummary) -> str:
@@ -150,11 +152,11 @@ def recommend(summaries: list[CellSummary], drift: Drift) -> list[str]:
     groups: dict[tuple, list[CellSummary]] = defaultdict(list)
     dropped: dict[tuple, list[CellSummary]] = defaultdict(list)
     plain_modes = {(s.target, s.temperature): f"{plain_label(s)}, {s.tokens_per_s:.1f} tok/s" for s in summaries
-                   if s.dataset == ALL and s.method in PLAIN_METHODS and plain_label(s) == s.host_plain and s.complete}
+                   if s.dataset == ALL and method_of(s.method).plain and plain_label(s) == s.host_plain and s.complete}
     timed_others = {(s.target, s.temperature) for s in summaries
-                    if s.dataset == ALL and s.method in PLAIN_METHODS and s.method != "ar"}
+                    if s.dataset == ALL and method_of(s.method).plain and not is_baseline(s.method)}
     for s in summaries:
-        if s.dataset == ALL and s.method not in ("ar", "plain", *PEER_PLAIN.values()) and s.speedup > 0:
+        if s.dataset == ALL and not method_of(s.method).plain and s.speedup > 0:
             (groups if s.complete else dropped)[(s.target, s.temperature)].append(s)
     for key, cells in dropped.items():
         groups.setdefault(key, [])
@@ -177,7 +179,7 @@ def recommend(summaries: list[CellSummary], drift: Drift) -> list[str]:
             continue
         best = max(lossless, key=_judged_speedup)
         gain = _judged_speedup(best)
-        fastest = plain_modes.get((target, temperature), "") if best.host_plain not in ("", "ar") else ""
+        fastest = plain_modes.get((target, temperature), "") if best.host_plain not in ("", AR.name) else ""
         if fastest:
             versus = (f"{gain:.2f}x the fastest plain decoding measured here ({fastest}), {best.speedup:.2f}x plain "
                       "decoding in the study's own mode")
@@ -188,7 +190,7 @@ def recommend(summaries: list[CellSummary], drift: Drift) -> list[str]:
             versus = f"{gain:.2f}x plain decoding"
         measured = (f"{versus}, {best.speedup_min:.2f}-{best.speedup_max:.2f}x over {best.prompts} prompts, "
                     f"{best.tokens_per_s:.1f} tok/s")
-        name = f"{best.drafter} at K={best.k} ({METHOD_NAMES.get(best.method, best.method)})"
+        name = f"{best.drafter} at K={best.k} ({method_of(best.method)})"
         if gain <= 1.0:
             plain = f"plain decoding ({fastest})" if fastest else "plain decoding"
             sentences.append(f"Use {plain} for {where} on this machine: no configuration beat it "
@@ -207,7 +209,7 @@ def _all_dropped(where: str, cells: list[CellSummary], fastest: str | None) -> s
     plain = f"plain decoding ({fastest})" if fastest else "plain decoding"
     return (f"Use {plain} for {where} on this machine: every configuration trailed the fastest cell by more than "
             f"the margin and was dropped by the race (the closest, {best.drafter} at K={best.k} "
-            f"({METHOD_NAMES.get(best.method, best.method)}), ran at {best.speedup:.2f}x the study's own plain decoding "
+            f"({method_of(best.method)}), ran at {best.speedup:.2f}x the study's own plain decoding "
             f"over the {best.prompts} prompts it ran; {_identical_text(best)}; the report gives each cell's ratio "
             "to the leader).")
 
@@ -215,7 +217,7 @@ def _all_dropped(where: str, cells: list[CellSummary], fastest: str | None) -> s
 def fastest_lossless(summaries: list[CellSummary]) -> list[Deployable]:
     """Per target (greedy, over all the study's prompts): draftlab's fastest lossless speculative configuration
     measured on every prompt, or plain decoding ('none') where none beat the fastest plain decoding; for export."""
-    eligible = [s for s in summaries if s.dataset == ALL and s.temperature == 0 and s.method == "sps" and s.complete
+    eligible = [s for s in summaries if s.dataset == ALL and s.temperature == 0 and s.method == SPS.name and s.complete
                 and not s.lossy and not s.rounding]
     best: dict[str, CellSummary] = {}
     for s in sorted(eligible, key=_judged_speedup):  # the fastest comes last and stays

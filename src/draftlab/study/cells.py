@@ -11,18 +11,9 @@ from dataclasses import dataclass, field, replace
 from draftlab.defaults import DEFAULT_BACKEND
 from draftlab.engine import GenerationConfig
 from draftlab.models import ModelSpec
+from draftlab.contenders.methods import AR, method_of
 
 
-# A peer's speculative method -> the same engine's plain decoding (its reference for equality and speed):
-# HF assisted generation vs HF `generate`, llama-cpp-python's prompt lookup vs its own `generate`, llama-server's
-# own speculative types vs the same server without them.
-PEER_PLAIN = {"asg": "hf", "lcp": "llama", "server": "server-ar"}
-SERVER_METHODS = ("server", "server-ar")  # llama-server: GGUF targets, one server start per configuration
-LLAMACPP_ONLY = ("lcp", "llama", *SERVER_METHODS)  # methods that run targets on llama.cpp only
-PEER_METHODS = ("asg", "hf", "lcp", "llama", *SERVER_METHODS)  # another engine's: any of its errors skips the prompt
-UNTIMED_PREFILL = ("asg", "hf", "lcp", "llama")  # libraries that time no prefill apart: no decode-only speedup
-UP_TO_ROUNDING = ("server",)  # speculation on kernels that round a block's rows apart from single rows: its
-# outputs equal plain decoding only up to rounding, even when every one measured did; never ranked with the lossless
 LLAMACPP_TARGET = "llamacpp:"  # a target name's prefix: the target runs on llama.cpp (`--backend llamacpp` for one)
 
 
@@ -33,7 +24,7 @@ class Cell:
     target: str
     drafter: str  # 'none' for ar; for 'server', the speculative type (and its draft: 'draft-simple/NAME')
     k: int  # 0 for ar; for 'server', the draft length flag (0: the server's default)
-    method: str  # ar | sps | plain | asg | hf | lcp | llama | server | server-ar
+    method: str  # a name of contenders.methods' table
     dataset: str
     temperature: float
     max_new_tokens: int
@@ -55,12 +46,12 @@ class Cell:
 
     def baseline(self) -> "Cell":
         """draftlab's plain decoding on the same grid point: every cell's speedup is measured against it."""
-        return replace(self, drafter="none", k=0, method="ar", concurrency=1)
+        return replace(self, drafter="none", k=0, method=AR.name, concurrency=1)
 
     def engine_baseline(self) -> "Cell":
         """Plain decoding on this cell's own engine (HF's `generate` for asg, llama-cpp-python's for lcp,
         llama-server's at the same concurrency for its speculative types), whose output it must equal."""
-        return replace(self, drafter="none", k=0, method=PEER_PLAIN.get(self.method, "ar"))
+        return replace(self, drafter="none", k=0, method=method_of(self.method).reference)
 
 
 @dataclass

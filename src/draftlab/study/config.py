@@ -28,11 +28,10 @@ from draftlab.models import (LoadedModel, ModelSpec, auto_dtype, check_device, c
                              model_config, resolve_dtype_name)
 from draftlab.contenders.preflight import TIMEOUT_S as PREFLIGHT_TIMEOUT_S
 from draftlab.decoding.sampling import SamplingConfig
-from draftlab.study.cells import LLAMACPP_ONLY, LLAMACPP_TARGET as LLAMACPP, PEER_PLAIN, SERVER_METHODS, Cell
+from draftlab.study.cells import LLAMACPP_TARGET as LLAMACPP, Cell
+from draftlab.contenders.methods import AR, CHOICES as METHODS, METHODS as TABLE, PLAIN, SERVER, SERVER_AR, method_of
 from draftlab.contenders.server_configs import check_concurrency, parse_server_spec
 
-METHODS = ("ar", "sps", "asg", "hf", "lcp", "llama")  # 'plain' cells follow host_baselines, 'server' cells servers
-TORCH_ONLY = ("asg", "hf")  # HF's methods run torch targets
 
 
 def target_backend(target: str, backend: str) -> tuple[str, str]:
@@ -98,15 +97,17 @@ class SweepConfig:
         backend, source = target_backend(target, self.backend)
         on_gguf = engine_of_backend(backend).runs_gguf
         dtype = "gguf" if on_gguf else resolve_dtype_name(self.dtype, self.device, source)
-        base = Cell(target, "none", 0, "ar", dataset, temperature, self.max_new_tokens, self.seed, dtype, backend,
+        base = Cell(target, "none", 0, AR.name, dataset, temperature, self.max_new_tokens, self.seed, dtype, backend,
                     self.device, self.skip)
-        methods = [m for m in self.methods if m not in (TORCH_ONLY if on_gguf else LLAMACPP_ONLY)]
-        peers = [replace(base, method=plain) for peer, plain in PEER_PLAIN.items() if {peer, plain} & set(methods)]
-        host = [replace(base, drafter=label, method="plain", dtype=dtype) for label, dtype in self.host_modes(target)]
+        methods = [method_of(m) for m in self.methods]
+        methods = [m for m in methods if not (m.torch_only if on_gguf else m.gguf_only)]
+        plains = {m.engine_plain for m in methods} - {None}
+        peers = [replace(base, method=m.name) for m in TABLE.values() if m.name in plains and not m.served]
+        host = [replace(base, drafter=label, method=PLAIN.name, dtype=dtype) for label, dtype in self.host_modes(target)]
         others = [
-            replace(base, drafter=drafter, k=k, method=method)
-            for method in methods if method not in ("ar", *PEER_PLAIN.values())
-            for drafter in self.drafters if method != "lcp" or drafter.startswith("ngram")
+            replace(base, drafter=drafter, k=k, method=method.name)
+            for method in methods if method.swept
+            for drafter in self.drafters if not method.lookup_only or drafter.startswith("ngram")
             for k in self.ks
         ]
         return [base, *peers, *host, *others, *(self.server_cells(base) if on_gguf else [])]
@@ -117,8 +118,8 @@ class SweepConfig:
             return []
         specs = [parse_server_spec(text) for text in self.servers]
         return [cell for c in self.concurrency for cell in [
-            replace(base, method=SERVER_METHODS[1], concurrency=c),
-            *(replace(base, method=SERVER_METHODS[0], drafter=drafter, k=k, concurrency=c)
+            replace(base, method=SERVER_AR.name, concurrency=c),
+            *(replace(base, method=SERVER.name, drafter=drafter, k=k, concurrency=c)
               for spec in specs for drafter, k in spec.configurations())]]
 
     def host_modes(self, target: str) -> list[tuple[str, str]]:

@@ -18,6 +18,7 @@ from statistics import median
 
 from draftlab.errors import DraftlabError
 from draftlab.study.report import ALL, CellSummary
+from draftlab.contenders.methods import ASG, SPS
 
 AGREES, PARTLY, DISAGREES, NOT_MEASURED = "agrees", "partly", "disagrees", "not measured"
 
@@ -76,7 +77,7 @@ def _best_sps(summaries: list[CellSummary]) -> dict[tuple, CellSummary]:
     best: dict[tuple, CellSummary] = {}
     for s in summaries:
         key = (s.target, s.dataset, s.temperature)
-        if s.method == "sps" and s.dataset != ALL and (key not in best or s.speedup > best[key].speedup):
+        if s.method == SPS.name and s.dataset != ALL and (key not in best or s.speedup > best[key].speedup):
             best[key] = s
     return best
 
@@ -89,7 +90,7 @@ def optimal_k(summaries: list[CellSummary]) -> Finding:
     """First study: the optimal number of draft tokens lies in 3-5."""
     claim, source = "The optimal number of draft tokens K lies in 3-5.", "How speculative can SD be? (optimal table)"
     best = _best_sps(summaries)
-    ks = sorted({s.k for s in summaries if s.method == "sps"})
+    ks = sorted({s.k for s in summaries if s.method == SPS.name})
     if not best or max(ks) < 3:
         return Finding(claim, source, NOT_MEASURED, f"this study ran K in {ks or 'none'}: too few to place an optimum")
     inside = [s for s in best.values() if 3 <= s.k <= 5]
@@ -106,7 +107,7 @@ def smallest_draft(summaries: list[CellSummary], params: dict[str, int]) -> Find
     per_group: dict[tuple, dict[str, CellSummary]] = defaultdict(dict)
     for s in summaries:
         size = params.get(f"{s.target}::{s.drafter}")
-        if s.method != "sps" or s.dataset == ALL or not size:
+        if s.method != SPS.name or s.dataset == ALL or not size:
             continue
         mine = per_group[(s.target, s.dataset, s.temperature)]
         if s.drafter not in mine or s.speedup > mine[s.drafter].speedup:
@@ -193,8 +194,8 @@ def sps_beats_asg(summaries: list[CellSummary]) -> Finding:
     """First study: speculative sampling (SpS) beats HF assisted generation (AsG) on the same pair."""
     claim, source = "SpS is faster than AsG on the same draft and K.", "How speculative can SD be? (optimal table)"
     cells = {(s.target, s.dataset, s.temperature, s.drafter, s.k, s.method): s for s in summaries}
-    pairs = [(s, cells[key[:-1] + ("asg",)]) for key, s in cells.items()
-             if key[-1] == "sps" and key[:-1] + ("asg",) in cells and s.dataset != ALL]
+    pairs = [(s, cells[key[:-1] + (ASG.name,)]) for key, s in cells.items()
+             if key[-1] == SPS.name and key[:-1] + (ASG.name,) in cells and s.dataset != ALL]
     if not pairs:
         return Finding(claim, source, NOT_MEASURED, "no configuration ran with both SpS and AsG")
     ratios = [sps.tokens_per_s / asg.tokens_per_s for sps, asg in pairs]

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from draftlab.study.report import ALL, CellSummary
+from draftlab.contenders.methods import AR, PLAIN, SPS
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class LearningRow:
 def learning_rows(summaries: list[CellSummary], rows: list[dict]) -> list[LearningRow]:
     """The table's rows, for every workload that has a suffix cell (none: an empty list)."""
     out: list[LearningRow] = []
-    sps = [s for s in summaries if s.method == "sps" and s.dataset != ALL]  # a workload is one stream
+    sps = [s for s in summaries if s.method == SPS.name and s.dataset != ALL]  # a workload is one stream
     for group in sorted({(s.target, s.dataset, s.temperature) for s in sps if s.drafter.startswith("suffix")}):
         cells = [s for s in sps if (s.target, s.dataset, s.temperature) == group]
         ngram = [s for s in cells if s.drafter.startswith("ngram")]
@@ -42,7 +43,7 @@ def learning_rows(summaries: list[CellSummary], rows: list[dict]) -> list[Learni
         if ngram:
             chosen.append(("best n-gram", max(ngram, key=lambda s: s.tokens_per_s)))
         out += [_row(label, s, rows) for label, s in chosen]
-        out.append(LearningRow(*group, "plain", "none", 0, 1.0, 1.0, 1.0, _plain_host_speedup(summaries, group)))
+        out.append(LearningRow(*group, PLAIN.name, "none", 0, 1.0, 1.0, 1.0, _plain_host_speedup(summaries, group)))
     return out
 
 
@@ -73,7 +74,7 @@ def _row(label: str, summary: CellSummary, rows: list[dict]) -> LearningRow:
 def _later_tokens_per_step(summary: CellSummary, rows: list[dict]) -> float | None:
     """Tokens per step over the later half of the cell's prompts, in the order they ran."""
     mine = [r for r in rows if (r["target"], r["method"], r["drafter"], r["k"], r["dataset"], r["temperature"]) ==
-            (summary.target, "sps", summary.drafter, summary.k, summary.dataset, summary.temperature)]
+            (summary.target, SPS.name, summary.drafter, summary.k, summary.dataset, summary.temperature)]
     mine.sort(key=lambda r: (r["cache_held"] or 0, r["finished_at"] or 0))
     later = mine[len(mine) // 2:]
     steps = sum(r["steps"] for r in later)
@@ -82,7 +83,7 @@ def _later_tokens_per_step(summary: CellSummary, rows: list[dict]) -> float | No
 
 def _plain_host_speedup(summaries: list[CellSummary], group: tuple) -> float | None:
     """draftlab's plain decoding over the fastest plain decoding measured (1.0 when it is the fastest)."""
-    base = next((s for s in summaries if s.method == "ar" and (s.target, s.dataset, s.temperature) == group), None)
+    base = next((s for s in summaries if s.method == AR.name and (s.target, s.dataset, s.temperature) == group), None)
     return base.host_speedup if base is not None else None
 
 

@@ -17,6 +17,7 @@ from draftlab.study.learning import format_learning, learning_rows
 from draftlab.study.race import load_skips, skipped_cells
 from draftlab.study.serving import draw_load, format_load, load_summaries, server_answer
 from draftlab.study.weight_types import file_bytes, format_weight_types, weight_type_answer, weight_type_rows
+from draftlab.contenders.methods import method_of
 
 
 def build_report(db: str | Path, out: str | Path, profile_path: str | Path | None = None,
@@ -41,7 +42,7 @@ def build_report(db: str | Path, out: str | Path, profile_path: str | Path | Non
     write_csv(out / "cells.csv", summaries)
     write_csv(out / "optimal.csv", optimal)
     load = load_summaries(rows)
-    write_csv(out / "load.csv", [s for s in load if s.method in ("server", "server-ar")])
+    write_csv(out / "load.csv", [s for s in load if method_of(s.method).served])
     figures = plots.draw_all(summarize(on_shared_prompts(rows), checks), out) + draw_load(load, out)
     evidence = gather_evidence(summaries, params, rows, profile_path, microbench_path, correlate_path)
     model_section = _model_section(profile_path, evidence.comparisons, out) if profile_path else ""

@@ -22,6 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from draftlab.study.report import ALL, CellSummary, write_csv  # noqa: E402
+from draftlab.contenders.methods import AR, ASG, SPS
 
 
 def draw_all(summaries: list[CellSummary], out: Path) -> list[tuple[str, str]]:
@@ -78,9 +79,9 @@ def _lines(group: list[CellSummary], method: str) -> dict[str, list[CellSummary]
 def latency_points(group: list[CellSummary]) -> list[dict]:
     """The latency-vs-K figure's data: one point per (line, K), with the prompts it was measured on."""
     points = [{"line": f"{method.upper()} {drafter}", "k": c.k, "ms_per_token": c.ms_per_token, "prompts": c.prompts}
-              for method in ("sps", "asg") for drafter, cells in _lines(group, method).items() for c in cells]
+              for method in (SPS.name, ASG.name) for drafter, cells in _lines(group, method).items() for c in cells]
     return points + [{"line": "autoregressive", "k": 0, "ms_per_token": s.ms_per_token, "prompts": s.prompts}
-                     for s in group if s.method == "ar"]
+                     for s in group if s.method == AR.name]
 
 
 def _latency_vs_k(group, path, title) -> bool:
@@ -88,7 +89,7 @@ def _latency_vs_k(group, path, title) -> bool:
     points = latency_points(group)
     write_csv(path.with_suffix(".csv"), points)
     fig, ax = plt.subplots(figsize=(8, 5))
-    for method, style in (("sps", "-o"), ("asg", "--s")):
+    for method, style in ((SPS.name, "-o"), (ASG.name, "--s")):
         for drafter in _lines(group, method):
             line = [p for p in points if p["line"] == f"{method.upper()} {drafter}"]
             ax.plot([p["k"] for p in line], [p["ms_per_token"] for p in line], style, label=f"{method.upper()} {drafter}")
@@ -102,7 +103,7 @@ def _latency_vs_k(group, path, title) -> bool:
 
 
 def _throughput_vs_tar(group, path, title) -> bool:
-    lines = _lines(group, "sps")
+    lines = _lines(group, SPS.name)
     if not lines:
         return False
     fig, ax = plt.subplots(figsize=(8, 5))
@@ -112,23 +113,23 @@ def _throughput_vs_tar(group, path, title) -> bool:
         for tar, tps, k in points:
             ax.annotate(f"K={k}", (tar, tps), fontsize=7, xytext=(3, 3), textcoords="offset points")
     for s in group:
-        if s.method == "ar":
+        if s.method == AR.name:
             ax.axhline(s.tokens_per_s, color="black", linestyle=":", label="autoregressive")
     return finish(fig, ax, path, "tokens per step (TAR)", "throughput (tokens/s)", title)
 
 
-def _best_per_drafter(group, method="sps") -> list[CellSummary]:
+def _best_per_drafter(group, method=SPS.name) -> list[CellSummary]:
     return [max(cells, key=lambda c: c.tokens_per_s) for cells in _lines(group, method).values()]
 
 
 def _time_breakdown(group, path, title) -> bool:
     best = [c for c in _best_per_drafter(group) if c.draft_ms_per_step is not None]
-    ar = [s for s in group if s.method == "ar" and s.target_ms_per_step is not None]
+    ar = [s for s in group if s.method == AR.name and s.target_ms_per_step is not None]
     cells = ar + best
     if not cells:
         return False
     fig, ax = plt.subplots(figsize=(8, 5))
-    names = ["AR" if c.method == "ar" else f"{c.drafter}\nK={c.k}" for c in cells]
+    names = ["AR" if c.method == AR.name else f"{c.drafter}\nK={c.k}" for c in cells]
     draft = [c.draft_ms_per_step or 0.0 for c in cells]
     target = [c.target_ms_per_step or 0.0 for c in cells]
     overhead = [c.overhead_ms_per_step or 0.0 for c in cells]
@@ -139,7 +140,7 @@ def _time_breakdown(group, path, title) -> bool:
 
 
 def _acceptance_by_position(group, path, title) -> bool:
-    lines = _lines(group, "sps")
+    lines = _lines(group, SPS.name)
     if not lines:
         return False
     fig, ax = plt.subplots(figsize=(8, 5))
@@ -153,8 +154,8 @@ def _acceptance_by_position(group, path, title) -> bool:
 
 def _sps_vs_asg(group, path, title) -> bool:
     """Pairs where both methods were lossless: a lossy cell's speed is not a speculative speedup."""
-    sps = {(c.drafter, c.k): c for c in group if c.method == "sps" and not c.lossy}
-    asg = {(c.drafter, c.k): c for c in group if c.method == "asg" and not c.lossy}
+    sps = {(c.drafter, c.k): c for c in group if c.method == SPS.name and not c.lossy}
+    asg = {(c.drafter, c.k): c for c in group if c.method == ASG.name and not c.lossy}
     pairs = sorted(set(sps) & set(asg))
     if not pairs:
         return False

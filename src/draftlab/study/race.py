@@ -26,7 +26,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
 
-from draftlab.study.cells import LLAMACPP_TARGET, PEER_PLAIN, UP_TO_ROUNDING, Cell
+from draftlab.study.cells import LLAMACPP_TARGET, Cell
+from draftlab.contenders.methods import METHODS, is_baseline, method_of
 from draftlab.study.store import ResultsStore
 
 RACE_REASON = "dropped by the race"  # how every skip the race stores begins
@@ -157,7 +158,7 @@ def dropped_cells(cells: list[Cell], rows: list[dict], rule: RaceRule, prompts: 
     projected = {key: project(its, prompts.of(keys[key].target), outputs, engines.get(keys[key].target, _no_prefill))
                  for key, its in runs.items()}
     most = max((p.measured for p in projected.values()), default=0)  # cells still racing; dropped ones ran fewer
-    lossless = ({key for key, p in projected.items() if p.measured == most and keys[key].method not in UP_TO_ROUNDING}
+    lossless = ({key for key, p in projected.items() if p.measured == most and method_of(keys[key].method).lossless}
                 - {r["cell"] for r in rows if r["identical"] == 0})
     if not lossless:
         return {}
@@ -166,7 +167,7 @@ def dropped_cells(cells: list[Cell], rows: list[dict], rule: RaceRule, prompts: 
     total = len(prompts.of(keys[leader].target))
     out = {}
     for key, p in projected.items():
-        if key == leader or keys[key].method == "ar":
+        if key == leader or is_baseline(keys[key].method):
             continue
         ratio = p.best_speed / projected[leader].speed
         if ratio * (1 + margin) < 1:
@@ -180,9 +181,9 @@ def _keep_peer_references(dropped: dict[str, str], cells: list[Cell]) -> dict[st
     """A peer's plain decoding stays while one of its speculative cells runs: their outputs are compared."""
     running = {(c.target, c.method) for c in cells if c.key not in dropped}
     return {key: reason for key, reason in dropped.items()
-            if not any((cell.target, method) in running
+            if not any((cell.target, method.name) in running
                        for cell in cells if cell.key == key
-                       for method, plain in PEER_PLAIN.items() if plain == cell.method)}
+                       for method in METHODS.values() if not method.plain and method.engine_plain == cell.method)}
 
 
 def _no_prefill(length: int) -> float:
@@ -197,7 +198,7 @@ def _engine_prefills(keys: dict[str, Cell], runs: dict[str, dict[str, dict]], pr
     for key, its in runs.items():
         cell, lengths = keys[key], prompts.of(keys[key].target)
         timed = [(lengths[p], r["prefill_s"]) for p, r in its.items() if (r.get("prefill_s") or 0) > 0]
-        if cell.method == "ar" and timed:
+        if is_baseline(cell.method) and timed:
             lines[cell.target] = prefill_line(timed)
     return lines
 

@@ -13,11 +13,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from draftlab.measuring.baselines import baseline_timings, nearest_baseline, prompt_key
+from draftlab.perf.baselines import baseline_timings, nearest_baseline, prompt_key
 from draftlab.errors import DraftlabError
-from draftlab.measuring.loop import speedup
-from draftlab.study.cells import UNTIMED_PREFILL, UP_TO_ROUNDING
-from draftlab.study.store import PEER_PLAIN, ResultsStore
+from draftlab.measure import speedup
+from draftlab.contenders.methods import AR, PLAIN, is_baseline, method_of
+from draftlab.study.store import ResultsStore
 
 ALL = "all"
 NOISY_DRIFT = 0.10  # a baseline that moved more than this (relative) during the study makes it noisy
@@ -43,8 +43,8 @@ class CellSummary:
     draft_ms_per_step: float | None
     target_ms_per_step: float | None
     overhead_ms_per_step: float | None
-    speedup: float = 0.0  # end to end (`draftlab.measuring.loop.END_TO_END`) over draftlab's plain decoding (the ar cell)
-    decode_speedup: float | None = None  # decode only (`draftlab.measuring.loop.DECODE`) over the ar cell's decoding; None
+    speedup: float = 0.0  # end to end (`draftlab.measure.END_TO_END`) over draftlab's plain decoding (the ar cell)
+    decode_speedup: float | None = None  # decode only (`draftlab.measure.DECODE`) over the ar cell's decoding; None
     # for a peer library's cells, which time no prefill apart
     speedup_min: float = 0.0
     speedup_median: float = 0.0
@@ -70,7 +70,7 @@ class CellSummary:
     def rounding(self) -> bool:
         """True for speculation whose outputs equal plain decoding only up to rounding (llama-server's own, on
         kernels that round a block's rows apart from single rows), however many of them were identical."""
-        return self.method in UP_TO_ROUNDING
+        return not method_of(self.method).lossless
 
     @property
     def config_key(self) -> tuple:
@@ -92,7 +92,7 @@ def summarize(rows: list[dict], checks: list[dict] = ()) -> list[CellSummary]:
         groups[config + (ALL,)].append(row)
     baseline_speed = nearest_baseline(rows, checks)
     peer_plain = {(r["method"], r["target"], r["dataset"], r["temperature"], r["prompt_id"]): r for r in rows
-                  if r["method"] in PEER_PLAIN.values()}
+                  if method_of(r["method"]).peer_plain}
     paces = decode_paces(rows)
     summaries = [_summarize_group(key, group, baseline_speed, paces)
                  for key, group in sorted(groups.items(), key=_sort_key)]
@@ -130,7 +130,7 @@ def _add_host_speedups(summaries: list[CellSummary]) -> None:
     on the same prompts."""
     fastest: dict[tuple, CellSummary] = {}
     for s in summaries:
-        if s.method in PLAIN_METHODS and s.speedup > 0 and s.complete:
+        if method_of(s.method).plain and s.speedup > 0 and s.complete:
             key = (s.target, s.dataset, s.temperature)
             if key not in fastest or s.speedup > fastest[key].speedup:
                 fastest[key] = s
@@ -138,12 +138,13 @@ def _add_host_speedups(summaries: list[CellSummary]) -> None:
         best = fastest.get((s.target, s.dataset, s.temperature))
         if best is not None and s.speedup > 0:
             s.host_speedup = s.speedup / max(best.speedup, 1.0)
-            s.host_plain = plain_label(best) if best.speedup > 1.0 else "ar"
+            s.host_plain = plain_label(best) if best.speedup > 1.0 else AR.name
 
 
 def plain_label(s: CellSummary) -> str:
     """Which plain decoding a plain cell is, in words: a route or mode label, or another engine's."""
-    return s.drafter if s.method == "plain" else PLAIN_ENGINES.get(s.method, s.method)
+    method = method_of(s.method)
+    return s.drafter if method is PLAIN else method.engine if method.peer_plain else method.name
 
 
 @dataclass(frozen=True)
@@ -184,16 +185,9 @@ def baseline_drift(rows: list[dict], checks: list[dict]) -> Drift:
     return Drift(len(spreads), max(spreads, default=0.0), statistics.median(spreads) if spreads else 0.0)
 
 
-METHOD_ORDER = {"ar": 0, "plain": 1, "hf": 2, "llama": 2, "server-ar": 2, "sps": 3, "asg": 4, "lcp": 4, "server": 4}
-METHOD_NAMES = {"sps": "SpS", "asg": "AsG", "lcp": "llama-cpp-python's prompt lookup",
-                "server": "llama-server's own speculation"}
-PLAIN_METHODS = ("ar", "plain", "hf", "llama", "server-ar")
-PLAIN_ENGINES = {"hf": "HF generate", "llama": "llama-cpp-python", "server-ar": "llama-server"}
-
-
 def _sort_key(item):
     (target, method, drafter, k, temperature, dataset), _ = item
-    return (target, dataset, temperature, METHOD_ORDER.get(method, 4), drafter, k)
+    return (target, dataset, temperature, method_of(method).order, drafter, k)
 
 
 def _summarize_group(key: tuple, rows: list[dict], baseline_speed: Callable[[dict], float | None],
@@ -216,7 +210,7 @@ def _summarize_group(key: tuple, rows: list[dict], baseline_speed: Callable[[dic
         per_position_acceptance=_per_position(rows),
     )
     _add_speedups(summary, rows, baseline_speed, decode_pace)
-    if method not in UNTIMED_PREFILL and all(r["wall_s"] > r["prefill_s"] for r in rows):
+    if method_of(method).times_prefill and all(r["wall_s"] > r["prefill_s"] for r in rows):
         summary.prefill_s = sum(r["prefill_s"] for r in rows) / len(rows)
         summary.decode_tokens_per_s = new_tokens / (wall - summary.prefill_s * len(rows))
     known = [r["identical"] for r in rows if r["identical"] is not None]
@@ -226,7 +220,7 @@ def _summarize_group(key: tuple, rows: list[dict], baseline_speed: Callable[[dic
 
 def _add_speedups(summary: CellSummary, rows: list[dict], baseline_speed: Callable[[dict], float | None],
                   decode_pace: dict[tuple, float]) -> None:
-    """The measurement loop's speedups (`draftlab.measuring.loop.speedup`): end to end against the baseline measured
+    """The measurement loop's speedups (`draftlab.measure.speedup`): end to end against the baseline measured
     closest in time on each prompt, with its spread over prompts; decode only against the ar record's decoding."""
     matched = [(r, baseline_speed(r)) for r in rows]
     matched = [(r, base) for r, base in matched if base and r["wall_s"] > 0]
@@ -236,7 +230,7 @@ def _add_speedups(summary: CellSummary, rows: list[dict], baseline_speed: Callab
     summary.speedup = speedup([(r["new_tokens"], r["wall_s"]) for r, _ in matched], [b for _, b in matched]) or 0.0
     summary.speedup_min, summary.speedup_max = min(per_prompt), max(per_prompt)
     summary.speedup_median = statistics.median(per_prompt)
-    decoded = [(r, decode_pace.get(prompt_key(r))) for r in rows if r["method"] not in UNTIMED_PREFILL]
+    decoded = [(r, decode_pace.get(prompt_key(r))) for r in rows if method_of(r["method"]).times_prefill]
     if decoded and all(pace and r["wall_s"] > r["prefill_s"] for r, pace in decoded):
         summary.decode_speedup = speedup([(r["new_tokens"], r["wall_s"] - r["prefill_s"]) for r, _ in decoded],
                                          [pace for _, pace in decoded])
@@ -245,13 +239,13 @@ def _add_speedups(summary: CellSummary, rows: list[dict], baseline_speed: Callab
 def decode_paces(rows: list[dict]) -> dict[tuple, float]:
     """Per prompt, the ar record's decode tokens/s (after its prefill)."""
     return {prompt_key(r): r["new_tokens"] / (r["wall_s"] - r["prefill_s"]) for r in rows
-            if r["method"] == "ar" and r["wall_s"] > r["prefill_s"]}
+            if is_baseline(r["method"]) and r["wall_s"] > r["prefill_s"]}
 
 
 def _add_engine_speedup(summary: CellSummary, rows: list[dict], peer_plain: dict[tuple, dict]) -> None:
     """A peer's method against its own library's plain decoding on the same prompts (AsG vs HF `generate`, lcp vs
     llama-cpp-python's `generate`); draftlab's cells against draftlab's."""
-    plain_method = PEER_PLAIN.get(summary.method, summary.method if summary.method in PEER_PLAIN.values() else None)
+    plain_method = method_of(summary.method).engine_plain
     if plain_method is None:
         summary.engine_speedup = summary.speedup
         summary.engine_plain_tokens_per_s = summary.tokens_per_s / summary.speedup if summary.speedup else None
@@ -308,7 +302,7 @@ def optimal_table(summaries: list[CellSummary], params: dict[str, int]) -> list[
     """
     best: dict[tuple, CellSummary] = {}
     for s in summaries:
-        if s.lossy or not s.complete or s.method in PEER_PLAIN.values():  # a peer's plain shows as "own plain"
+        if s.lossy or not s.complete or method_of(s.method).peer_plain:  # a peer's plain shows as "own plain"
             continue
         key = (s.target, s.dataset, s.temperature, s.method)
         if key not in best or s.speedup > best[key].speedup:
@@ -316,7 +310,7 @@ def optimal_table(summaries: list[CellSummary], params: dict[str, int]) -> list[
     rows = []
     for (target, dataset, temperature, method), s in best.items():
         draft_params = params.get(f"{target}::{s.drafter}")
-        scaling = 1.0 if method == "ar" else (params[target] / draft_params if draft_params and target in params else None)
+        scaling = 1.0 if is_baseline(method) else (params[target] / draft_params if draft_params and target in params else None)
         rows.append(OptimalRow(target, dataset, temperature, method, s.drafter, s.k, s.speedup, s.speedup_min,
                                s.speedup_max, s.tokens_per_s, scaling, s.engine_plain_tokens_per_s, s.engine_speedup,
                                s.host_speedup))
@@ -326,7 +320,7 @@ def optimal_table(summaries: list[CellSummary], params: dict[str, int]) -> list[
     # With a single dataset, its 'all' rows would only repeat it.
     rows = [r for r in rows if r.dataset != ALL or len(datasets_per_target[r.target]) > 2]
     return sorted(rows, key=lambda r: (r.target, r.dataset != ALL, r.dataset, r.temperature,
-                                       METHOD_ORDER.get(r.method, 4)))
+                                       method_of(r.method).order))
 
 
 def lossy_cells(summaries: list[CellSummary]) -> list[CellSummary]:
@@ -359,7 +353,7 @@ def format_optimal(rows: list[OptimalRow]) -> str:
         vs_fastest = f"{r.host_speedup:.2f}x" if r.host_speedup else "-"
         lines.append(
             f"{r.target:<{target_w}}{r.dataset:<{dataset_w}}{r.temperature:>5.2f}  "
-            f"{r.method.upper() if r.method != 'ar' else 'AR':<7}{r.drafter:<{draft_w}}{r.k:>3}{r.speedup:>8.3f}x  "
+            f"{r.method.upper():<7}{r.drafter:<{draft_w}}{r.k:>3}{r.speedup:>8.3f}x  "
             f"{r.speedup_min:.2f}-{r.speedup_max:<7.2f}{r.tokens_per_s:>7.1f}{scaling:>9}{own:>11}{vs_own:>8}{vs_fastest:>12}"
         )
     return "\n".join(lines)

@@ -1,6 +1,6 @@
 """A sweep's contenders for each (cell, prompt): our decoders, HF's and llama-cpp-python's, built once per target.
 
-The measurement loop (`draftlab.measuring.loop`) times them; a cell whose drafter learns across requests (suffix decoding,
+The measurement loop (`draftlab.measure`) times them; a cell whose drafter learns across requests (suffix decoding,
 online adaptation) keeps its own copy, whose state (`Drafter.state`) is saved beside the database after each
 prompt, so that a resumed sweep goes on with what the cell had learned from its stored prompts."""
 
@@ -19,12 +19,13 @@ from draftlab.drafters.suffix import RESPONSES_FILE, read_responses
 from draftlab.errors import DraftlabError
 from draftlab.contenders.hf import HFGenerate, hf_assist
 from draftlab.contenders.llama_cpp_python import LlamaCppPeer
-from draftlab.measuring.loop import Contender, EncodedPrompt, InFlight, RunRecord, RunSettings, warm_up
+from draftlab.measure import Contender, EncodedPrompt, InFlight, RunRecord, RunSettings, warm_up
 from draftlab.models import LoadedModel, gguf_path
 from draftlab.contenders.plain import plain_mode
 from draftlab.decoding.policy import FixedK
 from draftlab.files.safeio import load_tensors, save_tensors
-from draftlab.study.cells import LLAMACPP_ONLY, PEER_METHODS, SERVER_METHODS, Cell, Record
+from draftlab.study.cells import Cell, Record
+from draftlab.contenders.methods import method_of
 from draftlab.contenders.server_configs import ServerPool, spec_config
 
 if TYPE_CHECKING:
@@ -81,19 +82,24 @@ class CellRunner:
         return decoder.with_drafter(self.cell_drafters[cell.key])
 
     def contender(self, cell: Cell, companions: tuple[EncodedPrompt, ...] = ()) -> Contender:
-        """What the measurement loop runs for the cell: draftlab's decoder, plain decoding in another mode, HF's
-        `generate` (plain or assisted), llama-cpp-python's (plain or prompt lookup), or llama-server (plain or its
-        own speculation; under load, with `companions`, the prompts sent beside each one, as many as it needs)."""
-        if cell.method in SERVER_METHODS:
-            return self.server(cell, companions)
-        if cell.method == "hf":  # AsG's own plain decoding: HF generate without an assistant
+        """What the measurement loop runs for the cell, as its method builds it (`contenders.methods`); under load, with
+        `companions`, the prompts sent beside each one (llama-server, as many as it needs)."""
+        return method_of(cell.method).contender(self, cell, companions)
+
+    def speculative(self, cell: Cell) -> Contender:
+        """draftlab's decoder for the cell: plain decoding (drafter 'none') or its draft at K."""
+        return self.cell_decoder(cell)
+
+    def hf_generate(self, cell: Cell, assisted: bool) -> Contender:
+        """HF `generate`: plain (AsG's own plain decoding), or assisted by the cell's draft at K."""
+        if not assisted:
             return HFGenerate(self.target, self.eos)
-        if cell.method in LLAMACPP_ONLY:  # llama-cpp-python's plain generate, or its prompt lookup at K
-            return self.peer().contender(self.eos, cell.k if cell.method == "lcp" else 0)
-        if cell.method == "asg":
-            draft_model = self.decoder(cell.drafter, cell.k).draft_model
-            return HFGenerate(self.target, self.eos, hf_assist(parse_drafter_spec(cell.drafter), draft_model, cell.k))
-        return self.plain_in(cell.drafter) if cell.method == "plain" else self.cell_decoder(cell)
+        draft_model = self.decoder(cell.drafter, cell.k).draft_model
+        return HFGenerate(self.target, self.eos, hf_assist(parse_drafter_spec(cell.drafter), draft_model, cell.k))
+
+    def llama_cpp_python(self, cell: Cell, lookup: bool) -> Contender:
+        """llama-cpp-python's own `generate`: plain, or its prompt lookup at the cell's K."""
+        return self.peer().contender(self.eos, cell.k if lookup else 0)
 
     def settings(self, cell: Cell) -> RunSettings:
         """The cell's generation settings for the measurement loop."""
@@ -177,7 +183,7 @@ class CellRunner:
             starting(cell)
             try:
                 warm_up({cell: self.contender(cell)}, prompt, self.settings(cell))
-            except (Exception if cell.method in PEER_METHODS else DraftlabError):
+            except (Exception if method_of(cell.method).peer else DraftlabError):
                 continue
 
 

@@ -2,7 +2,7 @@
 one, up to which concurrency speculation pays, and the llama-server command line to deploy.
 
 Computed from the records alone. Under load a record's prompt went out with the prompts of its window
-(`draftlab.measuring.loop.InFlight`): a cell's throughput is its windows' new tokens over their wall time (aggregate
+(`draftlab.measure.InFlight`): a cell's throughput is its windows' new tokens over their wall time (aggregate
 tokens/s) and its latency the mean of its requests'. Alone (concurrency 1) every cell of the study takes part,
 draftlab's own included; above 1 only llama-server's. llama-server's own speculation is lossless only up to
 rounding (its kernels round a block's rows apart from single rows), so it is never the fastest *lossless* answer,
@@ -19,8 +19,9 @@ from pathlib import Path
 from draftlab.deploy import Deployable
 from draftlab.contenders.llama_server import ServerConfig
 from draftlab.contenders.server_configs import spec_config
-from draftlab.study.cells import LLAMACPP_TARGET, PEER_PLAIN, SERVER_METHODS, UP_TO_ROUNDING
-from draftlab.study.report import ALL, PLAIN_ENGINES, PLAIN_METHODS
+from draftlab.study.cells import LLAMACPP_TARGET
+from draftlab.contenders.methods import PLAIN, SERVER, SERVER_AR, method_of
+from draftlab.study.report import ALL
 
 
 @dataclass(frozen=True)
@@ -44,16 +45,18 @@ class LoadSummary:
     @property
     def exact(self) -> bool:
         """Lossless: plain decoding, or speculation on exact products whose every output matched."""
-        return self.method in PLAIN_METHODS or (self.method not in UP_TO_ROUNDING and self.identical == self.prompts)
+        method = method_of(self.method)
+        return method.plain or (method.lossless and self.identical == self.prompts)
 
     @property
     def name(self) -> str:
         """The configuration in words."""
-        if self.method in PLAIN_METHODS:
-            engine = self.drafter if self.method == "plain" else PLAIN_ENGINES.get(self.method, "draftlab")
+        method = method_of(self.method)
+        if method.plain:
+            engine = self.drafter if method is PLAIN else method.engine
             return f"plain decoding ({engine})"
         length = f" K={self.k}" if self.k else " (default length)"
-        where = "llama-server" if self.method in SERVER_METHODS else self.method.upper()
+        where = "llama-server" if method.served else self.method.upper()
         return f"{where} {self.drafter}{length}"
 
 
@@ -114,11 +117,11 @@ def level_answers(summaries: list[LoadSummary]) -> list[LevelAnswer]:
     for key, cells in sorted(levels.items()):
         most = max(s.prompts for s in cells)
         cells = [s for s in cells if s.prompts == most and s.tokens_per_s > 0]
-        servers = [s for s in cells if s.method in SERVER_METHODS]
+        servers = [s for s in cells if method_of(s.method).served]
         if not servers:
             continue
-        plain = [s for s in servers if s.method == PEER_PLAIN["server"]]
-        types = sorted((s for s in servers if s.method == "server"), key=lambda s: -s.tokens_per_s)
+        plain = [s for s in servers if s.method == SERVER_AR.name]
+        types = sorted((s for s in servers if s.method == SERVER.name), key=lambda s: -s.tokens_per_s)
         out.append(LevelAnswer(*key, max(cells, key=lambda s: s.tokens_per_s),
                                max((s for s in cells if s.exact), key=lambda s: s.tokens_per_s, default=None),
                                plain[0] if plain else None, tuple(types)))
@@ -142,7 +145,7 @@ def per_batch_size(answers: list[LevelAnswer], choice: LoadSummary, margin: floa
     type's default)."""
     table: list[list[int]] = []
     for answer in sorted(answers, key=lambda a: a.concurrency):
-        pays = choice.method == "server" and (answer.gain(choice) or 0.0) > 1.0 + margin
+        pays = choice.method == SERVER.name and (answer.gain(choice) or 0.0) > 1.0 + margin
         k = (choice.k or -1) if pays else 0
         if table and table[-1][2] == k:
             table[-1][1] = answer.concurrency
@@ -180,11 +183,11 @@ def server_sentences(answers: list[LevelAnswer], model_file, margin: float = 0.0
         choice = deploy_choice(overall, margin)
         if choice is None:
             continue
-        if len(overall) > 1 and choice.method == "server":
+        if len(overall) > 1 and choice.method == SERVER.name:
             sentences.append(f"On llama-server, {choice.name} per concurrency in vLLM's "
                              f"num_speculative_tokens_per_batch_size shape (K -1: the type's default length): "
                              f"{per_batch_size(overall, choice, margin)}.")
-        why = "" if choice.method == "server" else (" (plain decoding: no speculative type kept every output identical "
+        why = "" if choice.method == SERVER.name else (" (plain decoding: no speculative type kept every output identical "
                                                     f"to it and beat it alone by more than {margin:.0%})")
         sentences.append(f"Deploy {model} on llama-server{why} with: "
                          f"{deploy_config(overall, model_file(target), margin).command()}")
@@ -201,8 +204,8 @@ def server_deployables(rows: list[dict], margin: float = 0.0) -> list[Deployable
         choice = deploy_choice(overall, margin)
         if choice is None:
             continue
-        table = per_batch_size(overall, choice, margin) if len(overall) > 1 and choice.method == "server" else []
-        drafter = choice.drafter if choice.method == "server" else "none"
+        table = per_batch_size(overall, choice, margin) if len(overall) > 1 and choice.method == SERVER.name else []
+        drafter = choice.drafter if choice.method == SERVER.name else "none"
         out.append(Deployable(target.removeprefix(LLAMACPP_TARGET), drafter, choice.k, tuple(map(tuple, table))))
     return out
 
@@ -248,7 +251,7 @@ def draw_load(summaries: list[LoadSummary], out: Path) -> list[tuple[str, str]]:
 
     lines: dict[str, dict[tuple, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
     for s in summaries:
-        if s.dataset == ALL and s.method in SERVER_METHODS:
+        if s.dataset == ALL and method_of(s.method).served:
             lines[s.target][(s.name, s.method)][s.concurrency] = s.tokens_per_s
     figures = []
     for target, configs in sorted(lines.items()):
@@ -258,7 +261,7 @@ def draw_load(summaries: list[LoadSummary], out: Path) -> list[tuple[str, str]]:
         for (name, method), points in sorted(configs.items()):
             levels = sorted(points)
             ax.plot(levels, [points[c] for c in levels], marker="o", label=name,
-                    linestyle="--" if method == "server-ar" else "-")
+                    linestyle="--" if method == SERVER_AR.name else "-")
         file, title = f"load_{slug(target)}.png", f"llama-server under load ({target})"
         if finish(fig, ax, out / file, "requests in flight", "aggregate tokens/s", title, integer_x=True):
             figures.append((file, title))
@@ -267,8 +270,8 @@ def draw_load(summaries: list[LoadSummary], out: Path) -> list[tuple[str, str]]:
 
 def format_load(summaries: list[LoadSummary]) -> str:
     """The llama-server configurations per concurrency as a table (workload 'all'); '' when none ran."""
-    rows = sorted((s for s in summaries if s.dataset == ALL and s.method in SERVER_METHODS),
-                  key=lambda s: (s.target, s.temperature, s.concurrency, s.method != "server-ar", -s.tokens_per_s))
+    rows = sorted((s for s in summaries if s.dataset == ALL and method_of(s.method).served),
+                  key=lambda s: (s.target, s.temperature, s.concurrency, s.method != SERVER_AR.name, -s.tokens_per_s))
     if not rows:
         return ""
     lines = [f"{'target':<28}{'c':>3}  {'configuration':<44}{'tok/s':>8}{'latency s':>11}{'identical':>11}"

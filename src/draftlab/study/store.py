@@ -68,9 +68,7 @@ from pathlib import Path
 from typing import Iterator
 
 from draftlab.errors import DraftlabError
-from draftlab.study.cells import (  # noqa: F401  (re-exported: the store's row types)
-    LLAMACPP_ONLY, LLAMACPP_TARGET, PEER_METHODS, PEER_PLAIN, Cell, Record,
-)
+from draftlab.study.cells import Cell, Record  # noqa: F401  (re-exported: the store's row types)
 
 APP = "draftlab-study"
 SCHEMA_VERSION = "7"

@@ -18,16 +18,17 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from draftlab.api import prompt_ids
-from draftlab.backends import engine_of_backend
+from draftlab.backends import LLAMA_SERVER, engine_of_backend
 from draftlab.backends.base import ROUNDING
 from draftlab.files.datasets import Prompt, load_prompts
 from draftlab.errors import DraftlabError, NothingToMeasure
 from draftlab.contenders.llama_server import ServerExited, server_binary
 from draftlab.contenders.server_configs import ServerPool
-from draftlab.measuring.loop import EncodedPrompt, Rechecks, RunRecord, measure_prompt
+from draftlab.measure import EncodedPrompt, Rechecks, RunRecord, measure_prompt
 from draftlab.models import load_model
 from draftlab.progress import Bar
-from draftlab.study.cells import PEER_METHODS, PEER_PLAIN, SERVER_METHODS, Cell, Record
+from draftlab.study.cells import Cell, Record
+from draftlab.contenders.methods import ASG, is_baseline, method_of
 from draftlab.study.crashes import CrashLog, preflight, skip_fatal
 from draftlab.study.config import (  # noqa: F401  (re-exported: the sweep's grid and presets)
     METHODS, PRESETS, SweepConfig, environment, load_config, make_config, target_backend,
@@ -52,8 +53,9 @@ class TargetRun:
 
     def runnable(self, cells: list[Cell]) -> list[Cell]:
         """The cells whose drafter runs on this target's engine (and has an HF counterpart, for asg)."""
-        return [c for c in cells if c.drafter not in self.gone and not (c.method == "asg" and c.drafter in self.no_asg)
-                and not (self.no_server and c.method in SERVER_METHODS) and c.key not in self.ended]
+        return [c for c in cells if c.drafter not in self.gone
+                and not (method_of(c.method).assisted and c.drafter in self.no_asg)
+                and not (self.no_server and method_of(c.method).served) and c.key not in self.ended]
 
 
 @dataclass(frozen=True)
@@ -92,13 +94,13 @@ def _run_all(config: SweepConfig, store: ResultsStore, groups: list[Group], done
     """Check the engines, load every target whose engine runs, then run every group's pending (cell, prompt)
     pairs; returns the records added. The llama-server cells' servers are stopped on every way out."""
     left_out = preflight(config, store)
-    runnable = [name for name in config.targets if not left_out.get(name, set()) - {"llama-server"}]
+    runnable = [name for name in config.targets if not left_out.get(name, set()) - {LLAMA_SERVER.name}]
     if not runnable:
         raise NothingToMeasure("every engine of this study failed its preflight (said above, one line each); "
                                "nothing was measured")
     servers = ServerPool(store.path.with_name(store.path.stem + ".server-logs"))
     try:
-        targets = {name: _start_target(name, config, store, done, servers, "llama-server" in left_out.get(name, ()))
+        targets = {name: _start_target(name, config, store, done, servers, LLAMA_SERVER.name in left_out.get(name, ()))
                    for name in runnable}
         skip_fatal(crashes, groups, targets, store, done)
         todo = sum(1 for g in groups for t, cells in g.cells.items() if t in targets
@@ -204,7 +206,7 @@ def _run_prompt(target: TargetRun, cells: list[Cell], prompt: EncodedPrompt, sto
             print(f"sweep: {cell.method} {cell.drafter} k={cell.k} c={cell.concurrency} ended at {prompt.id}: {exc}; "
                   "the next run resumes it")
             return True
-        if not isinstance(exc, DraftlabError) and cell.method not in PEER_METHODS:
+        if not isinstance(exc, DraftlabError) and not method_of(cell.method).peer:
             return False  # draftlab's own bug: a traceback, not a skip
         reason = f"{type(exc).__name__}: {exc}" if not isinstance(exc, DraftlabError) else str(exc)
         store.add_skip(cell, prompt.id, reason, target.run_id)
@@ -303,7 +305,7 @@ def _readmit(cell: Cell, store: ResultsStore, done: set) -> int:
 def _unrunnable(runner: CellRunner, config: SweepConfig) -> tuple[set[str], set[str]]:
     """Drafters that do not run on the target's engine, and those with no HF counterpart for asg; says which."""
     gone = {d for d in config.drafters if not runner.runs_here(d)}
-    asg = "asg" in config.methods and not runner.target.engine.runs_gguf
+    asg = ASG.name in config.methods and not runner.target.engine.runs_gguf
     no_asg = {d for d in config.drafters if asg and d not in gone and not runner.asg_supported(d)}
     for drafter in sorted(gone):
         print(f"sweep: {drafter} does not run on {runner.target.name} with the {runner.backend} backend; "
@@ -345,10 +347,11 @@ def plan(config: SweepConfig) -> list[Group]:
 
 def _identical(store: ResultsStore, cell: Cell, prompt_id: str, output_sha: str) -> bool | None:
     """Equality with the output of plain decoding on the cell's own engine: only defined for greedy decoding."""
-    if cell.temperature > 0 or cell.method in ("plain", *PEER_PLAIN.values()):  # another mode's or library's plain
+    method = method_of(cell.method)
+    if cell.temperature > 0 or method.plain and not is_baseline(method.name):  # another mode's or library's plain
         # decoding: it rounds as its own engine does
         return None
-    if cell.method == "ar":
+    if is_baseline(method.name):
         return True
     baseline = store.output_sha(cell.engine_baseline(), prompt_id)
     return None if baseline is None else baseline == output_sha

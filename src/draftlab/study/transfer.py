@@ -9,6 +9,7 @@ from draftlab.backends import engine_of_backend
 from draftlab.errors import DraftlabError
 from draftlab.perf.shapes import Acceptance, StepCounts, acceptance
 from draftlab.study.report import load_study
+from draftlab.contenders.methods import AR, SPS
 
 
 def acceptance_from(db) -> tuple[list[Acceptance], dict[str, float]]:
@@ -18,12 +19,12 @@ def acceptance_from(db) -> tuple[list[Acceptance], dict[str, float]]:
             and not engine_of_backend(r["backend"]).runs_gguf]  # draftlab's torch engine: what a shape calibrates
     by_cell: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
-        if r["method"] == "sps" and r["identical"] and r["steps"]:
+        if r["method"] == SPS.name and r["identical"] and r["steps"]:
             by_cell[(r["drafter"], r["k"], r["device"])].append(r)
     cells = [_acceptance(drafter, k, device, its) for (drafter, k, device), its in sorted(by_cell.items())]
     plain = defaultdict(list)
     for r in rows:
-        if r["method"] == "ar":
+        if r["method"] == AR.name:
             plain[r["device"]].append(r)
     if not cells:
         raise DraftlabError(f"{db} holds no lossless greedy SpS records: run a study with --methods sps first")

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from draftlab.models import split_weight_type
 from draftlab.study.cells import LLAMACPP_TARGET
-from draftlab.study.report import ALL, PLAIN_METHODS, CellSummary
+from draftlab.study.report import ALL, CellSummary
+from draftlab.contenders.methods import AR, PLAIN, method_of
 
 SHIPPED = "shipped"
 
@@ -48,7 +49,7 @@ def weight_type_rows(summaries: list[CellSummary], rows: list[dict], size_of=Non
         for kind, target in sorted(types.items(), key=lambda item: item[0] != SHIPPED):
             cells = [s for s in summaries if s.target == target and s.dataset == ALL and s.temperature == 0
                      and s.complete and s.tokens_per_s > 0]
-            plain = max((s.tokens_per_s for s in cells if s.method in PLAIN_METHODS), default=0.0)
+            plain = max((s.tokens_per_s for s in cells if method_of(s.method).plain), default=0.0)
             best = max(cells, key=lambda s: s.tokens_per_s)
             own = _plain_outputs(rows, target)
             same = sum(own[p] == shipped.get(p) for p in own) if shipped else None
@@ -61,12 +62,12 @@ def weight_type_rows(summaries: list[CellSummary], rows: list[dict], size_of=Non
 def _plain_outputs(rows: list[dict], target: str) -> dict[str, str]:
     """prompt -> output hash of draftlab's plain decoding of `target` (greedy)."""
     return {r["prompt_id"]: r["output_sha"] for r in rows
-            if r["target"] == target and r["method"] == "ar" and r["temperature"] == 0}
+            if r["target"] == target and r["method"] == AR.name and r["temperature"] == 0}
 
 
 def _name(s: CellSummary) -> str:
-    if s.method in PLAIN_METHODS:
-        return f"plain decoding ({s.method if s.method != 'plain' else s.drafter})"
+    if method_of(s.method).plain:
+        return f"plain decoding ({s.drafter if s.method == PLAIN.name else s.method})"
     exact = " (lossless only up to rounding)" if s.rounding else ""
     return f"{s.method} {s.drafter}" + (f" K={s.k}" if s.k else "") + exact
 

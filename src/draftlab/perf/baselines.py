@@ -2,13 +2,15 @@
 
 Both the study's report and the performance model's validation compare a
 record with the plain decoding measured on its prompt closest in time (the
-sweep re-times it between cells), so the lookup lives here, below both.
+sweep re-times it between cells), so the lookup lives here, in the package the study reads (perf).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from typing import Callable
+
+from draftlab.contenders.methods import is_baseline
 
 
 def prompt_key(row: dict) -> tuple:
@@ -18,7 +20,7 @@ def prompt_key(row: dict) -> tuple:
 def baseline_timings(rows: list[dict], checks: list[dict]) -> dict[tuple, list[tuple[float | None, float]]]:
     """Per prompt, every (finished_at, tokens/s) of its baseline: the ar record and its re-checks."""
     timings: dict[tuple, list[tuple[float | None, float]]] = defaultdict(list)
-    for r in [*(r for r in rows if r["method"] == "ar"), *checks]:
+    for r in [*(r for r in rows if is_baseline(r["method"])), *checks]:
         if r["wall_s"] > 0:
             timings[prompt_key(r)].append((r.get("finished_at"), r["new_tokens"] / r["wall_s"]))
     return timings

@@ -1,1 +1,0 @@
-"""The one measurement loop and the plain-decoding baselines it compares with."""
