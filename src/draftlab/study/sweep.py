@@ -35,6 +35,7 @@ from draftlab.study.config import (  # noqa: F401  (re-exported: the sweep's gri
 )
 from draftlab.study.race import (RACE_REASON, PromptSet, RaceRule, dropped_cells, model_of, race_order,
                                     readmitted)
+from draftlab.study.report import baseline_drift
 from draftlab.study.runner import CellRunner, record_of
 from draftlab.study.store import ResultsStore
 
@@ -68,6 +69,40 @@ class Group:
     cells: dict[str, list[Cell]]  # target name -> its cells
 
 
+@dataclass
+class SweepRun:
+    """One run of a sweep: what its steps read and change. `done`: the (cell key, prompt id) pairs stored, measured
+    or skipped; `targets`: the loaded targets by name; `bar`: the progress bar over the pending pairs."""
+
+    config: SweepConfig
+    store: ResultsStore
+    done: set[tuple[str, str]]
+    crashes: CrashLog
+    targets: dict[str, TargetRun] = field(default_factory=dict)
+    bar: Bar | None = None
+
+    def passed(self, cell: Cell, prompt_id: str) -> None:
+        """A (cell, prompt) pair is stored, measured or skipped."""
+        self.done.add((cell.key, prompt_id))
+        self.bar.describe(_words(cell))
+        self.bar.update()
+
+    def pending(self, cell: Cell, prompt_ids: list[str]) -> list[str]:
+        """The prompts the cell has not stored yet."""
+        return [p for p in prompt_ids if (cell.key, p) not in self.done]
+
+
+@dataclass(frozen=True)
+class GroupRun:
+    """One group as it runs: its runnable cells and its prompts as token ids, per target, and the prompt ids in the
+    order they run (the race's order: the longest and shortest first)."""
+
+    group: Group
+    cells: dict[str, list[Cell]]
+    encoded: dict[str, dict[str, EncodedPrompt]]
+    order: list[str]
+
+
 def run_sweep(config: SweepConfig, store: ResultsStore, progress: bool = True, groups: list[Group] | None = None) -> int:
     """Run every cell not yet in `store` (measured or skipped); returns the number of records added.
 
@@ -78,53 +113,52 @@ def run_sweep(config: SweepConfig, store: ResultsStore, progress: bool = True, g
     groups = plan(config) if groups is None else groups
     with store.writing():
         store.set_meta("config", config.to_json())
-        crashes = CrashLog.open(store)
-        done = store.done()
-        if all((c.key, p.id) in done for g in groups for cells in g.cells.values() for c in cells for p in g.prompts):
+        run = SweepRun(config, store, store.done(), CrashLog.open(store))
+        if all((c.key, p.id) in run.done for g in groups for cells in g.cells.values() for c in cells
+               for p in g.prompts):
             return 0
         try:
-            with crashes.watching():
-                return _run_all(config, store, groups, done, progress, crashes)
+            with run.crashes.watching():
+                return _run_all(run, groups, progress)
         finally:  # a Python error or an interrupt is not a native crash: only a dead process leaves its mark
-            crashes.end()
+            run.crashes.end()
 
 
-def _run_all(config: SweepConfig, store: ResultsStore, groups: list[Group], done: set, progress: bool,
-             crashes: CrashLog) -> int:
+def _run_all(run: SweepRun, groups: list[Group], progress: bool) -> int:
     """Check the engines, load every target whose engine runs, then run every group's pending (cell, prompt)
     pairs; returns the records added. The llama-server cells' servers are stopped on every way out."""
-    left_out = preflight(config, store)
-    runnable = [name for name in config.targets if not left_out.get(name, set()) - {LLAMA_SERVER.name}]
+    left_out = preflight(run.config, run.store)
+    runnable = [name for name in run.config.targets if not left_out.get(name, set()) - {LLAMA_SERVER.name}]
     if not runnable:
         raise NothingToMeasure("every engine of this study failed its preflight (said above, one line each); "
                                "nothing was measured")
-    servers = ServerPool(store.path.with_name(store.path.stem + ".server-logs"))
+    servers = ServerPool(run.store.path.with_name(run.store.path.stem + ".server-logs"))
     try:
-        targets = {name: _start_target(name, config, store, done, servers, LLAMA_SERVER.name in left_out.get(name, ()))
-                   for name in runnable}
-        skip_fatal(crashes, groups, targets, store, done)
-        todo = sum(1 for g in groups for t, cells in g.cells.items() if t in targets
-                   for c in targets[t].runnable(cells) for p in g.prompts if (c.key, p.id) not in done)
-        bar = Bar(todo, "sweep", "run", disable=not progress)
-        added = sum(_run_group(g, targets, config, store, done, bar, crashes) for g in groups)
-        bar.close()
+        run.targets = {name: _start_target(run, name, servers, LLAMA_SERVER.name in left_out.get(name, ()))
+                       for name in runnable}
+        skip_fatal(run.crashes, groups, run.targets, run.store, run.done)
+        todo = sum(len(run.pending(c, [p.id for p in g.prompts])) for g in groups
+                   for t, cells in g.cells.items() if t in run.targets for c in run.targets[t].runnable(cells))
+        run.bar = Bar(todo, "sweep", "run", disable=not progress)
+        added = sum(_run_group(run, g) for g in groups)
+        run.bar.close()
     finally:
         servers.stop_all()
-    ended = sum(len(t.ended) for t in targets.values())
+    ended = sum(len(t.ended) for t in run.targets.values())
     if ended:
         print(f"sweep: {ended} cell(s) ended early (their llama-server exited); run the same command again to "
               "resume them")
     return added
 
 
-def _start_target(name: str, config: SweepConfig, store: ResultsStore, done: set, servers: ServerPool,
-                  server_died: bool = False) -> TargetRun:
+def _start_target(run: SweepRun, name: str, servers: ServerPool, server_died: bool = False) -> TargetRun:
     """Load a target, build its cell runner, record the run's environment and the parameter counts. `server_died`:
     llama-server failed its preflight, so its cells do not run."""
+    config, store = run.config, run.store
     backend, source = target_backend(name, config.backend)
     target = load_model(source, device=config.device, backend=backend,
                         dtype="auto" if engine_of_backend(backend).runs_gguf else config.dtype)
-    runner = CellRunner(target, config, backend, store.path.with_name(store.path.stem + ".suffix-caches"), done,
+    runner = CellRunner(target, config, backend, store.path.with_name(store.path.stem + ".suffix-caches"), run.done,
                         servers)
     run_id = store.start_run(environment(config, target, _numerics(runner.baseline.target_backend, config), source))
     gone, no_asg = _unrunnable(runner, config)
@@ -139,40 +173,48 @@ def _numerics(backend, config: SweepConfig) -> str:
     return backend.numerics + (f" ({ROUNDING}: rows not invariant on {config.device}: {problem})" if problem else "")
 
 
-def _run_group(group: Group, targets: dict[str, TargetRun], config: SweepConfig, store: ResultsStore, done: set,
-               bar: Bar, crashes: CrashLog) -> int:
-    """Every prompt of one dataset and temperature on every target; returns the number of records added."""
-    cells = {name: targets[name].runnable(group.cells[name]) for name in group.cells if name in targets}
-    encoded = {name: {p.id: EncodedPrompt(p.id, p.category, prompt_ids(targets[name].runner.target.tokenizer, p))
+def _start_group(run: SweepRun, group: Group) -> GroupRun:
+    """The group's runnable cells and encoded prompts per target, each target's pending cells warmed up."""
+    cells = {name: run.targets[name].runnable(group.cells[name]) for name in group.cells if name in run.targets}
+    encoded = {name: {p.id: EncodedPrompt(p.id, p.category, prompt_ids(run.targets[name].runner.target.tokenizer, p))
                       for p in group.prompts} for name in cells}
     for name, its_cells in cells.items():
-        pending = [c for c in its_cells if any((c.key, p.id) not in done for p in group.prompts)]
-        if config.warmup and pending:
+        pending = [c for c in its_cells if run.pending(c, [p.id for p in group.prompts])]
+        if run.config.warmup and pending:
             first = min(encoded[name].values(), key=lambda p: len(p.ids))  # the cheapest; it fits if any does
-            targets[name].runner.warm_up(pending, first, lambda cell: crashes.start(cell.key, "its warm-up"))
-    order = _race_order(group, encoded) if config.race_after else [p.id for p in group.prompts]
-    load = max(config.concurrency) - 1
+            run.targets[name].runner.warm_up(pending, first, lambda cell: run.crashes.start(cell.key, "its warm-up"))
+    order = _race_order(group, encoded) if run.config.race_after else [p.id for p in group.prompts]
+    return GroupRun(group, cells, encoded, order)
 
-    def run(index: int) -> int:
-        return sum(_run_prompt(targets[name], its_cells, encoded[name][order[index]], store, done, bar, config,
-                               crashes, tuple(encoded[name][p] for p in _companions(order, index, load)))
-                   for name, its_cells in cells.items())
 
+def _run_group(run: SweepRun, group: Group) -> int:
+    """Every prompt of one dataset and temperature on every target; returns the number of records added."""
+    going = _start_group(run, group)
+    race_after = run.config.race_after
     added = 0
-    for index in range(len(order)):
-        if index >= config.race_after > 0:
-            _race(group, order, cells, index, store, done, bar, targets, config, encoded)
-        added += run(index)
+    for index in range(len(going.order)):
+        if index >= race_after > 0:
+            _race(run, going, index)
+        added += _run_index(run, going, index)
     # Cells readmitted on the way, and those the final leader's margin admits again, catch up on what they missed.
     readmitted_late = 1
-    while config.race_after and readmitted_late:
-        added += sum(run(index) for index in range(len(order)))
-        readmitted_late = _race(group, order, cells, len(order), store, done, bar, targets, config, encoded)
+    while race_after and readmitted_late:
+        added += sum(_run_index(run, going, index) for index in range(len(going.order)))
+        readmitted_late = _race(run, going, len(going.order))
     return added
 
 
+def _run_index(run: SweepRun, going: GroupRun, index: int) -> int:
+    """The group's prompt `index` (in its running order) on every target; returns the records added."""
+    load = max(run.config.concurrency) - 1
+    prompt_id = going.order[index]
+    return sum(_run_prompt(run, run.targets[name], its_cells, going.encoded[name][prompt_id],
+                           tuple(going.encoded[name][p] for p in _companions(going.order, index, load)))
+               for name, its_cells in going.cells.items())
+
+
 def _race_order(group: Group, encoded: dict[str, dict[str, EncodedPrompt]]) -> list[str]:
-    """The group's prompt ids in the order a race runs them (`pruning.race_order`), by the first target's lengths."""
+    """The group's prompt ids in the order a race runs them (`race.race_order`), by the first target's lengths."""
     lengths = {p: len(e.ids) for p, e in next(iter(encoded.values()), {}).items()}
     if not lengths:
         return [p.id for p in group.prompts]
@@ -184,21 +226,21 @@ def _companions(prompts: list[str], index: int, count: int) -> list[str]:
     return [prompts[(index + j) % len(prompts)] for j in range(1, count + 1)]
 
 
-def _run_prompt(target: TargetRun, cells: list[Cell], prompt: EncodedPrompt, store: ResultsStore, done: set,
-                bar: Bar, config: SweepConfig, crashes: CrashLog, companions: tuple[EncodedPrompt, ...] = ()) -> int:
+def _run_prompt(run: SweepRun, target: TargetRun, cells: list[Cell], prompt: EncodedPrompt,
+                companions: tuple[EncodedPrompt, ...] = ()) -> int:
     """The target's pending cells on one prompt through the measurement loop, with baseline re-checks between them;
     each run stored as it ends; returns records added. A cell whose llama-server exits is ended for this run, with
     one line, and left for the next run to resume."""
-    pending = [c for c in cells if (c.key, prompt.id) not in done and c.key not in target.ended]
+    pending = [c for c in cells if run.pending(c, [prompt.id]) and c.key not in target.ended]
     if not pending:
         return 0
-    runner, added = target.runner, []
+    runner, added, store = target.runner, [], run.store
     baseline = pending[0].baseline()
-    rechecks = Rechecks(baseline, runner.contender(baseline), config.baseline_every)
+    rechecks = Rechecks(baseline, runner.contender(baseline), run.config.baseline_every)
 
-    def stored(run: RunRecord) -> None:
-        added.append(_store(target, run.key, run, store))
-        _passed(run.key, prompt, done, bar)
+    def stored(record: RunRecord) -> None:
+        added.append(_store(run, target, record.key, record))
+        run.passed(record.key, prompt.id)
 
     def skipped(cell: Cell, exc: Exception) -> bool:
         if isinstance(exc, ServerExited):
@@ -211,68 +253,59 @@ def _run_prompt(target: TargetRun, cells: list[Cell], prompt: EncodedPrompt, sto
         reason = f"{type(exc).__name__}: {exc}" if not isinstance(exc, DraftlabError) else str(exc)
         store.add_skip(cell, prompt.id, reason, target.run_id)
         print(f"sweep: {cell.method} {cell.drafter} k={cell.k} skipped {prompt.id}: {reason.splitlines()[0][:200]}")
-        _passed(cell, prompt, done, bar)
+        run.passed(cell, prompt.id)
         return True
 
     contenders = {}
     for cell in pending:  # a server starts here, outside the timed runs; one that cannot start skips its cell
-        crashes.start(cell.key, prompt.id)
+        run.crashes.start(cell.key, prompt.id)
         try:
             contenders[cell] = runner.contender(cell, companions)
         except DraftlabError as exc:
             skipped(cell, exc)
     measure_prompt(contenders, prompt, runner.settings(baseline), stored, rechecks,
-                   lambda run: store.add_baseline_check(record_of(baseline, run), target.run_id), skipped,
-                   lambda cell: crashes.start(cell.key, prompt.id))
-    crashes.end()
+                   lambda check: store.add_baseline_check(record_of(baseline, check), target.run_id), skipped,
+                   lambda cell: run.crashes.start(cell.key, prompt.id))
+    run.crashes.end()
     return len(added)
 
 
-def _passed(cell: Cell, prompt: EncodedPrompt, done: set, bar: Bar) -> None:
-    done.add((cell.key, prompt.id))
-    bar.describe(f"{cell.method} {cell.drafter} k={cell.k}")
-    bar.update()
-
-
-def _store(target: TargetRun, cell: Cell, run: RunRecord, store: ResultsStore) -> Record:
+def _store(run: SweepRun, target: TargetRun, cell: Cell, measured: RunRecord) -> Record:
     """Store one (cell, prompt) run, after what its cell learned from it."""
-    record = record_of(cell, run)
-    record.identical = _identical(store, cell, run.prompt_id, record.output_sha)
-    target.runner.keep_state(cell, run.prompt_id)
-    store.add(record, target.run_id)
+    record = record_of(cell, measured)
+    record.identical = _identical(run.store, cell, measured.prompt_id, record.output_sha)
+    target.runner.keep_state(cell, measured.prompt_id)
+    run.store.add(record, target.run_id)
     return record
 
 
-def _race(group: Group, order: list[str], cells: dict[str, list[Cell]], index: int, store: ResultsStore,
-          done: set, bar: Bar, targets: dict[str, TargetRun], config: SweepConfig,
-          encoded: dict[str, dict[str, EncodedPrompt]]) -> int:
+def _race(run: SweepRun, going: GroupRun, index: int) -> int:
     """Before prompt `index` (or after the last): the race drops, per model, the cells that cannot beat its leader
     on the whole prompt set, each stored as skipped on every prompt it has left (so a resumed sweep makes the same
     decision), and readmits the dropped cells it would keep now; returns how many came back."""
-    from draftlab.study.report import baseline_drift
-
+    group, store = going.group, run.store
     rows = [r for r in store.rows() if r["dataset"] == group.dataset and r["temperature"] == group.temperature]
     checks = [c for c in store.baseline_checks() if c["dataset"] == group.dataset]
     drift = baseline_drift(rows, checks).spread
     raced = {s["cell"] for s in store.skips() if s["reason"].startswith(RACE_REASON)}
-    prompts = PromptSet({name: {p: len(e.ids) for p, e in its.items()} for name, its in encoded.items()})
+    prompts = PromptSet({name: {p: len(e.ids) for p, e in its.items()} for name, its in going.encoded.items()})
     models: dict[str, list[str]] = defaultdict(list)
-    for name in cells:
+    for name in going.cells:
         models[model_of(name)].append(name)
     back = 0
     for model, names in models.items():
-        contenders = {c.key: c for name in names for c in cells[name]}
-        decided = dropped_cells(list(contenders.values()), rows, RaceRule(config.race_after), prompts, drift)
+        contenders = {c.key: c for name in names for c in going.cells[name]}
+        decided = dropped_cells(list(contenders.values()), rows, RaceRule(run.config.race_after), prompts, drift)
         newly = [contenders[key] for key, reason in decided.items() if key not in raced
-                 and _drop(contenders[key], order[index:], reason, store, done, bar, targets)]
+                 and _drop(run, contenders[key], going.order[index:], reason)]
         again = [contenders[key] for key in readmitted(raced & set(contenders), decided)]
         for cell in again:
-            bar.total += _readmit(cell, store, done)
+            run.bar.total += _readmit(run, cell)
         back += len(again)
         if newly:
             print(f"sweep: the race dropped {len(newly)} cell(s) of {model} after {index} prompts of {group.dataset} "
-                  f"(they cannot beat the leader over the {len(order)} prompts by more than the margin; the report "
-                  f"lists each): {', '.join(_words(c) for c in newly)}")
+                  f"(they cannot beat the leader over the {len(going.order)} prompts by more than the margin; the "
+                  f"report lists each): {', '.join(_words(c) for c in newly)}")
         if again:
             print(f"sweep: the race readmitted {len(again)} cell(s) of {model} (the leader changed; they are within "
                   f"the margin now and catch up): {', '.join(_words(c) for c in again)}")
@@ -283,22 +316,21 @@ def _words(cell: Cell) -> str:
     return f"{cell.method} {cell.drafter} k={cell.k}"
 
 
-def _drop(cell: Cell, left: list[str], reason: str, store: ResultsStore, done: set, bar: Bar,
-          targets: dict[str, TargetRun]) -> bool:
+def _drop(run: SweepRun, cell: Cell, left: list[str], reason: str) -> bool:
     """Store a dropped cell as skipped on the prompts it has left; whether it had any."""
-    pending = [p for p in left if (cell.key, p) not in done]
+    pending = run.pending(cell, left)
     for prompt_id in pending:
-        store.add_skip(cell, prompt_id, reason, targets[cell.target].run_id)
-        done.add((cell.key, prompt_id))
-    bar.total -= len(pending)
+        run.store.add_skip(cell, prompt_id, reason, run.targets[cell.target].run_id)
+        run.done.add((cell.key, prompt_id))
+    run.bar.total -= len(pending)
     return bool(pending)
 
 
-def _readmit(cell: Cell, store: ResultsStore, done: set) -> int:
+def _readmit(run: SweepRun, cell: Cell) -> int:
     """Forget the race's skips of a readmitted cell, so that it runs those prompts; returns how many."""
-    removed = store.remove_skips(cell.key, RACE_REASON)
+    removed = run.store.remove_skips(cell.key, RACE_REASON)
     for prompt_id in removed:
-        done.discard((cell.key, prompt_id))
+        run.done.discard((cell.key, prompt_id))
     return len(removed)
 
 
