@@ -20,14 +20,14 @@ checkpoints, resume, held-out agreement.
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from draftlab.design.distill import windows
-from draftlab.design.training import LoopSettings, train
+from draftlab.design.training import LayerStudent, LoopSettings, train, train_rows
 from draftlab.drafters.eagle3 import Eagle3Draft, save_eagle3_draft
 from draftlab.errors import DraftlabError
 from draftlab.models import DTYPES, LoadedModel, batch_dtype_name
@@ -144,20 +144,8 @@ def ttt_loss(draft: Eagle3Draft, taps: torch.Tensor, final: torch.Tensor, tokens
     return total
 
 
-class Eagle3Student:
+class Eagle3Student(LayerStudent):
     """An EAGLE-3 draft under training, as the training loop's `Student`."""
-
-    def __init__(self, draft: Eagle3Draft, data: dict, train_rows: int, out: Path, settings: Eagle3Settings,
-                 target_name: str) -> None:
-        self.draft, self.data, self.out, self.settings, self.target_name = draft, data, out, settings, target_name
-        self.held_rows = list(range(train_rows, data["tokens"].shape[0]))
-
-    def trainable(self) -> list[torch.Tensor]:
-        params = list(self.draft.layer.parameters())
-        for p in params:
-            p.requires_grad_(True)
-        self.draft.layer.train()
-        return params
 
     def loss(self, rows: list[int]) -> torch.Tensor:
         data, device = self.data, self.draft.embed.device
@@ -185,15 +173,9 @@ class Eagle3Student:
         self.draft.layer.train(was_training)
         return result
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.draft.layer.state_dict().items()}
-
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        self.draft.layer.load_state_dict(weights)
-
     def save(self, history: list[dict]) -> None:
         history[-1]["held_out_agreement_by_depth"] = self.agreements(self.settings.ttt_steps)
-        self.draft.made = {**self.draft.made, "train": {"settings": asdict(self.settings), "history": history}}
+        self.record_training(history)
         save_eagle3_draft(self.draft, self.out, self.target_name)
 
 
@@ -203,14 +185,11 @@ def train_eagle3_draft(target: LoadedModel, draft: Eagle3Draft, sequences: list[
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     data = load_or_make_taps(out, target, sequences, draft.taps, settings, progress)
-    count = data["tokens"].shape[0]
-    train_rows = count - max(1, int(count * settings.held_out_fraction))
-    if train_rows < 1:
-        raise DraftlabError(f"only {count} windows of {settings.seq_len} tokens; give more text")
+    rows = train_rows(data, settings.held_out_fraction, settings.seq_len)
     draft.layer.float()  # trained in fp32 on fp32 features, whatever dtype the target runs in
     draft.head = draft.head.float()
-    student = Eagle3Student(draft, data, train_rows, out, settings, target_name)
-    history = train(student, train_rows, LoopSettings.of(settings), out, settings.seq_len, progress, log_name=LOG)
+    student = Eagle3Student(draft, data, rows, out, settings, target_name)
+    history = train(student, rows, LoopSettings.of(settings), out, settings.seq_len, progress, log_name=LOG)
     draft.layer.to(target.dtype).eval()
     draft.head = draft.head.to(target.dtype)
     return history

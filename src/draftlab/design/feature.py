@@ -19,14 +19,14 @@ continue from its own imperfect predictions. Training runs in the shared loop
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from draftlab.design.distill import windows
-from draftlab.design.training import LoopSettings, train
+from draftlab.design.training import LayerStudent, LoopSettings, train, train_rows
 from draftlab.drafters.feature import FeatureDraft, feature_loss, save_feature_draft
 from draftlab.errors import DraftlabError
 from draftlab.models import DTYPES, LoadedModel, batch_dtype_name
@@ -94,22 +94,14 @@ def load_or_make_features(out: Path, target: LoadedModel, sequences: list[list[i
     return data
 
 
-class FeatureStudent:
+class FeatureStudent(LayerStudent):
     """A feature draft under training, as the training loop's `Student`."""
 
-    def __init__(self, draft: FeatureDraft, data: dict, train_rows: int, out: Path, settings: FeatureSettings,
+    def __init__(self, draft: FeatureDraft, data: dict, rows: int, out: Path, settings: FeatureSettings,
                  target_name: str) -> None:
-        self.draft, self.data, self.out, self.settings, self.target_name = draft, data, out, settings, target_name
-        self.held_rows = list(range(train_rows, data["tokens"].shape[0]))
+        super().__init__(draft, data, rows, out, settings, target_name)
         self.scale = float(data["features"][:64].float().pow(2).mean().sqrt())  # features' RMS
         self.generator = torch.Generator().manual_seed(settings.seed + 1)
-
-    def trainable(self) -> list[torch.Tensor]:
-        params = list(self.draft.layer.parameters())
-        for p in params:
-            p.requires_grad_(True)
-        self.draft.layer.train()
-        return params
 
     def loss(self, rows: list[int]) -> torch.Tensor:
         features = self.data["features"][rows].float()  # [B, T, D]
@@ -129,14 +121,8 @@ class FeatureStudent:
         self.draft.layer.train(was_training)
         return float((guess == self.data["top1"][self.held_rows][:, 1:]).float().mean())
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.draft.layer.state_dict().items()}
-
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        self.draft.layer.load_state_dict(weights)
-
     def save(self, history: list[dict]) -> None:
-        self.draft.made = {**self.draft.made, "train": {"settings": asdict(self.settings), "history": history}}
+        self.record_training(history)
         save_feature_draft(self.draft, self.out, self.target_name)
 
 
@@ -146,12 +132,9 @@ def train_feature_draft(target: LoadedModel, draft: FeatureDraft, sequences: lis
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     data = load_or_make_features(out, target, sequences, settings, progress)
-    count = data["tokens"].shape[0]
-    train_rows = count - max(1, int(count * settings.held_out_fraction))
-    if train_rows < 1:
-        raise DraftlabError(f"only {count} windows of {settings.seq_len} tokens; give more text")
+    rows = train_rows(data, settings.held_out_fraction, settings.seq_len)
     draft.layer.float()  # trained in fp32 on fp32 features, whatever dtype the target runs in
-    student = FeatureStudent(draft, data, train_rows, out, settings, target_name)
-    history = train(student, train_rows, LoopSettings.of(settings), out, settings.seq_len, progress, log_name=LOG)
+    student = FeatureStudent(draft, data, rows, out, settings, target_name)
+    history = train(student, rows, LoopSettings.of(settings), out, settings.seq_len, progress, log_name=LOG)
     draft.layer.to(target.dtype).eval()
     return history

@@ -19,12 +19,13 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
+from draftlab.errors import DraftlabError
 from draftlab.files.safeio import load_tensors, save_tensors
 
 CHECKPOINT = "checkpoint.pt"
@@ -57,6 +58,41 @@ class Student(Protocol):
         """Write the draft directory, with the training history in its record."""
         ...
 
+
+
+class LayerStudent:
+    """A one-layer draft (`draft.layer`: a feature or EAGLE-3 layer) under training, on `data` rows (the first
+    `train_rows` trained on, the rest held out): all of a `Student` but its loss, agreement and save."""
+
+    def __init__(self, draft, data: dict, train_rows: int, out: Path, settings, target_name: str) -> None:
+        self.draft, self.data, self.out, self.settings, self.target_name = draft, data, out, settings, target_name
+        self.held_rows = list(range(train_rows, data["tokens"].shape[0]))
+
+    def trainable(self) -> list[torch.Tensor]:
+        params = list(self.draft.layer.parameters())
+        for p in params:
+            p.requires_grad_(True)
+        self.draft.layer.train()
+        return params
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.draft.layer.state_dict().items()}
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        self.draft.layer.load_state_dict(weights)
+
+    def record_training(self, history: list[dict]) -> None:
+        """The training settings and history, in the record the draft is saved with."""
+        self.draft.made = {**self.draft.made, "train": {"settings": asdict(self.settings), "history": history}}
+
+
+def train_rows(data: dict, held_out_fraction: float, seq_len: int) -> int:
+    """How many of the data's windows are trained on (the rest are held out); a one-line error with too few."""
+    count = data["tokens"].shape[0]
+    rows = count - max(1, int(count * held_out_fraction))
+    if rows < 1:
+        raise DraftlabError(f"only {count} windows of {seq_len} tokens; give more text")
+    return rows
 
 @dataclass(frozen=True)
 class LoopSettings:

@@ -28,7 +28,7 @@ and its norms: 4.2M parameters (8.4 MB in bf16) for SmolLM2-135M with an MLP of
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -37,8 +37,7 @@ from torch import nn
 
 from draftlab.backends.numerics import rms_norm, rope
 from draftlab.drafters.anchored import KVCache
-from draftlab.drafters.files import (check_target_vocab, draft_format, load_strict, own_weights, read_draft_files,
-                                     take_vocab_map, target_parts, write_draft_files)
+from draftlab.drafters.files import LayerDraftFormat, draft_format, load_layer_draft, save_layer_draft, target_parts
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel
 
@@ -228,14 +227,15 @@ def _assemble(target: LoadedModel, layer: Eagle3Layer, vocab_map: torch.Tensor) 
     return Eagle3Draft(layer, embed, head, vocab_map.long(), cos, sin)
 
 
+EAGLE3_FILES = LayerDraftFormat(FORMAT, "EAGLE-3 draft", Eagle3Shape,
+                                lambda config, saved: Eagle3Shape.of(config, saved.intermediate_size, saved.aux_layers),
+                                Eagle3Layer, _assemble)
+
+
 def save_eagle3_draft(draft: Eagle3Draft, out: str | Path, target_name: str,
                       dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write the draft's own weights (in `dtype`) and the record of how it was made, atomically."""
-    shape = asdict(draft.layer.shape)
-    shape["aux_layers"] = list(shape["aux_layers"])
-    record = {"format": FORMAT, "version": 1, "target": target_name, "target_vocab_size": draft.target_vocab_size,
-              "shape": shape, "vocab_size": len(draft.vocab_map), "made": draft.made}
-    return write_draft_files(out, own_weights(draft.layer, draft.vocab_map, dtype), record)
+    return save_layer_draft(draft, out, target_name, EAGLE3_FILES, dtype)
 
 
 def is_eagle3_draft(path: str | Path) -> bool:
@@ -245,19 +245,4 @@ def is_eagle3_draft(path: str | Path) -> bool:
 
 def load_eagle3_draft(path: str | Path, target: LoadedModel) -> Eagle3Draft:
     """Rebuild a saved EAGLE-3 draft on top of `target` (whose embeddings, head and hidden states it reads)."""
-    record, state = read_draft_files(path, FORMAT)
-    check_target_vocab(path, record, target.vocab_size, target.name)
-    try:
-        shape = Eagle3Shape(**record["shape"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise DraftlabError(f"EAGLE-3 draft {path} has no valid shape in its record; rebuild it") from exc
-    expected = Eagle3Shape.of(target.model.config, shape.intermediate_size, shape.aux_layers)
-    if shape != expected:
-        raise DraftlabError(f"EAGLE-3 draft {path} was made for a target of another shape, not {target.name}")
-    vocab_map = take_vocab_map(path, state, target.vocab_size, target.name, "EAGLE-3 draft")
-    layer = Eagle3Layer(shape)
-    load_strict(layer, {k: v.to(target.dtype) for k, v in state.items()}, path)
-    layer.to(target.dtype).eval().requires_grad_(False)
-    draft = _assemble(target, layer, vocab_map)
-    draft.made = record.get("made", {})
-    return draft
+    return load_layer_draft(path, target, EAGLE3_FILES)

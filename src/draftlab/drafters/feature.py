@@ -29,7 +29,7 @@ Saved as a draft directory (`drafters/files.py`; the record names this format):
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -38,8 +38,7 @@ from torch import nn
 
 from draftlab.backends.numerics import rms_norm, rope
 from draftlab.drafters.anchored import KVCache
-from draftlab.drafters.files import (check_target_vocab, draft_format, load_strict, own_weights, read_draft_files,
-                                     take_vocab_map, target_parts, write_draft_files)
+from draftlab.drafters.files import LayerDraftFormat, draft_format, load_layer_draft, save_layer_draft, target_parts
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel
 
@@ -216,13 +215,14 @@ def _assemble(target: LoadedModel, layer: FeatureLayer, vocab_map: torch.Tensor)
     return FeatureDraft(layer, embed, head, vocab_map.long(), cos, sin)
 
 
+FEATURE_FILES = LayerDraftFormat(FORMAT, "feature draft", FeatureShape, lambda config, _: FeatureShape.of(config),
+                                 FeatureLayer, _assemble)
+
+
 def save_feature_draft(draft: FeatureDraft, out: str | Path, target_name: str,
                        dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write the draft's own weights (in `dtype`) and the record of how it was made."""
-    record = {"format": FORMAT, "version": 1, "target": target_name, "target_vocab_size": draft.target_vocab_size,
-              "shape": asdict(draft.layer.shape),
-              "vocab_size": len(draft.vocab_map), "made": draft.made}
-    return write_draft_files(out, own_weights(draft.layer, draft.vocab_map, dtype), record)
+    return save_layer_draft(draft, out, target_name, FEATURE_FILES, dtype)
 
 
 def is_feature_draft(path: str | Path) -> bool:
@@ -232,18 +232,4 @@ def is_feature_draft(path: str | Path) -> bool:
 
 def load_feature_draft(path: str | Path, target: LoadedModel) -> FeatureDraft:
     """Rebuild a saved feature draft on top of `target` (whose embeddings and head it reads)."""
-    record, state = read_draft_files(path, FORMAT)
-    check_target_vocab(path, record, target.vocab_size, target.name)
-    try:
-        shape = FeatureShape(**record["shape"])
-    except (KeyError, TypeError) as exc:
-        raise DraftlabError(f"feature draft {path} has no valid shape in its record; rebuild it") from exc
-    if shape != FeatureShape.of(target.model.config):
-        raise DraftlabError(f"feature draft {path} was made for a target of another shape, not {target.name}")
-    vocab_map = take_vocab_map(path, state, target.vocab_size, target.name, "feature draft")
-    layer = FeatureLayer(shape)
-    load_strict(layer, {k: v.to(target.dtype) for k, v in state.items()}, path)
-    layer.to(target.dtype).eval().requires_grad_(False)
-    draft = _assemble(target, layer, vocab_map)
-    draft.made = record.get("made", {})
-    return draft
+    return load_layer_draft(path, target, FEATURE_FILES)

@@ -11,9 +11,12 @@ share, and refuses damaged files with a clear error.
 from __future__ import annotations
 
 import json
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
+from torch import nn
 
 from draftlab.errors import DraftlabError
 from draftlab.files.safeio import write_atomic
@@ -116,3 +119,43 @@ def take_vocab_map(path: str | Path, state: dict[str, torch.Tensor], vocab_size:
     if int(vocab_map.min()) < 0 or int(vocab_map.max()) >= vocab_size:
         raise DraftlabError(f"{what} {path} maps to token ids beyond {target_name}'s vocabulary")
     return vocab_map
+
+
+@dataclass(frozen=True)
+class LayerDraftFormat:
+    """A one-layer draft's file format (the feature draft, EAGLE-3): what `save_layer_draft` and `load_layer_draft`
+    need to know of it. Its drafts have `layer` (with a `shape` dataclass), `vocab_map`, `target_vocab_size`, `made`."""
+
+    format: str  # the record's "format"
+    words: str  # the draft in words, for errors ("feature draft")
+    shape: Callable[..., Any]  # the shape dataclass, built from the record's "shape"
+    expected: Callable[[Any, Any], Any]  # (target config, saved shape) -> the shape this target asks for
+    layer: Callable[[Any], nn.Module]  # shape -> an untrained layer
+    assemble: Callable[[Any, nn.Module, torch.Tensor], Any]  # (target, layer, vocab_map [V']) -> the draft
+
+
+def save_layer_draft(draft, out: str | Path, target_name: str, kind: LayerDraftFormat, dtype: torch.dtype) -> Path:
+    """Write a one-layer draft's own weights (in `dtype`) and the record of how it was made, atomically."""
+    shape = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(draft.layer.shape).items()}
+    record = {"format": kind.format, "version": 1, "target": target_name, "target_vocab_size": draft.target_vocab_size,
+              "shape": shape, "vocab_size": len(draft.vocab_map), "made": draft.made}
+    return write_draft_files(out, own_weights(draft.layer, draft.vocab_map, dtype), record)
+
+
+def load_layer_draft(path: str | Path, target, kind: LayerDraftFormat):
+    """Rebuild a saved one-layer draft on top of `target` (whose embeddings, head and hidden states it reads)."""
+    record, state = read_draft_files(path, kind.format)
+    check_target_vocab(path, record, target.vocab_size, target.name)
+    try:
+        shape = kind.shape(**record["shape"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DraftlabError(f"{kind.words} {path} has no valid shape in its record; rebuild it") from exc
+    if shape != kind.expected(target.model.config, shape):
+        raise DraftlabError(f"{kind.words} {path} was made for a target of another shape, not {target.name}")
+    vocab_map = take_vocab_map(path, state, target.vocab_size, target.name, kind.words)
+    layer = kind.layer(shape)
+    load_strict(layer, {k: v.to(target.dtype) for k, v in state.items()}, path)
+    layer.to(target.dtype).eval().requires_grad_(False)
+    draft = kind.assemble(target, layer, vocab_map)
+    draft.made = record.get("made", {})
+    return draft
