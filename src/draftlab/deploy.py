@@ -31,6 +31,13 @@ from pathlib import Path
 from draftlab.backends.engines import LLAMA_SERVER, SERVED, SGLANG, VLLM
 from draftlab.contenders.llama_server import SPEC_TYPES
 from draftlab.errors import DraftlabError
+from draftlab.contenders.server_configs import length_flags
+from draftlab.drafters.eagle3 import is_eagle3_draft
+from draftlab.drafters.eagle3_checkpoint import engine_files
+from draftlab.drafters.eagle3_checkpoint import is_checkpoint
+from draftlab.drafters.files import draft_format
+from draftlab.files.assets import MODEL_ASSETS, cached_path
+from draftlab.registry import parse_drafter_spec
 
 ENGINES = tuple(e.name for e in SERVED)  # what `--export` takes
 HF_REPOS = {  # the embedded models' names on the Hugging Face hub, as vLLM and SGLang load them
@@ -154,8 +161,6 @@ def llama_server_flags(choice: Deployable) -> list[str]:
     if kind == "eagle3":
         return ["--spec-type", "draft-eagle3", "-md", eagle3_files(arg, choice.target)[1], *length]
     if kind == "server":
-        from draftlab.contenders.server_configs import length_flags
-
         types, _, rest = choice.draft.partition("/")
         draft, _, p_min = rest.partition(",p=")
         n_max, extra = length_flags(types, choice.k)
@@ -173,8 +178,6 @@ def llama_server_command(choice: Deployable) -> str:
 def _draft_kind(draft: str, engine: str) -> tuple[str, object]:
     """(kind, its argument): none, ngram (low, high), suffix, model (name), tree-model ((branching), name),
     server (a llama-server type; on other engines only its draft-simple, as a draft model), or other (why not)."""
-    from draftlab.registry import parse_drafter_spec
-
     if draft in ("none", "ar", ""):
         return "none", None
     head, _, model = draft.partition("/")
@@ -203,9 +206,6 @@ def _draft_kind(draft: str, engine: str) -> tuple[str, object]:
 
 def _eagle3_dir(plan) -> str | None:
     """The directory of an EAGLE-3 draft spec ('' for the shipped `eagle3`); None for other drafts."""
-    from draftlab.drafters.eagle3 import is_eagle3_draft
-    from draftlab.drafters.eagle3_checkpoint import is_checkpoint
-
     if plan.kind == "eagle3":
         return ""
     if plan.kind == "model" and (is_eagle3_draft(plan.model) or is_checkpoint(plan.model)):
@@ -216,16 +216,12 @@ def _eagle3_dir(plan) -> str | None:
 def eagle3_files(directory: str, target: str) -> tuple[str, str]:
     """(engines' checkpoint directory, GGUF) of an EAGLE-3 draft: an engines' checkpoint is itself; a draft directory
     holds both once `draftlab design eagle3` wrote them; the shipped draft's ('') go to `eagle3-TARGET`."""
-    from draftlab.drafters.eagle3_checkpoint import engine_files
-
     checkpoint, gguf = engine_files(Path(directory or f"eagle3-{target}"))
     return str(checkpoint), str(gguf)
 
 
 def _is_plain_model(model: str) -> bool:
     """True for a stand-alone draft model (not a draft directory of draftlab's own formats)."""
-    from draftlab.drafters.files import draft_format
-
     return draft_format(model) is None
 
 
@@ -241,9 +237,6 @@ def _static_tree_nodes(branching: tuple[int, ...], depth: int) -> int:
 def _gguf(source: str) -> str:
     """A GGUF for llama-server: the embedded model's cached file, a .gguf path as given, an EAGLE-3 draft directory's
     GGUF, else a placeholder."""
-    from draftlab.files.assets import MODEL_ASSETS, cached_path
-    from draftlab.drafters.eagle3_checkpoint import engine_files
-
     if source.endswith(".gguf"):
         return source
     if Path(source).is_dir():

@@ -3,12 +3,10 @@
 Why: on a CPU a 135M model is memory bound; its matrix products take ~21 ms a
 token, but transformers' eager forward adds ~14 ms of per-module overhead
 (mask building, attention dispatch, cache concatenation). This backend runs the
-same weights (read from the loaded HF module, never modified)
-through plain tensor code:
+same weights (read from the loaded HF module, never modified) through plain tensor code:
 
 - q/k/v and gate/up projections concatenated once (a copy of those weights,
   made at construction), so each layer runs 4 matrix products instead of 7.
-
 - KV cache preallocated per layer as [kv_heads, capacity, head_dim]; writing at
   `cache_len` and rolling back by moving `cache_len` (stale entries beyond it are
   never read and are overwritten later), as gpt-fast does.

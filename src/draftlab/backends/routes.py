@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from draftlab.errors import DraftlabError
+from draftlab.files.assets import cache_dir
 
 KINDS = ("linear", "weight-major")
 ROWS = (1, 2, 4, 8, 16)  # block sizes timed, and the chunk sizes exact routes may use
@@ -227,8 +228,6 @@ def plain_contenders(config, device: str, own: Route | None) -> list[Route]:
 
 def route_cache() -> Path:
     """Where measured timings are kept: draftlab's cache directory."""
-    from draftlab.files.assets import cache_dir
-
     return cache_dir() / "routes"
 
 

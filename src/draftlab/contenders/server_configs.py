@@ -23,6 +23,7 @@ from pathlib import Path
 from draftlab.errors import DraftlabError
 from draftlab.contenders.llama_server import SPEC_TYPES, LlamaServer, LlamaServerRun, ServerConfig
 from draftlab.models import gguf_path
+from draftlab.drafters.eagle3_checkpoint import engine_files
 
 CONTEXT_PER_SLOT = 4096  # tokens of context each slot gets: the longest shipped prompt plus its answer fits
 NGRAM_MOD_MIN_SHARE = 0.75  # ngram-mod's --spec-ngram-mod-n-min as a share of its -n-max (the server's 48 of 64)
@@ -98,8 +99,6 @@ def spec_config(model: Path, drafter: str, k: int, slots: int = 1) -> ServerConf
 def draft_gguf(spec_type: str, draft: str) -> Path:
     """The GGUF a draft-* type loads: a short name or a .gguf path; for draft-eagle3 also an EAGLE-3 draft
     directory (its eagle3-draft.gguf, which `draftlab design eagle3 --gguf` writes there)."""
-    from draftlab.drafters.eagle3_checkpoint import engine_files
-
     directory = Path(draft).expanduser()
     if spec_type != "draft-eagle3" or not directory.is_dir():
         return gguf_path(draft)

@@ -25,6 +25,7 @@ from draftlab.drafters.designed import DesignedDraft, build_draft, draft_state, 
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel
 from draftlab.files.safeio import load_tensors, save_tensors
+from draftlab.progress import track
 
 TEACHER = "teacher.pt"
 LOG = "distill_log.jsonl"
@@ -64,8 +65,6 @@ def windows(sequences: list[list[int]], seq_len: int) -> torch.Tensor:
 @torch.inference_mode()
 def teacher_targets(target: LoadedModel, data: torch.Tensor, top_k: int, progress: bool = True) -> dict:
     """The target's top-k logits at every position of every window: values [N, T, k], indices [N, T, k]."""
-    from draftlab.progress import track
-
     values, indices = [], []
     for row in track(data, "teacher", unit="window", disable=not progress):
         logits = target.model(input_ids=row[None]).logits[0].float()  # [T, V]

@@ -32,6 +32,7 @@ from draftlab.drafters.eagle3 import Eagle3Draft, save_eagle3_draft
 from draftlab.errors import DraftlabError
 from draftlab.models import DTYPES, LoadedModel, batch_dtype_name
 from draftlab.files.safeio import load_tensors, save_tensors
+from draftlab.progress import track
 
 FEATURES = "eagle3_features.pt"
 LOG = "train_log.jsonl"
@@ -69,8 +70,6 @@ def target_taps(target: LoadedModel, data: torch.Tensor, taps: tuple[int, ...], 
                 dtype: torch.dtype = torch.bfloat16, progress: bool = True) -> dict:
     """On token windows [N, T]: the inputs of layers `taps` concatenated [N, T, 3 D], the final hidden states
     [N, T, D] (both bf16) and the greedy next tokens [N, T], on the CPU. A converted copy of the target runs."""
-    from draftlab.progress import track
-
     model = copy.deepcopy(target.model).to(dtype).eval()
     head = model.get_output_embeddings().weight
     tapped, final, top1 = [], [], []

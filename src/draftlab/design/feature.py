@@ -31,6 +31,7 @@ from draftlab.drafters.feature import FeatureDraft, feature_loss, save_feature_d
 from draftlab.errors import DraftlabError
 from draftlab.models import DTYPES, LoadedModel, batch_dtype_name
 from draftlab.files.safeio import load_tensors, save_tensors
+from draftlab.progress import track
 
 FEATURES = "features.pt"
 LOG = "train_log.jsonl"
@@ -69,8 +70,6 @@ def target_features(target: LoadedModel, data: torch.Tensor, batch_size: int = 8
 
     A converted copy of the target runs (the loaded model is not touched).
     """
-    from draftlab.progress import track
-
     model = copy.deepcopy(target.model).to(dtype).eval()
     head = model.get_output_embeddings().weight
     features, top1 = [], []

@@ -20,6 +20,7 @@ import torch
 from draftlab.models import LoadedModel
 
 from draftlab.drafters.designed import DesignedDraft, build_draft
+from draftlab.progress import Bar
 
 
 def frequent_tokens(sequences: Sequence[Sequence[int]], size: int, always: Sequence[int] = ()) -> torch.Tensor:
@@ -73,8 +74,6 @@ def target_next_tokens(target: LoadedModel, sequences: list[torch.Tensor]) -> to
 def search_layers(target: LoadedModel, sequences: list[torch.Tensor], count: int,
                   vocab_map: torch.Tensor | None = None, progress: bool = True) -> tuple[list[int], float]:
     """Greedy forward selection of `count` layers maximising agreement with the target."""
-    from draftlab.progress import Bar
-
     expected = target_next_tokens(target, sequences)
     chosen: list[int] = []
     best_score = 0.0

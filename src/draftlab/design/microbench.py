@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from draftlab.backends import make_backend
+from draftlab.progress import track
 
 
 @dataclass(frozen=True)
@@ -111,8 +112,6 @@ def time_shape(model: torch.nn.Module, context: int = 128, steps: int = 20) -> f
 
 def run(config, context: int = 128, steps: int = 20, progress: bool = True) -> list[Timing]:
     """Time every shape."""
-    from draftlab.progress import track
-
     out = []
     for shape in track(shapes_for(config), "microbench", unit="shape", disable=not progress):
         model = build(config, shape)

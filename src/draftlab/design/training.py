@@ -27,6 +27,7 @@ import torch
 
 from draftlab.errors import DraftlabError
 from draftlab.files.safeio import load_tensors, save_tensors
+from draftlab.progress import Bar
 
 CHECKPOINT = "checkpoint.pt"
 
@@ -129,8 +130,6 @@ def learning_rate(settings: LoopSettings, step: int, elapsed: float) -> float:
 def train(student: Student, train_rows: int, settings: LoopSettings, out: Path, tokens_per_row: int,
           progress: bool = True, log_name: str = "train_log.jsonl") -> list[dict]:
     """Train within the budget, resuming from `out` when a checkpoint is there; the checkpoint history."""
-    from draftlab.progress import Bar
-
     params = student.trainable()
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
     state = _resume(out, student, optimizer, settings)

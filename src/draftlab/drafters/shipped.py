@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from draftlab.errors import DraftlabError
+from draftlab.files.assets import sha256_file
 
 DRAFTS_DIR = Path(__file__).resolve().parent.parent / "drafts"
 
@@ -50,8 +51,6 @@ def shipped_draft(target_name: str, kind: str = "designed") -> Path:
 
 def check_files(directory: Path, manifest: dict[str, str]) -> None:
     """Raise unless every file of `manifest` exists in `directory` with its pinned SHA256."""
-    from draftlab.files.assets import sha256_file
-
     for name, expected in manifest.items():
         path = directory / name
         if not path.is_file():

@@ -16,6 +16,9 @@ from draftlab.models import LoadedModel
 from draftlab.perf.calibrate import CalibrationSettings
 from draftlab.perf.throughput import Prediction
 from draftlab.perf.sizing import DRAFT_SETUP_TOKENS, MIN_RUN_TOKENS, Pilot
+from draftlab.api import SpeculativeDecoder
+from draftlab.api import prompt_ids
+from draftlab.contenders.plain import fastest_plain
 
 
 @dataclass
@@ -114,9 +117,6 @@ def race(target: LoadedModel, entrants: list[Prediction], prompts: list[Prompt],
     (`plan_race`); before each later round, the round is checked against the time left at the pace the
     race has measured; what did not fit is noted.
     """
-    from draftlab.api import SpeculativeDecoder
-    from draftlab.contenders.plain import fastest_plain
-
     outcome = RaceOutcome(PLAIN)
     plan = plan_race(len(entrants), len(prompts), settings.max_new_tokens, pilot, deadline - time.perf_counter())
     if plan is None or not entrants:
@@ -159,8 +159,6 @@ def race(target: LoadedModel, entrants: list[Prediction], prompts: list[Prompt],
 
 def encode(target: LoadedModel, prompts: list[Prompt]) -> list[EncodedPrompt]:
     """The prompts as the measurement loop takes them."""
-    from draftlab.api import prompt_ids
-
     return [EncodedPrompt(p.id, p.category, prompt_ids(target.tokenizer, p)) for p in prompts]
 
 
@@ -218,8 +216,6 @@ def run_round(decoders: dict, keys: list, prompts: list[EncodedPrompt], settings
 
 
 def race_decoder(target: LoadedModel, draft: str, k: int, backend: str):
-    from draftlab.api import SpeculativeDecoder
-
     return SpeculativeDecoder.from_names(target, drafter=draft, k=max(k, 1), backend=backend)
 
 

@@ -19,6 +19,13 @@ from typing import TYPE_CHECKING
 
 from draftlab.perf.calibrate import Profile, time_blocks
 from draftlab.perf.throughput import DraftProfile, TargetProfile
+from draftlab.api import SpeculativeDecoder
+from draftlab.backends.fast_llama import FastLlamaBackend
+from draftlab.checks.exactness import DTYPES, random_model
+from draftlab.decoding.policy import FixedK
+from draftlab.drafters import NoDrafter
+from draftlab.measure import EncodedPrompt, RunSettings, measure
+from draftlab.models import LoadedModel
 
 if TYPE_CHECKING:
     from draftlab.checks.exactness import Shape
@@ -33,9 +40,6 @@ def calibrate_shape(shape: "Shape", dtype: str, device: str, drafts: dict[str, "
                     context: int = CONTEXT) -> Profile:
     """The target's block cost curve (1..16 tokens after `context`) and each model draft's cost per token, timed on
     `device` with random weights in the given shapes (`drafts`: drafter spec -> its draft's shape)."""
-    from draftlab.backends.fast_llama import FastLlamaBackend
-    from draftlab.checks.exactness import DTYPES, random_model
-
     started = time.perf_counter()
     model = random_model(shape, DTYPES[dtype], device, layers=shape.depth)  # every layer: the true cost
     backend = FastLlamaBackend(model, device, capacity=context + 64)  # the exact route timed fastest here
@@ -54,12 +58,6 @@ def _overhead_per_step(model, backend, context: list[int]) -> float:
     """The engine's bookkeeping per step of plain decoding, from its own stopwatch, through the measurement loop."""
     import torch
 
-    from draftlab.api import SpeculativeDecoder
-    from draftlab.drafters import NoDrafter
-    from draftlab.measure import EncodedPrompt, RunSettings, measure
-    from draftlab.models import LoadedModel
-    from draftlab.decoding.policy import FixedK
-
     target = LoadedModel("shape", model, None, backend.device, backend.dtype)
     decoder = SpeculativeDecoder(target, NoDrafter(), FixedK(1), backend)
     measured = measure({"plain": decoder}, [EncodedPrompt("context", "shape", context)], RunSettings(PLAIN_STEPS),
@@ -70,9 +68,6 @@ def _overhead_per_step(model, backend, context: list[int]) -> float:
 
 def _draft_cost(shape: "Shape", dtype: str, device: str, context: list[int], repeats: int) -> float:
     """Seconds a model draft of this shape takes to draft one token (a one-token pass on the draft's products)."""
-    from draftlab.backends.fast_llama import FastLlamaBackend
-    from draftlab.checks.exactness import DTYPES, random_model
-
     backend = FastLlamaBackend(random_model(shape, DTYPES[dtype], device, layers=shape.depth), device,
                                batch_invariant=False,
                                capacity=len(context) + 64)

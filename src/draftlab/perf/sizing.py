@@ -15,6 +15,7 @@ from draftlab.errors import DraftlabError
 from draftlab.measure import DECODE, EncodedPrompt, RunSettings, run_once, warm_up
 from draftlab.models import LoadedModel
 from draftlab.perf.calibrate import CalibrationSettings
+from draftlab.api import SpeculativeDecoder, prompt_ids
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,6 @@ class Pilot:
 
 def run_pilot(target: LoadedModel, prompt: Prompt, settings: CalibrationSettings) -> Pilot:
     """Time one plain generation of `settings.max_new_tokens` on `prompt` (after an untimed warm-up)."""
-    from draftlab.api import SpeculativeDecoder, prompt_ids
-
     plain = SpeculativeDecoder.from_names(target, drafter="none", k=1, backend=settings.backend)
     encoded = EncodedPrompt(prompt.id, prompt.category, prompt_ids(target.tokenizer, prompt))
     warm_up({PILOT: plain}, encoded, RunSettings(4))

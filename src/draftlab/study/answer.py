@@ -9,6 +9,8 @@ from draftlab.deploy import Deployable
 from draftlab.study.report import ALL, CellSummary, Drift, plain_label
 from draftlab.study.cells import LLAMACPP_TARGET
 from draftlab.contenders.methods import AR, HF, LLAMA, PLAIN, SPS, is_baseline, method_of
+from draftlab.backends.base import ROUNDING
+from draftlab.study.store import LEFT_OUT, ResultsStore
 
 
 def engine_answer(summaries: list[CellSummary], drift: Drift | None = None) -> list[str]:
@@ -73,8 +75,6 @@ def _phases(cells: list[CellSummary], where: str) -> list[str]:
 def numerics_notes(envs: list[dict]) -> list[str]:
     """A sentence per target whose speculative cells ran on products that are not exact (every row of a block the
     row alone): their outputs equal plain decoding only up to rounding, whatever the count of identical outputs."""
-    from draftlab.backends.base import ROUNDING
-
     notes = {f"Numerics of {env.get('target') or 'the target'}: {env['numerics']}; its speculative outputs are "
              "lossless only up to rounding." for env in envs if ROUNDING in (env.get("numerics") or "")}
     return sorted(notes)
@@ -84,8 +84,6 @@ def left_out_notes(db) -> list[str]:
     """A line per engine the study's last sweep could not run (it died or hung in its preflight): the answer above
     was chosen without it."""
     import json
-
-    from draftlab.study.store import LEFT_OUT, ResultsStore
 
     store = ResultsStore(db, read_only=True)
     try:

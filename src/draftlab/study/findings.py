@@ -19,6 +19,7 @@ from statistics import median
 from draftlab.errors import DraftlabError
 from draftlab.study.report import ALL, CellSummary
 from draftlab.contenders.methods import ASG, SPS
+from draftlab.study.report import comparisons_of
 
 AGREES, PARTLY, DISAGREES, NOT_MEASURED = "agrees", "partly", "disagrees", "not measured"
 
@@ -49,8 +50,6 @@ def gather_evidence(summaries: list[CellSummary], params: dict[str, int], rows: 
                     profile_path: str | Path | None = None, microbench_path: str | Path | None = None,
                     correlate_path: str | Path | None = None) -> Evidence:
     """A study's evidence, with the model's comparisons and the design commands' results when their files are given."""
-    from draftlab.study.report import comparisons_of
-
     return Evidence(summaries, params, comparisons_of(profile_path, rows) if profile_path else None,
                     read_json(microbench_path, "microbenchmark"), read_json(correlate_path, "correlation"))
 

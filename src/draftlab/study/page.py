@@ -18,6 +18,11 @@ from draftlab.study.race import load_skips, skipped_cells
 from draftlab.study.serving import draw_load, format_load, load_summaries, server_answer
 from draftlab.study.weight_types import file_bytes, format_weight_types, weight_type_answer, weight_type_rows
 from draftlab.contenders.methods import method_of
+from draftlab.perf.calibrate import Profile
+from draftlab.perf.present import format_what_if, plot_comparison
+from draftlab.perf.validate import error_summary, format_predictions, predictions
+from draftlab.study import plots
+from draftlab.study.findings import gather_evidence, seeds_findings
 
 
 def build_report(db: str | Path, out: str | Path, profile_path: str | Path | None = None,
@@ -30,9 +35,6 @@ def build_report(db: str | Path, out: str | Path, profile_path: str | Path | Non
     (`design microbench`'s microbench.json) and the correlation (`design correlate`'s
     correlate.json) when given.
     """
-    from draftlab.study import plots
-    from draftlab.study.findings import gather_evidence, seeds_findings
-
     rows, params, envs = load_study(db)
     checks = load_checks(db)
     out = Path(out)
@@ -96,10 +98,6 @@ def _findings_section(findings) -> str:
 
 def _model_section(profile_path, comparisons: list, out: Path) -> str:
     """Performance model vs measurement, and what-if analyses, as HTML."""
-    from draftlab.perf.calibrate import Profile
-    from draftlab.perf.validate import error_summary, format_predictions, predictions
-    from draftlab.perf.present import format_what_if, plot_comparison
-
     profile = Profile.load(profile_path)
     errors = error_summary(comparisons)
     plot_comparison(comparisons, out / "predicted_vs_measured.png")

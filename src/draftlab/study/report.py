@@ -1,7 +1,7 @@
 """From records to answers: per-cell aggregates, the optimal-configuration table, plots, HTML.
 
-Everything here is computed from the database alone, so a report can be
-rebuilt at any time, on any machine, from a study file.
+Everything here is computed from the database alone, so a report can be rebuilt at any time, on any machine, from a
+study file.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from draftlab.errors import DraftlabError
 from draftlab.measure import speedup
 from draftlab.contenders.methods import AR, PLAIN, is_baseline, method_of
 from draftlab.study.store import ResultsStore
+from draftlab.perf.calibrate import Profile
+from draftlab.perf.validate import compare
 
 ALL = "all"
 NOISY_DRIFT = 0.10  # a baseline that moved more than this (relative) during the study makes it noisy
@@ -395,7 +397,4 @@ def write_csv(path: Path, items: list) -> None:
 
 def comparisons_of(profile_path, rows: list[dict]) -> list:
     """The performance model's predictions (from a calibration profile) beside the measured records."""
-    from draftlab.perf.calibrate import Profile
-    from draftlab.perf.validate import compare
-
     return compare(Profile.load(profile_path), rows)

@@ -22,6 +22,8 @@ from draftlab.contenders.server_configs import spec_config
 from draftlab.study.cells import LLAMACPP_TARGET
 from draftlab.contenders.methods import PLAIN, SERVER, SERVER_AR, method_of
 from draftlab.study.report import ALL
+from draftlab.models import gguf_path
+from draftlab.study.plots import finish, plt, slug
 
 
 @dataclass(frozen=True)
@@ -235,8 +237,6 @@ def _level_sentence(model: str, answer: LevelAnswer, workloads: list[str]) -> st
 def server_answer(rows: list[dict], table: bool = True, margin: float = 0.0) -> list[str]:
     """The sentences for a study's records (none when no llama-server cell ran), and the per-concurrency table;
     `margin`: the gain over plain decoding that counts (the study's typical drift)."""
-    from draftlab.models import gguf_path
-
     summaries = load_summaries(rows)
     sentences = server_sentences(level_answers(summaries),
                                  lambda target: gguf_path(target.removeprefix(LLAMACPP_TARGET)), margin)
@@ -247,8 +247,6 @@ def server_answer(rows: list[dict], table: bool = True, margin: float = 0.0) -> 
 def draw_load(summaries: list[LoadSummary], out: Path) -> list[tuple[str, str]]:
     """Per target with more than one concurrency: aggregate tokens/s vs concurrency, one line per llama-server
     configuration (dashed: plain decoding); returns (file name, title) pairs."""
-    from draftlab.study.plots import finish, plt, slug
-
     lines: dict[str, dict[tuple, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
     for s in summaries:
         if s.dataset == ALL and method_of(s.method).served:

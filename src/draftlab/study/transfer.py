@@ -10,6 +10,11 @@ from draftlab.errors import DraftlabError
 from draftlab.perf.shapes import Acceptance, StepCounts, acceptance
 from draftlab.study.report import load_study
 from draftlab.contenders.methods import AR, SPS
+from draftlab.api import prompt_ids
+from draftlab.models import load_model
+from draftlab.study.config import SweepConfig, target_backend
+from draftlab.study.store import ResultsStore
+from draftlab.study.sweep import plan
 
 
 def acceptance_from(db) -> tuple[list[Acceptance], dict[str, float]]:
@@ -49,12 +54,6 @@ def mean_context(db) -> int:
     once per row), so a shape's profile predicts this study best when timed at this context."""
     import json
     import statistics
-
-    from draftlab.api import prompt_ids
-    from draftlab.models import load_model
-    from draftlab.study.config import SweepConfig, target_backend
-    from draftlab.study.store import ResultsStore
-    from draftlab.study.sweep import plan
 
     store = ResultsStore(db, read_only=True)
     try:

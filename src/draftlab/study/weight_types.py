@@ -15,6 +15,8 @@ from draftlab.models import split_weight_type
 from draftlab.study.cells import LLAMACPP_TARGET
 from draftlab.study.report import ALL, CellSummary
 from draftlab.contenders.methods import AR, PLAIN, method_of
+from draftlab.errors import DraftlabError
+from draftlab.models import gguf_path
 
 SHIPPED = "shipped"
 
@@ -112,9 +114,6 @@ def weight_type_answer(summaries: list[CellSummary], rows: list[dict], table: bo
 
 def file_bytes(source: str) -> int | None:
     """A GGUF's size where it is on this machine (a derived type is derived on demand, from its cached source)."""
-    from draftlab.errors import DraftlabError
-    from draftlab.models import gguf_path
-
     try:
         return gguf_path(source).stat().st_size
     except (DraftlabError, OSError):
