@@ -37,7 +37,7 @@ def add_eagle3_command(commands) -> None:
                              "'eagle3' (the one shipped for --target) or a draft directory")
     eagle3.add_argument("--gguf", action="store_true",
                         help="also write eagle3-draft.gguf with llama.cpp's converter (needs "
-                             "scripts/build-llama-server.sh)")
+                             "scripts/build-llama-cpp.sh)")
     eagle3.set_defaults(run=cmd_eagle3)
     return eagle3
 
