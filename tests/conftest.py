@@ -46,11 +46,48 @@ EXHAUSTIVE = tuple(re.compile(p) for p in (
 ))
 
 
+# The README's test command is a fast, broad check of an install (minutes, on any host): the unit tests on tiny random
+# models, and one real-model smoke test per engine (SMOKE: torch, llama.cpp, llama-server, and what the build
+# installed). Every other real-model test (tests/integration/) and the long subprocess, server and training suites
+# (LONG: each took 5 s or more on an AVX-512 host, 2-3x that on the slowest hosts) are marked `slow`: CI runs them in
+# its later stage, `pytest -m slow` runs them anywhere. Nothing is left out of CI.
+SMOKE = tuple(re.compile(p) for p in (
+    r"integration/test_smollm2\.py::test_greedy_equals_autoregressive_fp32\[ngram\]$",
+    r"integration/test_llamacpp\.py::test_(the_model_runs_as_shipped|greedy_equals_plain_decoding_on_llamacpp\[ngram-3\])$",
+    r"integration/test_llama_server\.py::test_plain_decoding_repeats_exactly_and_the_server_stops$",
+    r"integration/test_no_amx\.py::",
+))
+LONG = tuple(re.compile(p) for p in (
+    r"study/test_crashing_engines\.py::test_a_(preflight_that_dies|study_whose|cell_that|sweep_stopped)",
+    r"study/test_sweep_resume\.py::test_killed_sweep",
+    r"study/test_llamacpp_sweep\.py::",
+    r"study/test_drift\.py::test_(a_cpu_hog|sweep_rechecks)",
+    r"study/test_learning\.py::",
+    r"study/test_findings\.py::test_report_shows_the_findings",
+    r"study/test_lossy_cells\.py::",
+    r"study/test_adapt_sweep\.py::",
+    r"study/test_race\.py::test_a_(real_sweep|prompt_longer)",
+    r"test_feature_draft\.py::test_design_feature_command",
+    r"test_tuner\.py::test_tune_(and_sweep_read|searches_the_dtype|finishes_within)",
+    r"test_design\.py::test_(killed_distillation|design_cut_command|distillation_raises)",
+    r"test_heads\.py::test_design_heads_command",
+    r"test_shape_predict\.py::test_(the_cli_calibrates|acceptance_comes_from)",
+    r"test_qwen2\.py::test_feature_draft_on_qwen2",
+    r"test_untrusted_files\.py::test_a_mode_that_is_not_exact",
+    r"test_staged\.py::test_staged_first_token_follows",
+    r"test_adapt\.py::test_acceptance_rises",
+    r"test_shape_matrix\.py::test_every_block_row_equals_plain_decoding_on_the_cpu\[(llama-3-8b|qwen2\.5-7b)",
+))
+
+
 def pytest_collection_modifyitems(items) -> None:
-    """Mark the exhaustive matrices (see EXHAUSTIVE)."""
+    """Mark the exhaustive matrices (see EXHAUSTIVE), and the real-model and long suites `slow` (SMOKE, LONG)."""
     for item in items:
         if any(pattern.search(item.nodeid) for pattern in EXHAUSTIVE):
             item.add_marker(pytest.mark.exhaustive)
+        real_model = item.nodeid.startswith("tests/integration/") and not any(p.search(item.nodeid) for p in SMOKE)
+        if real_model or any(pattern.search(item.nodeid) for pattern in LONG):
+            item.add_marker(pytest.mark.slow)
 
 
 def tiny_llama(vocab: int = 64, layers: int = 4, seed: int = 0, hidden: int = 32) -> LoadedModel:
