@@ -49,7 +49,8 @@ def trained(tiny_target, tmp_path_factory):
     out = tmp_path_factory.mktemp("heads")
     texts = [run(tiny_target, NoDrafter(), 1, [i, i + 1], max_new_tokens=62).token_ids for i in range(40)]
     draft = new_heads_draft(tiny_target, torch.arange(64), 3)
-    settings = HeadsSettings(budget_s=6.0, seq_len=32, batch_size=8, lr=1e-2, checkpoint_every_s=2.0,
+    # a step budget: the same training on every host (the agreement it reaches does not depend on the host's speed)
+    settings = HeadsSettings(max_steps=1000, seq_len=32, batch_size=8, lr=1e-2, checkpoint_every_s=0.25,
                              held_out_fraction=0.1, feature_dtype="fp32")
     history = train_heads(tiny_target, draft, texts, out, settings, "tiny", progress=False)
     return draft, history, out
@@ -136,7 +137,7 @@ def test_save_load_round_trip_and_registry(tiny_target, trained):
 
 def test_training_resumes_from_the_checkpoint(tiny_target, trained, capsys):
     draft, history, out = trained
-    settings = HeadsSettings(budget_s=8.0, seq_len=32, batch_size=8, lr=1e-2, checkpoint_every_s=2.0,
+    settings = HeadsSettings(max_steps=1200, seq_len=32, batch_size=8, lr=1e-2, checkpoint_every_s=0.25,
                              held_out_fraction=0.1, feature_dtype="fp32")
     more = train_heads(tiny_target, draft, [], out, settings, "tiny", progress=False)  # cached features
     assert f"resuming from step {history[-1]['step']}" in capsys.readouterr().out

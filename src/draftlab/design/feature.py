@@ -49,6 +49,7 @@ class FeatureSettings:
     weight_decay: float = 0.0
     checkpoint_every_s: float = 120.0
     seed: int = 0
+    max_steps: int | None = None  # a step budget instead of the wall-clock one: the same run on every host
     regression_weight: float = 1.0
     noise: float = 0.1  # uniform input-feature noise, as a fraction of the features' RMS
     held_out_fraction: float = 0.03

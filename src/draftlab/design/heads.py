@@ -38,6 +38,7 @@ class HeadsSettings:
     weight_decay: float = 0.0
     checkpoint_every_s: float = 60.0
     seed: int = 0
+    max_steps: int | None = None  # a step budget instead of the wall-clock one: the same run on every host
     decay: float = 0.8  # head k's loss weight is decay ** (k - 1) (Medusa's)
     held_out_fraction: float = 0.03
     feature_dtype: str = "auto"  # the target pass when features are computed: auto, bf16 or fp32
