@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from draftlab.design.distill import windows
-from draftlab.design.training import LayerStudent, LoopSettings, train, train_rows
+from draftlab.design.training import LoopSettings, ModuleStudent, train, train_rows
 from draftlab.drafters.eagle3 import Eagle3Draft, save_eagle3_draft
 from draftlab.errors import DraftlabError
 from draftlab.models import DTYPES, LoadedModel, batch_dtype_name
@@ -143,7 +143,7 @@ def ttt_loss(draft: Eagle3Draft, taps: torch.Tensor, final: torch.Tensor, tokens
     return total
 
 
-class Eagle3Student(LayerStudent):
+class Eagle3Student(ModuleStudent):
     """An EAGLE-3 draft under training, as the training loop's `Student`."""
 
     def loss(self, rows: list[int]) -> torch.Tensor:

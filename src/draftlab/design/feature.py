@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from draftlab.design.distill import windows
-from draftlab.design.training import LayerStudent, LoopSettings, train, train_rows
+from draftlab.design.training import LoopSettings, ModuleStudent, train, train_rows
 from draftlab.drafters.feature import FeatureDraft, feature_loss, save_feature_draft
 from draftlab.errors import DraftlabError
 from draftlab.models import DTYPES, LoadedModel, batch_dtype_name
@@ -94,7 +94,7 @@ def load_or_make_features(out: Path, target: LoadedModel, sequences: list[list[i
     return data
 
 
-class FeatureStudent(LayerStudent):
+class FeatureStudent(ModuleStudent):
     """A feature draft under training, as the training loop's `Student`."""
 
     def __init__(self, draft: FeatureDraft, data: dict, rows: int, out: Path, settings: FeatureSettings,

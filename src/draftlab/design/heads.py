@@ -12,13 +12,13 @@ shared loop (training.py): budget, checkpoints, resume, held-out agreement.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from draftlab.design.feature import FeatureSettings, load_or_make_features
-from draftlab.design.training import LoopSettings, train
+from draftlab.design.training import LoopSettings, ModuleStudent, train, train_rows
 from draftlab.drafters.heads import HeadsDraft, heads_loss, save_heads_draft
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel
@@ -56,20 +56,11 @@ class HeadsSettings:
         return FeatureSettings(seq_len=self.seq_len, feature_dtype=self.feature_dtype)
 
 
-class HeadsStudent:
+class HeadsStudent(ModuleStudent):
     """Decoder heads under training, as the training loop's `Student`."""
 
-    def __init__(self, draft: HeadsDraft, data: dict, train_rows: int, out: Path, settings: HeadsSettings,
-                 target_name: str) -> None:
-        self.draft, self.data, self.out, self.settings, self.target_name = draft, data, out, settings, target_name
-        self.held_rows = list(range(train_rows, data["tokens"].shape[0]))
-
-    def trainable(self) -> list[torch.Tensor]:
-        params = list(self.draft.heads.parameters())
-        for p in params:
-            p.requires_grad_(True)
-        self.draft.heads.train()
-        return params
+    def module(self) -> torch.nn.Module:
+        return self.draft.heads
 
     def loss(self, rows: list[int]) -> torch.Tensor:
         return heads_loss(self.draft, self.data["features"][rows].float(), self.settings.decay)
@@ -90,16 +81,9 @@ class HeadsStudent:
         """The first head's held-out agreement (~greedy acceptance of the first draft token)."""
         return self.agreements()[0]
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.draft.heads.state_dict().items()}
-
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        self.draft.heads.load_state_dict(weights)
-
     def save(self, history: list[dict]) -> None:
-        per_head = [round(a, 4) for a in self.agreements()]
-        self.draft.made = {**self.draft.made, "held_out_agreement_per_head": per_head,
-                           "train": {"settings": asdict(self.settings), "history": history}}
+        self.draft.made = {**self.draft.made, "held_out_agreement_per_head": [round(a, 4) for a in self.agreements()]}
+        self.record_training(history)
         save_heads_draft(self.draft, self.out, self.target_name)
 
 
@@ -111,11 +95,8 @@ def train_heads(target: LoadedModel, draft: HeadsDraft, sequences: list[list[int
     data = load_or_make_features(out, target, sequences, settings.features(), progress)
     if int(data["features"].shape[-1]) != int(draft.head.shape[1]):
         raise DraftlabError(f"the features in {out} were made by a target of another width; delete them")
-    count = data["tokens"].shape[0]
-    train_rows = count - max(1, int(count * settings.held_out_fraction))
-    if train_rows < 1:
-        raise DraftlabError(f"only {count} windows of {settings.seq_len} tokens; give more text")
-    student = HeadsStudent(draft, data, train_rows, out, settings, target_name)
-    history = train(student, train_rows, LoopSettings.of(settings), out, settings.seq_len, progress, log_name=LOG)
+    rows = train_rows(data, settings.held_out_fraction, settings.seq_len)
+    student = HeadsStudent(draft, data, rows, out, settings, target_name)
+    history = train(student, rows, LoopSettings.of(settings), out, settings.seq_len, progress, log_name=LOG)
     draft.heads.eval()
     return history

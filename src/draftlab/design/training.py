@@ -61,26 +61,31 @@ class Student(Protocol):
 
 
 
-class LayerStudent:
-    """A one-layer draft (`draft.layer`: a feature or EAGLE-3 layer) under training, on `data` rows (the first
-    `train_rows` trained on, the rest held out): all of a `Student` but its loss, agreement and save."""
+class ModuleStudent:
+    """A draft whose trained weights are one module (`module()`: a feature or EAGLE-3 draft's layer, decoder heads)
+    under training, on `data` rows (the first `train_rows` trained on, the rest held out): all of a `Student` but its
+    loss, agreement and save."""
 
     def __init__(self, draft, data: dict, train_rows: int, out: Path, settings, target_name: str) -> None:
         self.draft, self.data, self.out, self.settings, self.target_name = draft, data, out, settings, target_name
         self.held_rows = list(range(train_rows, data["tokens"].shape[0]))
 
+    def module(self) -> torch.nn.Module:
+        """What is trained: the draft's layer (the heads draft's subclass says its heads)."""
+        return self.draft.layer
+
     def trainable(self) -> list[torch.Tensor]:
-        params = list(self.draft.layer.parameters())
+        params = list(self.module().parameters())
         for p in params:
             p.requires_grad_(True)
-        self.draft.layer.train()
+        self.module().train()
         return params
 
     def weights(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.draft.layer.state_dict().items()}
+        return {k: v.detach().clone() for k, v in self.module().state_dict().items()}
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        self.draft.layer.load_state_dict(weights)
+        self.module().load_state_dict(weights)
 
     def record_training(self, history: list[dict]) -> None:
         """The training settings and history, in the record the draft is saved with."""
