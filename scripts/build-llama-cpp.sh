@@ -6,7 +6,7 @@
 #   $out/server/   llama-server as users build it (llama.cpp's defaults, sgemm on), on the same libraries but its
 #                  own libggml-cpu: the one target whose switches differ is the only one compiled twice;
 #   $out/convert/  the same llama.cpp's GGUF converter (EAGLE-3 drafts for llama-server, `draftlab design eagle3`).
-# $out is $DRAFTLAB_CACHE/llama.cpp/0.3.36 (default ~/.cache/draftlab). ~6 minutes on 2 cores, once; no network
+# $out is $DRAFTLAB_CACHE/llama.cpp/0.3.36 (default ~/.cache/draftlab). ~7 minutes on 2 cores, once; no network
 # beyond the package index (the server's web UI, which the default build downloads, is left out). ggml's AMX kernels
 # are compiled out everywhere: they crash every decode on AMX CPUs (docs/backends.md); a build holding them is
 # refused, a cached one rebuilt.
@@ -73,7 +73,7 @@ build() {
   work=$(mktemp -d "$out/.build.XXXXXX")
   log="$out/build.log"
   jobs=$(nproc)
-  echo "build-llama-cpp: building llama-cpp-python $VERSION's llama.cpp once for draftlab's llamacpp backend and llama-server (~6 minutes on 2 cores; log: $log)" >&2
+  echo "build-llama-cpp: building llama-cpp-python $VERSION's llama.cpp once for draftlab's llamacpp backend and llama-server (~7-10 minutes on 2 cores; log: $log)" >&2
   if [ ! -f "$sdist" ]; then
     "$PYTHON" -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$work" >"$log" 2>&1 \
       || { echo "build-llama-cpp: could not download llama-cpp-python $VERSION's source package; see $log" >&2; exit 1; }

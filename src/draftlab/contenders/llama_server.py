@@ -35,7 +35,7 @@ from draftlab.errors import DraftlabError
 from draftlab.decoding.metrics import GenerationStats
 
 SERVER_VERSION = "0.3.36"  # the llama-cpp-python release whose vendored llama.cpp it is built from
-BUILD_HINT = "build it with scripts/build-llama-cpp.sh (~6 minutes on 2 cores), or set DRAFTLAB_LLAMA_SERVER"
+BUILD_HINT = "build it with scripts/build-llama-cpp.sh (~7 minutes on 2 cores), or set DRAFTLAB_LLAMA_SERVER"
 START_TIMEOUT_S = 180.0  # loading a 1.5B model on 2 cores takes seconds; a stuck start is an error
 REQUEST_TIMEOUT_S = 600.0
 SPEC_TYPES = ("draft-simple", "draft-eagle3", "draft-mtp", "draft-dflash", "draft-dspark", "ngram-simple",

@@ -56,8 +56,6 @@ def calibrate_shape(shape: "Shape", dtype: str, device: str, drafts: dict[str, "
 
 def _overhead_per_step(model, backend, context: list[int]) -> float:
     """The engine's bookkeeping per step of plain decoding, from its own stopwatch, through the measurement loop."""
-    import torch
-
     target = LoadedModel("shape", model, None, backend.device, backend.dtype)
     decoder = SpeculativeDecoder(target, NoDrafter(), FixedK(1), backend)
     measured = measure({"plain": decoder}, [EncodedPrompt("context", "shape", context)], RunSettings(PLAIN_STEPS),
