@@ -111,8 +111,3 @@ def method_of(name: str) -> Method:
 def is_baseline(name: str) -> bool:
     """Whether the method is draftlab's plain decoding, every cell's speedup reference."""
     return name == AR.name
-
-
-def plain_of(name: str) -> str:
-    """The name of the plain decoding on the method's own engine (its reference)."""
-    return method_of(name).reference
