@@ -17,7 +17,7 @@ from draftlab.backends.routes import parse_route
 from draftlab.files.datasets import Prompt
 from draftlab.drafters.adapt import AdaptSettings
 from draftlab.drafters.base import Drafter
-from draftlab.engine import GenerationConfig, GenerationResult, SpeculativeEngine
+from draftlab.engine import GenerationConfig, GenerationResult, PromptCache, SpeculativeEngine
 from draftlab.errors import DraftlabError
 from draftlab.measure import RunSettings
 from draftlab.defaults import DEFAULT_BACKEND, DraftSettings
@@ -66,10 +66,12 @@ class SpeculativeDecoder:
     def __init__(
         self, target: LoadedModel, drafter: Drafter, policy: DraftLengthPolicy, target_backend: Backend,
         draft_model: LoadedModel | None = None, backend: str = DEFAULT_BACKEND,
+        prompt_cache: PromptCache | None = None,
     ) -> None:
         """A decoder of built parts (`target_backend`: `draftlab.backends.make_backend` of the target); `from_names`
         builds them from names and spec strings (online adaptation is the spec `adapt[:OPTIONS]/SPEC`, or
-        `from_names(adapt=)`)."""
+        `from_names(adapt=)`). `prompt_cache`: shared by the decoders of one backend that reuse a prompt's prefill
+        (`with_prompt_cache`); None: each generation prefills its prompt."""
         self.target = target
         self.drafter = drafter
         self.policy = policy
@@ -85,7 +87,9 @@ class SpeculativeDecoder:
             context_length=target.context_length,
             decode=None if target.tokenizer is None else  # random weights in a shape: token ids only
             (lambda ids: target.tokenizer.decode(ids, skip_special_tokens=True)),
+            prompt_cache=prompt_cache,
         )
+        self.prompt_cache = prompt_cache
 
     @classmethod
     def from_names(
@@ -167,6 +171,16 @@ class SpeculativeDecoder:
         return str(self.drafter.save_learned(out))
 
     times_prefill = True  # the engine times its prefill apart (`draftlab.measure.Contender`)
+    reuses_prefill = True  # with a prompt cache, a run after `prefill` starts from it
+
+    @property
+    def prefill_key(self) -> str:
+        """Decoders that share a prompt cache share a prefill ('': none, each run prefills)."""
+        return self.prompt_cache.name if self.prompt_cache is not None else ""
+
+    def prefill(self, prompt_ids: list[int]) -> None:
+        """Prefill the prompt into the prompt cache (`draftlab.measure.Contender`)."""
+        self.engine.prefill(prompt_ids)
 
     def run(self, prompt_ids: list[int], settings: RunSettings) -> GenerationResult:
         """One generation with the measurement loop's settings (`draftlab.measure.Contender`)."""
@@ -179,8 +193,16 @@ class SpeculativeDecoder:
 
     def with_policy(self, policy: DraftLengthPolicy) -> "SpeculativeDecoder":
         """The same target, backend and drafter with another K policy."""
-        return SpeculativeDecoder(self.target, self.drafter, policy, self.target_backend, self.draft_model, self.backend)
+        return SpeculativeDecoder(self.target, self.drafter, policy, self.target_backend, self.draft_model, self.backend,
+                                  self.prompt_cache)
 
     def with_drafter(self, drafter: Drafter) -> "SpeculativeDecoder":
         """The same target, backend and K policy with another drafter (e.g. suffix decoding over another cache)."""
-        return SpeculativeDecoder(self.target, drafter, self.policy, self.target_backend, self.draft_model, self.backend)
+        return SpeculativeDecoder(self.target, drafter, self.policy, self.target_backend, self.draft_model, self.backend,
+                                  self.prompt_cache)
+
+    def with_prompt_cache(self, name: str) -> "SpeculativeDecoder":
+        """The same decoder over a new prompt cache named `name`: the decoders derived from it share its backend's
+        prefill of a prompt (`engine.PromptCache`); only they may use that backend from then on."""
+        return SpeculativeDecoder(self.target, self.drafter, self.policy, self.target_backend, self.draft_model,
+                                  self.backend, PromptCache(name))

@@ -67,6 +67,31 @@ class GenerationResult:
     stats: GenerationStats
 
 
+@dataclass
+class PromptCache:
+    """What a target backend's cache holds of the last prompt prefilled through it, shared by the engines that
+    share the backend (one per cell of a study): the prompt's tokens but the last, and the hidden states their
+    prefill gave a drafter that reads them. An engine that starts from the same prompt rolls the cache back to it
+    instead of prefilling again; the rows kept are the prefill's own, so its output is the output a fresh prefill
+    gives, bit for bit. `name`: the engine's, for the records of its prefills. Only engines given the same
+    `PromptCache` may use its backend: a direct use of the backend would leave it stale."""
+
+    name: str = "draftlab"
+    tokens: tuple[int, ...] = ()
+    hidden: torch.Tensor | None = None  # [len(tokens), D'] the prefill's hidden states (their taps), or None
+    taps: tuple[int, ...] = ()
+    prefills: int = 0  # prefills computed (reuses are not counted)
+
+    def holds(self, tokens: Sequence[int], backend: Backend, hidden: bool, taps: tuple[int, ...]) -> bool:
+        """Whether the backend's cache starts with this prefill and holds what the engine needs of it."""
+        return (tuple(tokens) == self.tokens and backend.cache_len >= len(self.tokens)
+                and (not hidden or not self.tokens or (self.hidden is not None and self.taps == taps)))
+
+    def forget(self) -> None:
+        """After any other use of the backend: nothing held."""
+        self.tokens, self.hidden, self.taps = (), None, ()
+
+
 class StopCriteria:
     """EOS, stop strings and the token budget, checked one committed token at a time."""
 
@@ -100,9 +125,13 @@ class SpeculativeEngine:
         context_length: int = 1 << 30,
         decode: Callable[[list[int]], str] | None = None,
         verifier: Verifier = verify,
+        prompt_cache: PromptCache | None = None,
     ) -> None:
-        """verifier: the acceptance rule; only `draftlab audit`'s own tests replace it (with a broken one)."""
+        """verifier: the acceptance rule; only `draftlab audit`'s own tests replace it (with a broken one).
+        prompt_cache: shared by the engines over this backend that reuse a prompt's prefill (None: every generation
+        prefills)."""
         self.target = target
+        self.prompt_cache = prompt_cache
         self.verifier = verifier
         self.drafter = drafter or NoDrafter()
         # A drafter's adaptive confidence stop is moved by a policy around the K policy, not by the drafter.
@@ -158,7 +187,14 @@ class SpeculativeEngine:
         self._prefill(tokens, Stopwatch(self.target.synchronize))
         logits = self.target.score_block(Block.chain(tokens[-1:])).logits  # [1, V]
         self.target.reset()
+        if self.prompt_cache is not None:
+            self.prompt_cache.forget()
         return logits[0]
+
+    def prefill(self, prompt_ids: Sequence[int]) -> None:
+        """Prefill the prompt into the shared prompt cache, so that the next generation from it (by any engine that
+        shares the cache) starts from it; the measurement loop times this once per prompt."""
+        self._prefill(list(prompt_ids), Stopwatch(self.target.synchronize))
 
     def _step(self, tokens, config, generator, watch) -> tuple[list[int], list[int], int]:
         """One draft-verify step: the tokens it commits (accepted + recovered/bonus), drafted tokens per level, accepted count."""
@@ -198,16 +234,28 @@ class SpeculativeEngine:
         return max(0, min(config.max_new_tokens - generated, self.context_length - len(tokens)) - 1)
 
     def _prefill(self, tokens: list[int], watch: Stopwatch) -> None:
-        """Fill the target cache with every prompt token but the last; start drafter and policy."""
-        self.target.reset()
+        """Fill the target cache with every prompt token but the last (or roll it back to them, when the prompt
+        cache holds them); start drafter and policy."""
         self.drafter.begin(tokens)
         self.policy.begin()
+        cache = self.prompt_cache
+        if cache is not None and cache.holds(tokens[:-1], self.target, self.reads_hidden, self.taps):
+            self.target.rollback(len(cache.tokens))
+            if self.reads_hidden and cache.tokens:
+                self.drafter.observe(cache.hidden)
+            return
+        self.target.reset()
+        hidden = None
         if len(tokens) > 1:
             with watch.time("prefill"):
                 scores = self.target.score_block(Block.chain(tokens[:-1]), self.reads_hidden, last_only=True,
                                                  taps=self.taps)
-            if scores.hidden is not None:
-                self.drafter.observe(scores.hidden)
+            hidden = scores.hidden  # [n - 1, D'] or None
+            if hidden is not None:
+                self.drafter.observe(hidden)
+        if cache is not None:
+            cache.tokens, cache.hidden, cache.taps = tuple(tokens[:-1]), hidden, self.taps
+            cache.prefills += 1
 
     @staticmethod
     def _commit(committed: list[int], new: list[int], stop: StopCriteria) -> tuple[list[int], str]:
