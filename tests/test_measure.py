@@ -80,6 +80,8 @@ class _Refuses:
     """A contender that cannot run any prompt (as a peer library's error would)."""
 
     times_prefill = False
+    reuses_prefill = False
+    prefill_key = ""
 
     def run(self, prompt_ids, settings) -> GenerationResult:
         raise DraftlabError("refused")

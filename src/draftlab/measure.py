@@ -7,6 +7,12 @@ contender alike), after untimed warm-up runs that teach drafters nothing; with a
 on the same prompt every few contenders, which measures the machine's drift. `run_once` is the loop's single timed
 call; the sweep, which stores and resumes per (cell, prompt), calls `measure_prompt` for each prompt.
 
+Prefill once per engine and prompt: contenders that share a prompt's prefill share a `prefill_key` (draftlab's
+decoders of one backend, one llama-cpp-python instance, one llama-server); `measure_prompt` prefills the prompt
+once per key, timed apart (`PrefillRecord`), and each contender's run then decodes from it: its timed run is its
+decode. A contender that cannot start from a prefill (HF `generate`) says so (`reuses_prefill` False): its
+run prefills again, and the loop takes its key's prefill, timed apart, off its run.
+
 Each run gives one `RunRecord`: output ids, the engine's statistics, the total time and, where the engine
 reports it, the prefill's (draftlab's engine does; a peer library's `generate` does not). Speedups are defined
 once, here, in two named kinds:
@@ -72,13 +78,31 @@ class Contender(Protocol):
 
     `times_prefill`: whether the returned statistics separate the prefill (draftlab's engine) or only the total is
     known (a peer library's `generate`). `forgetful`: the same contender for warm-up runs, teaching a drafter that
-    learns across requests nothing about the prompts about to be timed."""
+    learns across requests nothing about the prompts about to be timed. `prefill_key`: contenders with the same
+    key share a prompt's prefill ('': none; each run prefills and nothing is timed apart); `prefill` computes it
+    (the loop times it, once per key and prompt); `reuses_prefill`: whether a run then starts from it (else the
+    run prefills again, and the loop takes the timed prefill off it)."""
 
     times_prefill: bool
+    reuses_prefill: bool
+    prefill_key: str
 
     def run(self, prompt_ids: list[int], settings: RunSettings) -> GenerationResult: ...
 
+    def prefill(self, prompt_ids: list[int]) -> None: ...
+
     def forgetful(self) -> "Contender": ...
+
+
+@dataclass(frozen=True)
+class PrefillRecord:
+    """One timed prefill of a prompt by the contenders of one `prefill_key`."""
+
+    key: str
+    prompt_id: str
+    prompt_tokens: int
+    seconds: float
+    finished_at: float = 0.0
 
 
 @dataclass
@@ -108,14 +132,38 @@ class RunRecord:
         return self.new_tokens / seconds if seconds else None
 
 
-def run_once(key: Hashable, contender: Contender, prompt: EncodedPrompt, settings: RunSettings) -> RunRecord:
-    """The loop's one timed call: decode `prompt` with `contender`."""
+def run_once(key: Hashable, contender: Contender, prompt: EncodedPrompt, settings: RunSettings,
+             prefilled: float | None = None) -> RunRecord:
+    """The loop's one timed call: decode `prompt` with `contender`. `prefilled`: the seconds of its key's prefill
+    of the prompt, timed apart. The record is then one request's: `prefill_s` that prefill, and `wall_s` it plus
+    the run's decode (a run that started from the prefill: its time less what it prefilled itself, a rollback or
+    the prompt's last token; one that did not: its time, which prefilled again)."""
     start = time.perf_counter()
     result = contender.run(prompt.ids, settings)
     elapsed = time.perf_counter() - start
     stats = replace(result.stats, wall_s=elapsed, new_tokens=len(result.token_ids))
-    return RunRecord(key, prompt.id, prompt.category, list(result.token_ids), stats, contender.times_prefill,
-                     time.time())
+    times_prefill = contender.times_prefill
+    if prefilled is not None:
+        decode_s = elapsed - (min(stats.prefill_s, elapsed) if contender.reuses_prefill else min(prefilled, elapsed))
+        stats, times_prefill = replace(stats, prefill_s=prefilled, wall_s=prefilled + decode_s), True
+    return RunRecord(key, prompt.id, prompt.category, list(result.token_ids), stats, times_prefill, time.time())
+
+
+def prefill_once(contenders: Sequence[Contender], prompt: EncodedPrompt) -> dict[str, PrefillRecord]:
+    """The prompt prefilled once per prefill key of the contenders, each timed, by key. A contender whose prefill
+    fails is left to its run, which prefills itself and reports the error as its own."""
+    records: dict[str, PrefillRecord] = {}
+    for contender in contenders:
+        if not contender.prefill_key or contender.prefill_key in records:
+            continue
+        start = time.perf_counter()
+        try:
+            contender.prefill(prompt.ids)
+        except Exception:  # noqa: BLE001 (the run says what it was)
+            continue
+        records[contender.prefill_key] = PrefillRecord(contender.prefill_key, prompt.id, len(prompt.ids),
+                                                       time.perf_counter() - start, time.time())
+    return records
 
 
 def warm_up(contenders: Mapping[Hashable, Contender], prompt: EncodedPrompt, settings: RunSettings,
@@ -203,17 +251,23 @@ def measure_prompt(contenders: Mapping[Hashable, Contender], prompt: EncodedProm
                    on_record: Callable[[RunRecord], None] = lambda record: None,
                    rechecks: Rechecks | None = None, on_check: Callable[[RunRecord], None] = lambda record: None,
                    on_error: Callable[[Hashable, Exception], bool] = lambda key, exc: False,
-                   on_start: Callable[[Hashable], None] = lambda key: None) -> list[RunRecord]:
-    """Every contender on one prompt, in the given order; `on_start` hears of each run before it starts and
-    `on_record` sees each as it ends. A contender whose error `on_error` accepts (it records the skip) is passed
-    over; any other error propagates. With `rechecks`, the baseline is re-timed on the prompt (`on_check`) as
-    `Rechecks` says: after every `every` runs of the others that ended, and after the last if any ran since."""
+                   on_start: Callable[[Hashable], None] = lambda key: None,
+                   on_prefill: Callable[[PrefillRecord], None] = lambda record: None) -> list[RunRecord]:
+    """Every contender on one prompt, in the given order, after the prompt's prefill once per prefill key
+    (`on_prefill` sees each); `on_start` hears of each run before it starts and `on_record` sees each as it ends.
+    A contender whose error `on_error` accepts (it records the skip) is passed over; any other error propagates.
+    With `rechecks`, the baseline is re-timed on the prompt (`on_check`) as `Rechecks` says: after every `every`
+    runs of the others that ended, and after the last if any ran since."""
     records, since = [], 0
     keys = list(contenders)
+    prefills = prefill_once([*([rechecks.contender] if rechecks else []), *contenders.values()], prompt)
+    for prefill in prefills.values():
+        on_prefill(prefill)
+    seconds = {key: prefill.seconds for key, prefill in prefills.items()}
     for index, key in enumerate(keys):
         on_start(key)
         try:
-            record = run_once(key, contenders[key], prompt, settings)
+            record = run_once(key, contenders[key], prompt, settings, seconds.get(contenders[key].prefill_key))
         except Exception as exc:
             if not on_error(key, exc):
                 raise
@@ -225,7 +279,8 @@ def measure_prompt(contenders: Mapping[Hashable, Contender], prompt: EncodedProm
         since = 0 if key == rechecks.key else since + 1
         if since and (since >= rechecks.every or index + 1 == len(keys)):
             on_start(rechecks.key)
-            on_check(run_once(rechecks.key, rechecks.contender, prompt, settings))
+            on_check(run_once(rechecks.key, rechecks.contender, prompt, settings,
+                              seconds.get(rechecks.contender.prefill_key)))
             since = 0
     return records
 
@@ -257,6 +312,11 @@ class InFlight:
     contender: Contender
     companions: tuple[EncodedPrompt, ...]
     times_prefill = False  # requests overlap: no prefill of the window is apart from its decoding
+    reuses_prefill = False  # each request of the window prefills its prompt
+    prefill_key = ""
+
+    def prefill(self, prompt_ids: list[int]) -> None:
+        """Nothing: each request prefills under load."""
 
     def run(self, prompt_ids: list[int], settings: RunSettings) -> GenerationResult:
         timed = _in_flight(self.contender, [prompt_ids, *(c.ids for c in self.companions)], settings)

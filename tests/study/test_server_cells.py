@@ -112,7 +112,7 @@ def test_a_version_6_study_gains_the_load_columns(tmp_path):
     older_database_file(db, "6", record=Record(cell, "p1", "code", 16, 8, 10, 8))
     store = ResultsStore(db)
     row = store.rows()[0]
-    assert store.get_meta("schema_version") == SCHEMA_VERSION == "7"
+    assert store.get_meta("schema_version") == SCHEMA_VERSION == "8"
     assert (row["concurrency"], row["window_tokens"], row["latency_s"]) == (1, None, None)
     loaded = Cell("t", "ngram-mod", 0, "server", "code", 0.0, 16, concurrency=2)
     store.add(Record(loaded, "p1", "code", 16, 8, 10, 8, wall_s=2.0, window_tokens=30, latency_s=1.5), 1)
@@ -125,6 +125,8 @@ class Slot:
     served together."""
 
     times_prefill = True
+    reuses_prefill = False
+    prefill_key = ""
 
     def __init__(self, seconds: float) -> None:
         self.seconds, self.lock, self.now, self.most = seconds, threading.Lock(), 0, 0

@@ -114,12 +114,20 @@ def hf_generate(
 @dataclass(frozen=True)
 class HFGenerate:
     """HF `generate` (plain, or assisted generation with `assist`) as a measurement contender
-    (`draftlab.measure.Contender`): it times only the whole call (no prefill apart)."""
+    (`draftlab.measure.Contender`): it times only the whole call. `generate` cannot start from a prefill it did
+    not compute, so each call prefills; its prefill is timed apart as a `generate` of one new token (plain and
+    assisted calls share it), which the loop takes off each call."""
 
     target: LoadedModel
     eos: tuple[int, ...]
     assist: HFAssist | None = None
     times_prefill = False
+    reuses_prefill = False
+    prefill_key = "hf"
+
+    def prefill(self, prompt_ids: list[int]) -> None:
+        """HF's prefill of the prompt, as `generate` computes it: one new token (timed by the loop)."""
+        hf_generate(self.target, prompt_ids, 1, self.eos, SamplingConfig(), 0)
 
     def run(self, prompt_ids: list[int], settings) -> GenerationResult:
         """One `generate` call with the loop's settings; a prompt that does not fit the context is refused as

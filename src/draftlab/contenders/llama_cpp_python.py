@@ -2,8 +2,9 @@
 
 What a llama.cpp user runs without draftlab: `Llama(model_path=...)` with the library's default kernels
 (repacked weights), and `Llama(..., draft_model=LlamaPromptLookupDecoding(num_pred_tokens=K))`, its speculative
-decoding (which makes it compute logits for every row). Each run starts from an empty cache (`Llama.reset`), so
-no run reuses an earlier run's prefill. Greedy runs of the lookup are compared with the plain `generate` of the
+decoding (which makes it compute logits for every row). Each instance's `prefill` evaluates a prompt but its
+last token from an empty cache; its `generate` then reuses that prefix (the library's prefix match rolls its cache
+back to it), as it reuses a repeated prompt for its users. Greedy runs of the lookup are compared with the plain `generate` of the
 same library, as AsG is compared with HF's own `generate`.
 """
 
@@ -36,7 +37,6 @@ class LlamaCppPeer:
         `contender` in the measurement loop."""
         llm = self._llama(k)
         llm.set_seed(seed)
-        llm.reset()
         tokens: list[int] = []
         for token in llm.generate(list(prompt_ids), temp=sampling.temperature, top_k=sampling.top_k,
                                   top_p=sampling.top_p, min_p=0.0, repeat_penalty=1.0, reset=True):
@@ -44,6 +44,14 @@ class LlamaCppPeer:
             if token in eos or len(tokens) >= max_new_tokens:
                 break
         return tokens
+
+    def prefill(self, prompt_ids: Sequence[int], k: int = 0) -> None:
+        """The instance's cache emptied and filled with the prompt but its last token (what `generate` then reuses,
+        evaluating the last token as its first step)."""
+        llm = self._llama(k)
+        llm.reset()
+        if len(prompt_ids) > 1:
+            llm.eval(list(prompt_ids[:-1]))
 
     def contender(self, eos: tuple[int, ...], k: int = 0) -> "LlamaCppRun":
         """Its plain `generate` (k=0), or its prompt lookup at k, as a measurement contender."""
@@ -75,12 +83,22 @@ class LlamaCppPeer:
 @dataclass(frozen=True)
 class LlamaCppRun:
     """llama-cpp-python's `generate` (k=0) or its prompt lookup at k as a measurement contender
-    (`draftlab.measure.Contender`): it times only the whole call (no prefill apart)."""
+    (`draftlab.measure.Contender`): it times only the whole call; after `prefill`, that call is the decode (and
+    the prompt's last token)."""
 
     peer: LlamaCppPeer
     eos: tuple[int, ...]
     k: int = 0
     times_prefill = False
+    reuses_prefill = True
+
+    @property
+    def prefill_key(self) -> str:
+        """The plain instance's and the lookup instance's caches are apart."""
+        return "llama-cpp-python" + (" lookup" if self.k else "")
+
+    def prefill(self, prompt_ids: list[int]) -> None:
+        self.peer.prefill(prompt_ids, self.k)
 
     def run(self, prompt_ids: list[int], settings) -> GenerationResult:
         """One generation with the loop's settings (a prompt longer than the context refused as draftlab's engine
@@ -91,5 +109,5 @@ class LlamaCppRun:
         return tokens_result(prompt_ids, tokens)
 
     def forgetful(self) -> "LlamaCppRun":
-        """Itself: each run starts from an empty cache."""
+        """Itself: it learns nothing across runs (a prefix it reuses is the same prompt's)."""
         return self

@@ -8,8 +8,9 @@ model, a draft, the speculative flags, threads, slots) on a free port of 127.0.0
 death of the Python process that started it (the kernel signals the server: `PR_SET_PDEATHSIG`), so no server is
 left behind. Its output goes to a log file every error names.
 
-Requests send token ids to `/completion` with `cache_prompt: false` (no run reuses another's prefill) and
-`return_tokens: true`; the response gives the output ids and the server's own counters (`timings`: prompt and
+Requests send token ids to `/completion` with `return_tokens: true`, and `cache_prompt: true` after the measurement
+loop's prefill of the prompt (one request of one token: the prompt's prefill, timed apart), so that each timed run
+is the server's decode; under load, `cache_prompt: false` (each request prefills); the response gives the output ids and the server's own counters (`timings`: prompt and
 decode milliseconds, drafted and accepted tokens). `LlamaServerRun` is a contender of the measurement loop
 (`draftlab.measure`). Per-request speculative settings are compiled out of this llama.cpp version, so each
 speculative configuration is its own server start.
@@ -218,11 +219,12 @@ class LlamaServer:
             self.process.kill()
             self.process.wait()
 
-    def completion(self, prompt_ids: list[int], settings) -> dict:
-        """One `/completion` request: the prompt as token ids, the loop's settings; the server's JSON answer."""
+    def completion(self, prompt_ids: list[int], settings, cache_prompt: bool = False) -> dict:
+        """One `/completion` request: the prompt as token ids, the loop's settings; the server's JSON answer.
+        `cache_prompt`: the server may start from the prefix of the prompt its slot holds (else it prefills)."""
         body = {"prompt": list(prompt_ids), "n_predict": settings.max_new_tokens, "temperature": settings.temperature,
                 "top_k": settings.top_k, "top_p": settings.top_p, "min_p": 0.0, "repeat_penalty": 1.0,
-                "seed": settings.seed, "cache_prompt": False, "return_tokens": True, "stream": False}
+                "seed": settings.seed, "cache_prompt": cache_prompt, "return_tokens": True, "stream": False}
         request = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
         try:
@@ -245,24 +247,51 @@ class LlamaServer:
             return False
         return True
 
-    def contender(self, context_length: int) -> "LlamaServerRun":
-        """This server as a contender of the measurement loop."""
-        return LlamaServerRun(self, context_length)
+    def contender(self, context_length: int, reuse: bool = True) -> "LlamaServerRun":
+        """This server as a contender of the measurement loop; `reuse`: its requests start from the prompt's
+        prefill (`cache_prompt`; False under load, where each request prefills)."""
+        return LlamaServerRun(self, context_length, reuse)
+
+
+@dataclass(frozen=True)
+class PrefillSettings:
+    """A prefill request's settings: the prompt and one greedy token."""
+
+    max_new_tokens: int = 1
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
 
 
 @dataclass(frozen=True)
 class LlamaServerRun:
     """A running llama-server as a contender of the measurement loop (`draftlab.measure.Contender`): the prefill
-    is the server's own prompt time; drafted and accepted tokens are its counters."""
+    is the server's own prompt time; drafted and accepted tokens are its counters. With `reuse`, `prefill` sends
+    the prompt for one token and each run then asks for `cache_prompt`: the server starts from the prompt its slot
+    holds (it evaluates the prompt's last token again), as it does for its users' repeated prefixes."""
 
     server: LlamaServer
     context_length: int
+    reuse: bool = True
     times_prefill = True
+
+    @property
+    def reuses_prefill(self) -> bool:
+        return self.reuse
+
+    @property
+    def prefill_key(self) -> str:
+        """One per server (each holds its own cache); '' without reuse."""
+        return f"llama-server:{self.server.port}" if self.reuse else ""
+
+    def prefill(self, prompt_ids: list[int]) -> None:
+        self.server.completion(prompt_ids, PrefillSettings(), cache_prompt=True)
 
     def run(self, prompt_ids: list[int], settings) -> GenerationResult:
         """One request; a prompt that does not fit a slot's context is refused as draftlab's engine refuses it."""
         check_room(len(prompt_ids), settings.max_new_tokens, self.context_length)
-        answer = self.server.completion(prompt_ids, settings)
+        answer = self.server.completion(prompt_ids, settings, cache_prompt=self.reuse)
         tokens = [int(t) for t in answer.get("tokens", [])]
         timings = answer.get("timings", {})
         drafted, accepted = int(timings.get("draft_n", 0)), int(timings.get("draft_n_accepted", 0))
@@ -273,6 +302,6 @@ class LlamaServerRun:
         return GenerationResult(tokens, "", stats)
 
     def forgetful(self) -> "LlamaServerRun":
-        """Itself: no request reuses another's cache (`cache_prompt: false`); ngram-mod's shared pool does learn
-        across requests, as it does where the server is deployed."""
+        """Itself: a request reuses only the same prompt's prefill; ngram-mod's shared pool does learn across
+        requests, as it does where the server is deployed."""
         return self

@@ -22,8 +22,9 @@ DEFAULT_KERNELS = "llama.cpp repack"  # the label of plain decoding on llama.cpp
 
 
 def autoregressive(decoder: SpeculativeDecoder) -> SpeculativeDecoder:
-    """Plain decoding of the decoder's target on its own backend (shared, with its cache)."""
-    return SpeculativeDecoder(decoder.target, NoDrafter(), FixedK(1), decoder.target_backend, backend=decoder.backend)
+    """Plain decoding of the decoder's target on its own backend (shared, with its cache and prompt cache)."""
+    return SpeculativeDecoder(decoder.target, NoDrafter(), FixedK(1), decoder.target_backend, backend=decoder.backend,
+                              prompt_cache=decoder.prompt_cache)
 
 
 def plain_in(decoder: SpeculativeDecoder, route: Route) -> SpeculativeDecoder:

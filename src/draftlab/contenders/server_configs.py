@@ -127,14 +127,15 @@ class ServerPool:
     log_dir: Path
     running: dict[ServerConfig, LlamaServer] = field(default_factory=dict)
 
-    def contender(self, config: ServerConfig) -> LlamaServerRun:
-        """The contender of a configuration's server, started if it is not running yet."""
+    def contender(self, config: ServerConfig, reuse: bool = True) -> LlamaServerRun:
+        """The contender of a configuration's server, started if it is not running yet; `reuse`: its requests start
+        from the prompt's prefill (`LlamaServerRun`)."""
         server = self.running.get(config)
         if server is None:
             server = LlamaServer(config, self.log_dir)
             server.start()
             self.running[config] = server
-        return server.contender(CONTEXT_PER_SLOT)
+        return server.contender(CONTEXT_PER_SLOT, reuse)
 
     def stop_all(self) -> None:
         """Stop every server this pool started."""

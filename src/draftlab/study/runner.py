@@ -54,7 +54,9 @@ class CellRunner:
         self.config = config
         self.backend = backend or config.backend
         self.eos = eos_ids(target)
-        self.baseline = SpeculativeDecoder.from_names(target, drafter="none", k=1, backend=self.backend)
+        # Every decoder of the target shares its backend and its prefill of each prompt (`engine.PromptCache`).
+        self.baseline = SpeculativeDecoder.from_names(target, drafter="none", k=1,
+                                                      backend=self.backend).with_prompt_cache("draftlab")
         self.by_drafter: dict[str, SpeculativeDecoder] = {}
         self.by_route: dict[str, SpeculativeDecoder] = {}  # plain decoding in the host's other modes
         self._peer: LlamaCppPeer | None = None
@@ -67,7 +69,8 @@ class CellRunner:
         if drafter not in self.by_drafter:
             built = build_drafter(drafter, self.target, self.backend)
             self.by_drafter[drafter] = SpeculativeDecoder(
-                self.target, built.drafter, FixedK(1), self.baseline.target_backend, built.model, self.backend
+                self.target, built.drafter, FixedK(1), self.baseline.target_backend, built.model, self.backend,
+                self.baseline.prompt_cache,
             )
         return self.by_drafter[drafter].with_policy(FixedK(k))
 
@@ -141,7 +144,8 @@ class CellRunner:
     def plain_in(self, label: str) -> SpeculativeDecoder:
         """Plain decoding of the target in another mode (a route label, or llama.cpp's default kernels), built once."""
         if label not in self.by_route:
-            self.by_route[label] = plain_mode(self.baseline, label)
+            mode = plain_mode(self.baseline, label)  # the baseline itself where the mode is its own
+            self.by_route[label] = mode if mode.prompt_cache else mode.with_prompt_cache(f"draftlab {label}")
         return self.by_route[label]
 
     def server(self, cell: Cell, companions: tuple[EncodedPrompt, ...]) -> Contender:
@@ -149,10 +153,10 @@ class CellRunner:
         without any: the warm-up)."""
         if self.servers is None:
             raise DraftlabError("this sweep runs no llama-server cells")
-        run = self.servers.contender(spec_config(gguf_path(self.target.source), cell.drafter, cell.k, cell.concurrency))
+        config = spec_config(gguf_path(self.target.source), cell.drafter, cell.k, cell.concurrency)
         if cell.concurrency > 1 and companions:
-            return InFlight(run, companions[:cell.concurrency - 1])
-        return run
+            return InFlight(self.servers.contender(config, reuse=False), companions[:cell.concurrency - 1])
+        return self.servers.contender(config)
 
     def peer(self) -> LlamaCppPeer:
         """llama-cpp-python's own API on the target's GGUF (loaded on first use)."""

@@ -1,9 +1,9 @@
 """The results store: one SQLite database per study, one row per prompt per cell.
 
-Schema (version 7), readable with `sqlite3` or `pandas.read_sql`:
+Schema (version 8), readable with `sqlite3` or `pandas.read_sql`:
 
     meta(key TEXT PRIMARY KEY, value TEXT)
-        app = 'draftlab-study', schema_version = '7', config = the sweep's JSON
+        app = 'draftlab-study', schema_version = '8', config = the sweep's JSON
     models(name TEXT PRIMARY KEY, params INTEGER)
         parameter counts of targets and model drafts ("target" or "target::drafter"),
         for the report's scaling ratio (target params / draft params)
@@ -36,23 +36,24 @@ Schema (version 7), readable with `sqlite3` or `pandas.read_sql`:
         target, dataset, temperature, prompt_id, run_id, new_tokens, wall_s,
         finished_at REAL)                      -- the 'ar' cell re-timed on the same prompt between other cells,
                                                -- so each cell is compared with the baseline closest in time
+    prefills(target, engine, dataset, prompt_id, run_id, prompt_tokens,
+             seconds, finished_at)             -- each engine's prefill of a prompt, timed apart: its cells decode
+                                               -- from it (their prefill_s is it, their wall_s it plus the decode)
     skips(cell TEXT, prompt_id TEXT,           -- primary key: a (cell, prompt) that was not measured, and why:
           run_id INTEGER, reason TEXT,         -- a peer that cannot run the prompt, or a cell dropped by the race
           created_at TEXT)                     -- (it trailed the best by more than the machine's noise)
 
-`method` is 'ar' (our autoregressive loop), 'sps' (our speculative engine),
-'asg' (Hugging Face assisted generation), 'hf' (Hugging Face `generate` without
-an assistant: AsG's own plain decoding, run whenever asg cells are), 'lcp' (llama-cpp-python's prompt lookup)
+`method` is 'ar' (our autoregressive loop), 'sps' (our speculative engine), 'asg' (Hugging Face assisted
+generation), 'hf' (Hugging Face `generate` without an assistant: AsG's own plain decoding, run whenever asg cells are), 'lcp' (llama-cpp-python's prompt lookup)
 and 'llama' (its plain `generate`), 'server' (llama-server's own speculative type, `drafter`, with its draft
 length flag `k`, 0 for the server's default) and 'server-ar' (the same server's plain decoding), or 'plain' (our
 plain decoding in another mode: a dtype and route, or llama.cpp's default kernels). `dtype` is resolved ('fp32', not 'auto'; 'gguf' on llama.cpp). Older databases are migrated in place when opened: version 1 (whose cell key
-lacked seed, dtype, backend, device and skip) gets those settings from the
-run's recorded environment and the stored sweep config; version 2 gets the
-`finished_at` column and the `baseline_checks` table; version 3 gets `levels_per_step`; version 4 `cache_held`;
-version 5 the `skips` table; version 6 `concurrency` (1 for every older record), `window_tokens` and `latency_s`.
+lacked seed, dtype, backend, device and skip) gets those settings from the run's recorded environment and the
+stored sweep config; version 2 gets the `finished_at` column and the `baseline_checks` table; version 3 gets `levels_per_step`; version 4 `cache_held`;
+version 5 the `skips` table; version 6 `concurrency` (1 for every older record), `window_tokens` and `latency_s`;
+version 7 the `prefills` table (empty: its records each prefilled within their wall time).
 A migration runs in one transaction (a kill leaves the old version whole). Each record is committed on its own,
-so a killed sweep loses at most the record in flight; resuming skips every
-(cell, prompt) already present.
+so a killed sweep loses at most the record in flight; resuming skips every (cell, prompt) already present.
 """
 
 from __future__ import annotations
@@ -62,7 +63,6 @@ import json
 import sqlite3
 import time
 from contextlib import contextmanager
-from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterator
@@ -71,7 +71,7 @@ from draftlab.errors import DraftlabError
 from draftlab.study.cells import Cell, Record  # noqa: F401  (re-exported: the store's row types)
 
 APP = "draftlab-study"
-SCHEMA_VERSION = "7"
+SCHEMA_VERSION = "8"
 LEFT_OUT = "left_out"  # meta key: the lines of the engines the last sweep left out (draftlab.contenders.preflight), JSON
 SETTINGS = ("seed", "dtype", "backend", "device", "skip")
 RECORD_COLUMNS = (
@@ -109,6 +109,14 @@ CHECKS_SCHEMA = """
 CREATE TABLE IF NOT EXISTS baseline_checks (
     target TEXT, dataset TEXT, temperature REAL, prompt_id TEXT, run_id INTEGER,
     new_tokens INTEGER, wall_s REAL, finished_at REAL
+);
+"""
+
+
+PREFILLS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS prefills (
+    target TEXT, engine TEXT, dataset TEXT, prompt_id TEXT, run_id INTEGER, prompt_tokens INTEGER, seconds REAL,
+    finished_at REAL
 );
 """
 
@@ -162,7 +170,7 @@ class ResultsStore:
 
     def _create(self) -> None:
         with self.conn:
-            self.conn.executescript(SCHEMA + CHECKS_SCHEMA + SKIPS_SCHEMA)
+            self.conn.executescript(SCHEMA + CHECKS_SCHEMA + SKIPS_SCHEMA + PREFILLS_SCHEMA)
             self.conn.executemany(
                 "INSERT INTO meta VALUES (?, ?)", [("app", APP), ("schema_version", SCHEMA_VERSION)]
             )
@@ -183,10 +191,11 @@ class ResultsStore:
         if version == SCHEMA_VERSION:
             return
         steps = {"1": lambda: self._migrate_from_1(json.loads(meta.get("config") or "{}")), "2": self._migrate_from_2,
-                 "3": self._migrate_from_3, "4": self._migrate_from_4, "5": self._migrate_from_5, "6": self._migrate_from_6}
+                 "3": self._migrate_from_3, "4": self._migrate_from_4, "5": self._migrate_from_5, "6": self._migrate_from_6,
+                 "7": self._migrate_from_7}
         if version not in steps:
             raise DraftlabError(
-                f"{self.path} has schema version {version}, this draftlab reads {SCHEMA_VERSION} (and migrates 1-6); "
+                f"{self.path} has schema version {version}, this draftlab reads {SCHEMA_VERSION} (and migrates 1-7); "
                 "upgrade draftlab to read it; the file was left untouched"
             )
         if self.read_only:  # migrate a copy in memory: the file stays as it is
@@ -250,6 +259,10 @@ class ResultsStore:
         self.conn.execute("ALTER TABLE records ADD COLUMN concurrency INTEGER DEFAULT 1")
         self.conn.execute("ALTER TABLE records ADD COLUMN window_tokens INTEGER")
         self.conn.execute("ALTER TABLE records ADD COLUMN latency_s REAL")
+
+    def _migrate_from_7(self) -> None:
+        """8 adds the prefills timed apart (0.20.0: each engine prefills a prompt once; cells time their decode)."""
+        self.conn.execute(PREFILLS_SCHEMA)
 
     def close(self) -> None:
         """Close the connection."""
@@ -340,6 +353,20 @@ class ResultsStore:
                               (c.target, c.dataset, c.temperature, record.prompt_id, run_id, record.new_tokens,
                                record.wall_s, time.time()))
 
+    def add_prefill(self, target: str, dataset: str, prefill, run_id: int) -> None:
+        """Store one prompt's prefill by one engine (`draftlab.measure.PrefillRecord`), timed apart from the
+        cells, which decode from it."""
+        with self.conn:
+            self.conn.execute("INSERT INTO prefills VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                              (target, prefill.key, dataset, prefill.prompt_id, run_id, prefill.prompt_tokens,
+                               prefill.seconds, prefill.finished_at))
+
+    def prefills(self) -> list[dict]:
+        """Every timed prefill, oldest first."""
+        cursor = self.conn.execute("SELECT * FROM prefills ORDER BY rowid")
+        names = [d[0] for d in cursor.description]
+        return [dict(zip(names, values)) for values in cursor.fetchall()]
+
     def baseline_checks(self) -> list[dict]:
         """Every re-timing of the baseline, oldest first."""
         cursor = self.conn.execute("SELECT * FROM baseline_checks ORDER BY rowid")
@@ -371,11 +398,3 @@ def _short_dtype(name: str) -> str:
 
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-def record_dict(record: Record) -> dict:
-    """A record as a flat dict (for tests and exports)."""
-    out = asdict(record)
-    out.update(asdict(record.cell))
-    del out["cell"]
-    return out

@@ -265,7 +265,8 @@ def _run_prompt(run: SweepRun, target: TargetRun, cells: list[Cell], prompt: Enc
             skipped(cell, exc)
     measure_prompt(contenders, prompt, runner.settings(baseline), stored, rechecks,
                    lambda check: store.add_baseline_check(record_of(baseline, check), target.run_id), skipped,
-                   lambda cell: run.crashes.start(cell.key, prompt.id))
+                   lambda cell: run.crashes.start(cell.key, prompt.id),
+                   lambda prefill: store.add_prefill(baseline.target, baseline.dataset, prefill, target.run_id))
     run.crashes.end()
     return len(added)
 
