@@ -166,6 +166,21 @@ def prefill_once(contenders: Sequence[Contender], prompt: EncodedPrompt) -> dict
     return records
 
 
+def pilot(contenders: Mapping[Hashable, Contender], prompt: EncodedPrompt, settings: Mapping[Hashable, RunSettings]
+          ) -> tuple[dict[str, PrefillRecord], dict[Hashable, RunRecord]]:
+    """A host's timings before a study plans (`draftlab.study.budget`): the prompt prefilled once per key, then a
+    short decode of each contender's forgetful view from it (`settings`: each one's), as the loop times them. A
+    contender that fails here is left out (its timed runs report why)."""
+    prefills, records = prefill_once(list(contenders.values()), prompt), {}
+    for key, contender in contenders.items():
+        prefill = prefills.get(contender.prefill_key)
+        try:
+            records[key] = run_once(key, contender.forgetful(), prompt, settings[key], prefill and prefill.seconds)
+        except Exception:  # noqa: BLE001 (a peer's or engine's refusal: its timed runs say it)
+            continue
+    return prefills, records
+
+
 def warm_up(contenders: Mapping[Hashable, Contender], prompt: EncodedPrompt, settings: RunSettings,
             tolerate: Callable[[Hashable, Exception], bool] = lambda key, exc: False) -> None:
     """Untimed short runs of every contender's forgetful view: first calls pay one-off costs. A contender whose

@@ -7,7 +7,8 @@ import pytest
 
 from draftlab.study import sweep
 from draftlab.study.answer import engine_answer
-from draftlab.study.report import load_study, optimal_table, summarize
+from draftlab.study.report import load_study, summarize
+from draftlab.study.tables import optimal_table
 from draftlab.study.store import ResultsStore
 
 pytestmark = pytest.mark.integration

@@ -16,7 +16,8 @@ from draftlab.contenders import hf
 from draftlab.study import plots, sweep
 from draftlab.study.page import build_report
 from draftlab.study.answer import recommend
-from draftlab.study.report import ALL, load_checks, load_study, lossy_cells, optimal_table, summarize
+from draftlab.study.report import ALL, load_checks, load_study, summarize
+from draftlab.study.tables import lossy_cells, optimal_table
 from draftlab.study.report import baseline_drift
 from draftlab.study.store import ResultsStore
 from tests.conftest import tiny_model_dir

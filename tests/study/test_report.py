@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from draftlab.study.page import build_report
-from draftlab.study.report import format_optimal, load_study, optimal_table, summarize
+from draftlab.study.report import load_study, summarize
+from draftlab.study.tables import format_optimal, optimal_table
 from draftlab.study.store import Cell, Record, ResultsStore
 
 
@@ -104,17 +105,19 @@ def test_recommendation_names_the_measured_best_lossless_configuration(study, tm
     sentences = recommend(summarize(rows), Drift(2, 0.02))
     assert len(sentences) == 1
     # ngram K=4 measured 1.67x but one output differed: never recommended; ngram K=2 is the best lossless one
-    assert sentences[0].startswith("Use ngram at K=2 (SpS) for tgt on this machine: 2.00x plain decoding")
+    assert sentences[0].startswith("Use ngram at K=2 (SpS) on draftlab's torch backend for tgt on this machine: "
+                                   "2.00x (2.00-2.00) plain decoding on draftlab's torch backend")
     assert "every output identical to plain decoding (2/2)" in sentences[0]
     assert "1 configuration(s) produced output different" in sentences[0]
     assert sentences[0] in build_report(study, tmp_path / "report").read_text().replace("&#x27;", "'")
 
 
-def _summary(method, drafter, k, speedup, identical=2):
+def _summary(method, drafter, k, speedup, identical=2, width=0.05):
     from draftlab.study.report import ALL, CellSummary
 
-    return CellSummary("tgt", method, drafter, k, ALL, 0.0, 2, 200, 10.0, 20.0, 50.0, None, None, None, None, None,
-                       speedup=speedup, speedup_min=speedup - 0.1, speedup_max=speedup + 0.1, identical=identical)
+    return CellSummary("tgt", method, drafter, k, ALL, 0.0, 2, 200, 10.0, 20.0 * speedup, 50.0, None, None, None,
+                       None, None, speedup=speedup, speedup_min=speedup - 0.1, speedup_max=speedup + 0.1,
+                       speedup_low=speedup - width, speedup_high=speedup + width, identical=identical)
 
 
 def test_recommendation_says_plain_decoding_when_nothing_wins():
@@ -123,17 +126,24 @@ def test_recommendation_says_plain_decoding_when_nothing_wins():
 
     cells = [_summary("ar", "none", 0, 1.0), _summary("sps", "ngram", 3, 0.9), _summary("asg", "ngram", 3, 0.8)]
     (sentence,) = recommend(cells, Drift(2, 0.03))
-    assert sentence.startswith("Use plain decoding for tgt on this machine: no configuration beat it")
-    assert "ngram at K=3 (SpS), ran at 0.90x" in sentence
+    assert sentence.startswith("Use plain decoding on draftlab's torch backend for tgt on this machine: no "
+                               "configuration beat it")
+    assert "ngram at K=3 (SpS) on draftlab's torch backend, ran at 0.90x (0.85-0.95)" in sentence
 
 
-def test_recommendation_flags_a_gain_within_the_drift():
+def test_a_gain_whose_paired_interval_includes_1x_is_not_the_answer():
     from draftlab.study.answer import recommend
     from draftlab.study.report import Drift
 
-    cells = [_summary("sps", "designed", 1, 1.08)]
-    assert "within the machine's drift" in recommend(cells, Drift(2, 0.2))[0]
-    assert "drift" not in recommend(cells, Drift(2, 0.05))[0]
+    sure = recommend([_summary("ar", "none", 0, 1.0), _summary("sps", "designed", 1, 1.08)], Drift(2, 0.2))[0]
+    assert sure.startswith("Use designed at K=1 (SpS) on draftlab's torch backend for tgt on this machine: "
+                           "1.08x (1.03-1.13)")
+    unsure = recommend([_summary("ar", "none", 0, 1.0), _summary("sps", "designed", 1, 1.08, width=0.12)],
+                       Drift(2, 0.2))[0]
+    assert unsure.startswith("Use plain decoding on draftlab's torch backend for tgt on this machine: no "
+                             "configuration beat it surely (the interval of the best includes 1.0x)")
+    assert "machine's drift during the study: 20%" in unsure
+    assert "drift" not in recommend([_summary("sps", "designed", 1, 1.08, width=0.12)], Drift(2, 0.05))[0]
 
 
 def test_per_position_acceptance_of_a_tree_counts_levels_not_nodes(tmp_path):
@@ -155,13 +165,14 @@ def test_report_command_prints_the_recommendation(study, tmp_path, capsys):
 
     assert main(["report", "--db", str(study), "--out", str(tmp_path / "r")]) in (0, None)
     out = capsys.readouterr().out
-    assert "report: " in out and "Use ngram at K=2 (SpS) for tgt on this machine" in out
+    assert "report: " in out and "Use ngram at K=2 (SpS) on draftlab's torch backend for tgt on this machine" in out
 
 
 @pytest.mark.parametrize("spec_seconds, expected", [
-    (8.0, "Use plain decoding (fp32 linear, 20.0 tok/s) for tgt on this machine: no configuration beat it"),
-    (4.0, "Use ngram at K=2 (SpS) for tgt on this machine: 1.25x the fastest plain decoding measured here "
-          "(fp32 linear, 20.0 tok/s), 2.50x plain decoding in the study's own mode"),
+    (8.0, "Use plain decoding on draftlab's torch backend (fp32 linear) for tgt on this machine: no configuration "
+          "beat it"),
+    (4.0, "Use ngram at K=2 (SpS) on draftlab's torch backend for tgt on this machine: 1.25x (1.25-1.25) plain "
+          "decoding on draftlab's torch backend (fp32 linear), decoding 25.0 tok/s against 20.0"),
 ])
 def test_the_answer_is_judged_against_the_fastest_plain_decoding_on_the_host(tmp_path, spec_seconds, expected):
     """Plain decoding in another mode ran twice as fast as the study's own: speedups are stated against it."""

@@ -19,6 +19,8 @@ def add_study_commands(sub) -> None:
     study = sub.add_parser("study", help="sweep, then write the report (the quick study by default)")
     _add_sweep_args(study, db_required=False)
     study.add_argument("--out", default="results/quick", help="folder for study.sqlite and the report")
+    study.add_argument("--output-tokens", type=int, metavar="N", help="state end-to-end times for N-token outputs "
+                       "(each engine's prefill plus N tokens at the decode rate measured; default: the study's)")
     study.set_defaults(run=cmd_study)
     report = sub.add_parser("report", help="HTML report with tables and plots from a study database")
     report.add_argument("--db", required=True)
@@ -26,6 +28,8 @@ def add_study_commands(sub) -> None:
     report.add_argument("--profile", help="calibration profile: adds the performance model's check and what-ifs")
     report.add_argument("--microbench", help="microbench.json of `draftlab design microbench`: depth vs width beside the seeds")
     report.add_argument("--correlate", help="correlate.json of `draftlab design correlate`: accuracy vs TAR beside the seeds")
+    report.add_argument("--output-tokens", type=int, metavar="N", help="state end-to-end times for N-token "
+                        "outputs (each engine's prefill plus N tokens at the decode rate measured)")
     report.add_argument("--export", nargs="+", choices=ENGINES, default=[], metavar="ENGINE",
                         help="also print the configuration to deploy as a command for vllm, sglang or llama-server "
                              "(with vLLM's K per batch size where the study measured several concurrency levels)")
@@ -58,7 +62,10 @@ def _add_sweep_args(parser: argparse.ArgumentParser, db_required: bool = True) -
                         help="re-time the baseline after this many cells of a prompt (0: never; default 6)")
     parser.add_argument("--race-after", type=int, metavar="N",
                         help="after N prompts of a dataset, stop measuring cells that trail the fastest one by more "
-                             "than the machine's noise (0: run the whole grid; quick: 4)")
+                             "than the machine's noise (0: run the whole grid; quick: 2)")
+    parser.add_argument("--budget", type=_duration, metavar="TIME",
+                        help="the study's time budget, as 8m, 90s or seconds: it times the host first, plans the "
+                             "prompts to fit and prints its plan (0: none, every prompt; quick: 8m)")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--device")
     parser.add_argument("--dtype")
@@ -82,6 +89,18 @@ def _add_sweep_args(parser: argparse.ArgumentParser, db_required: bool = True) -
     parser.add_argument("--no-progress", action="store_true")
 
 
+def _duration(text: str) -> float:
+    """'8m', '90s' or '480' -> seconds (argparse's type: a bad value is refused in one line)."""
+    scale = {"m": 60.0, "s": 1.0}.get(text[-1:].lower(), 1.0)
+    try:
+        seconds = float(text[:-1] if text[-1:].lower() in "ms" else text) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a time: {text!r} (give 8m, 90s or seconds)") from None
+    if not 0 <= seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"the budget must be >= 0, got {text!r}")
+    return seconds
+
+
 def _sweep_config(args):
     from dataclasses import replace
 
@@ -100,6 +119,7 @@ def _sweep_config(args):
         warmup=args.warmup, baseline_every=args.baseline_every, race_after=args.race_after, seed=args.seed, device=args.device, dtype=args.dtype,
         backend=args.backend, host_baselines=False if args.no_host_baselines else None,
         servers=tuple_or_none(args.servers), concurrency=concurrency, preflight_s=args.preflight_timeout,
+        budget_s=args.budget,
     )
     config = with_weight_types(config, tuple(args.weight_types or ()))
     return replace(config, drafters=with_adapting(config.drafters, args.adapt))
@@ -126,13 +146,10 @@ def cmd_sweep(args) -> None:
 
 def cmd_study(args) -> None:
     """Sweep into OUT/study.sqlite, write OUT/report, print the recommendation and the optimal table."""
-    from draftlab.study.page import build_report
-    from draftlab.study.report import (baseline_drift, format_lossy, format_optimal, load_checks, load_study,
-                                       lossy_cells, optimal_table, summarize)
-    from draftlab.study.answer import engine_answer, left_out_notes, numerics_notes, recommend
+    from draftlab.study.page import answer_lines, build_report
+    from draftlab.study.report import baseline_drift, load_checks, load_study, summarize
+    from draftlab.study.tables import format_lossy, format_optimal, lossy_cells, optimal_table
     from draftlab.study.race import format_skips, load_skips
-    from draftlab.study.serving import server_answer
-    from draftlab.study.weight_types import weight_type_answer
 
     out = Path(args.out)
     db = args.db or str(out / "study.sqlite")
@@ -144,9 +161,7 @@ def cmd_study(args) -> None:
     drift = baseline_drift(rows, checks)
     print(f"report: {page}")
     print(drift.describe())
-    print("\n".join(engine_answer(summaries, drift) + recommend(summaries, drift) + numerics_notes(envs)
-                    + server_answer(rows, margin=drift.typical) + weight_type_answer(summaries, rows)
-                    + left_out_notes(db)))
+    print("\n".join(answer_lines(db, rows, checks, envs, output_tokens=args.output_tokens)))
     print(format_optimal(optimal_table(summaries, params)))
     _print_learning(summaries, rows)
     lossy = lossy_cells(summaries)
@@ -169,20 +184,15 @@ def _print_learning(summaries, rows) -> None:
 def cmd_report(args) -> None:
     """Write the HTML report of a study database; print the recommendation and the seeds' findings beside ours."""
     from draftlab.study.findings import format_findings, gather_evidence, seeds_findings
-    from draftlab.study.page import build_report
-    from draftlab.study.answer import engine_answer, left_out_notes, numerics_notes, recommend
+    from draftlab.study.page import answer_lines, build_report
     from draftlab.study.report import baseline_drift, load_checks, load_study, summarize
-    from draftlab.study.serving import server_answer
-    from draftlab.study.weight_types import weight_type_answer
 
     print(f"report: {build_report(args.db, args.out, args.profile, args.microbench, args.correlate)}")
     rows, params, envs = load_study(args.db)
     checks = load_checks(args.db)
     summaries = summarize(rows, checks)
     drift = baseline_drift(rows, checks)
-    print("\n".join(engine_answer(summaries, drift) + recommend(summaries, drift) + numerics_notes(envs)
-                    + server_answer(rows, margin=drift.typical) + weight_type_answer(summaries, rows)
-                    + left_out_notes(args.db)))
+    print("\n".join(answer_lines(args.db, rows, checks, envs, output_tokens=args.output_tokens)))
     _print_learning(summaries, rows)
     _print_exports(summaries, rows, drift.typical, args.export)
     evidence = gather_evidence(summaries, params, rows, args.profile, args.microbench, args.correlate)

@@ -18,16 +18,22 @@ def prompt_key(row: dict) -> tuple:
 
 
 def baseline_timings(rows: list[dict], checks: list[dict]) -> dict[tuple, list[tuple[float | None, float]]]:
-    """Per prompt, every (finished_at, tokens/s) of its baseline: the ar record and its re-checks."""
+    """Per prompt, every (finished_at, decode tokens/s) of its baseline: the ar record and its re-checks, each
+    after the prompt's prefill (the ar record's, which its re-checks decoded from; 0 in studies whose records
+    timed no prefill apart)."""
+    baselines = [r for r in rows if is_baseline(r["method"])]
+    prefill = {prompt_key(r): r.get("prefill_s") or 0.0 for r in baselines}
     timings: dict[tuple, list[tuple[float | None, float]]] = defaultdict(list)
-    for r in [*(r for r in rows if is_baseline(r["method"])), *checks]:
-        if r["wall_s"] > 0:
-            timings[prompt_key(r)].append((r.get("finished_at"), r["new_tokens"] / r["wall_s"]))
+    for r in [*baselines, *checks]:
+        decode_s = r["wall_s"] - prefill.get(prompt_key(r), 0.0)
+        if decode_s > 0:
+            timings[prompt_key(r)].append((r.get("finished_at"), r["new_tokens"] / decode_s))
     return timings
 
 
 def nearest_baseline(rows: list[dict], checks: list[dict]) -> Callable[[dict], float | None]:
-    """record -> the baseline's tokens/s on its prompt measured closest in time (the ar record if times are unknown)."""
+    """record -> the baseline's decode tokens/s on its prompt measured closest in time (the ar record if times are
+    unknown)."""
     timings = baseline_timings(rows, checks)
 
     def speed(row: dict) -> float | None:

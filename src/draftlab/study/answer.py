@@ -4,58 +4,27 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from draftlab.backends import engine_of_backend
 from draftlab.deploy import Deployable
-from draftlab.study.report import ALL, CellSummary, Drift, plain_label
+from draftlab.study.race import model_of
+from draftlab.study.report import ALL, CellSummary, Drift, engine_words, pace
 from draftlab.study.cells import LLAMACPP_TARGET
-from draftlab.contenders.methods import AR, HF, LLAMA, PLAIN, SPS, is_baseline, method_of
+from draftlab.contenders.methods import PLAIN, SPS, method_of
 from draftlab.backends.base import ROUNDING
 from draftlab.study.store import LEFT_OUT, ResultsStore
 
 
 def engine_answer(summaries: list[CellSummary], drift: Drift | None = None) -> list[str]:
-    """One sentence per model and temperature measured on more than one engine: the fastest lossless way to decode
-    it on this machine (engine, and draft and K or plain decoding), beside each engine's plain decoding. `drift`:
-    the study's; when the runner-up is within it, the sentence says so (another run may swap the two)."""
+    """One sentence per model and temperature measured on more than one engine: each engine's prefill of a prompt
+    and its plain decoding's rate after it (the answer itself, across engines, is `recommend`'s)."""
     groups: dict[tuple, list[CellSummary]] = defaultdict(list)
     for s in summaries:
         if s.dataset == ALL and s.tokens_per_s > 0 and not s.lossy and not s.rounding and s.complete:
-            groups[(s.target.removeprefix(LLAMACPP_TARGET), s.temperature)].append(s)
+            groups[(model_of(s.target), s.temperature)].append(s)
     temperatures = defaultdict(set)
     for model, temperature in groups:
         temperatures[model].add(temperature)
-    sentences = []
-    for (model, temperature), cells in sorted(groups.items()):
-        plain = {}
-        for s in cells:
-            if method_of(s.method).plain:
-                plain[_engine(s)] = max(plain.get(_engine(s), 0.0), s.tokens_per_s)
-        if len(plain) < 2:
-            continue
-        best, *rest = sorted(cells, key=lambda s: -s.tokens_per_s)
-        at = f" at temperature {temperature:g}" if len(temperatures[model]) > 1 else ""
-        engines = ", ".join(f"{engine} {speed:.1f}" for engine, speed in sorted(plain.items(), key=lambda e: -e[1]))
-        sentences.append(f"Fastest measured for {model}{at} on this machine: {_what(best)} on {_engine(best)}, "
-                         f"{best.tokens_per_s:.1f} tok/s end to end over {best.prompts} prompts (plain decoding, "
-                         f"tok/s: {engines}){_runner_up(best, rest, drift)}.")
-        sentences += _decode_winner(best, cells) + _phases(cells, model + at)
-    return sentences
-
-
-def _decode_winner(best: CellSummary, cells: list[CellSummary]) -> list[str]:
-    """A sentence when another engine decodes faster after its prefill than the end-to-end winner: prefill (long
-    prompts) decided the ranking."""
-    timed = [s for s in cells if s.decode_tokens_per_s]
-    if not timed:
-        return []
-    fastest = max(timed, key=lambda s: s.decode_tokens_per_s)
-    if _engine(fastest) == _engine(best) or (best.decode_tokens_per_s or 0) >= fastest.decode_tokens_per_s:
-        return []
-    theirs = f"{fastest.prefill_s:.2f} s of prefill a prompt"
-    ours = f"{best.prefill_s:.2f} s" if best.prefill_s is not None else "its prefill, not timed apart"
-    return [f"{_what(fastest).capitalize()} on {_engine(fastest)} decodes fastest ({fastest.decode_tokens_per_s:.1f} "
-            f"tok/s after its prefill); {_what(best)} on {_engine(best)} wins end to end because of prefill "
-            f"({theirs} against {ours})."]
+    return [line for (model, temperature), cells in sorted(groups.items()) for line in _phases(
+        cells, model + (f" at temperature {temperature:g}" if len(temperatures[model]) > 1 else ""))]
 
 
 def _phases(cells: list[CellSummary], where: str) -> list[str]:
@@ -63,8 +32,8 @@ def _phases(cells: list[CellSummary], where: str) -> list[str]:
     plain: dict[str, CellSummary] = {}
     for s in cells:
         if method_of(s.method).plain and s.decode_tokens_per_s and (
-                _engine(s) not in plain or s.tokens_per_s > plain[_engine(s)].tokens_per_s):
-            plain[_engine(s)] = s
+                engine_words(s) not in plain or s.tokens_per_s > plain[engine_words(s)].tokens_per_s):
+            plain[engine_words(s)] = s
     if len(plain) < 2:
         return []
     parts = [f"{engine}: {s.prefill_s:.2f} s a prompt, then {s.decode_tokens_per_s:.1f} tok/s"
@@ -97,36 +66,6 @@ def left_out_notes(db) -> list[str]:
     return [f"Not run in this study, so not in the answer: {line}" for line in lines if isinstance(line, str)]
 
 
-def _what(s: CellSummary) -> str:
-    return "plain decoding" if method_of(s.method).plain else f"{s.drafter} at K={s.k} ({method_of(s.method)})"
-
-
-def _runner_up(best: CellSummary, rest: list[CellSummary], drift: Drift | None) -> str:
-    """A clause naming the runner-up when the lead is within the machine's drift during the study."""
-    if not rest or drift is None or not drift.prompts:
-        return ""
-    second = rest[0]
-    lead = best.tokens_per_s / second.tokens_per_s - 1
-    if lead > drift.spread:
-        return f"; it leads the runner-up by {lead:.0%}, beyond the machine's drift ({drift.spread:.0%})"
-    return (f"; the runner-up, {_what(second)} on {_engine(second)} at {second.tokens_per_s:.1f} tok/s, is within the "
-            f"machine's drift during the study ({lead:.0%} behind, drift {drift.spread:.0%}): another run may swap them")
-
-
-def _engine(s: CellSummary) -> str:
-    """The engine a cell ran on, in words."""
-    method = method_of(s.method)
-    if method.served:
-        return "llama-server"
-    if method.engine == LLAMA.engine:
-        return "llama.cpp (llama-cpp-python)"
-    if engine_of_backend(s.backend).runs_gguf or s.target.startswith(LLAMACPP_TARGET) or s.drafter.startswith("llama.cpp"):
-        return "llama.cpp (draftlab)"
-    if method.engine == HF.engine:
-        return "HF transformers"
-    return f"draftlab's torch backend ({s.drafter})" if method is PLAIN else "draftlab's torch backend"
-
-
 def _identical_text(s: CellSummary) -> str:
     if s.identical is None:
         return "outputs sampled, so not compared token by token"
@@ -139,72 +78,135 @@ def _judged_speedup(s: CellSummary) -> float:
     return s.host_speedup if s.host_speedup is not None else s.speedup
 
 
-def recommend(summaries: list[CellSummary], drift: Drift) -> list[str]:
-    """One sentence per target and temperature: which draft and K to use here, or plain decoding.
+def _judged_interval(s: CellSummary) -> tuple[float, float]:
+    """The judged speedup's interval: the paired interval over its engine's plain decoding, scaled to it."""
+    if not s.speedup:
+        return 0.0, 0.0
+    scale = _judged_speedup(s) / s.speedup
+    return s.speedup_low * scale, s.speedup_high * scale
 
-    Judged on each configuration's speedup over the fastest plain decoding measured on the host (the study's
-    own, or another dtype or route timed beside it), over all the study's prompts (dataset 'all'); configurations
-    whose greedy output differed from plain decoding are never recommended. A gain smaller than the
-    baseline's drift on a noisy machine is said to be within the noise.
+
+def recommend(summaries: list[CellSummary], drift: Drift, output_tokens: int | None = None) -> list[str]:
+    """One sentence per model and temperature, across its engines: which engine, draft and K to use here, or plain
+    decoding (on the engine that decodes it fastest).
+
+    Judged on decode speed, what speculation changes: each configuration's speedup over the fastest plain decoding
+    of the model measured on the host (any engine, dtype or route), over all the study's prompts (dataset 'all'),
+    with the 95% interval of its paired per-prompt ratios; a configuration whose greedy output differed from plain
+    decoding is never recommended, nor one exact only up to rounding (llama-server's own: `serving.py`), nor one
+    whose interval includes 1.0x (it may not beat plain decoding: the answer is then plain decoding). `drift`: the
+    study's, said beside a noisy answer. `output_tokens`: the output length the end-to-end times assume (the
+    study's own when None).
     """
     groups: dict[tuple, list[CellSummary]] = defaultdict(list)
     dropped: dict[tuple, list[CellSummary]] = defaultdict(list)
-    plain_modes = {(s.target, s.temperature): f"{plain_label(s)}, {s.tokens_per_s:.1f} tok/s" for s in summaries
-                   if s.dataset == ALL and method_of(s.method).plain and plain_label(s) == s.host_plain and s.complete}
-    timed_others = {(s.target, s.temperature) for s in summaries
-                    if s.dataset == ALL and method_of(s.method).plain and not is_baseline(s.method)}
     for s in summaries:
-        if s.dataset == ALL and not method_of(s.method).plain and s.speedup > 0:
-            (groups if s.complete else dropped)[(s.target, s.temperature)].append(s)
-    for key, cells in dropped.items():
+        if s.dataset == ALL and s.speedup > 0 and not method_of(s.method).plain:
+            (groups if s.complete else dropped)[(model_of(s.target), s.temperature)].append(s)
+    plains = _fastest_plain(summaries)
+    for key in [*dropped, *plains]:
         groups.setdefault(key, [])
     temperatures = defaultdict(set)
-    for target, temperature in groups:
-        temperatures[target].add(temperature)
+    for model, temperature in groups:
+        temperatures[model].add(temperature)
     sentences = []
-    for (target, temperature), cells in sorted(groups.items()):
-        where = target + (f" at temperature {temperature:g}" if len(temperatures[target]) > 1 else "")
-        lossless = [s for s in cells if not s.lossy and not s.rounding]  # llama-server's own: serving.py
-        lossy = sum(s.lossy for s in cells)
-        warning = (f" ({lossy} configuration(s) produced output different from plain decoding and were not "
-                   "considered: see the report)") if lossy else ""
-        if not cells:
-            sentences.append(_all_dropped(where, dropped[(target, temperature)], plain_modes.get((target, temperature))))
-            continue
-        if not lossless:
-            sentences.append(f"Use plain decoding for {where}: no configuration measured is lossless (each differed "
-                             f"from it, or is exact only up to rounding: see llama-server below){warning}.")
-            continue
-        best = max(lossless, key=_judged_speedup)
-        gain = _judged_speedup(best)
-        fastest = plain_modes.get((target, temperature), "") if best.host_plain not in ("", AR.name) else ""
-        if fastest:
-            versus = (f"{gain:.2f}x the fastest plain decoding measured here ({fastest}), {best.speedup:.2f}x plain "
-                      "decoding in the study's own mode")
-        elif (target, temperature) in timed_others:
-            versus = (f"{gain:.2f}x plain decoding, the fastest measured here (other dtypes and routes were timed "
-                      "slower)")
-        else:
-            versus = f"{gain:.2f}x plain decoding"
-        measured = (f"{versus}, {best.speedup_min:.2f}-{best.speedup_max:.2f}x over {best.prompts} prompts, "
-                    f"{best.tokens_per_s:.1f} tok/s")
-        name = f"{best.drafter} at K={best.k} ({method_of(best.method)})"
-        if gain <= 1.0:
-            plain = f"plain decoding ({fastest})" if fastest else "plain decoding"
-            sentences.append(f"Use {plain} for {where} on this machine: no configuration beat it "
-                             f"(the best, {name}, ran at {measured}; {_identical_text(best)}){warning}.")
-            continue
-        noise = (f"; the gain is within the machine's drift during the study ({drift.spread:.0%}), so confirm it "
-                 "on a quiet machine" if drift.noisy and gain - 1.0 <= drift.spread else "")
-        sentences.append(f"Use {name} for {where} on this machine: {measured}; {_identical_text(best)}"
-                         f"{noise}{warning}.")
+    for (model, temperature), cells in sorted(groups.items()):
+        where = model + (f" at temperature {temperature:g}" if len(temperatures[model]) > 1 else "")
+        plain = plains.get((model, temperature))
+        sentences.append(_sentence(where, cells, dropped[(model, temperature)], plain, drift, output_tokens))
     return sentences
 
 
-def _all_dropped(where: str, cells: list[CellSummary], fastest: str | None) -> str:
-    """The sentence for a target whose every configuration the race dropped before the study's last prompt."""
+def _fastest_plain(summaries: list[CellSummary]) -> dict[tuple, CellSummary]:
+    """Per (model, temperature): its plain decoding that decodes fastest, on any engine (complete cells)."""
+    fastest: dict[tuple, CellSummary] = {}
+    for s in summaries:
+        if s.dataset == ALL and method_of(s.method).plain and s.complete and pace(s) > 0:
+            key = (model_of(s.target), s.temperature)
+            if key not in fastest or pace(s) > pace(fastest[key]):
+                fastest[key] = s
+    return fastest
+
+
+def _sentence(where: str, cells: list[CellSummary], dropped: list[CellSummary], plain: CellSummary | None,
+              drift: Drift, output_tokens: int | None) -> str:
+    """The one answer for a model: a configuration and its engine, or plain decoding on its fastest engine."""
+    plain_words = f"plain decoding on {_mode(plain)}" if plain else "plain decoding"
+    if not cells:
+        return _all_dropped(where, dropped, plain_words) if dropped else f"Use {plain_words} for {where}."
+    lossless = [s for s in cells if not s.lossy and not s.rounding]
+    lossy = sum(s.lossy for s in cells)
+    warning = (f" ({lossy} configuration(s) produced output different from plain decoding and were not "
+               "considered: see the report)") if lossy else ""
+    if not lossless:
+        return (f"Use {plain_words} for {where} on this machine: no configuration measured is lossless (each "
+                f"differed from it, or is exact only up to rounding: see llama-server below){warning}.")
+    best = max(lossless, key=_judged_speedup)
+    gain, (low, high) = _judged_speedup(best), _judged_interval(best)
+    name = f"{best.drafter} at K={best.k} ({method_of(best.method)}) on {engine_words(best)}"
+    measured = (f"{gain:.2f}x ({low:.2f}-{high:.2f}) {plain_words}, decoding {pace(best):.1f} tok/s against "
+                f"{pace(plain) if plain else pace(best) / gain:.1f} over {best.prompts} prompts (paired per prompt)"
+                f"{_end_to_end(best, plain, gain, output_tokens)}")
+    if gain <= 1.0 or low <= 1.0:
+        why = "no configuration beat it" if gain <= 1.0 else "no configuration beat it surely (the interval of the best includes 1.0x)"
+        noise = f"; the machine's drift during the study: {drift.spread:.0%}" if drift.noisy else ""
+        return (f"Use {plain_words} for {where} on this machine: {why} (the best, {name}, ran at {measured}; "
+                f"{_identical_text(best)}){noise}{warning}.")
+    return f"Use {name} for {where} on this machine: {measured}; {_identical_text(best)}{warning}."
+
+
+def deploy_notes(summaries: list[CellSummary]) -> list[str]:
+    """A line per model whose answer (greedy) is not on llama-server: why the Deploy line, llama-server's own best
+    measured beside it, names another engine."""
+    notes = []
+    for (model, temperature), cells in sorted(_groups(summaries).items()):
+        choice = _choice(cells, _fastest_plain(summaries).get((model, temperature)))
+        if temperature == 0 and choice is not None and not method_of(choice.method).served:
+            notes.append(f"The answer for {model} runs on {engine_words(choice)}, draftlab's own loop or library, "
+                         "which has no server of its own to deploy: the Deploy line below is llama-server's best "
+                         "measured beside it.")
+    return notes
+
+
+def _groups(summaries: list[CellSummary]) -> dict[tuple, list[CellSummary]]:
+    """Complete lossless configurations of each (model, temperature), over all prompts."""
+    groups: dict[tuple, list[CellSummary]] = defaultdict(list)
+    for s in summaries:
+        if s.dataset == ALL and s.speedup > 0 and s.complete and not s.lossy and not s.rounding:
+            groups[(model_of(s.target), s.temperature)].append(s)
+    return groups
+
+
+def _choice(cells: list[CellSummary], plain: CellSummary | None) -> CellSummary | None:
+    """What the answer names: the best configuration when its interval lies above 1.0x, else plain decoding."""
+    candidates = [s for s in cells if not method_of(s.method).plain]
+    if candidates:
+        best = max(candidates, key=_judged_speedup)
+        if _judged_interval(best)[0] > 1.0:
+            return best
+    return plain
+
+
+def _mode(plain: CellSummary) -> str:
+    """Plain decoding's engine and mode, in words: 'llama.cpp (draftlab)', 'draftlab's torch backend (bf16 ...)'."""
+    return engine_words(plain) + (f" ({plain.drafter})" if method_of(plain.method) is PLAIN and
+                                  not engine_words(plain).endswith(")") else "")
+
+
+def _end_to_end(best: CellSummary, plain: CellSummary | None, gain: float, output_tokens: int | None) -> str:
+    """End to end per prompt, prefill plus decode, for an output length: the configuration's and plain decoding's."""
+    if plain is None or best.prefill_s is None or plain.prefill_s is None or not best.prompts:
+        return ""
+    tokens = output_tokens or round(best.new_tokens / best.prompts)
+    ours = best.prefill_s + tokens / pace(best)
+    theirs = plain.prefill_s + tokens / pace(plain)
+    return (f"; end to end, {tokens}-token outputs: {ours:.2f} s a prompt ({best.prefill_s:.2f} s of prefill) "
+            f"against {theirs:.2f} s")
+
+
+def _all_dropped(where: str, cells: list[CellSummary], plain: str) -> str:
+    """The sentence for a model whose every configuration the race dropped before the study's last prompt."""
     best = max(cells, key=lambda s: s.speedup)
-    plain = f"plain decoding ({fastest})" if fastest else "plain decoding"
     return (f"Use {plain} for {where} on this machine: every configuration trailed the fastest cell by more than "
             f"the margin and was dropped by the race (the closest, {best.drafter} at K={best.k} "
             f"({method_of(best.method)}), ran at {best.speedup:.2f}x the study's own plain decoding "

@@ -62,6 +62,7 @@ class SweepConfig:
     backend: str = DEFAULT_BACKEND
     host_baselines: bool = True  # also time plain decoding in the host's fastest mode of each dtype ('plain' cells)
     race_after: int = 0  # drop cells that trail the leader after this many prompts of a dataset (0: never; study/race.py)
+    budget_s: float = 0.0  # the study's time budget: the pilot, the plan and the deadline (study/budget.py); 0: none
     servers: tuple[str, ...] = ()  # llama-server's own speculative types on GGUF targets, 'TYPE[/DRAFT][:K,...[:P,...]]'
     # (draftlab.contenders.server_configs); with any, the server's plain decoding runs too
     concurrency: tuple[int, ...] = (1,)  # requests in flight for the llama-server cells: each level its own servers
@@ -78,6 +79,8 @@ class SweepConfig:
             raise DraftlabError("limit and max_new_tokens must be >= 1")
         if self.skip < 0 or self.warmup < 0 or self.baseline_every < 0 or self.race_after < 0:
             raise DraftlabError("skip, warmup, baseline_every and race_after must be >= 0")
+        if not 0 <= self.budget_s < float("inf"):
+            raise DraftlabError(f"the budget must be >= 0 seconds (0: none), got {self.budget_s}")
         if not 0 <= self.preflight_s < float("inf"):  # NaN fails this too
             raise DraftlabError(f"the preflight timeout must be >= 0 seconds (0: none), got {self.preflight_s}")
         check_dtype_name(self.dtype)
@@ -128,7 +131,9 @@ class SweepConfig:
         if not self.host_baselines or self.device.split(":")[0] not in ("cpu", "cuda"):
             return []
         backend, source = target_backend(target, self.backend)
-        modes = [(DEFAULT_KERNELS, "gguf")] if gguf.available() and is_gguf(source) else []
+        # llama.cpp's default kernels of a torch target's GGUF: timed once, on its llama.cpp target when it has one
+        twin = not engine_of_backend(backend).runs_gguf and f"{LLAMACPP}{target}" in self.targets
+        modes = [(DEFAULT_KERNELS, "gguf")] if gguf.available() and is_gguf(source) and not twin else []
         if backend == "hf" or engine_of_backend(backend).runs_gguf:
             return modes
         config = model_config(source)
@@ -152,7 +157,8 @@ PRESETS = {
     # self-draft, which never won on a CPU (docs/results.md), runs in the full preset.
     "quick": SweepConfig(targets=("smollm2-135m", f"{LLAMACPP}smollm2-135m"),
                          drafters=("designed", "merged:ngram/tree:1:designed", "ngram"),
-                         methods=("sps", "asg", "lcp"), ks=(1, 2, 3), datasets=("heldout",), limit=8, race_after=4,
+                         methods=("sps", "asg", "lcp"), ks=(1, 2, 3), datasets=("heldout",), limit=8, race_after=2,
+                         max_new_tokens=128, baseline_every=2, budget_s=480.0,
                          servers=("ngram-mod", "ngram-simple:16"), concurrency=(1, 2)),
     # The seeds' study on a second family (the Qwen2.5-Coder pair, ~1.6 GB of downloads): the 0.5B stand-alone
     # draft (in the target's dtype and in bf16, which drafts ~2x faster on CPUs; README), layer self-drafts of the

@@ -9,10 +9,10 @@ import html
 from pathlib import Path
 
 from draftlab.study.report import (
-    CellSummary, Drift, OptimalRow, baseline_drift, load_checks, load_study, lossy_cells, optimal_table,
-    on_shared_prompts, summarize, write_csv,
+    CellSummary, Drift, baseline_drift, load_checks, load_study, on_shared_prompts, summarize, write_csv,
 )
-from draftlab.study.answer import engine_answer, left_out_notes, numerics_notes, recommend
+from draftlab.study.tables import OptimalRow, lossy_cells, optimal_table
+from draftlab.study.answer import deploy_notes, engine_answer, left_out_notes, numerics_notes, recommend
 from draftlab.study.learning import format_learning, learning_rows
 from draftlab.study.race import load_skips, skipped_cells
 from draftlab.study.serving import draw_load, format_load, load_summaries, server_answer
@@ -50,10 +50,7 @@ def build_report(db: str | Path, out: str | Path, profile_path: str | Path | Non
     model_section = _model_section(profile_path, evidence.comparisons, out) if profile_path else ""
     findings = seeds_findings(evidence)
     drift = baseline_drift(rows, checks)
-    page = _html(db, summaries, optimal, figures, envs, drift,
-                 engine_answer(summaries, drift) + recommend(summaries, drift) + numerics_notes(envs)
-                 + server_answer(rows, table=False, margin=drift.typical)
-                 + weight_type_answer(summaries, rows, table=False) + left_out_notes(db))
+    page = _html(db, summaries, optimal, figures, envs, drift, answer_lines(db, rows, checks, envs, table=False))
     page = page.replace("<h2>Figures</h2>", _skips_section(load_skips(db)) + "<h2>Figures</h2>")
     types = format_weight_types(weight_type_rows(summaries, rows, file_bytes))
     if types:
@@ -123,6 +120,19 @@ def _large_errors(comparisons) -> str:
                     f"(interval {c.interval[0]:.1f}-{c.interval[1]:.1f}, measured {c.measured_tokens_per_s:.1f}): "
                     f"{html.escape(c.cause)}</li>" for c in comparisons if c.cause)
     return f"<p>Cells missed by more than 10%:</p><ul>{items}</ul>" if items else ""
+
+
+def answer_lines(db, rows: list[dict], checks: list[dict], envs: list[dict], table: bool = True,
+                 output_tokens: int | None = None) -> list[str]:
+    """The study's answer, as the terminal and the report say it: prefill and decode per engine, one "Use" line
+    per model (across its engines), why the Deploy line's engine differs, the numerics, llama-server's per
+    concurrency (`table`: with its table) and the Deploy line, the weight types, the engines left out.
+    `output_tokens`: the output length the end-to-end times assume (the study's own when None)."""
+    summaries = summarize(rows, checks)
+    drift = baseline_drift(rows, checks)
+    return (engine_answer(summaries, drift) + recommend(summaries, drift, output_tokens) + numerics_notes(envs)
+            + deploy_notes(summaries) + server_answer(rows, table=table, margin=drift.typical)
+            + weight_type_answer(summaries, rows, table=table) + left_out_notes(db))
 
 
 def _html(db, summaries: list[CellSummary], optimal: list[OptimalRow], figures: list[tuple[str, str]], envs,

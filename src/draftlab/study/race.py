@@ -96,21 +96,24 @@ def race_order(prompt_ids: list[str], lengths: dict[str, int], categories: dict[
 
 
 def project(runs: dict[str, dict], lengths: dict[str, int], outputs: dict[str, float],
-            engine_prefill: Callable[[int], float] = lambda length: 0.0) -> Projection:
+            engine_prefill: Callable[[int], float] = lambda length: 0.0, decode_only: bool = False) -> Projection:
     """A cell's projection over every prompt of `lengths` from its measured `runs` (prompt id -> record row).
     `outputs`: the new tokens expected of each prompt it has not run. `engine_prefill`: for a library that times no
-    prefill apart, its engine's prefill seconds by prompt length (its measured prompts hold their own)."""
+    prefill apart, its engine's prefill seconds by prompt length (its measured prompts hold their own).
+    `decode_only`: its decode time alone (what the answer ranks, when each engine's prefill was timed apart)."""
     timed = [(lengths[p], r["prefill_s"]) for p, r in runs.items() if (r.get("prefill_s") or 0) > 0]
     prefill = prefill_line(timed) if timed else engine_prefill
-    per_token = [(r["wall_s"] - (r["prefill_s"] if timed else prefill(lengths[p]))) / r["new_tokens"]
-                 for p, r in runs.items() if r["new_tokens"]]
+    decode = {p: r["wall_s"] - (r["prefill_s"] if timed else prefill(lengths[p])) for p, r in runs.items()}
+    per_token = [decode[p] / r["new_tokens"] for p, r in runs.items() if r["new_tokens"]]
     mean = statistics.fmean(per_token) if per_token else 0.0
     spread = statistics.stdev(per_token) / len(per_token) ** 0.5 if len(per_token) > 1 else mean
     best = max(min(min(per_token, default=0.0), mean - 2 * spread), 0.0)
     left = [p for p in lengths if p not in runs]
-    measured_s = sum(r["wall_s"] for r in runs.values())
-    prefill_left = sum(prefill(lengths[p]) for p in left)
     tokens_left = sum(outputs[p] for p in left)
+    if decode_only:
+        measured_s, prefill_left = sum(decode.values()), 0.0
+    else:
+        measured_s, prefill_left = sum(r["wall_s"] for r in runs.values()), sum(prefill(lengths[p]) for p in left)
     return Projection(sum(r["new_tokens"] for r in runs.values()) + tokens_left,
                       measured_s + prefill_left + mean * tokens_left, measured_s + prefill_left + best * tokens_left,
                       len(runs))
@@ -155,8 +158,9 @@ def dropped_cells(cells: list[Cell], rows: list[dict], rule: RaceRule, prompts: 
     outputs = expected_outputs([r for its in runs.values() for r in its.values()],
                                sorted({p for key in runs for p in prompts.of(keys[key].target)}))
     engines = _engine_prefills(keys, runs, prompts)
-    projected = {key: project(its, prompts.of(keys[key].target), outputs, engines.get(keys[key].target, _no_prefill))
-                 for key, its in runs.items()}
+    apart = all(r.get("prefill_s") for its in runs.values() for r in its.values())  # each engine's prefill, timed
+    projected = {key: project(its, prompts.of(keys[key].target), outputs, engines.get(keys[key].target, _no_prefill),
+                              apart) for key, its in runs.items()}
     most = max((p.measured for p in projected.values()), default=0)  # cells still racing; dropped ones ran fewer
     lossless = ({key for key, p in projected.items() if p.measured == most and method_of(keys[key].method).lossless}
                 - {r["cell"] for r in rows if r["identical"] == 0})
@@ -174,10 +178,10 @@ def dropped_cells(cells: list[Cell], rows: list[dict], rule: RaceRule, prompts: 
             out[key] = (f"{RACE_REASON} after {p.measured} prompts: at best {ratio:.2f}x the projected speed of "
                         f"the leader ({_describe(keys[leader])}) over the {total} prompts, beyond the margin of "
                         f"{margin:.0%}")
-    return _keep_peer_references(out, cells)
+    return keep_peer_references(out, cells)
 
 
-def _keep_peer_references(dropped: dict[str, str], cells: list[Cell]) -> dict[str, str]:
+def keep_peer_references(dropped: dict[str, str], cells: list[Cell]) -> dict[str, str]:
     """A peer's plain decoding stays while one of its speculative cells runs: their outputs are compared."""
     running = {(c.target, c.method) for c in cells if c.key not in dropped}
     return {key: reason for key, reason in dropped.items()

@@ -7,6 +7,7 @@ study file.
 from __future__ import annotations
 
 import csv
+import math
 import statistics
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -16,7 +17,10 @@ from typing import Callable
 from draftlab.perf.baselines import baseline_timings, nearest_baseline, prompt_key
 from draftlab.errors import DraftlabError
 from draftlab.measure import speedup
-from draftlab.contenders.methods import AR, PLAIN, is_baseline, method_of
+from draftlab.backends import engine_of_backend
+from draftlab.contenders.methods import AR, HF, LLAMA, PLAIN, is_baseline, method_of
+from draftlab.study.cells import LLAMACPP_TARGET
+from draftlab.study.race import model_of
 from draftlab.study.store import ResultsStore
 from draftlab.perf.calibrate import Profile
 from draftlab.perf.validate import compare
@@ -45,9 +49,12 @@ class CellSummary:
     draft_ms_per_step: float | None
     target_ms_per_step: float | None
     overhead_ms_per_step: float | None
-    speedup: float = 0.0  # end to end (`draftlab.measure.END_TO_END`) over draftlab's plain decoding (the ar cell)
-    decode_speedup: float | None = None  # decode only (`draftlab.measure.DECODE`) over the ar cell's decoding; None
-    # for a peer library's cells, which time no prefill apart
+    speedup: float = 0.0  # decode (`draftlab.measure.DECODE`; end to end for records that timed no prefill apart)
+    # over draftlab's plain decoding (the ar cell) re-timed closest in time on each prompt: paired ratios
+    decode_speedup: float | None = None  # decode only over the ar record's decoding; None for a peer library's
+    # cells in studies whose records timed no prefill apart
+    speedup_low: float = 0.0  # the speedup's 95% interval over the prompts' paired ratios (t on their logs)
+    speedup_high: float = 0.0
     speedup_min: float = 0.0
     speedup_median: float = 0.0
     speedup_max: float = 0.0
@@ -57,6 +64,7 @@ class CellSummary:
     engine_speedup: float | None = None  # over that engine's own plain decoding on the same prompts
     host_speedup: float | None = None  # over the fastest plain decoding measured on the host (any dtype or route)
     host_plain: str = ""  # which plain decoding that was ('ar': the study's own, else `plain_label`)
+    host_engine: str = ""  # the engine it ran on, in words (`engine_words`)
     backend: str = ""  # the backend its records ran on ('llamacpp', 'fast', 'auto', ...)
     complete: bool = True  # ran every prompt its group ran (False: dropped by the race, or skipped prompts)
     decode_tokens_per_s: float | None = None  # new tokens over the time after each prefill; None when the cell's
@@ -127,26 +135,48 @@ def _mark_complete(summaries: list[CellSummary]) -> None:
 
 
 def _add_host_speedups(summaries: list[CellSummary]) -> None:
-    """Each cell's speedup over the fastest plain decoding of its group: the study's own ('ar'), a 'plain' cell
-    timed in another dtype or route, or another engine's plain decoding (llama-cpp-python's, llama-server's, HF's),
-    on the same prompts."""
+    """Each cell's speedup over the fastest plain decoding of its model on the host, whatever the engine: the
+    study's own ('ar'), a 'plain' cell timed in another dtype or route, or another engine's plain decoding
+    (llama.cpp's, llama-cpp-python's, llama-server's, HF's), by decode tokens/s on the same prompts (the cells of
+    a prompt run close together in time on every engine)."""
     fastest: dict[tuple, CellSummary] = {}
     for s in summaries:
         if method_of(s.method).plain and s.speedup > 0 and s.complete:
-            key = (s.target, s.dataset, s.temperature)
-            if key not in fastest or s.speedup > fastest[key].speedup:
+            key = (model_of(s.target), s.dataset, s.temperature)
+            if key not in fastest or pace(s) > pace(fastest[key]):
                 fastest[key] = s
     for s in summaries:
-        best = fastest.get((s.target, s.dataset, s.temperature))
+        best = fastest.get((model_of(s.target), s.dataset, s.temperature))
         if best is not None and s.speedup > 0:
-            s.host_speedup = s.speedup / max(best.speedup, 1.0)
-            s.host_plain = plain_label(best) if best.speedup > 1.0 else AR.name
+            own = best.target == s.target and is_baseline(best.method)
+            s.host_speedup = s.speedup if own else pace(s) / pace(best)
+            s.host_plain = AR.name if own else plain_label(best)
+            s.host_engine = engine_words(best)
+
+
+def pace(s: CellSummary) -> float:
+    """A cell's decode tokens/s (its end-to-end tokens/s where no prefill was timed apart)."""
+    return s.decode_tokens_per_s or s.tokens_per_s
 
 
 def plain_label(s: CellSummary) -> str:
     """Which plain decoding a plain cell is, in words: a route or mode label, or another engine's."""
     method = method_of(s.method)
     return s.drafter if method is PLAIN else method.engine if method.peer_plain else method.name
+
+
+def engine_words(s: CellSummary) -> str:
+    """The engine a cell ran on, in words."""
+    method = method_of(s.method)
+    if method.served:
+        return "llama-server"
+    if method.engine == LLAMA.engine:
+        return "llama.cpp (llama-cpp-python)"
+    if engine_of_backend(s.backend).runs_gguf or s.target.startswith(LLAMACPP_TARGET) or s.drafter.startswith("llama.cpp"):
+        return "llama.cpp (draftlab)"
+    if method.engine == HF.engine:
+        return "HF transformers"
+    return f"draftlab's torch backend ({s.drafter})" if method is PLAIN else "draftlab's torch backend"
 
 
 @dataclass(frozen=True)
@@ -225,17 +255,37 @@ def _add_speedups(summary: CellSummary, rows: list[dict], baseline_speed: Callab
     """The measurement loop's speedups (`draftlab.measure.speedup`): end to end against the baseline measured
     closest in time on each prompt, with its spread over prompts; decode only against the ar record's decoding."""
     matched = [(r, baseline_speed(r)) for r in rows]
-    matched = [(r, base) for r, base in matched if base and r["wall_s"] > 0]
+    matched = [(r, base) for r, base in matched if base and _decode_s(r) > 0]
     if not matched:
         return
-    per_prompt = [(r["new_tokens"] / r["wall_s"]) / base for r, base in matched]
-    summary.speedup = speedup([(r["new_tokens"], r["wall_s"]) for r, _ in matched], [b for _, b in matched]) or 0.0
+    per_prompt = [(r["new_tokens"] / _decode_s(r)) / base for r, base in matched]
+    summary.speedup = speedup([(r["new_tokens"], _decode_s(r)) for r, _ in matched], [b for _, b in matched]) or 0.0
     summary.speedup_min, summary.speedup_max = min(per_prompt), max(per_prompt)
     summary.speedup_median = statistics.median(per_prompt)
+    summary.speedup_low, summary.speedup_high = interval(summary.speedup, per_prompt)
     decoded = [(r, decode_pace.get(prompt_key(r))) for r in rows if method_of(r["method"]).times_prefill]
     if decoded and all(pace and r["wall_s"] > r["prefill_s"] for r, pace in decoded):
         summary.decode_speedup = speedup([(r["new_tokens"], r["wall_s"] - r["prefill_s"]) for r, _ in decoded],
                                          [pace for _, pace in decoded])
+
+
+def _decode_s(row: dict) -> float:
+    """A record's decode seconds: its time after the prefill (its engine's, timed apart, or its own)."""
+    return row["wall_s"] - (row["prefill_s"] or 0.0)
+
+
+T_975 = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18, 2.16, 2.14, 2.13)  # t(0.975, df)
+
+
+def interval(point: float, ratios: list[float]) -> tuple[float, float]:
+    """A 95% interval around a speedup from its per-prompt paired ratios: the point times exp(-/+ t * the
+    standard error of the ratios' logs); the point itself with a single prompt (no spread known)."""
+    if len(ratios) < 2 or point <= 0 or min(ratios) <= 0:
+        return point, point
+    logs = [math.log(r) for r in ratios]
+    t = T_975[len(logs) - 2] if len(logs) - 2 < len(T_975) else 1.96 + 2.5 / len(logs)
+    half = t * statistics.stdev(logs) / math.sqrt(len(logs))
+    return point * math.exp(-half), point * math.exp(half)
 
 
 def decode_paces(rows: list[dict]) -> dict[tuple, float]:
@@ -275,90 +325,6 @@ def _per_position(rows: list[dict]) -> list[float]:
                 drafted_at[i] += 1
                 accepted_at[i] += i < accepted
     return [accepted_at[i] / drafted_at[i] for i in range(len(drafted_at))]
-
-
-@dataclass(frozen=True)
-class OptimalRow:
-    """The best configuration of one method for one target and dataset, as in the first study's table."""
-
-    target: str
-    dataset: str
-    temperature: float
-    method: str
-    drafter: str
-    k: int
-    speedup: float
-    speedup_min: float
-    speedup_max: float
-    tokens_per_s: float
-    scaling: float | None  # target params / draft params; None when the draft has no parameters
-    engine_plain_tokens_per_s: float | None = None  # plain decoding on the method's own engine
-    engine_speedup: float | None = None  # over that engine's plain decoding
-    host_speedup: float | None = None  # over the fastest plain decoding measured on the host
-
-
-def optimal_table(summaries: list[CellSummary], params: dict[str, int]) -> list[OptimalRow]:
-    """Per (target, dataset, temperature) and method, the lossless (draft, K) with the highest speedup.
-
-    A cell whose greedy outputs differed from plain decoding on its engine is never ranked (see `lossy_cells`).
-    """
-    best: dict[tuple, CellSummary] = {}
-    for s in summaries:
-        if s.lossy or not s.complete or method_of(s.method).peer_plain:  # a peer's plain shows as "own plain"
-            continue
-        key = (s.target, s.dataset, s.temperature, s.method)
-        if key not in best or s.speedup > best[key].speedup:
-            best[key] = s
-    rows = []
-    for (target, dataset, temperature, method), s in best.items():
-        draft_params = params.get(f"{target}::{s.drafter}")
-        scaling = 1.0 if is_baseline(method) else (params[target] / draft_params if draft_params and target in params else None)
-        rows.append(OptimalRow(target, dataset, temperature, method, s.drafter, s.k, s.speedup, s.speedup_min,
-                               s.speedup_max, s.tokens_per_s, scaling, s.engine_plain_tokens_per_s, s.engine_speedup,
-                               s.host_speedup))
-    datasets_per_target = defaultdict(set)
-    for r in rows:
-        datasets_per_target[r.target].add(r.dataset)
-    # With a single dataset, its 'all' rows would only repeat it.
-    rows = [r for r in rows if r.dataset != ALL or len(datasets_per_target[r.target]) > 2]
-    return sorted(rows, key=lambda r: (r.target, r.dataset != ALL, r.dataset, r.temperature,
-                                       method_of(r.method).order))
-
-
-def lossy_cells(summaries: list[CellSummary]) -> list[CellSummary]:
-    """Cells whose greedy outputs differed from plain decoding on their own engine: reported, never ranked."""
-    return [s for s in summaries if s.lossy and s.dataset == ALL] or [s for s in summaries if s.lossy]
-
-
-def format_lossy(cells: list[CellSummary]) -> str:
-    """The lossy cells as text: how many outputs differed, and how fast they were (which is not to be trusted)."""
-    lines = ["Cells whose outputs differed from plain decoding on their engine (not ranked):"]
-    lines += [f"  {s.method.upper()} {s.drafter} K={s.k} ({s.dataset}): {s.prompts - s.identical}/{s.prompts} outputs "
-              f"differed; {s.tokens_per_s:.1f} tok/s" for s in cells]
-    return "\n".join(lines)
-
-
-def format_optimal(rows: list[OptimalRow]) -> str:
-    """The optimal table as text, for a terminal or a closing note; columns as wide as their longest name."""
-    width = lambda name, values: max([len(name), *map(len, values)]) + 2  # noqa: E731
-    target_w = width("target", [r.target for r in rows])
-    dataset_w = width("dataset", [r.dataset for r in rows])
-    draft_w = width("draft", [r.drafter for r in rows])
-    header = (f"{'target':<{target_w}}{'dataset':<{dataset_w}}{'temp':>5}  {'method':<7}{'draft':<{draft_w}}{'K':>3}"
-              f"{'speedup':>9}  {'(min-max)':<12}{'tok/s':>7}{'scaling':>9}{'own plain':>11}{'vs own':>8}"
-              f"{'vs fastest':>12}")
-    lines = [header]
-    for r in rows:
-        scaling = f"{r.scaling:.2f}x" if r.scaling else "-"
-        own = f"{r.engine_plain_tokens_per_s:.1f}" if r.engine_plain_tokens_per_s else "-"
-        vs_own = f"{r.engine_speedup:.2f}x" if r.engine_speedup else "-"
-        vs_fastest = f"{r.host_speedup:.2f}x" if r.host_speedup else "-"
-        lines.append(
-            f"{r.target:<{target_w}}{r.dataset:<{dataset_w}}{r.temperature:>5.2f}  "
-            f"{r.method.upper():<7}{r.drafter:<{draft_w}}{r.k:>3}{r.speedup:>8.3f}x  "
-            f"{r.speedup_min:.2f}-{r.speedup_max:<7.2f}{r.tokens_per_s:>7.1f}{scaling:>9}{own:>11}{vs_own:>8}{vs_fastest:>12}"
-        )
-    return "\n".join(lines)
 
 
 def load_study(db: str | Path) -> tuple[list[dict], dict[str, int], list[dict]]:

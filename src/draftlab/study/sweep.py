@@ -14,93 +14,30 @@ records how many earlier responses it held at each prompt."""
 
 from __future__ import annotations
 
-from collections import defaultdict
-from dataclasses import dataclass, field
+import time
 
 from draftlab.api import prompt_ids
 from draftlab.backends import LLAMA_SERVER, engine_of_backend
 from draftlab.backends.base import ROUNDING
-from draftlab.files.datasets import Prompt, load_prompts
+from draftlab.files.datasets import load_prompts
 from draftlab.errors import DraftlabError, NothingToMeasure
 from draftlab.contenders.llama_server import ServerExited, server_binary
 from draftlab.contenders.server_configs import ServerPool
 from draftlab.measure import EncodedPrompt, Rechecks, RunRecord, measure_prompt
 from draftlab.models import load_model
 from draftlab.progress import Bar
+from draftlab.study.budget import Deadline
 from draftlab.study.cells import Cell, Record
 from draftlab.contenders.methods import ASG, is_baseline, method_of
 from draftlab.study.crashes import CrashLog, preflight, skip_fatal
 from draftlab.study.config import (  # noqa: F401  (re-exported: the sweep's grid and presets)
     METHODS, PRESETS, SweepConfig, environment, load_config, make_config, target_backend,
 )
-from draftlab.study.race import (RACE_REASON, PromptSet, RaceRule, dropped_cells, model_of, race_order,
-                                    readmitted)
-from draftlab.study.report import baseline_drift
+from draftlab.study.pacing import plan_prompts, race, stop_at
+from draftlab.study.race import race_order
 from draftlab.study.runner import CellRunner, record_of
 from draftlab.study.store import ResultsStore
-
-
-@dataclass
-class TargetRun:
-    """One target loaded for a sweep: its cell runner, its run id, the drafters that cannot run on it, whether
-    llama-server can, and the cells this run ended early (their server exited: a later run resumes them)."""
-
-    runner: CellRunner
-    run_id: int
-    gone: set[str]
-    no_asg: set[str]
-    no_server: bool = False
-    ended: set[str] = field(default_factory=set)
-
-    def runnable(self, cells: list[Cell]) -> list[Cell]:
-        """The cells whose drafter runs on this target's engine (and has an HF counterpart, for asg)."""
-        return [c for c in cells if c.drafter not in self.gone
-                and not (method_of(c.method).assisted and c.drafter in self.no_asg)
-                and not (self.no_server and method_of(c.method).served) and c.key not in self.ended]
-
-
-@dataclass(frozen=True)
-class Group:
-    """One dataset at one temperature: its prompts, and the cells of each target that run on them."""
-
-    dataset: str
-    temperature: float
-    prompts: list[Prompt]
-    cells: dict[str, list[Cell]]  # target name -> its cells
-
-
-@dataclass
-class SweepRun:
-    """One run of a sweep: what its steps read and change. `done`: the (cell key, prompt id) pairs stored, measured
-    or skipped; `targets`: the loaded targets by name; `bar`: the progress bar over the pending pairs."""
-
-    config: SweepConfig
-    store: ResultsStore
-    done: set[tuple[str, str]]
-    crashes: CrashLog
-    targets: dict[str, TargetRun] = field(default_factory=dict)
-    bar: Bar | None = None
-
-    def passed(self, cell: Cell, prompt_id: str) -> None:
-        """A (cell, prompt) pair is stored, measured or skipped."""
-        self.done.add((cell.key, prompt_id))
-        self.bar.describe(_words(cell))
-        self.bar.update()
-
-    def pending(self, cell: Cell, prompt_ids: list[str]) -> list[str]:
-        """The prompts the cell has not stored yet."""
-        return [p for p in prompt_ids if (cell.key, p) not in self.done]
-
-
-@dataclass(frozen=True)
-class GroupRun:
-    """One group as it runs: its runnable cells and its prompts as token ids, per target, and the prompt ids in the
-    order they run (the race's order: the longest and shortest first)."""
-
-    group: Group
-    cells: dict[str, list[Cell]]
-    encoded: dict[str, dict[str, EncodedPrompt]]
-    order: list[str]
+from draftlab.study.sweep_state import Group, GroupRun, SweepRun, TargetRun  # noqa: F401  (re-exported)
 
 
 def run_sweep(config: SweepConfig, store: ResultsStore, progress: bool = True, groups: list[Group] | None = None) -> int:
@@ -113,7 +50,7 @@ def run_sweep(config: SweepConfig, store: ResultsStore, progress: bool = True, g
     groups = plan(config) if groups is None else groups
     with store.writing():
         store.set_meta("config", config.to_json())
-        run = SweepRun(config, store, store.done(), CrashLog.open(store))
+        run = SweepRun(config, store, store.done(), CrashLog.open(store), deadline=Deadline(config.budget_s))
         if all((c.key, p.id) in run.done for g in groups for cells in g.cells.values() for c in cells
                for p in g.prompts):
             return 0
@@ -184,7 +121,7 @@ def _start_group(run: SweepRun, group: Group) -> GroupRun:
             first = min(encoded[name].values(), key=lambda p: len(p.ids))  # the cheapest; it fits if any does
             run.targets[name].runner.warm_up(pending, first, lambda cell: run.crashes.start(cell.key, "its warm-up"))
     order = _race_order(group, encoded) if run.config.race_after else [p.id for p in group.prompts]
-    return GroupRun(group, cells, encoded, order)
+    return GroupRun(group, cells, encoded, plan_prompts(run, group, cells, encoded, order))
 
 
 def _run_group(run: SweepRun, group: Group) -> int:
@@ -193,14 +130,19 @@ def _run_group(run: SweepRun, group: Group) -> int:
     race_after = run.config.race_after
     added = 0
     for index in range(len(going.order)):
+        if index >= max(race_after, 2) and not run.deadline.affords_another():
+            stop_at(run, going, index)
+            break
         if index >= race_after > 0:
-            _race(run, going, index)
+            race(run, going, index)
+        started = time.perf_counter()
         added += _run_index(run, going, index)
+        run.deadline.prompt_s.append(time.perf_counter() - started)
     # Cells readmitted on the way, and those the final leader's margin admits again, catch up on what they missed.
     readmitted_late = 1
     while race_after and readmitted_late:
         added += sum(_run_index(run, going, index) for index in range(len(going.order)))
-        readmitted_late = _race(run, going, len(going.order))
+        readmitted_late = race(run, going, len(going.order))
     return added
 
 
@@ -278,61 +220,6 @@ def _store(run: SweepRun, target: TargetRun, cell: Cell, measured: RunRecord) ->
     target.runner.keep_state(cell, measured.prompt_id)
     run.store.add(record, target.run_id)
     return record
-
-
-def _race(run: SweepRun, going: GroupRun, index: int) -> int:
-    """Before prompt `index` (or after the last): the race drops, per model, the cells that cannot beat its leader
-    on the whole prompt set, each stored as skipped on every prompt it has left (so a resumed sweep makes the same
-    decision), and readmits the dropped cells it would keep now; returns how many came back."""
-    group, store = going.group, run.store
-    rows = [r for r in store.rows() if r["dataset"] == group.dataset and r["temperature"] == group.temperature]
-    checks = [c for c in store.baseline_checks() if c["dataset"] == group.dataset]
-    drift = baseline_drift(rows, checks).spread
-    raced = {s["cell"] for s in store.skips() if s["reason"].startswith(RACE_REASON)}
-    prompts = PromptSet({name: {p: len(e.ids) for p, e in its.items()} for name, its in going.encoded.items()})
-    models: dict[str, list[str]] = defaultdict(list)
-    for name in going.cells:
-        models[model_of(name)].append(name)
-    back = 0
-    for model, names in models.items():
-        contenders = {c.key: c for name in names for c in going.cells[name]}
-        decided = dropped_cells(list(contenders.values()), rows, RaceRule(run.config.race_after), prompts, drift)
-        newly = [contenders[key] for key, reason in decided.items() if key not in raced
-                 and _drop(run, contenders[key], going.order[index:], reason)]
-        again = [contenders[key] for key in readmitted(raced & set(contenders), decided)]
-        for cell in again:
-            run.bar.total += _readmit(run, cell)
-        back += len(again)
-        if newly:
-            print(f"sweep: the race dropped {len(newly)} cell(s) of {model} after {index} prompts of {group.dataset} "
-                  f"(they cannot beat the leader over the {len(going.order)} prompts by more than the margin; the "
-                  f"report lists each): {', '.join(_words(c) for c in newly)}")
-        if again:
-            print(f"sweep: the race readmitted {len(again)} cell(s) of {model} (the leader changed; they are within "
-                  f"the margin now and catch up): {', '.join(_words(c) for c in again)}")
-    return back
-
-
-def _words(cell: Cell) -> str:
-    return f"{cell.method} {cell.drafter} k={cell.k}"
-
-
-def _drop(run: SweepRun, cell: Cell, left: list[str], reason: str) -> bool:
-    """Store a dropped cell as skipped on the prompts it has left; whether it had any."""
-    pending = run.pending(cell, left)
-    for prompt_id in pending:
-        run.store.add_skip(cell, prompt_id, reason, run.targets[cell.target].run_id)
-        run.done.add((cell.key, prompt_id))
-    run.bar.total -= len(pending)
-    return bool(pending)
-
-
-def _readmit(run: SweepRun, cell: Cell) -> int:
-    """Forget the race's skips of a readmitted cell, so that it runs those prompts; returns how many."""
-    removed = run.store.remove_skips(cell.key, RACE_REASON)
-    for prompt_id in removed:
-        run.done.discard((cell.key, prompt_id))
-    return len(removed)
 
 
 def _unrunnable(runner: CellRunner, config: SweepConfig) -> tuple[set[str], set[str]]:

@@ -1,0 +1,201 @@
+"""A study within a time budget: time the host first (the pilot), plan the prompts to fit, keep to the plan.
+
+The pilot runs through the measurement loop on one prompt of the group (its median length): each engine prefills it
+once (timed: seconds per prompt token) and each cell decodes `PILOT_TOKENS` from that prefill (timed: seconds per
+new token). From these the plan estimates what each prompt costs: its prefill on every engine, every cell's decode
+of the study's output length and the baseline's re-checks, every cell on the race's first prompts and, after them,
+the cells the race is expected to keep (those within `RACE_KEEPS` of the fastest pilot of their model). It takes the
+most prompts of the group that fit the time the budget has left, at least the race's first ones, and says so in
+one line. A cell whose pilot decodes more than `PILOT_MARGIN` times slower than the fastest lossless cell of its
+model is dropped before the first prompt (stored as skipped, with its pilot's rate): so wide a gap is not closed by
+a prompt's acceptance. While the study runs, a prompt is not started when the time it is expected to take (the
+mean of the prompts so far) would end past the budget: every cell still running has then run the same prompts.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+from draftlab.backends.routes import cpu_flags
+from draftlab.contenders.methods import is_baseline, method_of
+from draftlab.errors import DraftlabError
+from draftlab.measure import EncodedPrompt, pilot as measure_pilot
+from draftlab.study.cells import Cell
+from draftlab.study.race import keep_peer_references, model_of
+from draftlab.study.runner import CellRunner
+
+PILOT_TOKENS = 16  # each cell's decode in the pilot
+PILOT_MARGIN = 3.0  # a cell whose pilot decodes this many times slower than its model's fastest is dropped
+RACE_KEEPS = 1.5  # the plan expects the race to keep the cells whose pilot is within this factor of the fastest
+PILOT_REASON = "dropped by the pilot"  # how every skip of a pilot's drop begins
+HOST_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16")
+
+
+@dataclass
+class Pilot:
+    """One target's pilot: seconds per prompt token of each engine's prefill, per new token of each cell's decode
+    (by cell key; times its concurrency for a cell under load), and each cell's prefill key."""
+
+    prefill: dict[str, float] = field(default_factory=dict)
+    decode: dict[str, float] = field(default_factory=dict)
+    keys: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much of a group the budget affords: its first `prompts` prompts in the race's order."""
+
+    prompts: int
+    of: int  # the group's prompts
+    cells: int  # cells that run its first prompt (after the pilot's drops)
+    dropped: int  # cells the pilot dropped
+    tokens: int
+    race_after: int
+    estimate_s: float  # measuring those prompts, as planned
+    budget_s: float  # the budget's seconds left when planned (0: no budget)
+
+    def line(self) -> str:
+        """The plan in one line, with the host it was timed on."""
+        flags = " ".join(f for f in HOST_FLAGS if f in cpu_flags()) or "no avx2"
+        race = f", the race after {self.race_after}" if self.race_after else ""
+        drops = f"; the pilot dropped {self.dropped} cell(s)" if self.dropped else ""
+        fits = (f"of {self.budget_s / 60:.1f} min left in the budget" if self.estimate_s <= self.budget_s else
+                f"over the {self.budget_s / 60:.1f} min left in the budget (the fewest prompts the race needs)")
+        budget = f", about {self.estimate_s / 60:.1f} min {fits}" if self.budget_s else \
+            f", about {self.estimate_s / 60:.1f} min (no budget)"
+        return (f"plan: {self.prompts} of {self.of} prompts x {self.cells} cells x {self.tokens} tokens{race}{drops}"
+                f"{budget}; host timed on its CPU ({flags})")
+
+
+def time_pilot(runner: CellRunner, cells: list[Cell], prompt: EncodedPrompt) -> Pilot:
+    """The target's engines and cells timed through the measurement loop on `prompt` (module docstring). A cell
+    that cannot run here is left out of the pilot (its timed runs say why)."""
+    pilot, contenders = Pilot(), {}
+    for cell in cells:
+        try:
+            contenders[cell] = runner.contender(cell)
+        except DraftlabError:
+            continue
+    settings = {cell: replace(runner.settings(cell), max_new_tokens=min(PILOT_TOKENS, cell.max_new_tokens))
+                for cell in contenders}
+    prefills, records = measure_pilot(contenders, prompt, settings)
+    pilot.prefill = {key: p.seconds / max(p.prompt_tokens, 1) for key, p in prefills.items()}
+    for cell, record in records.items():
+        decode_s = record.stats.wall_s - (record.stats.prefill_s if record.times_prefill else 0.0)
+        pilot.decode[cell.key] = decode_s / max(record.new_tokens, 1) * cell.concurrency
+        pilot.keys[cell.key] = contenders[cell].prefill_key
+    return pilot
+
+
+def pilot_drops(cells: list[Cell], pilot: Pilot) -> dict[str, str]:
+    """cell key -> reason, for the cells (of one model) whose pilot decodes more than `PILOT_MARGIN` times slower
+    than the fastest lossless cell's; never a baseline, a cell under load, or a peer's plain decoding while one of
+    its speculative cells runs."""
+    rates = {c.key: 1 / pilot.decode[c.key] for c in cells if pilot.decode.get(c.key)}
+    lossless = [c for c in cells if c.key in rates and c.concurrency == 1 and method_of(c.method).lossless]
+    if not lossless:
+        return {}
+    best = max(lossless, key=lambda c: rates[c.key])
+    out = {c.key: (f"{PILOT_REASON}: its {PILOT_TOKENS}-token pilot decoded {rates[c.key]:.1f} tok/s, under "
+                   f"1/{PILOT_MARGIN:g} of the fastest ({best.target} {best.method} {best.drafter} K={best.k}, "
+                   f"{rates[best.key]:.1f} tok/s)")
+           for c in cells if c.key in rates and c.concurrency == 1 and not is_baseline(c.method)
+           and rates[c.key] * PILOT_MARGIN < rates[best.key]}
+    return keep_peer_references(out, cells)
+
+
+def make_plan(cells: dict[str, list[Cell]], pilots: dict[str, Pilot], lengths: list[int], race_after: int,
+              every: int, budget_s: float) -> Plan:
+    """The most prompts (of `lengths`, the group's prompt lengths in the order they run) whose estimate fits
+    `budget_s` (0: all), at least the race's first ones. `cells`: each target's cells left after the pilot."""
+    kept = _race_keeps(cells, pilots)
+    tokens = max((c.max_new_tokens for its in cells.values() for c in its), default=0)
+    least = min(len(lengths), max(race_after, 2) if race_after else len(lengths))
+    costs = [_prompt_cost(cells, pilots, kept if race_after and i >= race_after else None, length, every)
+             for i, length in enumerate(lengths)]
+    prompts = least
+    for n in range(len(lengths), least - 1, -1):
+        if not budget_s or sum(costs[:n]) <= budget_s:
+            prompts = n
+            break
+    return Plan(prompts, len(lengths), sum(map(len, cells.values())), 0, tokens, race_after, sum(costs[:prompts]),
+                budget_s)
+
+
+def _race_keeps(cells: dict[str, list[Cell]], pilots: dict[str, Pilot]) -> set[str]:
+    """The cells the race is expected to keep: baselines, cells under load, and those within `RACE_KEEPS` of the
+    fastest pilot of their model."""
+    rates = {c.key: 1 / pilots[t].decode[c.key] for t, its in cells.items() for c in its if pilots[t].decode.get(c.key)}
+    best: dict[str, float] = {}
+    for its in cells.values():
+        for c in its:
+            best[model_of(c.target)] = max(best.get(model_of(c.target), 0.0), rates.get(c.key, 0.0))
+    return {c.key for its in cells.values() for c in its
+            if is_baseline(c.method) or c.concurrency > 1 or rates.get(c.key, 0.0) * RACE_KEEPS >= best[model_of(c.target)]}
+
+
+def _prompt_cost(cells: dict[str, list[Cell]], pilots: dict[str, Pilot], kept: set[str] | None, length: int,
+                 every: int) -> float:
+    """Seconds one prompt of `length` tokens is expected to take: each engine's prefill, each running cell's decode
+    (`kept`: the cells the race keeps by then; None: all) and the baseline's re-checks."""
+    seconds = 0.0
+    for target, its in cells.items():
+        pilot = pilots[target]
+        running = [c for c in its if kept is None or c.key in kept]
+        keys = {pilot.keys[c.key] for c in running if c.key in pilot.keys} - {""}
+        seconds += sum(pilot.prefill.get(key, 0.0) * length for key in keys)
+        seconds += sum(c.max_new_tokens * pilot.decode.get(c.key, 0.0) for c in running)
+        baseline = next((c for c in its if is_baseline(c.method)), None)
+        if baseline is not None and every:
+            checks = -(-(len(running) - 1) // every)
+            seconds += checks * baseline.max_new_tokens * pilot.decode.get(baseline.key, 0.0)
+    return seconds
+
+
+@dataclass
+class Deadline:
+    """The study's budget as it runs: started when the sweep started; 0 seconds: none."""
+
+    seconds: float
+    started: float = field(default_factory=time.perf_counter)
+    prompt_s: list[float] = field(default_factory=list)  # each measured prompt's seconds, in order
+
+    def left(self) -> float:
+        return self.seconds - (time.perf_counter() - self.started) if self.seconds else 0.0
+
+    def affords_another(self) -> bool:
+        """Whether the next prompt, at the mean of those measured so far, ends within the budget."""
+        if not self.seconds or not self.prompt_s:
+            return True
+        return self.left() >= sum(self.prompt_s) / len(self.prompt_s)
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """A group's plan and the cells its pilot dropped (cell key -> reason)."""
+
+    plan: Plan
+    drops: dict[str, str]
+
+
+def plan_group(runners: dict[str, CellRunner], cells: dict[str, list[Cell]],
+               prompts: dict[str, dict[str, EncodedPrompt]], order: list[str], race_after: int, every: int,
+               budget_s: float) -> GroupPlan:
+    """Time the host on the group's median-length prompt (each target's engines and its `cells`, the pending ones),
+    drop the cells whose pilot is hopeless, and plan the prompts (`order`: their ids as they will run) to fit
+    `budget_s`."""
+    first = next(iter(prompts))
+    middle = sorted(order, key=lambda p: len(prompts[first][p].ids))[len(order) // 2]
+    pilots = {name: time_pilot(runners[name], its, prompts[name][middle]) for name, its in cells.items()}
+    models: dict[str, list[Cell]] = {}
+    for name, its in cells.items():
+        models.setdefault(model_of(name), []).extend(its)
+    merged = Pilot({k: v for p in pilots.values() for k, v in p.prefill.items()},
+                   {k: v for p in pilots.values() for k, v in p.decode.items()},
+                   {k: v for p in pilots.values() for k, v in p.keys.items()})
+    drops = {key: reason for its in models.values() for key, reason in pilot_drops(its, merged).items()}
+    left = {name: [c for c in its if c.key not in drops] for name, its in cells.items()}
+    lengths = [len(prompts[first][p].ids) for p in order]
+    plan = make_plan(left, pilots, lengths, race_after, every, budget_s)
+    return GroupPlan(replace(plan, dropped=len(drops)), drops)
