@@ -26,13 +26,14 @@ def sps(summaries, k):
     return next(s for s in summaries if s.method == "sps" and s.k == k and s.dataset == "d")
 
 
-def test_each_cell_is_compared_with_the_baseline_closest_in_time():
-    # The machine halves its speed halfway: the baseline ran at 10 tok/s first, 5 tok/s at its re-check.
-    rows = [row("ar", 10.0, 0.0), row("sps", 12.0, 10.0, k=1), row("sps", 6.0, 95.0, k=2)]
+def test_each_cell_is_compared_with_the_baseline_at_its_time():
+    # The machine halves its speed: the baseline ran at 10 tok/s first, 5 tok/s at its re-check 100 s later.
+    rows = [row("ar", 10.0, 0.0), row("sps", 12.0, 10.0, k=1), row("sps", 6.0, 95.0, k=2), row("sps", 6.0, 120.0, k=3)]
     checks = [row("ar", 5.0, 100.0)]
     summaries = summarize(rows, checks)
-    assert abs(sps(summaries, 1).speedup - 1.2) < 1e-9  # against the first timing (10 tok/s)
-    assert abs(sps(summaries, 2).speedup - 1.2) < 1e-9  # against the re-check (5 tok/s), not 0.6x
+    assert abs(sps(summaries, 1).speedup - 12.0 / 9.5) < 1e-9  # the baseline's pace at 10 s: 9.5 tok/s
+    assert abs(sps(summaries, 2).speedup - 6.0 / 5.25) < 1e-9  # at 95 s: 5.25 tok/s, not 0.6x
+    assert abs(sps(summaries, 3).speedup - 1.2) < 1e-9  # after the last re-check: against it (5 tok/s)
     without = summarize(rows)  # the old way: one baseline for the whole study
     assert abs(sps(without, 2).speedup - 0.6) < 1e-9
     drift = baseline_drift(rows, checks)

@@ -32,8 +32,9 @@ def baseline_timings(rows: list[dict], checks: list[dict]) -> dict[tuple, list[t
 
 
 def nearest_baseline(rows: list[dict], checks: list[dict]) -> Callable[[dict], float | None]:
-    """record -> the baseline's decode tokens/s on its prompt measured closest in time (the ar record if times are
-    unknown)."""
+    """record -> the baseline's decode tokens/s on its prompt at the record's time: between its timings just before
+    and just after the record, where it has both (a cell between two re-checks), the line through them; else the
+    nearest one (the ar record if times are unknown)."""
     timings = baseline_timings(rows, checks)
 
     def speed(row: dict) -> float | None:
@@ -44,6 +45,11 @@ def nearest_baseline(rows: list[dict], checks: list[dict]) -> Callable[[dict], f
         timed = [(t, v) for t, v in known if t is not None]
         if at is None or not timed:
             return known[0][1]
+        before = [tv for tv in timed if tv[0] <= at]
+        after = [tv for tv in timed if tv[0] > at]
+        if before and after and not is_baseline(row["method"]):  # between two re-timings: their pace at its time
+            (t0, v0), (t1, v1) = max(before, key=lambda tv: tv[0]), min(after, key=lambda tv: tv[0])
+            return v0 + (v1 - v0) * (at - t0) / (t1 - t0)
         return min(timed, key=lambda tv: abs(tv[0] - at))[1]
 
     return speed

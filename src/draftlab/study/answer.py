@@ -189,8 +189,8 @@ def _choice(cells: list[CellSummary], plain: CellSummary | None) -> CellSummary 
 
 def _mode(plain: CellSummary) -> str:
     """Plain decoding's engine and mode, in words: 'llama.cpp (draftlab)', 'draftlab's torch backend (bf16 ...)'."""
-    return engine_words(plain) + (f" ({plain.drafter})" if method_of(plain.method) is PLAIN and
-                                  not engine_words(plain).endswith(")") else "")
+    words = engine_words(plain)
+    return words + (f" ({plain.drafter})" if method_of(plain.method) is PLAIN and plain.drafter not in words else "")
 
 
 def _end_to_end(best: CellSummary, plain: CellSummary | None, gain: float, output_tokens: int | None) -> str:

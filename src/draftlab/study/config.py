@@ -159,7 +159,7 @@ PRESETS = {
                          drafters=("designed", "merged:ngram/tree:1:designed", "ngram"),
                          methods=("sps", "asg", "lcp"), ks=(1, 2, 3), datasets=("heldout",), limit=8, race_after=2,
                          max_new_tokens=128, baseline_every=2, budget_s=480.0,
-                         servers=("ngram-mod", "ngram-simple:16"), concurrency=(1, 2)),
+                         servers=("ngram-mod", "ngram-simple:16")),
     # The seeds' study on a second family (the Qwen2.5-Coder pair, ~1.6 GB of downloads): the 0.5B stand-alone
     # draft (in the target's dtype and in bf16, which drafts ~2x faster on CPUs; README), layer self-drafts of the
     # 1.5B at two depths (it has 28 layers) and n-gram lookup, SpS and AsG, K 1..7,

@@ -242,7 +242,7 @@ def _summarize_group(key: tuple, rows: list[dict], baseline_speed: Callable[[dic
         per_position_acceptance=_per_position(rows),
     )
     _add_speedups(summary, rows, baseline_speed, decode_pace)
-    if method_of(method).times_prefill and all(r["wall_s"] > r["prefill_s"] for r in rows):
+    if _timed_apart(rows) and all(r["wall_s"] > r["prefill_s"] for r in rows):
         summary.prefill_s = sum(r["prefill_s"] for r in rows) / len(rows)
         summary.decode_tokens_per_s = new_tokens / (wall - summary.prefill_s * len(rows))
     known = [r["identical"] for r in rows if r["identical"] is not None]
@@ -263,10 +263,16 @@ def _add_speedups(summary: CellSummary, rows: list[dict], baseline_speed: Callab
     summary.speedup_min, summary.speedup_max = min(per_prompt), max(per_prompt)
     summary.speedup_median = statistics.median(per_prompt)
     summary.speedup_low, summary.speedup_high = interval(summary.speedup, per_prompt)
-    decoded = [(r, decode_pace.get(prompt_key(r))) for r in rows if method_of(r["method"]).times_prefill]
+    decoded = [(r, decode_pace.get(prompt_key(r))) for r in rows if _timed_apart([r])]
     if decoded and all(pace and r["wall_s"] > r["prefill_s"] for r, pace in decoded):
         summary.decode_speedup = speedup([(r["new_tokens"], r["wall_s"] - r["prefill_s"]) for r, _ in decoded],
                                          [pace for _, pace in decoded])
+
+
+def _timed_apart(rows: list[dict]) -> bool:
+    """Whether the records' prefill is known: their method times it, or the loop timed their engine's apart (a
+    peer library's records of 0.20 on)."""
+    return all(method_of(r["method"]).times_prefill or (r.get("prefill_s") or 0) > 0 for r in rows)
 
 
 def _decode_s(row: dict) -> float:
