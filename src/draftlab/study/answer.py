@@ -138,6 +138,8 @@ def _sentence(where: str, cells: list[CellSummary], dropped: list[CellSummary], 
     lossy = sum(s.lossy for s in cells)
     warning = (f" ({lossy} configuration(s) produced output different from plain decoding and were not "
                "considered: see the report)") if lossy else ""
+    if not lossless and dropped:
+        return _all_dropped(where, dropped, plain_words)[:-1] + f"{warning}."
     if not lossless:
         return (f"Use {plain_words} for {where} on this machine: no configuration measured is lossless (each "
                 f"differed from it, or is exact only up to rounding: see llama-server below){warning}.")
@@ -207,11 +209,12 @@ def _end_to_end(best: CellSummary, plain: CellSummary | None, gain: float, outpu
 def _all_dropped(where: str, cells: list[CellSummary], plain: str) -> str:
     """The sentence for a model whose every configuration the race dropped before the study's last prompt."""
     best = max(cells, key=lambda s: s.speedup)
-    return (f"Use {plain} for {where} on this machine: every configuration trailed the fastest cell by more than "
-            f"the margin and was dropped by the race (the closest, {best.drafter} at K={best.k} "
-            f"({method_of(best.method)}), ran at {best.speedup:.2f}x the study's own plain decoding "
-            f"over the {best.prompts} prompts it ran; {_identical_text(best)}; the report gives each cell's ratio "
-            "to the leader).")
+    return (f"Use {plain} for {where} on this machine: every lossless configuration trailed the fastest cell by "
+            f"more than the margin and was dropped by the race (the closest, {best.drafter} at K={best.k} "
+            f"({method_of(best.method)}) on {engine_words(best)}, ran at {best.speedup:.2f}x "
+            f"({best.speedup_low:.2f}-{best.speedup_high:.2f}) plain decoding on its engine, paired, over the "
+            f"{best.prompts} prompts it ran; {_identical_text(best)}; the report gives each cell's ratio to the "
+            "leader).")
 
 
 def fastest_lossless(summaries: list[CellSummary]) -> list[Deployable]:
