@@ -145,19 +145,17 @@ def compare(profile: Profile, rows: list[dict], checks: list[dict] | None = None
 
 
 def anchor_factors(rows: list[dict], checks: list[dict], calibration_ar: float) -> Callable[[dict], float]:
-    """record -> plain decoding's decode tokens/s closest in time on its prompt, over calibration's.
-
-    Re-timings store wall time only; each is turned into decode time with its prompt's own ar record's
-    prefill share."""
-    wall_speed = nearest_baseline(rows, checks)
+    """record -> plain decoding's decode tokens/s on its prompt at its time (`nearest_baseline`: re-timings decode
+    from their prompt's ar record's prefill), over calibration's."""
+    decode_speed = nearest_baseline(rows, checks)
     plain = {prompt_key(r): r for r in rows if r["method"] == AR.name}
 
     def factor(row: dict) -> float:
-        ar, speed = plain.get(prompt_key(row)), wall_speed(row)
+        ar, speed = plain.get(prompt_key(row)), decode_speed(row)
         if ar is None or speed is None or ar["wall_s"] <= ar["prefill_s"]:
             raise DraftlabError(f"no plain decoding record for prompt {row['prompt_id']} to anchor the predictions "
                                 "to; validate without anchoring")
-        return speed * ar["wall_s"] / (ar["wall_s"] - ar["prefill_s"]) / calibration_ar
+        return speed / calibration_ar
 
     return factor
 
