@@ -27,7 +27,8 @@ def test_adapting_cells_learn_their_prompts_and_resume_from_stored_ones(setup):
     db = root / "study.sqlite"
     args = ["sweep", "--db", str(db), "--targets", str(model), "--drafters", f"model:{draft}", "--adapt",
             "every=8,lr=3e-3", "--ks", "2", "--methods", "sps", "--datasets", str(prompts), "--limit", "4",
-            "--max-new-tokens", "32", "--warmup", "1", "--no-progress", "--dtype", "fp32", "--no-host-baselines"]
+            "--max-new-tokens", "32", "--warmup", "1", "--no-progress", "--dtype", "fp32", "--no-host-baselines",
+            "--race-after", "0", "--budget", "0"]
     assert main(args) == 0
     store = ResultsStore(db)
     rows = store.rows()
@@ -38,7 +39,8 @@ def test_adapting_cells_learn_their_prompts_and_resume_from_stored_ones(setup):
     assert len([r for r in rows if r["drafter"] == f"model:{draft}"]) == 4
 
     config = make_config("quick", targets=(str(model),), drafters=(spec,), ks=(2,), methods=("sps",),
-                         datasets=(str(prompts),), limit=4, max_new_tokens=32, dtype="fp32", host_baselines=False)
+                         datasets=(str(prompts),), limit=4, max_new_tokens=32, dtype="fp32", host_baselines=False,
+                         budget_s=0)
     cell = next(c for c in config.cells(str(model), str(prompts), 0.0) if c.drafter == spec)
     cache_root = db.with_name(db.stem + ".suffix-caches")
     target = load_model(str(model), dtype="fp32")

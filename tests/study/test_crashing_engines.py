@@ -39,7 +39,7 @@ def study_args(root, out) -> list[str]:
     _, one, two = root
     return ["study", "--out", str(out), "--targets", str(one), str(two), "--drafters", "ngram", "--ks", "2",
             "--methods", "sps", "--datasets", prompts_file(root[0] / "p.jsonl"), "--limit", "3", "--max-new-tokens", "8",
-            "--warmup", "0", "--no-host-baselines", "--race-after", "0", "--no-progress"]
+            "--warmup", "0", "--no-host-baselines", "--race-after", "0", "--budget", "0", "--no-progress"]
 
 
 # A hang is judged by its own limit (`hang=5`: the parent waits 5 s for that child); the healthy engine keeps the
@@ -90,7 +90,7 @@ def test_a_cell_that_kills_the_process_twice_is_skipped_and_the_study_completes(
     db = root / "crash.sqlite"
     args = ["sweep", "--db", str(db), "--targets", str(one), "--drafters", "ngram", "layers:0-1", "--ks", "2",
             "--methods", "sps", "--datasets", prompts_file(root / "p.jsonl"), "--limit", "3",
-            "--max-new-tokens", "8", "--warmup", "0", "--no-host-baselines", "--race-after", "0", "--no-progress",
+            "--max-new-tokens", "8", "--warmup", "0", "--no-host-baselines", "--race-after", "0", "--budget", "0", "--no-progress",
             "--preflight-timeout", "0"]
     crash = {CRASH_ENV: "|sps|layers:0-1|"}
     first = draftlab(args, crash)
@@ -116,7 +116,7 @@ def test_a_sweep_stopped_from_outside_is_not_taken_for_a_crash_and_completes(mod
     db = root / "stopped.sqlite"
     args = ["sweep", "--db", str(db), "--targets", str(one), "--drafters", "layers:0-1", "--ks", "2",
             "--methods", "sps", "--datasets", prompts_file(root / "p.jsonl"), "--limit", "2",
-            "--max-new-tokens", "8", "--warmup", "0", "--no-host-baselines", "--race-after", "0", "--no-progress",
+            "--max-new-tokens", "8", "--warmup", "0", "--no-host-baselines", "--race-after", "0", "--budget", "0", "--no-progress",
             "--preflight-timeout", "0"]
     for _ in range(LIMIT + 1):  # kill -9 at the same cell, more times than a crashing cell is allowed
         stopped = draftlab(args, {CRASH_ENV: "|sps|layers:0-1|", SIGNAL_ENV: "KILL"})

@@ -49,7 +49,7 @@ def test_a_sweep_killed_ten_times_loses_nothing_stored_and_completes(setup):
     command = [sys.executable, "-m", "draftlab.cli", "sweep", "--db", str(db), "--targets", str(model),
                "--drafters", "suffix", f"model:{draft}", "--adapt", "every=8", "--ks", "1-2", "--methods", "sps",
                "--datasets", str(prompts), "--limit", "8", "--max-new-tokens", "24", "--warmup", "0",
-               "--no-progress", "--dtype", "fp32", "--no-host-baselines", "--race-after", "0"]
+               "--no-progress", "--dtype", "fp32", "--no-host-baselines", "--race-after", "0", "--budget", "0"]
     chance = random.Random(7)
     before: set = set()
     for _ in range(KILLS):

@@ -45,7 +45,7 @@ def run_preset(tmp_path, preset: str, prompts: list | None = None, **overrides):
     path = tmp_path / "longest.jsonl"
     path.write_text("".join(prompt_line(p) for p in prompts), encoding="utf-8")
     config = replace(make_config(preset), datasets=(str(path),), limit=len(prompts), max_new_tokens=4, warmup=0,
-                     baseline_every=0, race_after=0, **overrides)
+                     baseline_every=0, race_after=0, budget_s=0, **overrides)
     store = ResultsStore(tmp_path / "study.sqlite")
     run_sweep(config, store, progress=False)
     outcome = {(r["cell"], r["prompt_id"]): None for r in store.rows()}

@@ -63,7 +63,7 @@ def _add_sweep_args(parser: argparse.ArgumentParser, db_required: bool = True) -
     parser.add_argument("--race-after", type=int, metavar="N",
                         help="after N prompts of a dataset, stop measuring cells that trail the fastest one by more "
                              "than the machine's noise (0: run the whole grid; quick: 2)")
-    parser.add_argument("--budget", type=_duration, metavar="TIME",
+    parser.add_argument("--budget", type=_duration, metavar="TIME", dest="study_budget",
                         help="the study's time budget, as 8m, 90s or seconds: it times the host first, plans the "
                              "prompts to fit and prints its plan (0: none, every prompt; quick: 8m)")
     parser.add_argument("--seed", type=int)
@@ -119,7 +119,7 @@ def _sweep_config(args):
         warmup=args.warmup, baseline_every=args.baseline_every, race_after=args.race_after, seed=args.seed, device=args.device, dtype=args.dtype,
         backend=args.backend, host_baselines=False if args.no_host_baselines else None,
         servers=tuple_or_none(args.servers), concurrency=concurrency, preflight_s=args.preflight_timeout,
-        budget_s=args.budget,
+        budget_s=args.study_budget,
     )
     config = with_weight_types(config, tuple(args.weight_types or ()))
     return replace(config, drafters=with_adapting(config.drafters, args.adapt))

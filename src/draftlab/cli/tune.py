@@ -164,13 +164,16 @@ def _draft_shape(text: str) -> tuple[str, str]:
 def _predict_from_study(args, profile) -> None:
     """`predict --acceptance-from`: the profile's device, the study's acceptance."""
     from draftlab.perf.shapes import format_predicted, predict_from
-    from draftlab.study.transfer import acceptance_from, mean_context
+    from draftlab.study.transfer import acceptance_from, mean_context, unlike_study
 
     cells, plain = acceptance_from(args.acceptance_from)
-    same = bool(profile.device) and all(c.device == profile.device for c in cells)
+    context = mean_context(args.acceptance_from)
+    unlike = unlike_study(profile, args.acceptance_from, context)
+    same = bool(profile.device) and all(c.device == profile.device for c in cells) and not unlike
     rows = predict_from(profile, cells, same_device=same)
-    print(format_predicted(rows, profile, plain.get(profile.device) if same else None,
-                           mean_context(args.acceptance_from)))
+    print(format_predicted(rows, profile, plain.get(profile.device) if same else None, context))
+    if unlike:
+        print(f"  no error figure: {unlike}")
     if args.json:
         print(json.dumps({"profile": profile.target.name, "predicted": [asdict(r) for r in rows]}))
 

@@ -64,3 +64,29 @@ def mean_context(db) -> int:
     tokenizer = load_model(target_backend(config.targets[0], config.backend)[1], dtype="fp32").tokenizer
     lengths = [len(prompt_ids(tokenizer, p)) for group in plan(config) for p in group.prompts]
     return int(statistics.fmean(lengths) + config.max_new_tokens / 2)
+
+
+def unlike_study(profile, db, context: int) -> str:
+    """'' when a profile (`calibrate --shape-of`) measured what the study's torch target ran: the same route (dtype
+    and products) and a context within 25% of the study's mean; else what differs, in one line (its error figures
+    would compare unlike things)."""
+    store = ResultsStore(db, read_only=True)
+    try:
+        envs = store.environments()
+    finally:
+        store.close()
+    routes = {_route(env.get("numerics") or "") for env in envs if "llama.cpp" not in (env.get("numerics") or "")}
+    name = profile.target.name  # 'shape:NAME DTYPE on DEVICE (NUMERICS)'
+    ours = _route(name[name.index(" (") + 2:name.rindex(")")] if " (" in name else "")
+    differs = []
+    if routes - {""} and ours not in routes:
+        differs.append(f"the profile ran route {ours or '?'}, the study's torch target {', '.join(sorted(routes))}")
+    if abs(profile.context_tokens / max(context, 1) - 1) > 0.25:
+        differs.append(f"the profile was timed after {profile.context_tokens} cached tokens, the study's steps saw "
+                       f"~{context} (`calibrate --shape-of ... --context {context}`)")
+    return "; ".join(differs)
+
+
+def _route(numerics: str) -> str:
+    """'fp32 exact-wm/2 (measured: ...)' -> 'fp32 exact-wm/2'."""
+    return numerics.split(" (", 1)[0].strip()
