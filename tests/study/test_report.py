@@ -207,3 +207,21 @@ def test_the_study_exports_its_fastest_lossless_configuration(study):
     (choice,) = fastest_lossless(summarize(rows))
     assert (choice.target, choice.draft, choice.k) == ("tgt", "ngram", 2)
     assert '"num_speculative_tokens":2' in export(choice, "vllm")
+
+
+def test_predict_names_a_route_or_context_unlike_the_studys(tmp_path):
+    """A profile of another route, or timed at another context, is not compared with the study (no error figure)."""
+    from draftlab.perf.calibrate import Profile
+    from draftlab.perf.throughput import TargetProfile
+    from draftlab.study.transfer import unlike_study
+
+    store = ResultsStore(tmp_path / "study.sqlite")
+    run = store.start_run({"device": "cpu", "numerics": "fp32 exact-wm/2 (measured: fastest)"})
+    store.add(record(cell("ar"), "p1", 1.0), run)
+    store.close()
+    db = tmp_path / "study.sqlite"
+    like = Profile(TargetProfile("shape:tgt fp32 on cpu (fp32 exact-wm/2 (measured: fastest))", {1: 0.01}), [], 300)
+    assert unlike_study(like, db, 320) == ""
+    other = Profile(TargetProfile("shape:tgt fp32 on cpu (fp32 exact-wm/4)", {1: 0.01}), [], 256)
+    said = unlike_study(other, db, 600)
+    assert "route fp32 exact-wm/4, the study's torch target fp32 exact-wm/2" in said and "~600" in said

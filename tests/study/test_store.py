@@ -22,7 +22,7 @@ def test_round_trip(tmp_path):
     assert store.done() == {(CELL.key, "p1")}
     (row,) = store.rows()
     assert row["accepted_per_step"] == [1, 1] and row["k"] == 2 and row["category"] == "code"
-    assert store.environments() == [{"torch": "x"}]
+    assert store.environments() == [{"torch": "x", "run_id": 1}]
     with pytest.raises(sqlite3.IntegrityError):
         store.add(Record(CELL, "p1", "code", 1, 1, 0, 0), run)
 

@@ -364,8 +364,7 @@ class ResultsStore:
     def prefills(self) -> list[dict]:
         """Every timed prefill, oldest first."""
         cursor = self.conn.execute("SELECT * FROM prefills ORDER BY rowid")
-        names = [d[0] for d in cursor.description]
-        return [dict(zip(names, values)) for values in cursor.fetchall()]
+        return [dict(zip([d[0] for d in cursor.description], values)) for values in cursor.fetchall()]
 
     def baseline_checks(self) -> list[dict]:
         """Every re-timing of the baseline, oldest first."""
@@ -387,8 +386,9 @@ class ResultsStore:
         return out
 
     def environments(self) -> list[dict]:
-        """The environment of every sweep invocation."""
-        return [json.loads(e) for (e,) in self.conn.execute("SELECT environment FROM runs ORDER BY run_id")]
+        """The environment of every sweep invocation (each with its `run_id`)."""
+        runs = self.conn.execute("SELECT run_id, environment FROM runs ORDER BY run_id")
+        return [{**json.loads(e), "run_id": run} for run, e in runs]
 
 
 def _short_dtype(name: str) -> str:

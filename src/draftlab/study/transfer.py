@@ -72,10 +72,11 @@ def unlike_study(profile, db, context: int) -> str:
     would compare unlike things)."""
     store = ResultsStore(db, read_only=True)
     try:
-        envs = store.environments()
+        envs, rows = store.environments(), store.rows()
     finally:
         store.close()
-    routes = {_route(env.get("numerics") or "") for env in envs if "llama.cpp" not in (env.get("numerics") or "")}
+    torch_runs = {r["run_id"] for r in rows if not engine_of_backend(r["backend"]).runs_gguf}
+    routes = {_route(env.get("numerics") or "") for env in envs if env["run_id"] in torch_runs}
     name = profile.target.name  # 'shape:NAME DTYPE on DEVICE (NUMERICS)'
     ours = _route(name[name.index(" (") + 2:name.rindex(")")] if " (" in name else "")
     differs = []
