@@ -34,6 +34,7 @@ from draftlab.files import assets
 from draftlab.engine import GenerationResult, check_room
 from draftlab.errors import DraftlabError
 from draftlab.decoding.metrics import GenerationStats
+from draftlab.measure import RunSettings
 
 SERVER_VERSION = "0.3.36"  # the llama-cpp-python release whose vendored llama.cpp it is built from
 BUILD_HINT = "build it with scripts/build-llama-cpp.sh (~7 minutes on 2 cores), or set DRAFTLAB_LLAMA_SERVER"
@@ -254,17 +255,6 @@ class LlamaServer:
 
 
 @dataclass(frozen=True)
-class PrefillSettings:
-    """A prefill request's settings: the prompt and one greedy token."""
-
-    max_new_tokens: int = 1
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-
-
-@dataclass(frozen=True)
 class LlamaServerRun:
     """A running llama-server as a contender of the measurement loop (`draftlab.measure.Contender`): the prefill
     is the server's own prompt time; drafted and accepted tokens are its counters. With `reuse`, `prefill` sends
@@ -286,7 +276,7 @@ class LlamaServerRun:
         return f"llama-server:{self.server.port}" if self.reuse else ""
 
     def prefill(self, prompt_ids: list[int]) -> None:
-        self.server.completion(prompt_ids, PrefillSettings(), cache_prompt=True)
+        self.server.completion(prompt_ids, RunSettings(max_new_tokens=1, temperature=0.0), cache_prompt=True)
 
     def run(self, prompt_ids: list[int], settings) -> GenerationResult:
         """One request; a prompt that does not fit a slot's context is refused as draftlab's engine refuses it."""

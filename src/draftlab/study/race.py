@@ -2,10 +2,10 @@
 
 A study measures many cells that cannot win (a draft slower than plain decoding on another engine, the same draft
 at a K too large). After `after` prompts of a dataset, and again before every later prompt, each cell's time over
-the *whole* prompt set is projected from what it measured: its prefill as a function of prompt length (a line
-fitted to its prompts: the race's first prompts are the set's longest and shortest, `race_order`) and its decode
-time per token, applied to the lengths of the prompts it has not run and to the outputs they are expected to
-give. A cell is dropped only when even its best projection (its best decode rate measured, or the mean less two
+the *whole* prompt set is projected from what it measured: its decode time per token, applied to the outputs the
+prompts it has not run are expected to give (and, in studies whose cells each prefilled, its prefill as a function
+of prompt length, a line fitted to its prompts: the race's first prompts are the set's longest and shortest,
+`race_order`; since 0.20 each engine's prefill is timed apart and common to its cells, so the race ranks decode). A cell is dropped only when even its best projection (its best decode rate measured, or the mean less two
 standard errors, whichever is faster) trails the leader's projection by more than the margin; the leader is the
 lossless cell with the fastest projection among those still racing (llama-server's own speculation, exact only
 up to rounding, can be dropped but never leads). So a cell that loses the short prompts but wins on the long ones

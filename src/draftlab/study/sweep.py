@@ -5,7 +5,9 @@ autoregressive cell runs first on a prompt, then every (method, drafter, K) cell
 cells of a prompt, on every engine, are measured close together in time. The autoregressive cell is re-timed every
 `baseline_every` cells and after the prompt's last cell (the baseline checks): the report compares each cell with
 the baseline measured closest in time and flags the study as noisy when the baseline drifted. With
-`race_after`, cells that trail the fastest one stop being measured (`study/race.py`). A cell that cannot run a prompt
+`race_after`, cells that trail the fastest one stop being measured (`study/race.py`); with `budget_s`, the sweep times
+the host first, plans the prompts that fit and stops at the budget (`study/budget.py`). Each engine prefills a
+prompt once, timed apart, and its cells decode from it (`draftlab.measure`). A cell that cannot run a prompt
 is stored as skipped with a one-line reason. Finished (cell, prompt) pairs in the database, measured or skipped,
 are passed over, which makes a killed sweep resume where it stopped and a finished sweep a no-op; one sweep
 writes a database at a time. Suffix decoding learns across requests: each of its cells keeps its own cache over
