@@ -54,6 +54,7 @@ class Plan:
     race_after: int
     estimate_s: float  # measuring those prompts, as planned
     budget_s: float  # the budget's seconds left when planned (0: no budget)
+    costs: tuple[float, ...] = ()  # each planned prompt's estimate, in the order they run
 
     def line(self) -> str:
         """The plan in one line, with the host it was timed on."""
@@ -120,7 +121,7 @@ def make_plan(cells: dict[str, list[Cell]], pilots: dict[str, Pilot], lengths: l
             prompts = n
             break
     return Plan(prompts, len(lengths), sum(map(len, cells.values())), 0, tokens, race_after, sum(costs[:prompts]),
-                budget_s)
+                budget_s, tuple(costs[:prompts]))
 
 
 def _race_keeps(cells: dict[str, list[Cell]], pilots: dict[str, Pilot]) -> set[str]:
@@ -160,15 +161,23 @@ class Deadline:
     seconds: float
     started: float = field(default_factory=time.perf_counter)
     prompt_s: list[float] = field(default_factory=list)  # each measured prompt's seconds, in order
+    planned: tuple[float, ...] = ()  # the plan's estimate of each prompt (none for a resumed plan)
 
     def left(self) -> float:
-        return self.seconds - (time.perf_counter() - self.started) if self.seconds else 0.0
+        """Seconds the budget has left (a millisecond at least once spent: 0 means no budget)."""
+        return max(self.seconds - (time.perf_counter() - self.started), 1e-3) if self.seconds else 0.0
+
+    def next_prompt_s(self) -> float:
+        """The next prompt's expected seconds: the plan's estimate of it scaled by how the prompts so far compared
+        with theirs (a long prompt costs more than a short one), else the mean so far."""
+        done = len(self.prompt_s)
+        if len(self.planned) > done and sum(self.planned[:done]) > 0:
+            return self.planned[done] * sum(self.prompt_s) / sum(self.planned[:done])
+        return sum(self.prompt_s) / done
 
     def affords_another(self) -> bool:
-        """Whether the next prompt, at the mean of those measured so far, ends within the budget."""
-        if not self.seconds or not self.prompt_s:
-            return True
-        return self.left() >= sum(self.prompt_s) / len(self.prompt_s)
+        """Whether the next prompt, as expected, ends within the budget."""
+        return not self.seconds or not self.prompt_s or self.left() >= self.next_prompt_s()
 
 
 @dataclass(frozen=True)

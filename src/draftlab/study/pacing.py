@@ -29,6 +29,7 @@ def plan_prompts(run: SweepRun, group: Group, cells: dict[str, list[Cell]], enco
         planned = plan_group({name: run.targets[name].runner for name in cells}, pending, encoded, order,
                              config.race_after, config.baseline_every, run.deadline.left())
         print(planned.plan.line())
+        run.deadline.planned = planned.plan.costs
         for cell in (c for its in cells.values() for c in its if c.key in planned.drops):
             for prompt_id in run.pending(cell, order[:planned.plan.prompts]):
                 run.store.add_skip(cell, prompt_id, planned.drops[cell.key], run.targets[cell.target].run_id)
@@ -45,7 +46,9 @@ def stop_at(run: SweepRun, going: GroupRun, index: int) -> None:
     left = going.order[index:]
     run.bar.total -= sum(len(run.pending(c, left)) for its in going.cells.values() for c in its)
     print(f"sweep: the budget ({run.config.budget_s / 60:.1f} min) ends {going.group.dataset} after {index} of "
-          f"{len(going.order)} planned prompts (a prompt has taken {statistics.fmean(run.deadline.prompt_s):.0f} s)")
+          f"{len(going.order)} planned prompts (the next was expected to take {run.deadline.next_prompt_s():.0f} s, "
+          f"{max(run.deadline.left(), 0):.0f} s were left; the prompts so far took "
+          f"{statistics.fmean(run.deadline.prompt_s):.0f} s on average)")
     del going.order[index:]
 
 
