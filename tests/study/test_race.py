@@ -101,7 +101,7 @@ def test_with_each_engines_prefill_timed_apart_the_race_ranks_decode_what_specul
                  k=int(r["cell"].split("|")[3][2:]), dataset="d", temperature=0.0, steps=r["new_tokens"],
                  drafted=0, accepted=0, draft_s=0.0, target_s=0.0, overhead_s=0.0, accepted_per_step=[],
                  drafted_per_step=[], backend="llamacpp" if r["cell"].startswith("llamacpp") else "fast")
-    (phases,) = engine_answer(summarize(everything), None)
+    (phases,) = engine_answer(summarize(everything))
     assert phases.startswith("Prefill and decode apart for m") and "llama-server:" in phases
 
 

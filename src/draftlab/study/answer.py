@@ -13,7 +13,7 @@ from draftlab.backends.base import ROUNDING
 from draftlab.study.store import LEFT_OUT, ResultsStore
 
 
-def engine_answer(summaries: list[CellSummary], drift: Drift | None = None) -> list[str]:
+def engine_answer(summaries: list[CellSummary]) -> list[str]:
     """One sentence per model and temperature measured on more than one engine: each engine's prefill of a prompt
     and its plain decoding's rate after it (the answer itself, across engines, is `recommend`'s)."""
     groups: dict[tuple, list[CellSummary]] = defaultdict(list)
@@ -148,7 +148,7 @@ def _sentence(where: str, cells: list[CellSummary], dropped: list[CellSummary], 
     name = f"{best.drafter} at K={best.k} ({method_of(best.method)}) on {engine_words(best)}"
     measured = (f"{gain:.2f}x ({low:.2f}-{high:.2f}) {plain_words}, decoding {pace(best):.1f} tok/s against "
                 f"{pace(plain) if plain else pace(best) / gain:.1f} over {best.prompts} prompts (paired per prompt)"
-                f"{_end_to_end(best, plain, gain, output_tokens)}")
+                f"{_end_to_end(best, plain, output_tokens)}")
     if gain <= 1.0 or low <= 1.0:
         why = "no configuration beat it" if gain <= 1.0 else "no configuration beat it surely (the interval of the best includes 1.0x)"
         noise = f"; the machine's drift during the study: {drift.spread:.0%}" if drift.noisy else ""
@@ -195,7 +195,7 @@ def _mode(plain: CellSummary) -> str:
     return words + (f" ({plain.drafter})" if method_of(plain.method) is PLAIN and plain.drafter not in words else "")
 
 
-def _end_to_end(best: CellSummary, plain: CellSummary | None, gain: float, output_tokens: int | None) -> str:
+def _end_to_end(best: CellSummary, plain: CellSummary | None, output_tokens: int | None) -> str:
     """End to end per prompt, prefill plus decode, for an output length: the configuration's and plain decoding's."""
     if plain is None or best.prefill_s is None or plain.prefill_s is None or not best.prompts:
         return ""

@@ -84,7 +84,8 @@ def time_pilot(runner: CellRunner, cells: list[Cell], prompt: EncodedPrompt) -> 
     pilot.prefill = {key: p.seconds / max(p.prompt_tokens, 1) for key, p in prefills.items()}
     for cell, record in records.items():
         decode_s = record.stats.wall_s - (record.stats.prefill_s if record.times_prefill else 0.0)
-        pilot.decode[cell.key] = decode_s / max(record.new_tokens, 1) * cell.concurrency
+        if decode_s > 0:  # (a prefill timed apart longer than a whole call: noise, no rate)
+            pilot.decode[cell.key] = decode_s / max(record.new_tokens, 1) * cell.concurrency
         pilot.keys[cell.key] = contenders[cell].prefill_key
     return pilot
 

@@ -14,8 +14,8 @@ from draftlab.study.report import baseline_drift
 from draftlab.study.sweep_state import Group, GroupRun, SweepRun, words
 
 
-def plan_prompts(run: SweepRun, group: Group, cells: dict[str, list[Cell]], encoded: dict[str, dict[str, EncodedPrompt]],
-          order: list[str]) -> list[str]:
+def plan_prompts(run: SweepRun, group: Group, cells: dict[str, list[Cell]],
+                 encoded: dict[str, dict[str, EncodedPrompt]], order: list[str]) -> list[str]:
     """The group's prompts the budget affords (`study/budget.py`), in the order they run: planned once (a resumed
     sweep keeps its plan); the pilot's drops stored as skips; all of them without a budget."""
     key, config = f"plan:{group.dataset}:{group.temperature:g}", run.config
@@ -61,7 +61,7 @@ def race(run: SweepRun, going: GroupRun, index: int) -> int:
     checks = [c for c in store.baseline_checks() if c["dataset"] == group.dataset]
     drift = baseline_drift(rows, checks).spread
     raced = {s["cell"] for s in store.skips() if s["reason"].startswith(RACE_REASON)}
-    prompts = PromptSet({name: {p: len(e.ids) for p, e in its.items()} for name, its in going.encoded.items()})
+    prompts = PromptSet({name: {p: len(its[p].ids) for p in going.order} for name, its in going.encoded.items()})
     models: dict[str, list[str]] = defaultdict(list)
     for name in going.cells:
         models[model_of(name)].append(name)

@@ -130,7 +130,7 @@ def answer_lines(db, rows: list[dict], checks: list[dict], envs: list[dict], tab
     `output_tokens`: the output length the end-to-end times assume (the study's own when None)."""
     summaries = summarize(rows, checks)
     drift = baseline_drift(rows, checks)
-    return (engine_answer(summaries, drift) + recommend(summaries, drift, output_tokens) + numerics_notes(envs)
+    return (engine_answer(summaries) + recommend(summaries, drift, output_tokens) + numerics_notes(envs)
             + deploy_notes(summaries) + server_answer(rows, table=table, margin=drift.typical)
             + weight_type_answer(summaries, rows, table=table) + left_out_notes(db))
 
