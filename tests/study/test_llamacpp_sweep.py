@@ -45,7 +45,8 @@ def test_the_answer_is_one_use_line_per_model_naming_the_engine(study):
     rows, params, _ = load_study(study)
     summaries = summarize(rows)
     (use,) = recommend(summaries, Drift(2, 0.02))  # one model on two engines: one answer
-    assert use.startswith("Use ") and " for smollm2-135m on this machine: " in use and " on llama.cpp" in use
+    assert use.startswith("Use ") and " for smollm2-135m on this machine: " in use  # whichever engine is faster here
+    assert " on llama.cpp" in use or " on draftlab's torch backend" in use
     assert "tok/s against" in use and "end to end, 16-token outputs" in use
     sentences = engine_answer(summaries)
     phases = [s for s in sentences if s.startswith("Prefill and decode apart for smollm2-135m")]
