@@ -2,15 +2,18 @@
 
 Runs the quick preset (or another) on this host as `./run.sh` does (its budget: the pilot, the plan and the race)
 and as the full grid (`--race-after 0 --budget 0`: every cell on every prompt), alternately, `--repeats` times each,
-every run its own `draftlab study` process and database. For each budgeted run it prints its answer (the lossless
-cell that decodes fastest over the prompt set, on any engine, as the study's "Use" line ranks them), the full
-grid's, whether they are the same configuration or the pick's decode rate in the full grid lies within the full
-grid's paired interval of its best, and the regret: the full grid's best decode tok/s over the decode tok/s the full
-grid measured for the pick. It also replays the race rule on each full grid's own records (the same decisions the sweep makes, prompt by
-prompt in the race's order, readmissions included), which isolates the rule from run-to-run noise. The last line
+every run its own `draftlab study` process and database. For each budgeted run it prints its answer (what the
+study's "Use" line names: a lossless configuration on any engine, or plain decoding on the engine it judges
+against), the full grid's, whether they are the same configuration or the full grid cannot tell them apart (the
+pick's speedup lies within the answer's paired interval there, or the pick's interval reaches the answer), and the
+regret: the full grid's answer's speedup over the pick's, both measured in the full grid against its reference
+plain decoding (`draftlab.study.host`). It also replays the race rule on each full grid's own records (the same
+decisions the sweep makes, prompt by prompt in the race's order, readmissions included), which isolates the rule
+from run-to-run noise. The last line
 of stdout is one JSON document. Run it alone: it is a benchmark.
 
     python benchmarks/race_regret.py --repeats 3
+    python benchmarks/race_regret.py --repeats 3 --grids 1              # three races against one full grid
     python benchmarks/race_regret.py --repeats 1 --extra --limit 4      # a smaller grid
 """
 
@@ -28,7 +31,8 @@ from pathlib import Path
 from draftlab.backends.routes import cpu_flags
 from draftlab.contenders.methods import method_of
 from draftlab.study.race import PromptSet, RaceRule, dropped_cells, race_order
-from draftlab.study.report import ALL, load_checks, load_study, pace, summarize
+from draftlab.study.answer import chosen
+from draftlab.study.report import ALL, CellSummary, load_checks, load_study, pace, summarize
 from draftlab.study.store import ResultsStore
 from draftlab.study.sweep import make_config, plan
 
@@ -37,14 +41,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="quick")
     parser.add_argument("--repeats", type=int, default=3, help="race runs and full-grid runs, alternately")
+    parser.add_argument("--grids", type=int, help="full grids (default: --repeats); the race runs after the last one "
+                                                  "compare with it")
     parser.add_argument("--out", default="results/race-regret", help="a folder per run under it")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more `draftlab study` arguments")
     args = parser.parse_args()
     flags = " ".join(sorted(f for f in cpu_flags() if f.startswith(("avx", "amx"))))
     print(f"host CPU flags: {flags}")
-    runs = []
+    runs, grids = [], args.repeats if args.grids is None else max(1, args.grids)
     for repeat in range(args.repeats):
-        full = study(Path(args.out) / f"full-{repeat}", args.preset, ["--race-after", "0", "--budget", "0", *args.extra])
+        if repeat < grids:
+            full = study(Path(args.out) / f"full-{repeat}", args.preset, ["--race-after", "0", "--budget", "0",
+                                                                          *args.extra])
         raced = study(Path(args.out) / f"race-{repeat}", args.preset, args.extra)
         runs.append(compare(raced, full, repeat, args.preset))
     same = sum(r["same_or_within_interval"] for r in runs)
@@ -68,33 +76,44 @@ def study(out: Path, preset: str, extra: list[str]) -> dict:
     return {"db": out / "study.sqlite", "seconds": time.perf_counter() - started, "extra": extra}
 
 
-def speeds(db: Path) -> tuple[dict[tuple, float], dict[tuple, float]]:
-    """(configuration -> decode tok/s over the prompt set) of the lossless cells that ran every prompt, and each
-    one's relative half-width (the low end of its paired interval over its speedup)."""
+def answers(db: Path) -> dict[tuple, CellSummary]:
+    """(configuration -> its summary over the prompt set) of the lossless cells that ran every prompt, the one the
+    study's Use line names under the key 'answer'."""
     rows, _, _ = load_study(db)
-    summaries = [s for s in summarize(rows, load_checks(db)) if s.dataset == ALL and s.complete and pace(s) > 0
-                 and not s.lossy and method_of(s.method).lossless]
-    key = lambda s: (s.target, s.method, s.drafter, s.k)  # noqa: E731
-    return ({key(s): pace(s) for s in summaries},
-            {key(s): s.speedup_low / s.speedup if s.speedup else 1.0 for s in summaries})
+    summaries = summarize(rows, load_checks(db))
+    out = {key(s): s for s in summaries if s.dataset == ALL and s.complete and pace(s) > 0 and not s.lossy
+           and method_of(s.method).lossless}
+    picks = [s for (_, temperature), s in chosen(summaries).items() if temperature == 0]
+    if picks:
+        out["answer"] = picks[0]
+    return out
+
+
+def key(s: CellSummary) -> tuple:
+    return (s.target, s.method, s.drafter, s.k)
 
 
 def compare(raced: dict, full: dict, repeat: int, preset: str) -> dict:
-    """The race's pick against the full grid's, measured in the full grid."""
-    race_speed, _ = speeds(raced["db"])
-    full_speed, low = speeds(full["db"])
-    pick, best = max(race_speed, key=race_speed.get), max(full_speed, key=full_speed.get)
-    regret = full_speed[best] / full_speed[pick] if pick in full_speed else float("inf")
+    """The race's answer against the full grid's, both as measured in the full grid: the regret is the full grid's
+    answer's speedup over the pick's (each over the full grid's reference plain decoding, paired per prompt)."""
+    race_cells, full_cells = answers(raced["db"]), answers(full["db"])
+    pick, best = key(race_cells["answer"]), full_cells["answer"]
+    measured = full_cells.get(pick)
+    regret = best.host_speedup / measured.host_speedup if measured else float("inf")
     replay = replay_race(full["db"], preset)
-    replay_regret = full_speed[best] / full_speed[replay] if replay in full_speed else float("inf")
-    within = pick == best or (pick in full_speed and full_speed[pick] >= full_speed[best] * low[best])
-    row = {"repeat": repeat, "race_pick": " ".join(map(str, pick)), "full_best": " ".join(map(str, best)),
-           "same_or_within_interval": within, "regret": regret, "full_interval_low": low[best],
+    replay_regret = best.host_speedup / full_cells[replay].host_speedup if replay in full_cells else float("inf")
+    within = pick == key(best) or (measured is not None and (measured.host_speedup >= best.host_low
+                                                             or measured.host_high >= best.host_speedup))
+    row = {"repeat": repeat, "race_pick": " ".join(map(str, pick)), "full_best": " ".join(map(str, key(best))),
+           "same_or_within_interval": within, "regret": regret,
+           "full_interval": [best.host_low, best.host_high], "full_pick_speedup": measured.host_speedup if measured else None,
            "replay_pick": " ".join(map(str, replay)), "replay_regret": replay_regret,
            "race_s": raced["seconds"], "full_s": full["seconds"]}
     print(f"run {repeat}: race {row['race_pick']} / full grid {row['full_best']}: regret {regret:.3f} (the full "
-          f"grid's interval reaches {low[best]:.3f}x its best); the rule replayed on the full grid's records picks {row['replay_pick']} "
-          f"(regret {replay_regret:.3f}); {raced['seconds']:.0f} s vs {full['seconds']:.0f} s")
+          f"grid's answer {best.host_speedup:.3f}x ({best.host_low:.3f}-{best.host_high:.3f}) its reference plain "
+          f"decoding, the pick {row['full_pick_speedup'] or 0:.3f}x there); the rule replayed on the full grid's "
+          f"records picks {row['replay_pick']} (regret {replay_regret:.3f}); {raced['seconds']:.0f} s vs "
+          f"{full['seconds']:.0f} s")
     return row
 
 
@@ -117,24 +136,23 @@ def replay_race(db: Path, preset: str) -> tuple:
     by_cell = defaultdict(dict)
     for r in rows:
         by_cell[r["cell"]][r["prompt_id"]] = r
-    ran = {key: set(order[: config.race_after]) for key in by_cell if key in cells}
+    ran = {cell: set(order[: config.race_after]) for cell in by_cell if cell in cells}
     dropped: set[str] = set()
     rule = RaceRule(config.race_after)
     for index in range(config.race_after, len(order) + 1):
-        seen = [by_cell[key][p] for key in ran for p in ran[key] if p in by_cell[key]]
+        seen = [by_cell[c][p] for c in ran for p in ran[c] if p in by_cell[c]]
         decided = set(dropped_cells([cells[k] for k in ran], seen, rule, prompts))
-        for key in dropped - decided:  # readmitted: catches up
-            ran[key] |= set(order[:index])
+        for cell in dropped - decided:  # readmitted: catches up
+            ran[cell] |= set(order[:index])
         dropped = (dropped & decided) | (decided - dropped if index < len(order) else set())
         if index < len(order):
-            for key in ran:
-                if key not in dropped:
-                    ran[key].add(order[index])
-    complete = {key for key in ran if key not in dropped}
-    summaries = [s for s in summarize([by_cell[k][p] for k in complete for p in by_cell[k]], [])
-                 if s.dataset == ALL and s.complete and not s.lossy and method_of(s.method).lossless]
-    best = max(summaries, key=pace)
-    return (best.target, best.method, best.drafter, best.k)
+            for cell in ran:
+                if cell not in dropped:
+                    ran[cell].add(order[index])
+    complete = {cell for cell in ran if cell not in dropped}
+    checks = load_checks(db)
+    summaries = summarize([by_cell[c][p] for c in complete for p in by_cell[c]], checks)
+    return key(next(s for (_, temperature), s in chosen(summaries).items() if temperature == 0))
 
 
 if __name__ == "__main__":

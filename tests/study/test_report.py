@@ -112,6 +112,14 @@ def test_recommendation_names_the_measured_best_lossless_configuration(study, tm
     assert sentences[0] in build_report(study, tmp_path / "report").read_text().replace("&#x27;", "'")
 
 
+def _judged(cells):
+    """Hand-built summaries, judged against their model's reference plain decoding as `summarize` judges them."""
+    from draftlab.study.host import add_host_speedups
+
+    add_host_speedups(cells, {})
+    return cells
+
+
 def _summary(method, drafter, k, speedup, identical=2, width=0.05):
     from draftlab.study.report import ALL, CellSummary
 
@@ -125,7 +133,7 @@ def test_recommendation_says_plain_decoding_when_nothing_wins():
     from draftlab.study.report import Drift
 
     cells = [_summary("ar", "none", 0, 1.0), _summary("sps", "ngram", 3, 0.9), _summary("asg", "ngram", 3, 0.8)]
-    (sentence,) = recommend(cells, Drift(2, 0.03))
+    (sentence,) = recommend(_judged(cells), Drift(2, 0.03))
     assert sentence.startswith("Use plain decoding on draftlab's torch backend for tgt on this machine: no "
                                "configuration beat it")
     assert "ngram at K=3 (SpS) on draftlab's torch backend, ran at 0.90x (0.85-0.95)" in sentence
@@ -135,15 +143,15 @@ def test_a_gain_whose_paired_interval_includes_1x_is_not_the_answer():
     from draftlab.study.answer import recommend
     from draftlab.study.report import Drift
 
-    sure = recommend([_summary("ar", "none", 0, 1.0), _summary("sps", "designed", 1, 1.08)], Drift(2, 0.2))[0]
+    sure = recommend(_judged([_summary("ar", "none", 0, 1.0), _summary("sps", "designed", 1, 1.08)]), Drift(2, 0.2))[0]
     assert sure.startswith("Use designed at K=1 (SpS) on draftlab's torch backend for tgt on this machine: "
                            "1.08x (1.03-1.13)")
-    unsure = recommend([_summary("ar", "none", 0, 1.0), _summary("sps", "designed", 1, 1.08, width=0.12)],
+    unsure = recommend(_judged([_summary("ar", "none", 0, 1.0), _summary("sps", "designed", 1, 1.08, width=0.12)]),
                        Drift(2, 0.2))[0]
     assert unsure.startswith("Use plain decoding on draftlab's torch backend for tgt on this machine: no "
                              "configuration beat it surely (the interval of the best includes 1.0x)")
     assert "machine's drift during the study: 20%" in unsure
-    assert "drift" not in recommend([_summary("sps", "designed", 1, 1.08, width=0.12)], Drift(2, 0.05))[0]
+    assert "drift" not in recommend(_judged([_summary("sps", "designed", 1, 1.08, width=0.12)]), Drift(2, 0.05))[0]
 
 
 def test_per_position_acceptance_of_a_tree_counts_levels_not_nodes(tmp_path):

@@ -7,6 +7,8 @@ sweep re-times it between cells), so the lookup lives here, in the package the s
 
 from __future__ import annotations
 
+import math
+import statistics
 from collections import defaultdict
 from typing import Callable
 
@@ -53,3 +55,17 @@ def nearest_baseline(rows: list[dict], checks: list[dict]) -> Callable[[dict], f
         return min(timed, key=lambda tv: abs(tv[0] - at))[1]
 
     return speed
+
+
+T_975 = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18, 2.16, 2.14, 2.13)  # t(0.975, df)
+
+
+def interval(point: float, ratios: list[float]) -> tuple[float, float]:
+    """A 95% interval around a speedup from its per-prompt paired ratios: the point times exp(-/+ t * the
+    standard error of the ratios' logs); the point itself with a single prompt (no spread known)."""
+    if len(ratios) < 2 or point <= 0 or min(ratios) <= 0:
+        return point, point
+    logs = [math.log(r) for r in ratios]
+    t = T_975[len(logs) - 2] if len(logs) - 2 < len(T_975) else 1.96 + 2.5 / len(logs)
+    half = t * statistics.stdev(logs) / math.sqrt(len(logs))
+    return point * math.exp(-half), point * math.exp(half)

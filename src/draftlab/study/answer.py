@@ -79,11 +79,10 @@ def _judged_speedup(s: CellSummary) -> float:
 
 
 def _judged_interval(s: CellSummary) -> tuple[float, float]:
-    """The judged speedup's interval: the paired interval over its engine's plain decoding, scaled to it."""
-    if not s.speedup:
-        return 0.0, 0.0
-    scale = _judged_speedup(s) / s.speedup
-    return s.speedup_low * scale, s.speedup_high * scale
+    """The judged speedup's paired interval (`draftlab.study.host`)."""
+    if s.host_speedup is not None:
+        return s.host_low, s.host_high
+    return s.speedup_low, s.speedup_high
 
 
 def recommend(summaries: list[CellSummary], drift: Drift, output_tokens: int | None = None) -> list[str]:
@@ -118,14 +117,9 @@ def recommend(summaries: list[CellSummary], drift: Drift, output_tokens: int | N
 
 
 def _fastest_plain(summaries: list[CellSummary]) -> dict[tuple, CellSummary]:
-    """Per (model, temperature): its plain decoding that decodes fastest, on any engine (complete cells)."""
-    fastest: dict[tuple, CellSummary] = {}
-    for s in summaries:
-        if s.dataset == ALL and method_of(s.method).plain and s.complete and pace(s) > 0:
-            key = (model_of(s.target), s.temperature)
-            if key not in fastest or pace(s) > pace(fastest[key]):
-                fastest[key] = s
-    return fastest
+    """Per (model, temperature): the plain decoding its cells are judged against (`draftlab.study.host`: the one
+    that decodes fastest, or llama-server's when none is surely faster), over all prompts."""
+    return {(model_of(s.target), s.temperature): s for s in summaries if s.dataset == ALL and s.host_reference}
 
 
 def _sentence(where: str, cells: list[CellSummary], dropped: list[CellSummary], plain: CellSummary | None,
@@ -155,6 +149,13 @@ def _sentence(where: str, cells: list[CellSummary], dropped: list[CellSummary], 
         return (f"Use {plain_words} for {where} on this machine: {why} (the best, {name}, ran at {measured}; "
                 f"{_identical_text(best)}){noise}{warning}.")
     return f"Use {name} for {where} on this machine: {measured}; {_identical_text(best)}{warning}."
+
+
+def chosen(summaries: list[CellSummary]) -> dict[tuple, CellSummary]:
+    """Per (model, temperature), what its Use line names: the configuration, or the plain decoding."""
+    plains = _fastest_plain(summaries)
+    picks = {key: _choice(cells, plains.get(key)) for key, cells in _groups(summaries).items()}
+    return {key: pick for key, pick in picks.items() if pick is not None}
 
 
 def deploy_notes(summaries: list[CellSummary]) -> list[str]:

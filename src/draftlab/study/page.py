@@ -142,10 +142,10 @@ def _html(db, summaries: list[CellSummary], optimal: list[OptimalRow], figures: 
     answer = "".join(f"<p class='answer'>{esc(sentence)}</p>" for sentence in sentences)
     opt_rows = "".join(
         f"<tr><td>{esc(r.target)}</td><td>{esc(r.dataset)}</td><td>{r.temperature:g}</td><td>{r.method.upper()}</td>"
-        f"<td>{esc(r.drafter)}</td><td>{r.k}</td><td>{r.speedup:.3f}x</td><td>{r.speedup_min:.2f} - {r.speedup_max:.2f}</td>"
+        f"<td>{esc(r.drafter)}</td><td>{r.k}</td><td>{r.speedup:.3f}x</td><td>{r.speedup_low:.2f} - {r.speedup_high:.2f}</td>"
         f"<td>{r.tokens_per_s:.1f}</td><td>{f'{r.scaling:.2f}x' if r.scaling else '-'}</td>"
         f"<td>{fmt(r.engine_plain_tokens_per_s, '.1f')}</td><td>{fmt(r.engine_speedup, '.3f')}x</td>"
-        f"<td>{fmt(r.host_speedup, '.3f')}x</td></tr>"
+        f"<td>{fmt(r.host_speedup, '.3f')}x ({r.host_low:.2f} - {r.host_high:.2f})</td></tr>"
         for r in optimal
     )
     lossy_rows = "".join(
@@ -172,8 +172,8 @@ def _html(db, summaries: list[CellSummary], optimal: list[OptimalRow], figures: 
 <style>body{{font-family:sans-serif;margin:2em;max-width:1400px}}table{{border-collapse:collapse;font-size:13px}}
 td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}}th{{background:#eee}}tr.lossy{{background:#fcc}}tr.disagrees{{background:#fde}}tr.agrees{{background:#efe}}p.noisy{{background:#fcc;padding:4px}}p.answer{{font-size:16px;font-weight:bold}}
 img{{max-width:100%;border:1px solid #ddd;margin-bottom:1em}}</style></head><body>
-<h1>draftlab study report</h1><p>Database: <code>{esc(str(db))}</code>. Speedups are tokens/s over the autoregressive
-baseline on the same prompts in the same study; the range is min - max over prompts. Scaling = target parameters / draft
+<h1>draftlab study report</h1><p>Database: <code>{esc(str(db))}</code>. Speedups are decode tokens/s over the autoregressive
+baseline on the same prompts in the same study, paired per prompt; the range is their 95% interval. Scaling = target parameters / draft
 parameters ("-" for drafts without parameters, such as n-gram lookup). SpS = draftlab's engine, AsG = Hugging Face
 assisted generation with the same draft and K, HF = Hugging Face generate without an assistant (AsG's own plain
 decoding): "own plain" is the method's own engine's plain decoding, "vs own" the speedup over it, "vs fastest
@@ -182,7 +182,7 @@ every greedy output equals plain decoding on their engine are ranked.</p>
 <h2>Recommendation</h2>{answer}
 <p class='{'noisy' if drift.noisy else ''}'>{esc(drift.describe())}.</p>
 <h2>Optimal configuration per category</h2><table><tr><th>target</th><th>dataset</th><th>temp</th><th>method</th><th>draft</th><th>K</th>
-<th>speedup</th><th>min - max</th><th>tok/s</th><th>scaling</th><th>own plain tok/s</th><th>vs own</th><th>vs fastest plain</th></tr>{opt_rows}</table>
+<th>speedup</th><th>95% interval</th><th>tok/s</th><th>scaling</th><th>own plain tok/s</th><th>vs own</th><th>vs fastest plain</th></tr>{opt_rows}</table>
 {lossy}
 <h2>Figures</h2>{images}
 <h2>Every cell</h2><p>Rows in red produced output different from the baseline (greedy only; "-" when not defined).

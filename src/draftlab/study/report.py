@@ -7,84 +7,25 @@ study file.
 from __future__ import annotations
 
 import csv
-import math
 import statistics
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
-from draftlab.perf.baselines import baseline_timings, nearest_baseline, prompt_key
+from draftlab.perf.baselines import baseline_timings, interval, nearest_baseline, prompt_key
 from draftlab.errors import DraftlabError
 from draftlab.measure import speedup
-from draftlab.backends import engine_of_backend
-from draftlab.contenders.methods import AR, HF, LLAMA, PLAIN, is_baseline, method_of
-from draftlab.study.cells import LLAMACPP_TARGET
-from draftlab.study.race import model_of
+from draftlab.contenders.methods import is_baseline, method_of
+from draftlab.study.host import PromptPaces, add_host_speedups
+from draftlab.study.summary import ALL, CellSummary, engine_words, pace, plain_label
 from draftlab.study.store import ResultsStore
 from draftlab.perf.calibrate import Profile
 from draftlab.perf.validate import compare
 
-ALL = "all"
+__all__ = ["ALL", "CellSummary", "Drift", "baseline_drift", "comparisons_of", "decode_paces", "engine_words",
+           "load_checks", "load_study", "on_shared_prompts", "pace", "plain_label", "summarize", "write_csv"]
 NOISY_DRIFT = 0.10  # a baseline that moved more than this (relative) during the study makes it noisy
-
-
-@dataclass
-class CellSummary:
-    """Aggregates of one cell (or of one configuration over all datasets, dataset='all')."""
-
-    target: str
-    method: str
-    drafter: str
-    k: int
-    dataset: str
-    temperature: float
-    prompts: int
-    new_tokens: int
-    wall_s: float
-    tokens_per_s: float
-    ms_per_token: float
-    tokens_per_step: float | None  # TAR; None for asg (HF does not report steps)
-    acceptance_rate: float | None
-    draft_ms_per_step: float | None
-    target_ms_per_step: float | None
-    overhead_ms_per_step: float | None
-    speedup: float = 0.0  # decode (`draftlab.measure.DECODE`; end to end for records that timed no prefill apart)
-    # over draftlab's plain decoding (the ar cell) re-timed closest in time on each prompt: paired ratios
-    decode_speedup: float | None = None  # decode only over the ar record's decoding; None for a peer library's
-    # cells in studies whose records timed no prefill apart
-    speedup_low: float = 0.0  # the speedup's 95% interval over the prompts' paired ratios (t on their logs)
-    speedup_high: float = 0.0
-    speedup_min: float = 0.0
-    speedup_median: float = 0.0
-    speedup_max: float = 0.0
-    identical: int | None = None  # outputs equal to plain decoding on the cell's own engine (greedy only)
-    per_position_acceptance: list[float] = field(default_factory=list)
-    engine_plain_tokens_per_s: float | None = None  # plain decoding on this cell's engine (HF generate for asg)
-    engine_speedup: float | None = None  # over that engine's own plain decoding on the same prompts
-    host_speedup: float | None = None  # over the fastest plain decoding measured on the host (any dtype or route)
-    host_plain: str = ""  # which plain decoding that was ('ar': the study's own, else `plain_label`)
-    host_engine: str = ""  # the engine it ran on, in words (`engine_words`)
-    backend: str = ""  # the backend its records ran on ('llamacpp', 'fast', 'auto', ...)
-    complete: bool = True  # ran every prompt its group ran (False: dropped by the race, or skipped prompts)
-    decode_tokens_per_s: float | None = None  # new tokens over the time after each prefill; None when the cell's
-    # library times no prefill apart
-    prefill_s: float | None = None  # mean seconds of prefill a prompt; None likewise
-
-    @property
-    def lossy(self) -> bool:
-        """True when some greedy output differed from plain decoding on the cell's own engine."""
-        return self.identical is not None and self.identical < self.prompts
-
-    @property
-    def rounding(self) -> bool:
-        """True for speculation whose outputs equal plain decoding only up to rounding (llama-server's own, on
-        kernels that round a block's rows apart from single rows), however many of them were identical."""
-        return not method_of(self.method).lossless
-
-    @property
-    def config_key(self) -> tuple:
-        return (self.target, self.method, self.drafter, self.k, self.temperature)
 
 
 def summarize(rows: list[dict], checks: list[dict] = ()) -> list[CellSummary]:
@@ -104,12 +45,13 @@ def summarize(rows: list[dict], checks: list[dict] = ()) -> list[CellSummary]:
     peer_plain = {(r["method"], r["target"], r["dataset"], r["temperature"], r["prompt_id"]): r for r in rows
                   if method_of(r["method"]).peer_plain}
     paces = decode_paces(rows)
-    summaries = [_summarize_group(key, group, baseline_speed, paces)
+    per_prompt: dict[tuple, PromptPaces] = {}
+    summaries = [_summarize_group(key, group, baseline_speed, paces, per_prompt)
                  for key, group in sorted(groups.items(), key=_sort_key)]
     for summary in summaries:
         _add_engine_speedup(summary, groups[(*summary.config_key, summary.dataset)], peer_plain)
     _mark_complete(summaries)
-    _add_host_speedups(summaries)
+    add_host_speedups(summaries, per_prompt)
     return summaries
 
 
@@ -132,51 +74,6 @@ def _mark_complete(summaries: list[CellSummary]) -> None:
         most[(s.target, s.dataset, s.temperature)] = max(most[(s.target, s.dataset, s.temperature)], s.prompts)
     for s in summaries:
         s.complete = s.prompts == most[(s.target, s.dataset, s.temperature)]
-
-
-def _add_host_speedups(summaries: list[CellSummary]) -> None:
-    """Each cell's speedup over the fastest plain decoding of its model on the host, whatever the engine: the
-    study's own ('ar'), a 'plain' cell timed in another dtype or route, or another engine's plain decoding
-    (llama.cpp's, llama-cpp-python's, llama-server's, HF's), by decode tokens/s on the same prompts (the cells of
-    a prompt run close together in time on every engine)."""
-    fastest: dict[tuple, CellSummary] = {}
-    for s in summaries:
-        if method_of(s.method).plain and s.speedup > 0 and s.complete:
-            key = (model_of(s.target), s.dataset, s.temperature)
-            if key not in fastest or pace(s) > pace(fastest[key]):
-                fastest[key] = s
-    for s in summaries:
-        best = fastest.get((model_of(s.target), s.dataset, s.temperature))
-        if best is not None and s.speedup > 0:
-            own = best.target == s.target and is_baseline(best.method)
-            s.host_speedup = s.speedup if own else pace(s) / pace(best)
-            s.host_plain = AR.name if own else plain_label(best)
-            s.host_engine = engine_words(best)
-
-
-def pace(s: CellSummary) -> float:
-    """A cell's decode tokens/s (its end-to-end tokens/s where no prefill was timed apart)."""
-    return s.decode_tokens_per_s or s.tokens_per_s
-
-
-def plain_label(s: CellSummary) -> str:
-    """Which plain decoding a plain cell is, in words: a route or mode label, or another engine's."""
-    method = method_of(s.method)
-    return s.drafter if method is PLAIN else method.engine if method.peer_plain else method.name
-
-
-def engine_words(s: CellSummary) -> str:
-    """The engine a cell ran on, in words."""
-    method = method_of(s.method)
-    if method.served:
-        return "llama-server"
-    if method.engine == LLAMA.engine:
-        return "llama.cpp (llama-cpp-python)"
-    if engine_of_backend(s.backend).runs_gguf or s.target.startswith(LLAMACPP_TARGET) or s.drafter.startswith("llama.cpp"):
-        return "llama.cpp (draftlab)"
-    if method.engine == HF.engine:
-        return "HF transformers"
-    return f"draftlab's torch backend ({s.drafter})" if method is PLAIN else "draftlab's torch backend"
 
 
 @dataclass(frozen=True)
@@ -223,7 +120,8 @@ def _sort_key(item):
 
 
 def _summarize_group(key: tuple, rows: list[dict], baseline_speed: Callable[[dict], float | None],
-                     decode_pace: dict[tuple, float]) -> CellSummary:
+                     decode_pace: dict[tuple, float], per_prompt: dict[tuple, PromptPaces]) -> CellSummary:
+    """One summary; its per-prompt paces go into `per_prompt` under (config key, dataset)."""
     target, method, drafter, k, temperature, dataset = key
     new_tokens = sum(r["new_tokens"] for r in rows)
     wall = sum(r["wall_s"] for r in rows)
@@ -241,7 +139,7 @@ def _summarize_group(key: tuple, rows: list[dict], baseline_speed: Callable[[dic
         overhead_ms_per_step=per_step("overhead_s"),
         per_position_acceptance=_per_position(rows),
     )
-    _add_speedups(summary, rows, baseline_speed, decode_pace)
+    per_prompt[key[:5] + (dataset,)] = _add_speedups(summary, rows, baseline_speed, decode_pace)
     if _timed_apart(rows) and all(r["wall_s"] > r["prefill_s"] for r in rows):
         summary.prefill_s = sum(r["prefill_s"] for r in rows) / len(rows)
         summary.decode_tokens_per_s = new_tokens / (wall - summary.prefill_s * len(rows))
@@ -251,22 +149,26 @@ def _summarize_group(key: tuple, rows: list[dict], baseline_speed: Callable[[dic
 
 
 def _add_speedups(summary: CellSummary, rows: list[dict], baseline_speed: Callable[[dict], float | None],
-                  decode_pace: dict[tuple, float]) -> None:
-    """The measurement loop's speedups (`draftlab.measure.speedup`): end to end against the baseline measured
-    closest in time on each prompt, with its spread over prompts; decode only against the ar record's decoding."""
+                  decode_pace: dict[tuple, float]) -> PromptPaces:
+    """The measurement loop's speedups (`draftlab.measure.speedup`): on decode against the baseline's pace on each
+    prompt at the record's time, with its spread over prompts; decode only against the ar record's decoding.
+    Returns the per-prompt decode tok/s and paired ratios."""
     matched = [(r, baseline_speed(r)) for r in rows]
     matched = [(r, base) for r, base in matched if base and _decode_s(r) > 0]
     if not matched:
-        return
+        return {}
     per_prompt = [(r["new_tokens"] / _decode_s(r)) / base for r, base in matched]
+    paces = {(r["dataset"], r["prompt_id"]): (r["new_tokens"] / _decode_s(r), ratio)
+             for (r, _), ratio in zip(matched, per_prompt)}
     summary.speedup = speedup([(r["new_tokens"], _decode_s(r)) for r, _ in matched], [b for _, b in matched]) or 0.0
     summary.speedup_min, summary.speedup_max = min(per_prompt), max(per_prompt)
     summary.speedup_median = statistics.median(per_prompt)
     summary.speedup_low, summary.speedup_high = interval(summary.speedup, per_prompt)
     decoded = [(r, decode_pace.get(prompt_key(r))) for r in rows if _timed_apart([r])]
-    if decoded and all(pace and r["wall_s"] > r["prefill_s"] for r, pace in decoded):
+    if decoded and all(ar and r["wall_s"] > r["prefill_s"] for r, ar in decoded):
         summary.decode_speedup = speedup([(r["new_tokens"], r["wall_s"] - r["prefill_s"]) for r, _ in decoded],
-                                         [pace for _, pace in decoded])
+                                         [ar for _, ar in decoded])
+    return paces
 
 
 def _timed_apart(rows: list[dict]) -> bool:
@@ -278,20 +180,6 @@ def _timed_apart(rows: list[dict]) -> bool:
 def _decode_s(row: dict) -> float:
     """A record's decode seconds: its time after the prefill (its engine's, timed apart, or its own)."""
     return row["wall_s"] - (row["prefill_s"] or 0.0)
-
-
-T_975 = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23, 2.20, 2.18, 2.16, 2.14, 2.13)  # t(0.975, df)
-
-
-def interval(point: float, ratios: list[float]) -> tuple[float, float]:
-    """A 95% interval around a speedup from its per-prompt paired ratios: the point times exp(-/+ t * the
-    standard error of the ratios' logs); the point itself with a single prompt (no spread known)."""
-    if len(ratios) < 2 or point <= 0 or min(ratios) <= 0:
-        return point, point
-    logs = [math.log(r) for r in ratios]
-    t = T_975[len(logs) - 2] if len(logs) - 2 < len(T_975) else 1.96 + 2.5 / len(logs)
-    half = t * statistics.stdev(logs) / math.sqrt(len(logs))
-    return point * math.exp(-half), point * math.exp(half)
 
 
 def decode_paces(rows: list[dict]) -> dict[tuple, float]:

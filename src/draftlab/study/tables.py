@@ -21,13 +21,15 @@ class OptimalRow:
     drafter: str
     k: int
     speedup: float
-    speedup_min: float
-    speedup_max: float
+    speedup_low: float  # the speedup's paired 95% interval over the prompts
+    speedup_high: float
     tokens_per_s: float
     scaling: float | None  # target params / draft params; None when the draft has no parameters
     engine_plain_tokens_per_s: float | None = None  # plain decoding on the method's own engine
     engine_speedup: float | None = None  # over that engine's plain decoding
     host_speedup: float | None = None  # over the fastest plain decoding measured on the host
+    host_low: float = 0.0  # its paired 95% interval
+    host_high: float = 0.0
 
 
 def optimal_table(summaries: list[CellSummary], params: dict[str, int]) -> list[OptimalRow]:
@@ -46,9 +48,9 @@ def optimal_table(summaries: list[CellSummary], params: dict[str, int]) -> list[
     for (target, dataset, temperature, method), s in best.items():
         draft_params = params.get(f"{target}::{s.drafter}")
         scaling = 1.0 if is_baseline(method) else (params[target] / draft_params if draft_params and target in params else None)
-        rows.append(OptimalRow(target, dataset, temperature, method, s.drafter, s.k, s.speedup, s.speedup_min,
-                               s.speedup_max, s.tokens_per_s, scaling, s.engine_plain_tokens_per_s, s.engine_speedup,
-                               s.host_speedup))
+        rows.append(OptimalRow(target, dataset, temperature, method, s.drafter, s.k, s.speedup, s.speedup_low,
+                               s.speedup_high, s.tokens_per_s, scaling, s.engine_plain_tokens_per_s, s.engine_speedup,
+                               s.host_speedup, s.host_low, s.host_high))
     datasets_per_target = defaultdict(set)
     for r in rows:
         datasets_per_target[r.target].add(r.dataset)
@@ -78,17 +80,17 @@ def format_optimal(rows: list[OptimalRow]) -> str:
     dataset_w = width("dataset", [r.dataset for r in rows])
     draft_w = width("draft", [r.drafter for r in rows])
     header = (f"{'target':<{target_w}}{'dataset':<{dataset_w}}{'temp':>5}  {'method':<7}{'draft':<{draft_w}}{'K':>3}"
-              f"{'speedup':>9}  {'(min-max)':<12}{'tok/s':>7}{'scaling':>9}{'own plain':>11}{'vs own':>8}"
-              f"{'vs fastest':>12}")
+              f"{'speedup':>9}  {'(95% CI)':<12}{'tok/s':>7}{'scaling':>9}{'own plain':>11}{'vs own':>8}"
+              f"{'vs fastest (95% CI)':>22}")
     lines = [header]
     for r in rows:
         scaling = f"{r.scaling:.2f}x" if r.scaling else "-"
         own = f"{r.engine_plain_tokens_per_s:.1f}" if r.engine_plain_tokens_per_s else "-"
         vs_own = f"{r.engine_speedup:.2f}x" if r.engine_speedup else "-"
-        vs_fastest = f"{r.host_speedup:.2f}x" if r.host_speedup else "-"
+        vs_fastest = f"{r.host_speedup:.2f}x ({r.host_low:.2f}-{r.host_high:.2f})" if r.host_speedup else "-"
         lines.append(
             f"{r.target:<{target_w}}{r.dataset:<{dataset_w}}{r.temperature:>5.2f}  "
             f"{r.method.upper():<7}{r.drafter:<{draft_w}}{r.k:>3}{r.speedup:>8.3f}x  "
-            f"{r.speedup_min:.2f}-{r.speedup_max:<7.2f}{r.tokens_per_s:>7.1f}{scaling:>9}{own:>11}{vs_own:>8}{vs_fastest:>12}"
+            f"{r.speedup_low:.2f}-{r.speedup_high:<7.2f}{r.tokens_per_s:>7.1f}{scaling:>9}{own:>11}{vs_own:>8}{vs_fastest:>22}"
         )
     return "\n".join(lines)

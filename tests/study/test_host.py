@@ -1,0 +1,65 @@
+"""Cells against the plain decoding the host runs fastest, across engines: paired per prompt, drift cancelled through
+the shared baseline, and ties between plain decodings settled for the engine that deploys (llama-server)."""
+
+from __future__ import annotations
+
+import pytest
+
+from draftlab.study.answer import recommend
+from draftlab.study.report import ALL, Drift, summarize
+
+
+def row(method: str, tokens_per_s: float, at: float, prompt: str, drafter: str = "none", k: int = 0) -> dict:
+    return {"target": "t", "dataset": "d", "temperature": 0.0, "prompt_id": prompt, "method": method,
+            "drafter": drafter, "k": k, "new_tokens": 100, "wall_s": 100 / tokens_per_s, "steps": 50, "drafted": 60,
+            "accepted": 50, "prefill_s": 0.0, "draft_s": 0.0, "target_s": 0.0, "overhead_s": 0.0,
+            "accepted_per_step": [], "drafted_per_step": [], "identical": 1, "finished_at": at, "backend": "llamacpp"}
+
+
+def study(server: list[float], lcp: list[float], ngram: list[float]) -> list:
+    """Per prompt (a 100 s window each): the baseline at 10 tok/s, then llama-server's and llama-cpp-python's
+    plain decoding and an n-gram cell at the given tok/s."""
+    rows = []
+    for i, (a, b, c) in enumerate(zip(server, lcp, ngram)):
+        prompt, at = f"p{i}", 100.0 * i
+        rows += [row("ar", 10.0, at, prompt), row("server-ar", a, at + 10, prompt), row("llama", b, at + 20, prompt),
+                 row("sps", c, at + 30, prompt, "ngram", 1)]
+    return summarize(rows)
+
+
+def judged(summaries, method: str):
+    return next(s for s in summaries if s.method == method and s.dataset == ALL)
+
+
+def test_a_plain_decoding_not_surely_faster_than_llama_servers_leaves_llama_server_the_reference():
+    summaries = study([10.0, 11.2, 9.4, 11.0, 9.6, 10.8], [10.9, 10.1, 10.8, 10.2, 10.7, 10.3], [9.0] * 6)
+    lcp, server, ngram = judged(summaries, "llama"), judged(summaries, "server-ar"), judged(summaries, "sps")
+    assert lcp.tokens_per_s > server.tokens_per_s  # the faster on the whole, but within the noise of the pairs
+    assert server.host_reference and not lcp.host_reference
+    assert lcp.host_low < 1.0 < lcp.host_high
+    assert ngram.host_speedup == pytest.approx(ngram.speedup / server.speedup)
+    (use,) = recommend(summaries, Drift(6, 0.02))
+    assert use.startswith("Use plain decoding on llama-server for t on this machine")
+
+
+def test_a_plain_decoding_surely_faster_than_llama_servers_is_the_reference():
+    summaries = study([10.0, 10.1, 9.9, 10.0, 10.05, 9.95], [11.0, 11.1, 10.9, 11.05, 11.0, 10.95], [9.0] * 6)
+    lcp, server = judged(summaries, "llama"), judged(summaries, "server-ar")
+    assert lcp.host_reference and not server.host_reference
+    assert server.host_high < 1.0 and server.host_speedup == pytest.approx(server.speedup / lcp.speedup)
+    (use,) = recommend(summaries, Drift(6, 0.02))
+    assert use.startswith("Use plain decoding on llama.cpp (llama-cpp-python) for t on this machine")
+
+
+def test_engines_of_one_target_are_compared_through_the_baseline_so_drift_cancels():
+    # The host slows to half speed between llama-server's run of each prompt and llama-cpp-python's, and the
+    # baseline re-timed after both sees it: the two decode alike.
+    rows, checks = [], []
+    for i in range(4):
+        prompt, at = f"p{i}", 100.0 * i
+        rows += [row("ar", 10.0, at, prompt), row("server-ar", 10.0, at + 1, prompt), row("llama", 5.0, at + 99, prompt)]
+        checks.append(row("ar", 5.0, at + 99.5, prompt))
+    summaries = summarize(rows, checks)
+    lcp, server = judged(summaries, "llama"), judged(summaries, "server-ar")
+    assert lcp.tokens_per_s == pytest.approx(0.5 * server.tokens_per_s)
+    assert lcp.host_speedup == pytest.approx(1.0, rel=0.02) and server.host_reference  # raw rates: 0.5x
