@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from draftlab.backends.engines import engine_of_backend
@@ -25,9 +25,10 @@ def add_tune_commands(sub) -> None:
                            help="calibrate from a model's shape alone: its block costs 1..16 timed on --device with "
                                 "random weights (smollm2-135m, qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, llama-3-8b, "
                                 "or a Llama/Qwen2 config.json or its folder); then `predict --acceptance-from STUDY`")
-    calibrate.add_argument("--context", type=int, default=256,
-                           help="with --shape-of: cached tokens before each timed block (match the workload's mean "
-                                "prompt length plus half its new tokens; `predict --acceptance-from` says the study's)")
+    calibrate.add_argument("--context", type=int,
+                           help="cached tokens before each timed block (match the workload's mean prompt length plus "
+                                "half its new tokens; `predict --acceptance-from` says the study's); default: 256 with "
+                                "--shape-of, else the calibration prompts' mean length plus half --max-new-tokens")
     calibrate.add_argument("--draft-shape", nargs="+", default=[], metavar="DRAFTER=SHAPE",
                            help="with --shape-of: model drafts whose cost per token is timed from their shape, e.g. "
                                 "model:qwen2.5-coder-0.5b=qwen2.5-0.5b (other drafts' costs come from the study)")
@@ -37,9 +38,10 @@ def add_tune_commands(sub) -> None:
     predict.add_argument("--profile", required=True)
     predict.add_argument("--goal", type=float, help="also print the TAR each draft needs for this tokens/s")
     predict.add_argument("--acceptance-from", metavar="STUDY",
-                         help="a study database (run on any device): TAR per draft and K from its SpS records, the "
-                              "target's cost from the profile (`calibrate --shape-of`): a predicted table for the "
-                              "profile's device")
+                         help="a study database (run on any device): TAR per draft and K from its SpS records on "
+                              "the profile's engine (llama.cpp for `calibrate --backend llamacpp`, else torch), the "
+                              "target's cost from the profile (`calibrate`, or `calibrate --shape-of`): a predicted "
+                              "table for the profile's device, with its error where the study ran there")
     predict.add_argument("--json", action="store_true", help="end stdout with one JSON object")
     predict.set_defaults(run=cmd_predict)
     validate = sub.add_parser("validate", help="compare the model's predictions with a measured study")
@@ -125,6 +127,8 @@ def cmd_calibrate(args) -> None:
         _calibrate_shape(args)
         return
     target, drafts, prompts, settings = _calibration_inputs(args)
+    if args.context is not None:
+        settings = replace(settings, context=_context(args.context))
     profile = calibrate(target, drafts, prompts, settings, progress=not args.no_progress)
     profile.save(args.out)
     print(f"calibrate: profile of {len(drafts)} drafts in {profile.seconds:.0f}s -> {args.out}; machine drift during "
@@ -141,10 +145,8 @@ def _calibrate_shape(args) -> None:
 
     drafts = {drafter: shapes_named([name])[0] for drafter, name in map(_draft_shape, args.draft_shape)}
     dtype = resolve_dtype_name(args.dtype, args.device)
-    if not 16 <= args.context <= 8192:
-        raise DraftlabError(f"--context must be in 16..8192 tokens, got {args.context}")
     profile = calibrate_shape(shapes_named([args.shape_of])[0], dtype, args.device, drafts, args.repeats,
-                              args.context)
+                              _context(256 if args.context is None else args.context))
     profile.save(args.out)
     curve = ", ".join(f"{n}: {1000 * s:.2f}" for n, s in sorted(profile.target.score_s.items()) if n in (1, 2, 4, 8, 16))
     trees = ", ".join(f"{n}: {1000 * s:.2f}" for n, s in sorted(profile.target.tree_s.items()) if n in (4, 8, 16))
@@ -152,6 +154,12 @@ def _calibrate_shape(args) -> None:
           f"tree ms {trees}")
     if args.json:
         print(json.dumps(asdict(profile)))
+
+
+def _context(tokens: int) -> int:
+    if not 16 <= tokens <= 8192:
+        raise DraftlabError(f"--context must be in 16..8192 tokens, got {tokens}")
+    return tokens
 
 
 def _draft_shape(text: str) -> tuple[str, str]:
@@ -166,7 +174,7 @@ def _predict_from_study(args, profile) -> None:
     from draftlab.perf.shapes import format_predicted, predict_from
     from draftlab.study.transfer import acceptance_from, mean_context, unlike_study
 
-    cells, plain = acceptance_from(args.acceptance_from)
+    cells, plain = acceptance_from(args.acceptance_from, engine_of_backend(profile.backend).runs_gguf)
     context = mean_context(args.acceptance_from)
     unlike = unlike_study(profile, args.acceptance_from, context)
     same = bool(profile.device) and all(c.device == profile.device for c in cells) and not unlike

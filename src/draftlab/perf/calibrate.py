@@ -48,6 +48,7 @@ class CalibrationSettings:
     repeats: int = 5
     backend: str = DEFAULT_BACKEND
     short_run_prompts: int = 2  # prompts of the K = 1 runs that separate per-step from per-token drafting cost
+    context: int | None = None  # cached tokens before each timed block; None: the prompts' mean plus half the tokens
 
 
 @dataclass
@@ -58,7 +59,17 @@ class Profile:
     drafts: list[DraftProfile] = field(default_factory=list)
     context_tokens: int = 0
     seconds: float = 0.0  # wall time the calibration took
-    device: str = ""  # where the target's costs were timed (a shape's profile names it; '' in older profiles)
+    device: str = ""  # where the target's costs were timed ('' in profiles older than 0.13)
+    backend: str = ""  # the backend that timed them (`--backend`: 'llamacpp' is llama.cpp; '' in profiles before 0.21)
+    numerics: str = ""  # the target's products there (a route, or llama.cpp's weight type and switches)
+
+    @property
+    def route(self) -> str:
+        """The route the target ran, without its measurements: 'fp32 exact-wm/4', 'llama.cpp Q4_1, AMX off, ...'
+        (a shape profile's older files name it inside the target's name only)."""
+        name = self.target.name
+        numerics = self.numerics or (name[name.index(" (") + 2:name.rindex(")")] if " (" in name else "")
+        return numerics.split(" (", 1)[0].strip()
 
     def save(self, path: str | Path) -> None:
         """Write the profile as JSON."""
@@ -78,7 +89,8 @@ class Profile:
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # a directory, not UTF-8, not ours
             raise DraftlabError(f"{path} is not a draftlab profile ({type(exc).__name__}: "
                                 f"{str(exc).splitlines()[0][:120] if str(exc) else ''})") from exc
-        return cls(target, drafts, data.get("context_tokens", 0), data.get("seconds", 0.0), str(data.get("device", "")))
+        return cls(target, drafts, data.get("context_tokens", 0), data.get("seconds", 0.0), str(data.get("device", "")),
+                   str(data.get("backend", "")), str(data.get("numerics", "")))
 
 
 @dataclass(frozen=True)
@@ -158,7 +170,7 @@ def calibrate(
     """Measure the target's block times and each draft's cost and acceptance."""
     start = time.perf_counter()
     encoded = [EncodedPrompt(p.id, p.category, prompt_ids(target.tokenizer, p)) for p in prompts]
-    context_len = int(statistics.mean(len(e.ids) for e in encoded)) + settings.max_new_tokens // 2
+    context_len = settings.context or int(statistics.mean(len(e.ids) for e in encoded)) + settings.max_new_tokens // 2
     context = _context_of_length(encoded, context_len)
     ar = SpeculativeDecoder.from_names(target, drafter="none", k=1, backend=settings.backend)
     drafts, overhead = [], 0.0
@@ -173,7 +185,8 @@ def calibrate(
         drafts.append(profile)
     blocks = time_blocks(ar.engine.target, context, block_sizes(settings.k_max, drafts), settings.repeats)
     target_profile = TargetProfile(_name(target), blocks.median_s, overhead, blocks.spread, blocks.drift)
-    return Profile(target_profile, drafts, context_len, time.perf_counter() - start)
+    return Profile(target_profile, drafts, context_len, time.perf_counter() - start, target.device.type,
+                   settings.backend, ar.target_backend.numerics)
 
 
 def block_sizes(k_max: int, drafts: list[DraftProfile]) -> list[int]:

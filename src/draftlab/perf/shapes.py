@@ -51,7 +51,7 @@ def calibrate_shape(shape: "Shape", dtype: str, device: str, drafts: dict[str, "
                            trees.median_s)
     costs = [DraftProfile(spec, _draft_cost(draft, dtype, device, tokens[:context], repeats), [])
              for spec, draft in drafts.items()]
-    return Profile(target, costs, context, time.perf_counter() - started, device)
+    return Profile(target, costs, context, time.perf_counter() - started, device, "fast", backend.numerics)
 
 
 def _overhead_per_step(model, backend, context: list[int]) -> float:
@@ -159,7 +159,10 @@ def format_predicted(rows: list[Predicted], profile: Profile, plain_measured: fl
     """The predicted table, labelled with the profile's device; the optimal K and the ranking of drafts; a line when
     the profile was timed at another context than the study's steps saw (`study_context`)."""
     plain = 1.0 / (profile.target.score_s[1] + profile.target.overhead_s_per_step)
-    lines = [f"PREDICTED for {profile.target.name} (target cost from the shape, acceptance from the study):",
+    source = "its shape" if profile.target.name.startswith("shape:") else f"the profile ({profile.route or 'timed'})"
+    seen = f", whose steps saw ~{study_context} cached tokens" if study_context else ""
+    lines = [f"PREDICTED for {profile.target.name} (target cost from {source} after {profile.context_tokens} cached "
+             f"tokens, acceptance from the study{seen}):",
              f"  plain decoding {plain:.1f} tok/s" + (f" (measured in {measured_in}: {plain_measured:.1f})"
                                                      if plain_measured else ""),
              f"  {'draft':<34}{'K':>3}{'TAR':>7}{'t_target ms':>13}{'t_draft ms':>12}{'tok/s':>8}{'speedup':>9}"
@@ -177,7 +180,7 @@ def format_predicted(rows: list[Predicted], profile: Profile, plain_measured: fl
     lines.append("  optimal K and ranking: " + "; ".join(f"{r.drafter} K={r.k} ({r.speedup:.2f}x)" for r in ranking))
     if study_context and abs(profile.context_tokens / study_context - 1) > 0.25:
         lines.append(f"  note: the profile was timed after {profile.context_tokens} cached tokens, the study's steps "
-                     f"saw ~{study_context} on average: `calibrate --shape-of ... --context {study_context}` matches it")
+                     f"saw ~{study_context} on average: `calibrate ... --context {study_context}` matches it")
     lines.extend(error_lines(rows, plain, plain_measured, measured_in, bool(profile.target.tree_s)))
     return "\n".join(lines)
 

@@ -17,11 +17,12 @@ from draftlab.study.store import ResultsStore
 from draftlab.study.sweep import plan
 
 
-def acceptance_from(db) -> tuple[list[Acceptance], dict[str, float]]:
-    """The lossless greedy SpS cells of a study, and its plain decoding's decode tok/s per device."""
+def acceptance_from(db, gguf: bool = False) -> tuple[list[Acceptance], dict[str, float]]:
+    """The lossless greedy SpS cells a study ran on draftlab's torch engine (on its llama.cpp engine with `gguf`:
+    what a profile timed there predicts), and that engine's plain decoding's decode tok/s per device."""
     rows, _, _ = load_study(db)
     rows = [r for r in rows if (r.get("concurrency") or 1) == 1 and r["temperature"] == 0 and r["wall_s"] > r["prefill_s"]
-            and not engine_of_backend(r["backend"]).runs_gguf]  # draftlab's torch engine: what a shape calibrates
+            and engine_of_backend(r["backend"]).runs_gguf == gguf]
     by_cell: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
         if r["method"] == SPS.name and r["identical"] and r["steps"]:
@@ -67,24 +68,29 @@ def mean_context(db) -> int:
 
 
 def unlike_study(profile, db, context: int) -> str:
-    """'' when a profile (`calibrate --shape-of`) measured what the study's torch target ran: the same route (dtype
-    and products) and a context within 25% of the study's mean; else what differs, in one line (its error figures
-    would compare unlike things)."""
+    """'' when a profile measured what the study's target ran on the profile's engine: the same route (a torch
+    dtype and products, or llama.cpp's weight type and switches), the same model (a profile of a named model) and
+    a context within 25% of the study's mean; else what differs, in one line (its error figures would compare
+    unlike things)."""
     store = ResultsStore(db, read_only=True)
     try:
         envs, rows = store.environments(), store.rows()
     finally:
         store.close()
-    torch_runs = {r["run_id"] for r in rows if not engine_of_backend(r["backend"]).runs_gguf}
-    routes = {_route(env.get("numerics") or "") for env in envs if env["run_id"] in torch_runs}
-    name = profile.target.name  # 'shape:NAME DTYPE on DEVICE (NUMERICS)'
-    ours = _route(name[name.index(" (") + 2:name.rindex(")")] if " (" in name else "")
+    engine = engine_of_backend(profile.backend)
+    runs = {r["run_id"] for r in rows if engine_of_backend(r["backend"]).runs_gguf == engine.runs_gguf}
+    envs = [env for env in envs if env["run_id"] in runs]
+    routes = {_route(env.get("numerics") or "") for env in envs} - {""}
     differs = []
-    if routes - {""} and ours not in routes:
-        differs.append(f"the profile ran route {ours or '?'}, the study's torch target {', '.join(sorted(routes))}")
+    if routes and profile.route not in routes:
+        differs.append(f"the profile ran route {profile.route or '?'}, the study's {engine.label} target "
+                       f"{', '.join(sorted(routes))}")
+    targets = {env.get("target") or "" for env in envs} - {""}
+    if not profile.target.name.startswith("shape:") and targets and profile.target.name not in targets:
+        differs.append(f"the profile timed {profile.target.name}, the study {', '.join(sorted(targets))}")
     if abs(profile.context_tokens / max(context, 1) - 1) > 0.25:
         differs.append(f"the profile was timed after {profile.context_tokens} cached tokens, the study's steps saw "
-                       f"~{context} (`calibrate --shape-of ... --context {context}`)")
+                       f"~{context} (`calibrate ... --context {context}`)")
     return "; ".join(differs)
 
 
