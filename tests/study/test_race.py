@@ -40,12 +40,24 @@ def test_cells_that_trail_the_leader_beyond_the_margin_are_dropped():
 
 
 def test_the_margin_widens_with_the_drift_and_nothing_drops_before_enough_prompts():
-    ar, lead, behind = cell("ar"), cell("plain", "bf16"), cell("sps", "ngram", 1)
-    rows = [*rows_of(ar, 10), *rows_of(lead, 20), *rows_of(behind, 14)]  # 0.70x the leader
-    assert set(dropped_cells([ar, lead, behind], rows, RaceRule(after=2, margin=0.15), same(LENGTHS))) == {behind.key}
-    assert dropped_cells([ar, lead, behind], rows, RaceRule(after=2, margin=0.15), same(LENGTHS), drift=0.5) == {}
-    assert dropped_cells([ar, lead, behind], rows, RaceRule(after=3), same(LENGTHS)) == {}
-    assert dropped_cells([ar, lead, behind], rows, RaceRule(after=0), same(LENGTHS)) == {}
+    ar, lead, behind, best = cell("ar"), cell("plain", "bf16"), cell("sps", "ngram", 1), cell("sps", "ngram", 2)
+    rows = [*rows_of(ar, 10), *rows_of(lead, 20), *rows_of(behind, 14), *rows_of(best, 15)]  # 0.70x, 0.75x
+    cells = [ar, lead, behind, best]
+    assert set(dropped_cells(cells, rows, RaceRule(after=2, margin=0.15), same(LENGTHS))) == {behind.key}
+    assert dropped_cells(cells, rows, RaceRule(after=2, margin=0.15), same(LENGTHS), drift=0.5) == {}
+    assert dropped_cells(cells, rows, RaceRule(after=3), same(LENGTHS)) == {}
+    assert dropped_cells(cells, rows, RaceRule(after=0), same(LENGTHS)) == {}
+
+
+def test_the_fastest_speculative_cell_runs_every_prompt_even_behind_plain_decoding():
+    """Plain decoding leads by far: the best speculation (the challenger) still runs the whole set, so the answer
+    states its speedup with a paired interval over every prompt; the rest are dropped."""
+    ar, lead = cell("ar"), cell("plain", "bf16")
+    challenger, behind, lossy = cell("sps", "ngram", 1), cell("sps", "ngram", 2), cell("sps", "ngram", 3)
+    rows = [*rows_of(ar, 10), *rows_of(lead, 30), *rows_of(challenger, 15), *rows_of(behind, 12),
+            *rows_of(lossy, 25, identical=0)]
+    dropped = dropped_cells([ar, lead, challenger, behind, lossy], rows, RaceRule(after=2), same(LENGTHS))
+    assert challenger.key not in dropped and behind.key in dropped and "0.40x" in dropped[behind.key]
 
 
 def test_a_cell_is_judged_on_its_best_rate_not_on_its_mean():
@@ -89,11 +101,11 @@ def test_with_each_engines_prefill_timed_apart_the_race_ranks_decode_what_specul
     short = {f"s{i}": 20 + 20 * i for i in range(4)}
     long = {f"l{i}": 1800 + 100 * i for i in range(4)}
     server, ar = cell("server-ar", target="llamacpp:m"), cell("ar")
-    spec = cell("sps", "ngram", 3)
+    spec, challenger = cell("sps", "ngram", 3), cell("sps", "ngram", 1)
     first = [*timed_rows(server, short, 0.003, 60), *timed_rows(ar, short, 0.001, 30),
-             *timed_rows(spec, short, 0.001, 45)]
-    raced = dropped_cells([server, ar, spec], first, RaceRule(after=4), same({**short, **long}))
-    assert spec.key in raced and "leader (llamacpp:m server-ar" in raced[spec.key]
+             *timed_rows(spec, short, 0.001, 45), *timed_rows(challenger, short, 0.001, 50)]
+    raced = dropped_cells([server, ar, spec, challenger], first, RaceRule(after=4), same({**short, **long}))
+    assert spec.key in raced and "leader (llamacpp:m server-ar" in raced[spec.key] and challenger.key not in raced
     everything = [*timed_rows(server, {**short, **long}, 0.003, 60), *timed_rows(ar, {**short, **long}, 0.001, 30),
                   *timed_rows(spec, {**short, **long}, 0.001, 45)]
     for r in everything:
@@ -114,12 +126,15 @@ def test_the_race_sees_the_longest_and_shortest_prompts_first_and_every_category
 
 def test_a_dropped_cell_comes_back_when_the_leader_changes():
     ar, lead, spec = cell("ar"), cell("plain", "bf16"), cell("sps", "ngram", 1)
+    challenger = cell("sps", "ngram", 2)  # the best speculation: it runs every prompt
     lengths = {"a": 40, "b": 60, "c": 50}
-    early = [*rows_of(ar, 10, "ab"), *rows_of(lead, 30, "ab"), *rows_of(spec, 12, "ab")]
-    before = dropped_cells([ar, lead, spec], early, RaceRule(after=2), same(lengths))
-    assert spec.key in before
-    later = [*early, *rows_of(ar, 10, "c"), *[{**r, "wall_s": 16 / 2} for r in rows_of(lead, 2, "c")]]
-    after = dropped_cells([ar, lead, spec], later, RaceRule(after=2), same(lengths))
+    early = [*rows_of(ar, 10, "ab"), *rows_of(lead, 30, "ab"), *rows_of(spec, 12, "ab"), *rows_of(challenger, 13)]
+    cells = [ar, lead, spec, challenger]
+    before = dropped_cells(cells, early, RaceRule(after=2), same(lengths))
+    assert spec.key in before and challenger.key not in before
+    later = [*early, *rows_of(ar, 10, "c"), *[{**r, "wall_s": 16 / 2} for r in rows_of(lead, 2, "c")],
+             *rows_of(challenger, 13, "c")]
+    after = dropped_cells(cells, later, RaceRule(after=2), same(lengths))
     assert readmitted(set(before), after) == {spec.key}
 
 

@@ -102,7 +102,7 @@ def recommend(summaries: list[CellSummary], drift: Drift, output_tokens: int | N
     for s in summaries:
         if s.dataset == ALL and s.speedup > 0 and not method_of(s.method).plain:
             (groups if s.complete else dropped)[(model_of(s.target), s.temperature)].append(s)
-    plains = _fastest_plain(summaries)
+    plains = _reference_plain(summaries)
     for key in [*dropped, *plains]:
         groups.setdefault(key, [])
     temperatures = defaultdict(set)
@@ -116,7 +116,7 @@ def recommend(summaries: list[CellSummary], drift: Drift, output_tokens: int | N
     return sentences
 
 
-def _fastest_plain(summaries: list[CellSummary]) -> dict[tuple, CellSummary]:
+def _reference_plain(summaries: list[CellSummary]) -> dict[tuple, CellSummary]:
     """Per (model, temperature): the plain decoding its cells are judged against (`draftlab.study.host`: the one
     that decodes fastest, or llama-server's when none is surely faster), over all prompts."""
     return {(model_of(s.target), s.temperature): s for s in summaries if s.dataset == ALL and s.host_reference}
@@ -153,7 +153,7 @@ def _sentence(where: str, cells: list[CellSummary], dropped: list[CellSummary], 
 
 def chosen(summaries: list[CellSummary]) -> dict[tuple, CellSummary]:
     """Per (model, temperature), what its Use line names: the configuration, or the plain decoding."""
-    plains = _fastest_plain(summaries)
+    plains = _reference_plain(summaries)
     picks = {key: _choice(cells, plains.get(key)) for key, cells in _groups(summaries).items()}
     return {key: pick for key, pick in picks.items() if pick is not None}
 
@@ -163,7 +163,7 @@ def deploy_notes(summaries: list[CellSummary]) -> list[str]:
     measured beside it, names another engine."""
     notes = []
     for (model, temperature), cells in sorted(_groups(summaries).items()):
-        choice = _choice(cells, _fastest_plain(summaries).get((model, temperature)))
+        choice = _choice(cells, _reference_plain(summaries).get((model, temperature)))
         if temperature == 0 and choice is not None and not method_of(choice.method).served:
             notes.append(f"The answer for {model} runs on {engine_words(choice)}, draftlab's own loop or library, "
                          "which has no server of its own to deploy: the Deploy line below is llama-server's best "
@@ -208,14 +208,15 @@ def _end_to_end(best: CellSummary, plain: CellSummary | None, output_tokens: int
 
 
 def _all_dropped(where: str, cells: list[CellSummary], plain: str) -> str:
-    """The sentence for a model whose every configuration the race dropped before the study's last prompt."""
-    best = max(cells, key=lambda s: s.speedup)
+    """The sentence for a model whose every configuration the race dropped before the study's last prompt: the
+    closest to the reference plain decoding, paired over the prompts it ran."""
+    best = max(cells, key=_judged_speedup)
+    low, high = _judged_interval(best)
     return (f"Use {plain} for {where} on this machine: every lossless configuration trailed the fastest cell by "
             f"more than the margin and was dropped by the race (the closest, {best.drafter} at K={best.k} "
-            f"({method_of(best.method)}) on {engine_words(best)}, ran at {best.speedup:.2f}x "
-            f"({best.speedup_low:.2f}-{best.speedup_high:.2f}) plain decoding on its engine, paired, over the "
-            f"{best.prompts} prompts it ran; {_identical_text(best)}; the report gives each cell's ratio to the "
-            "leader).")
+            f"({method_of(best.method)}) on {engine_words(best)}, ran at {_judged_speedup(best):.2f}x "
+            f"({low:.2f}-{high:.2f}) {plain}, paired, over the {best.prompts} prompts it ran; "
+            f"{_identical_text(best)}; the report gives each cell's ratio to the leader).")
 
 
 def fastest_lossless(summaries: list[CellSummary]) -> list[Deployable]:

@@ -8,7 +8,9 @@ of prompt length, a line fitted to its prompts: the race's first prompts are the
 `race_order`; since 0.20 each engine's prefill is timed apart and common to its cells, so the race ranks decode). A cell is dropped only when even its best projection (its best decode rate measured, or the mean less two
 standard errors, whichever is faster) trails the leader's projection by more than the margin; the leader is the
 lossless cell with the fastest projection among those still racing (llama-server's own speculation, exact only
-up to rounding, can be dropped but never leads). So a cell that loses the short prompts but wins on the long ones
+up to rounding, can be dropped but never leads). The challenger, the lossless speculative cell with the fastest
+projection, is never dropped either: the answer states the best speculation's speedup over the whole set, with its
+paired interval, even when plain decoding leads. So a cell that loses the short prompts but wins on the long ones
 (or the reverse) is judged on the set it will be ranked on, not on the prompts that happened to come first; a
 dropped cell that the margin would now admit (the leader changed) comes back and catches up (`readmitted`).
 Every prompt a dropped cell will not run is stored as skipped with the reason, so the report shows what was
@@ -167,11 +169,12 @@ def dropped_cells(cells: list[Cell], rows: list[dict], rule: RaceRule, prompts: 
     if not lossless:
         return {}
     leader = max(lossless, key=lambda key: projected[key].speed)
+    challenger = _challenger(projected, keys, rows)
     margin = max(rule.margin, drift)
     total = len(prompts.of(keys[leader].target))
     out = {}
     for key, p in projected.items():
-        if key == leader or is_baseline(keys[key].method):
+        if key in (leader, challenger) or is_baseline(keys[key].method):
             continue
         ratio = p.best_speed / projected[leader].speed
         if ratio * (1 + margin) < 1:
@@ -179,6 +182,16 @@ def dropped_cells(cells: list[Cell], rows: list[dict], rule: RaceRule, prompts: 
                         f"the leader ({_describe(keys[leader])}) over the {total} prompts, beyond the margin of "
                         f"{margin:.0%}")
     return keep_peer_references(out, cells)
+
+
+def _challenger(projected: dict, keys: dict[str, Cell], rows: list[dict]) -> str | None:
+    """The lossless speculative cell with the fastest projection: it runs every prompt whatever the margin, so the
+    answer states the best speculation's speedup over the whole set with its paired interval (a cell dropped
+    before comes back and catches up)."""
+    lossy = {r["cell"] for r in rows if r["identical"] == 0}
+    candidates = [key for key in projected if key not in lossy and not method_of(keys[key].method).plain
+                  and method_of(keys[key].method).lossless]
+    return max(candidates, key=lambda key: projected[key].speed, default=None)
 
 
 def keep_peer_references(dropped: dict[str, str], cells: list[Cell]) -> dict[str, str]:
