@@ -27,7 +27,6 @@ from draftlab.measure import EncodedPrompt, RunSettings, run_once
 from draftlab.models import gguf_path, load_model
 from draftlab.contenders.plain import default_kernels
 from draftlab.perf.calibrate import time_blocks
-from draftlab.decoding.sampling import SamplingConfig
 
 PLAIN = ("llama-cpp-python generate", "draftlab llama.cpp plain (repack)", "draftlab llama.cpp plain (exact)",
          "draftlab torch plain")
