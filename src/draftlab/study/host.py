@@ -9,8 +9,8 @@ compared by decode tokens/s on each prompt both ran. Either way the interval is 
 ratios (`draftlab.perf.baselines.interval`).
 
 Plain decodings that tie are told apart by where they deploy: llama-server's plain decoding is the reference
-unless another is surely faster (its interval against the fastest lies below 1.0x), since the study's Deploy line
-is llama-server's.
+unless another is surely faster (llama-server's paired interval against it lies below 1.0x), since the study's
+Deploy line is llama-server's.
 """
 
 from __future__ import annotations
