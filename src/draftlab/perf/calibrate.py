@@ -68,8 +68,7 @@ class Profile:
         """The route the target ran, without its measurements: 'fp32 exact-wm/4', 'llama.cpp Q4_1, AMX off, ...'
         (a shape profile's older files name it inside the target's name only)."""
         name = self.target.name
-        numerics = self.numerics or (name[name.index(" (") + 2:name.rindex(")")] if " (" in name else "")
-        return numerics.split(" (", 1)[0].strip()
+        return route_of(self.numerics or (name[name.index(" (") + 2:name.rindex(")")] if " (" in name else ""))
 
     def save(self, path: str | Path) -> None:
         """Write the profile as JSON."""
@@ -91,6 +90,11 @@ class Profile:
                                 f"{str(exc).splitlines()[0][:120] if str(exc) else ''})") from exc
         return cls(target, drafts, data.get("context_tokens", 0), data.get("seconds", 0.0), str(data.get("device", "")),
                    str(data.get("backend", "")), str(data.get("numerics", "")))
+
+
+def route_of(numerics: str) -> str:
+    """A numerics record without its measurements: 'fp32 exact-wm/2 (measured: ...)' -> 'fp32 exact-wm/2'."""
+    return numerics.split(" (", 1)[0].strip()
 
 
 @dataclass(frozen=True)

@@ -164,12 +164,13 @@ def dropped_cells(cells: list[Cell], rows: list[dict], rule: RaceRule, prompts: 
     projected = {key: project(its, prompts.of(keys[key].target), outputs, engines.get(keys[key].target, _no_prefill),
                               apart) for key, its in runs.items()}
     most = max((p.measured for p in projected.values()), default=0)  # cells still racing; dropped ones ran fewer
-    lossless = ({key for key, p in projected.items() if p.measured == most and method_of(keys[key].method).lossless}
-                - {r["cell"] for r in rows if r["identical"] == 0})
+    lossy = {r["cell"] for r in rows if r["identical"] == 0}
+    lossless = {key for key, p in projected.items() if p.measured == most and method_of(keys[key].method).lossless
+                and key not in lossy}
     if not lossless:
         return {}
     leader = max(lossless, key=lambda key: projected[key].speed)
-    challenger = _challenger(projected, keys, rows)
+    challenger = _challenger(projected, keys, lossy)
     margin = max(rule.margin, drift)
     total = len(prompts.of(keys[leader].target))
     out = {}
@@ -184,11 +185,10 @@ def dropped_cells(cells: list[Cell], rows: list[dict], rule: RaceRule, prompts: 
     return keep_peer_references(out, cells)
 
 
-def _challenger(projected: dict, keys: dict[str, Cell], rows: list[dict]) -> str | None:
-    """The lossless speculative cell with the fastest projection: it runs every prompt whatever the margin, so the
-    answer states the best speculation's speedup over the whole set with its paired interval (a cell dropped
-    before comes back and catches up)."""
-    lossy = {r["cell"] for r in rows if r["identical"] == 0}
+def _challenger(projected: dict, keys: dict[str, Cell], lossy: set[str]) -> str | None:
+    """The lossless speculative cell with the fastest projection (`lossy`: cells whose output differed): it runs
+    every prompt whatever the margin, so the answer states the best speculation's speedup over the whole set with
+    its paired interval (a cell dropped before comes back and catches up)."""
     candidates = [key for key in projected if key not in lossy and not method_of(keys[key].method).plain
                   and method_of(keys[key].method).lossless]
     return max(candidates, key=lambda key: projected[key].speed, default=None)

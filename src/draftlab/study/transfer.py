@@ -7,6 +7,7 @@ from collections import defaultdict
 
 from draftlab.backends import engine_of_backend
 from draftlab.errors import DraftlabError
+from draftlab.perf.calibrate import route_of
 from draftlab.perf.shapes import Acceptance, StepCounts, acceptance
 from draftlab.study.report import load_study
 from draftlab.contenders.methods import AR, SPS
@@ -80,7 +81,7 @@ def unlike_study(profile, db, context: int) -> str:
     engine = engine_of_backend(profile.backend)
     runs = {r["run_id"] for r in rows if engine_of_backend(r["backend"]).runs_gguf == engine.runs_gguf}
     envs = [env for env in envs if env["run_id"] in runs]
-    routes = {_route(env.get("numerics") or "") for env in envs} - {""}
+    routes = {route_of(env.get("numerics") or "") for env in envs} - {""}
     differs = []
     if routes and profile.route not in routes:
         differs.append(f"the profile ran route {profile.route or '?'}, the study's {engine.label} target "
@@ -92,8 +93,3 @@ def unlike_study(profile, db, context: int) -> str:
         differs.append(f"the profile was timed after {profile.context_tokens} cached tokens, the study's steps saw "
                        f"~{context} (`calibrate ... --context {context}`)")
     return "; ".join(differs)
-
-
-def _route(numerics: str) -> str:
-    """'fp32 exact-wm/2 (measured: ...)' -> 'fp32 exact-wm/2'."""
-    return numerics.split(" (", 1)[0].strip()
