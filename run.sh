@@ -39,6 +39,10 @@ if ! .venv/bin/python -c "import arctic_inference.suffix_decoding" 2>/dev/null; 
   PATH="$PWD/.venv/bin:$PATH" .venv/bin/python -m pip install --quiet --no-build-isolation --no-deps \
     "arctic-inference==0.3.0"
 fi
+# The quick study's llama.cpp target: SmolLM2 in pure Q4_0, derived once from the shipped Q4_1 (seconds, cached).
+if .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
+  .venv/bin/python -c "from draftlab.models import gguf_path; gguf_path('smollm2-135m@Q4_0_PURE')" >/dev/null
+fi
 if [ "${1:-}" = "--setup-only" ]; then
   exit 0
 fi

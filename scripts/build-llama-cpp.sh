@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Build llama.cpp once, from the llama.cpp that llama-cpp-python 0.3.36 vendors (its source package from the package
-# index), for both of draftlab's llama.cpp engines, and install llama-cpp-python over it:
-#   $out/lib/      libllama, libggml*, libmtmd: what llama-cpp-python loads (copied into its package's lib/), built
-#                  without llamafile's sgemm so that a row of a block rounds as the row scored alone;
-#   $out/server/   llama-server as users build it (llama.cpp's defaults, sgemm on), on the same libraries but its
-#                  own libggml-cpu: the one target whose switches differ is the only one compiled twice;
+# index), with draftlab's exact kernels (scripts/llama-cpp/*.patch: each small, commented, tested bitwise by
+# tests/integration/test_exact_kernels.py), for both of draftlab's llama.cpp engines, and install llama-cpp-python over it:
+#   $out/lib/      libllama, libggml*, libmtmd: what llama-cpp-python loads (copied into its package's lib/): every
+#                  kernel serves every row count of a block, so a row of a block rounds as the row scored alone;
+#   $out/server/   llama-server on the same libraries, so its own speculation is exact too;
+#   $out/stock/    the same libraries with llama.cpp's own ggml-cpu (no patch, sgemm gated to 2+ rows): the stock
+#                  kernels that benchmarks/exact_kernels.py compares with (LLAMA_CPP_LIB_PATH); the one target
+#                  compiled twice;
 #   $out/convert/  the same llama.cpp's GGUF converter (EAGLE-3 drafts for llama-server, `draftlab design eagle3`).
 # $out is $DRAFTLAB_CACHE/llama.cpp/0.3.36 (default ~/.cache/draftlab). ~7 minutes on 2 cores, once; no network
 # beyond the package index (the server's web UI, which the default build downloads, is left out). ggml's AMX kernels
@@ -19,16 +22,23 @@ here=$(cd "$(dirname "$0")" && pwd)
 cache=${DRAFTLAB_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/draftlab}
 out="$cache/llama.cpp/$VERSION"
 sdist="$out/llama_cpp_python-$VERSION.tar.gz"
-stamp="$out/built"  # written last: a build killed half way is redone
+stamp="$out/built"  # written last, holding the patches' checksum: a build killed half way, or of other patches, is redone
+patches=("$here"/llama-cpp/*.patch)
+kernels_id=$(cat "${patches[@]}" | sha256sum | cut -c1-16)
 NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 work=""
 trap '[ -z "$work" ] || rm -rf "$work"' EXIT
 holds_amx() { nm -D "$1" 2>/dev/null | grep -q 'ggml_backend_amx'; }
 
 built_without_amx() {
-  [ -f "$stamp" ] && [ -x "$out/server/llama-server" ] && [ -f "$out/lib/libllama.so" ] || return 1
+  [ -f "$stamp" ] && [ -x "$out/server/llama-server" ] && [ -f "$out/lib/libllama.so" ] && [ -f "$out/stock/libggml-cpu.so" ] \
+    || return 1
+  if [ "$(cat "$stamp")" != "$kernels_id" ]; then
+    echo "build-llama-cpp: the cached build holds other kernels than scripts/llama-cpp/*.patch; rebuilding" >&2
+    return 1
+  fi
   local lib
-  for lib in "$out"/lib/libggml*.so "$out"/server/libggml*.so; do
+  for lib in "$out"/lib/libggml*.so "$out"/server/libggml*.so "$out"/stock/libggml*.so; do
     if holds_amx "$lib"; then
       echo "build-llama-cpp: the cached $lib holds ggml's AMX kernels; rebuilding without them" >&2
       return 1
@@ -38,9 +48,9 @@ built_without_amx() {
 
 need_tools() {
   local tool
-  for tool in cmake c++ make tar nm; do
+  for tool in cmake c++ make tar nm patch; do
     if ! command -v "$tool" >/dev/null 2>&1; then
-      echo "build-llama-cpp: '$tool' not found; install it (Debian/Ubuntu: apt-get install cmake g++ make binutils)" >&2
+      echo "build-llama-cpp: '$tool' not found; install it (Debian/Ubuntu: apt-get install cmake g++ make binutils patch)" >&2
       exit 2
     fi
   done
@@ -55,6 +65,14 @@ patch_qwen2() {
     sed -i 's|^\( *\)for (int il = 0; il < n_layer; ++il) {$|&\n\1    res->t_layer_inp[il] = inpL;|' "$qwen2"
     grep -q 'res->t_layer_inp\[il\] = inpL;' "$qwen2" || { echo "build-llama-cpp: could not add the qwen2 hook" >&2; exit 1; }
   fi
+}
+
+# draftlab's exact kernels: every patch in scripts/llama-cpp/, in name order (each says what upstream code it changes).
+patch_exact_kernels() {
+  local p
+  for p in "${patches[@]}"; do
+    patch -p1 --forward --quiet -d "$1" <"$p" || { echo "build-llama-cpp: could not apply $p" >&2; exit 1; }
+  done
 }
 
 # configure SRC BUILD SGEMM: shared libraries that find each other beside themselves ($ORIGIN), no AMX.
@@ -79,36 +97,41 @@ build() {
       || { echo "build-llama-cpp: could not download llama-cpp-python $VERSION's source package; see $log" >&2; exit 1; }
     mv "$work/llama_cpp_python-$VERSION.tar.gz" "$sdist"
   fi
+  mkdir -p "$work/stock-src"
   tar -xzf "$sdist" -C "$work"
+  tar -xzf "$sdist" -C "$work/stock-src"
   src="$work/llama_cpp_python-$VERSION/vendor/llama.cpp"
   patch_qwen2 "$src"
-  # One build of everything with draftlab's switches (sgemm off) ...
-  if ! { configure "$src" "$work/exact" OFF \
+  patch_exact_kernels "$src"
+  # One build of everything with draftlab's kernels ...
+  if ! { configure "$src" "$work/exact" ON \
          && cmake --build "$work/exact" --target llama mtmd llama-server -j"$jobs"; } >>"$log" 2>&1; then
     echo "build-llama-cpp: the build failed; the last lines of $log:" >&2; tail -5 "$log" >&2; exit 1
   fi
-  # ... then only ggml-cpu again with llama.cpp's default (sgemm on), for llama-server: `ggml-cpu/fast` builds the
-  # target without rebuilding what it links to; it links to the first build's libggml-base, the same switches.
-  if ! { configure "$src" "$work/default" ON \
-         && mkdir -p "$work/default/bin" && cp -a "$work/exact/bin/"libggml-base.so* "$work/default/bin/" \
-         && make -C "$work/default" ggml-cpu/fast -j"$jobs"; } >>"$log" 2>&1; then
-    echo "build-llama-cpp: the build of llama-server's ggml-cpu failed; the last lines of $log:" >&2; tail -5 "$log" >&2
+  # ... then only ggml-cpu again from the unpatched source (llama.cpp's stock kernels), for the benchmarks:
+  # `ggml-cpu/fast` builds the target without rebuilding what it links to; it links to the first build's
+  # libggml-base, the same switches.
+  if ! { configure "$work/stock-src/llama_cpp_python-$VERSION/vendor/llama.cpp" "$work/stock" ON \
+         && mkdir -p "$work/stock/bin" && cp -a "$work/exact/bin/"libggml-base.so* "$work/stock/bin/" \
+         && make -C "$work/stock" ggml-cpu/fast -j"$jobs"; } >>"$log" 2>&1; then
+    echo "build-llama-cpp: the build of the stock ggml-cpu failed; the last lines of $log:" >&2; tail -5 "$log" >&2
     exit 1
   fi
-  rm -rf "$out/lib" "$out/server" "$out/convert" "$stamp"
-  mkdir -p "$out/lib" "$out/server"
+  rm -rf "$out/lib" "$out/server" "$out/stock" "$out/convert" "$stamp"
+  mkdir -p "$out/lib" "$out/server" "$out/stock"
   cp -a "$work/exact/bin/"lib{llama,ggml,ggml-base,ggml-cpu,mtmd}.so* "$out/lib/"
   cp -a "$work/exact/bin/"*.so* "$work/exact/bin/llama-server" "$out/server/"
-  cp -a "$work/default/bin/"libggml-cpu.so* "$out/server/"
+  cp -a "$out/lib/"*.so* "$out/stock/"
+  cp -a "$work/stock/bin/"libggml-cpu.so* "$out/stock/"
   mkdir -p "$out/convert"
   cp -r "$src/convert_hf_to_gguf.py" "$src/conversion" "$src/gguf-py" "$out/convert/"
-  for lib in "$out"/lib/libggml*.so "$out"/server/libggml*.so; do
+  for lib in "$out"/lib/libggml*.so "$out"/server/libggml*.so "$out"/stock/libggml*.so; do
     if holds_amx "$lib"; then
       echo "build-llama-cpp: the build still holds ggml's AMX kernels ($lib: nm -D shows ggml_backend_amx_*)" >&2
       exit 1
     fi
   done
-  touch "$stamp"
+  echo "$kernels_id" >"$stamp"
 }
 
 # llama-cpp-python's Python package without a build of its own (LLAMA_BUILD=OFF), then the libraries above in its

@@ -104,8 +104,8 @@ class SpeculativeDecoder:
         transformers), "fast" (require the lean forward), "hf" (transformers) or llamacpp (the GGUF file as it
         is, in llama.cpp; drafts then run there too).
         numerics: "auto" (the exact route measured fastest on this host) or a route label for the fast backend;
-        on llama.cpp "auto"/"exact" (kernels whose block rows equal single rows) or "repack" (llama.cpp's default
-        repacked weights: faster single tokens on some hosts, block rows of 4+ round differently). For the fast backend
+        on llama.cpp "auto"/"exact" (kernels whose block rows equal single rows, repacked where that holds) or "repack"
+        (llama.cpp's repacked weights for every type: for K-quants, block rows of 4+ round differently). For the fast backend
         e.g. "fp32 exact-wm/4", or "fp32 linear" (faster on some hosts, but block rows then round differently
         from single rows: output equals plain decoding only up to rounding). Its dtype is loaded when dtype is auto.
         """
@@ -130,10 +130,10 @@ class SpeculativeDecoder:
         """The target's GGUF in llama.cpp (exact kernels unless numerics is 'repack'), drafts there too."""
         if numerics not in engine.numerics:
             raise DraftlabError(f"--numerics on {engine} is one of {', '.join(engine.numerics)}, not {numerics!r}")
-        repack = numerics == "repack"
+        repack = True if numerics == "repack" else None  # exact: repacked only where rows stay exact
         if isinstance(target, str):
             loaded = load_model(target, dtype=dtype, backend=engine.backend, repack=repack)
-        elif numerics != "auto" and target.model.repack != repack:
+        elif (numerics == "repack" and not target.model.repack) or (numerics == "exact" and not target.model.rows_exact):
             raise DraftlabError(f"the target was loaded with repack={target.model.repack}; --numerics {numerics} "
                                 "needs it loaded again")
         else:

@@ -171,12 +171,13 @@ class LoadedModel:
 
 
 def load_model(spec: ModelSpec | str, *, device: str = ModelSpec.device, dtype: str = ModelSpec.dtype,
-               verbose: bool = False, backend: str = "auto", repack: bool = False) -> LoadedModel:
+               verbose: bool = False, backend: str = "auto", repack: bool | None = None) -> LoadedModel:
     """Load a model and tokenizer from a short name, a .gguf file or an HF directory.
 
     `backend`: 'llamacpp' loads the GGUF file itself into llama.cpp (no de-quantization; a short name or a .gguf
-    path); any other loads it into torch. `repack` (llama.cpp only): llama.cpp's repacked weights, faster on some
-    hosts, but rows of a block of 4+ then round differently from single rows (plain decoding and drafts use it).
+    path); any other loads it into torch. `repack` (llama.cpp only): llama.cpp's repacked weights, faster where the
+    file's types have repacked kernels; None: repacked where rows stay exact (`LlamaCppModel.load`), True: always
+    (rows of a K-quant block then round differently from single rows; drafts use it), False: never.
     `verbose`: let transformers print its per-load progress bar and notes.
     """
     if isinstance(spec, str):
@@ -217,7 +218,7 @@ def quiet_transformers(quiet: bool = True) -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def load_gguf_model(spec: ModelSpec, repack: bool = False) -> LoadedModel:
+def load_gguf_model(spec: ModelSpec, repack: bool | None = None) -> LoadedModel:
     """A GGUF file (short name or path) loaded as it is into llama.cpp, with its tokenizer read from the file."""
     if spec.dtype != "auto":
         raise DraftlabError(f"llama.cpp runs the GGUF's own weight types; --dtype {spec.dtype} applies to the torch "

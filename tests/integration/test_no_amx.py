@@ -48,13 +48,18 @@ def test_the_built_llama_server_holds_no_amx_kernels(binary):
     assert not [name for name, text in table.items() if AMX in text]
 
 
-def test_llama_server_has_llamas_default_kernels_and_the_backend_its_exact_ones(binary):
-    """One build: llama-server's ggml-cpu with llama.cpp's defaults (llamafile's sgemm), the library llama-cpp-python
-    loads without it (a row of a block rounds as the row alone); the other libraries are the same files' copies."""
-    assert "llamafile_sgemm" in server_ggml(binary)["libggml-cpu.so"]
+def test_llama_server_and_the_backend_share_draftlabs_exact_kernels_and_the_stock_ones_stay_apart(binary):
+    """One build: llama-server and the library llama-cpp-python loads are the same files, whose ggml-cpu holds
+    draftlab's kernel patches (llamafile's sgemm at every row count); llama.cpp's stock ggml-cpu, for the benchmarks,
+    lies apart in stock/ without them."""
     installed = {lib.name: lib for lib in installed_ggml()}
-    assert "llamafile_sgemm" not in symbols(installed["libggml-cpu.so"], dynamic=True)
-    assert (binary.parent / "libggml-base.so").read_bytes() == installed["libggml-base.so"].read_bytes()
+    for name in ("libggml-cpu.so", "libggml-base.so"):
+        assert (binary.parent / name).read_bytes() == installed[name].read_bytes()
+    assert "ggml_cpu_draftlab_kernels" in symbols(installed["libggml-cpu.so"], dynamic=True)
+    stock = binary.parent.parent / "stock" / "libggml-cpu.so"
+    stock_symbols = symbols(stock, dynamic=True)
+    assert "llamafile_sgemm" in stock_symbols and "ggml_cpu_draftlab_kernels" not in stock_symbols
+    assert stock.read_bytes() != installed["libggml-cpu.so"].read_bytes()
 
 
 def test_run_shs_check_finds_amx_kernels_in_a_cached_wheels_library(tmp_path):

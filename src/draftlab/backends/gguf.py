@@ -1,15 +1,18 @@
 """GGUF models in llama.cpp (through llama-cpp-python's low-level API), loaded as they are: no de-quantization.
 
-llama.cpp is an optional dependency (`pip install 'draftlab[llamacpp]'`, which `./run.sh` installs). Three of its
-CPU kernel choices make a row of a block round differently from the same row scored alone; draftlab turns off
-the two it can at run time (see docs/backends.md and `exactness`):
+llama.cpp is an optional dependency (`pip install 'draftlab[llamacpp]'`, which `./run.sh` installs). A row of a block
+rounds as the same row scored alone when one kernel serves every row count of a product; llama.cpp's CPU kernel
+choices break that in three places, and draftlab's build mends or avoids each (see docs/backends.md):
 
-- weight repacking (an "extra buffer type": gemm for the first floor(n/4)*4 rows, gemv for the rest):
-  `use_extra_bufts = False` in the model parameters;
+- llamafile's sgemm served blocks of 2+ rows and vec_dot one row: draftlab's build patches the gate out
+  (scripts/llama-cpp/sgemm-every-row.patch), so tinyBLAS, one chain of FMAs per output, serves every row count;
+  `LlamaCppModel.exact_kernels` names the patches the loaded library holds (its `ggml_cpu_draftlab_kernels`);
+- weight repacking (an "extra buffer type": gemm for the first floor(n/4)*4 rows, gemv for the rest): on x86 the
+  repacked Q4_0 kernels give each output the same order of additions in both (integer block sums, then one FMA per
+  block), so files of the types in `REPACK_EXACT` load repacked and stay exact; others (the K-quants' repacked
+  kernels) load with `use_extra_bufts = False`;
 - the tiled K-quant matmul that takes over at 8+ rows: `GGML_CPU_TILED_MM=0` in the environment, set before the
-  library loads unless the user set it;
-- llamafile's sgemm (blocks of 2+ rows for some weight types) is a build switch: `CMAKE_ARGS=-DGGML_LLAMAFILE=OFF`
-  when pip builds llama-cpp-python (`./run.sh` does). `LlamaCppModel.sgemm` says what the installed library has.
+  library loads unless the user set it.
 
 ggml's AMX kernels are left out of the build too (`-mno-amx-*`, ./run.sh): on AMX CPUs they die with a general
 protection fault in `ggml_backend_amx_mul_mat` at the first repacked decode. `LlamaCppModel.amx` says whether the
@@ -21,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import re
 import sys
 from dataclasses import dataclass, field
@@ -31,8 +35,12 @@ from draftlab.errors import DraftlabError
 
 EXACT_ENV = {"GGML_CPU_TILED_MM": "0"}  # read by ggml-cpu; set before the library loads
 GGML_LOG_LEVEL_ERROR = 4  # ggml.h: NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5
-INSTALL_HINT = ("install it with ./run.sh --setup-only (it compiles llama.cpp without llamafile's sgemm and without "
-                "ggml's AMX kernels, ~4 minutes on 2 cores)")
+INSTALL_HINT = ("install it with ./run.sh --setup-only (it compiles llama.cpp with draftlab's exact kernels and without "
+                "ggml's AMX kernels, ~7 minutes on 2 cores)")
+SGEMM_EVERY_ROW = "sgemm-every-row"  # scripts/llama-cpp/sgemm-every-row.patch
+# Tensor types whose repacked kernels on x86 keep rows exact at every row count (Q4_0's 8x8 gemm and gemv; the others
+# are not repacked on x86), proven bitwise per file type by tests/integration/test_exact_kernels.py.
+REPACK_EXACT = frozenset({"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"})
 
 
 @lru_cache(maxsize=1)
@@ -49,6 +57,38 @@ def llama_lib():
     llama_cpp.llama_log_set(_errors_only(), ctypes.c_void_p(0))
     llama_cpp.llama_backend_init()
     return llama_cpp
+
+
+def tensor_types(path: Path) -> frozenset[str]:
+    """The weight types of a GGUF's tensors ('Q4_0', 'F32', ...), read from its header."""
+    from gguf import GGUFReader
+
+    try:
+        return frozenset(t.tensor_type.name for t in GGUFReader(path).tensors)
+    except (ValueError, OSError) as exc:  # GGUFReader raises ValueError on a file that is not GGUF
+        raise DraftlabError(f"cannot read the tensors of GGUF {path}: {exc}") from exc
+
+
+def repack_keeps_rows(path: Path) -> bool:
+    """Whether llama.cpp's repacked weights keep a block's rows exact for this file on this host (`REPACK_EXACT`)."""
+    return platform.machine() in ("x86_64", "AMD64") and tensor_types(path) <= REPACK_EXACT
+
+
+@lru_cache(maxsize=1)
+def exact_kernels() -> tuple[str, ...]:
+    """The names of draftlab's kernel patches in the loaded ggml-cpu library (its exported
+    `ggml_cpu_draftlab_kernels`); () for a library built without them."""
+    llama_lib()
+    path = next((line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+                 if "libggml-cpu" in line.rsplit("/", 1)[-1]), None) if Path("/proc/self/maps").exists() else None
+    if path is None:
+        return ()
+    try:
+        names = ctypes.CDLL(path).ggml_cpu_draftlab_kernels
+    except (OSError, AttributeError):  # another build of llama.cpp: no such symbol
+        return ()
+    names.restype = ctypes.c_char_p
+    return tuple(n for n in names().decode().split(",") if n)
 
 
 @lru_cache(maxsize=1)
@@ -105,14 +145,18 @@ class LlamaCppModel:
     n_layer: int
     n_params: int
     description: str  # llama.cpp's own: 'llama 135M Q4_1', 'qwen2 1.5B Q4_K - Medium'
-    repack: bool  # weight repacking on (faster blocks on some hosts, rows then depend on the block size)
+    repack: bool  # weight repacking on (faster single rows and blocks where the file's types have repacked kernels)
+    repack_exact: bool  # repacked or not, rows stay exact for this file's types (`repack_keeps_rows`)
     meta_dir: Path | None = None
     _twin: "LlamaCppModel | None" = field(default=None, repr=False)
 
     @classmethod
-    def load(cls, path: Path, meta_dir: Path, repack: bool = False) -> "LlamaCppModel":
-        """Load `path` into llama.cpp; `meta_dir` holds its config (see `describe_gguf`)."""
+    def load(cls, path: Path, meta_dir: Path, repack: bool | None = None) -> "LlamaCppModel":
+        """Load `path` into llama.cpp; `meta_dir` holds its config (see `describe_gguf`). `repack` None: repacked
+        where that keeps rows exact (`repack_keeps_rows`), else not."""
         lib = llama_lib()
+        repack_exact = repack_keeps_rows(path)
+        repack = repack_exact if repack is None else repack
         params = lib.llama_model_default_params()
         params.use_extra_bufts = repack
         handle = lib.llama_model_load_from_file(str(path).encode(), params)
@@ -128,7 +172,7 @@ class LlamaCppModel:
         return cls(path, handle, vocab, config, GenerationConfig.from_model_config(config),
                    int(lib.llama_vocab_n_tokens(vocab)), int(lib.llama_model_n_ctx_train(handle)),
                    int(lib.llama_model_n_layer(handle)), int(lib.llama_model_n_params(handle)),
-                   buffer.value.decode(errors="replace"), repack, meta_dir)
+                   buffer.value.decode(errors="replace"), repack, repack_exact, meta_dir)
 
     def twin(self) -> "LlamaCppModel":
         """The same file loaded with repacked weights (loaded once): fast prefills for a target on exact kernels."""
@@ -140,8 +184,19 @@ class LlamaCppModel:
 
     @property
     def sgemm(self) -> bool:
-        """Whether the installed llama.cpp was built with llamafile's sgemm (rows of 2+ then round differently)."""
+        """Whether the installed llama.cpp was built with llamafile's sgemm."""
         return bool(re.search(r"LLAMAFILE = 1", system_info()))
+
+    @property
+    def exact_kernels(self) -> tuple[str, ...]:
+        """draftlab's kernel patches in the loaded library ('sgemm-every-row'), () for a stock build."""
+        return exact_kernels()
+
+    @property
+    def rows_exact(self) -> bool:
+        """Whether every row of a block rounds as the row alone on these kernels: sgemm, when built in, serves
+        every row count (draftlab's patch), and weights are not repacked unless that keeps rows exact."""
+        return (not self.sgemm or SGEMM_EVERY_ROW in self.exact_kernels) and (self.repack_exact or not self.repack)
 
     @property
     def amx(self) -> bool:
@@ -157,7 +212,8 @@ class LlamaCppModel:
     def kernels(self) -> str:
         """What the kernel settings are, for the results' record."""
         tiled = os.environ.get("GGML_CPU_TILED_MM", "default")
-        return (f"llama.cpp {self.weight_type}, AMX {'on' if self.amx else 'off'}, sgemm {'on' if self.sgemm else 'off'}, "
+        sgemm = ("at every row count" if SGEMM_EVERY_ROW in self.exact_kernels else "on") if self.sgemm else "off"
+        return (f"llama.cpp {self.weight_type}, AMX {'on' if self.amx else 'off'}, sgemm {sgemm}, "
                 f"repack {'on' if self.repack else 'off'}, tiled MM {'off' if tiled == '0' else tiled}")
 
     def __del__(self) -> None:

@@ -58,11 +58,11 @@ class LlamaCppBackend:
         self.lib = llama_lib()
         self.model = model
         self.vocab_size = model.vocab_size
-        self.batch_invariant = not model.sgemm and not model.repack
-        if model.sgemm and not model.repack:
-            warnings.warn("this llama.cpp build has llamafile's sgemm: rows of a block round differently from single "
-                          "rows, so greedy speculative output may differ from plain decoding; reinstall with "
-                          f"{INSTALL_HINT.removeprefix('install it with: ')}", stacklevel=2)
+        self.batch_invariant = model.rows_exact
+        if not model.rows_exact and not model.repack:
+            warnings.warn("this llama.cpp build has llamafile's sgemm gated to 2+ rows: rows of a block round "
+                          "differently from single rows, so greedy speculative output may differ from plain decoding; "
+                          f"reinstall with {INSTALL_HINT.removeprefix('install it with ')}", stacklevel=2)
         self.numerics = model.kernels() + ("" if self.batch_invariant else f" ({ROUNDING})")
         self.n_ctx = min(model.n_ctx_train, MAX_CONTEXT)
         self._ctx = self._new_context(flash_attention)

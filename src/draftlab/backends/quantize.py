@@ -23,7 +23,11 @@ WEIGHT_TYPES = {  # the name users give -> llama.cpp's file type constant
     "F32": "LLAMA_FTYPE_ALL_F32", "F16": "LLAMA_FTYPE_MOSTLY_F16", "BF16": "LLAMA_FTYPE_MOSTLY_BF16",
     "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q6_K": "LLAMA_FTYPE_MOSTLY_Q6_K", "Q5_K_M": "LLAMA_FTYPE_MOSTLY_Q5_K_M",
     "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "Q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1",
+    "Q4_0_PURE": "LLAMA_FTYPE_MOSTLY_Q4_0",
 }
+# Types whose every tensor gets the file's type (llama-quantize --pure): Q4_0 keeps its LM head in Q8_0 otherwise,
+# which no repacked kernel serves on x86; pure, every product of a decode step runs the repacked Q4_0 kernels.
+PURE = frozenset({"Q4_0_PURE"})
 
 
 def weight_type_name(text: str) -> str:
@@ -48,6 +52,7 @@ def derive_weight_type(source: Path, weight_type: str, cache_root: Path) -> Path
     params = lib.llama_model_quantize_default_params()
     params.ftype = getattr(lib, WEIGHT_TYPES[name])
     params.allow_requantize = True
+    params.pure = name in PURE
     params.nthread = threads()
     code = lib.llama_model_quantize(str(source).encode(), str(partial).encode(), ctypes.byref(params))
     if code != 0 or not partial.exists():

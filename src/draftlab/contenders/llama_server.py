@@ -30,6 +30,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from draftlab.backends.gguf import EXACT_ENV, repack_keeps_rows
 from draftlab.files import assets
 from draftlab.engine import GenerationResult, check_room
 from draftlab.errors import DraftlabError
@@ -100,6 +101,8 @@ class ServerConfig:
         threads = str(self.threads or len(os.sched_getaffinity(0)))
         args = ["-m", str(self.model), "-t", threads, "-tb", threads, "-np", str(self.slots), "-c", str(self.context),
                 "-fa", "off", "--no-webui"]
+        if not self._repack_exact():
+            args += ["--no-repack"]  # the K-quants' repacked kernels round a block's rows unlike the rows alone
         if self.draft is not None:
             args += ["-md", str(self.draft)]
         if self.spec_type:
@@ -110,9 +113,24 @@ class ServerConfig:
                 args += [flag, str(value)]
         return args + list(self.extra)
 
+    def _repack_exact(self) -> bool:
+        """Whether the model's repacked weights keep rows exact (a file the server cannot read: let it say so)."""
+        try:
+            return repack_keeps_rows(self.model)
+        except DraftlabError:
+            return True
+
+    def env(self) -> dict[str, str]:
+        """What the server's environment needs beyond the user's: the tiled K-quant matmul off, as for draftlab's
+        own llama.cpp engine (it serves 8+ rows only, so rows would round unlike the rows alone)."""
+        return {} if self._repack_exact() else dict(EXACT_ENV)
+
     def command(self) -> str:
-        """The command line a user deploys this configuration with."""
-        return " ".join(["llama-server", *self.flags(), "--host", "127.0.0.1", "--port", "8080"])
+        """The command line a user deploys this configuration with (draftlab's build of llama-server: its kernels
+        keep a verification block's rows exact, so the server's own speculation is greedy-identical to its plain
+        decoding)."""
+        env = [f"{key}={value}" for key, value in self.env().items()]
+        return " ".join([*env, "llama-server", *self.flags(), "--host", "127.0.0.1", "--port", "8080"])
 
 
 _PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child only calls it
@@ -166,7 +184,8 @@ class LlamaServer:
         with open(self.log, "wb") as log:
             self.process = subprocess.Popen([str(binary), *self.config.flags(), "--host", "127.0.0.1",
                                              "--port", str(self.port)], stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                                            stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+                                            env={**os.environ, **EXACT_ENV})
         try:
             self._wait_healthy()
         except BaseException:

@@ -155,7 +155,10 @@ PRESETS = {
     # llama-cpp-python's own speculation. Every cell runs the first 4 prompts (one of each category); then the
     # race drops the cells that trail the fastest one (study/race.py), so the answer comes in minutes. The layer
     # self-draft, which never won on a CPU (docs/results.md), runs in the full preset.
-    "quick": SweepConfig(targets=("smollm2-135m", f"{LLAMACPP}smollm2-135m"),
+    # Its llama.cpp target is SmolLM2 in Q4_0 with every tensor Q4_0 (derived once from the shipped Q4_1 at setup):
+    # on x86 every product of a step then runs the repacked Q4_0 kernels, exact at every block size with draftlab's
+    # build, at the stock step's price and with GEMM prefill (Q4_1 has neither; docs/backends.md).
+    "quick": SweepConfig(targets=("smollm2-135m", f"{LLAMACPP}smollm2-135m@Q4_0_PURE"),
                          drafters=("designed", "merged:ngram/tree:1:designed", "ngram"),
                          methods=("sps", "asg", "lcp"), ks=(1, 2, 3), datasets=("heldout",), limit=8, race_after=2,
                          max_new_tokens=128, baseline_every=2, budget_s=480.0,

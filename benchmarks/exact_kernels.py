@@ -1,0 +1,193 @@
+"""draftlab's exact llama.cpp kernels against llama.cpp's stock kernels, per weight type, in one run.
+
+Per weight type of the target (the shipped file and each type derived from it with llama.cpp's quantizer):
+- draftlab's exact route (the libraries scripts/build-llama-cpp.sh patches, `LlamaCppBackend`): one row's time
+  after a cached prefix, blocks of 2/4/8/16 rows as multiples of it, whether every row of every block is bitwise
+  the same row scored alone, and prefill tok/s;
+- llama-cpp-python on llama.cpp's stock kernels (the same build's unpatched ggml-cpu, `$cache/llama.cpp/*/stock`,
+  loaded through LLAMA_CPP_LIB_PATH; repack on, tiled matmul at its default, flash attention off): one decode step
+  (`Llama.eval` of one token) and prefill tok/s of the same file.
+Each side runs in a child process of its own (ggml reads its kernels and switches once), one after the other, for
+each weight type in turn. Prints the host's CPU flags, one table, and one JSON document as the last line.
+
+    python benchmarks/exact_kernels.py
+    python benchmarks/exact_kernels.py --types shipped Q4_0 Q8_0 BF16 --rounds 9
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BLOCKS = (1, 2, 4, 8, 16)
+CHECKED = (2, 3, 4, 5, 8, 12, 16)  # block sizes whose rows are compared with single rows
+SHIPPED = "shipped"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--types", nargs="+", default=[SHIPPED, "Q4_0", "Q8_0"])
+    parser.add_argument("--prefix", type=int, default=300, help="cached tokens before the timed blocks")
+    parser.add_argument("--prefill", type=int, default=1024, help="tokens of the timed prefill")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--child", choices=("exact", "stock"), help=argparse.SUPPRESS)
+    parser.add_argument("--gguf", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(run_child(args)))
+        return
+    rows = [measure_type(args, kind) for kind in args.types]
+    print_table(rows)
+    print(json.dumps({"host_flags": host_flags(), "target": args.target, "rows": rows}))
+
+
+def measure_type(args, kind: str) -> dict:
+    """Both sides of one weight type, each in its own process."""
+    from draftlab.models import gguf_path
+
+    path = gguf_path(args.target if kind == SHIPPED else f"{args.target}@{kind}")  # derived once (cached)
+    row = {"type": kind, "file": path.name, "size_mb": round(path.stat().st_size / 1e6)}
+    for side in ("exact", "stock"):
+        row[side] = run_side(args, side, path)
+    return row
+
+
+def run_side(args, side: str, path: Path) -> dict:
+    """One child process: its JSON line, or the reason it gave none."""
+    env = dict(os.environ)
+    if side == "stock":
+        from draftlab.contenders.llama_server import build_dir
+
+        env["LLAMA_CPP_LIB_PATH"] = str(build_dir() / "stock")
+        env.pop("GGML_CPU_TILED_MM", None)
+    command = [sys.executable, __file__, "--child", side, "--gguf", str(path), "--prefix", str(args.prefix),
+               "--prefill", str(args.prefill), "--rounds", str(args.rounds)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        return {"error": (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run_child(args) -> dict:
+    """The measurements of one side in this process."""
+    path = Path(args.gguf)
+    prefix = [100 + (i * 37) % 20000 for i in range(args.prefix)]
+    prompt = [100 + (i * 53) % 20000 for i in range(args.prefill)]
+    return exact_side(path, prefix, prompt, args.rounds) if args.child == "exact" else stock_side(path, prefix, prompt, args.rounds)
+
+
+def exact_side(path: Path, prefix: list[int], prompt: list[int], rounds: int) -> dict:
+    """draftlab's exact route: block costs, row exactness, prefill."""
+    import torch
+
+    from draftlab.backends.gguf import LlamaCppModel, describe_gguf
+    from draftlab.backends.llamacpp import LlamaCppBackend
+    from draftlab.files.assets import cache_dir
+
+    model = LlamaCppModel.load(path, describe_gguf(path, cache_dir()))
+    backend = LlamaCppBackend(model)
+    backend.score(prefix, last_only=True)
+    tokens, alone = [120], []
+    for _ in range(max(CHECKED)):
+        alone.append(backend.score(tokens[-1:])[0])  # [V]
+        tokens.append(int(alone[-1].argmax()))
+    differing = 0
+    for n in CHECKED:
+        backend.rollback(len(prefix))
+        block = backend.score(tokens[:n])  # [n, V]
+        differing += sum(not torch.equal(block[i], alone[i]) for i in range(n))
+
+    def block_time(n: int) -> float:
+        backend.rollback(len(prefix))
+        start = time.perf_counter()
+        backend.score(tokens[:n])
+        return time.perf_counter() - start
+
+    blocks = timed(block_time, rounds)
+
+    def prefill_time() -> float:
+        backend.reset()
+        start = time.perf_counter()
+        backend.score(prompt, last_only=True)
+        return time.perf_counter() - start
+
+    prefill = statistics.median(prefill_time() for _ in range(3))
+    return {"kernels": backend.numerics, "rows_compared": sum(CHECKED), "rows_differing": differing,
+            "one_row_ms": round(1000 * blocks[1], 2), "block_x": {str(n): round(blocks[n] / blocks[1], 2) for n in BLOCKS},
+            "prefill_tok_s": round(len(prompt) / prefill, 1)}
+
+
+def stock_side(path: Path, prefix: list[int], prompt: list[int], rounds: int) -> dict:
+    """llama-cpp-python's own `Llama` on llama.cpp's stock kernels: one decode step, prefill."""
+    import llama_cpp
+
+    from draftlab.backends.gguf import threads
+
+    llm = llama_cpp.Llama(str(path), n_ctx=max(len(prompt), len(prefix) + 64) + 16, n_batch=512, n_threads=threads(),
+                          n_threads_batch=threads(), flash_attn=False, verbose=False)
+
+    def step_time(_: int) -> float:
+        llm.n_tokens = len(prefix)
+        llm._ctx.kv_cache_seq_rm(0, len(prefix), -1)
+        start = time.perf_counter()
+        llm.eval([120])
+        return time.perf_counter() - start
+
+    llm.eval(prefix)
+    step = statistics.median(step_time(0) for _ in range(rounds * 4))
+
+    def prefill_time() -> float:
+        llm.reset()
+        llm._ctx.kv_cache_clear()
+        start = time.perf_counter()
+        llm.eval(prompt)
+        return time.perf_counter() - start
+
+    prefill = statistics.median(prefill_time() for _ in range(3))
+    return {"system_info": llama_cpp.llama_print_system_info().decode(), "step_ms": round(1000 * step, 2),
+            "prefill_tok_s": round(len(prompt) / prefill, 1)}
+
+
+def timed(run, rounds: int) -> dict[int, float]:
+    """Median seconds of `run(n)` per block size, the sizes interleaved round by round (one warm-up round)."""
+    times: dict[int, list[float]] = {n: [] for n in BLOCKS}
+    for r in range(rounds + 1):
+        for n in BLOCKS:
+            seconds = run(n)
+            if r:
+                times[n].append(seconds)
+    return {n: statistics.median(v) for n, v in times.items()}
+
+
+def host_flags() -> list[str]:
+    from draftlab.backends.routes import cpu_flags
+
+    return sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c")))
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"host: {os.cpu_count()} CPU(s), flags {' '.join(host_flags())}")
+    print(f"{'type':<9}{'rows':>8}{'row ms':>8}{'stock ms':>9}{'row/stock':>10}"
+          + "".join(f"{'x' + str(n):>7}" for n in BLOCKS[1:]) + f"{'prefill':>9}{'stock':>8}")
+    for row in rows:
+        exact, stock = row["exact"], row["stock"]
+        if "error" in exact or "error" in stock:
+            print(f"{row['type']:<9} failed: {exact.get('error') or stock.get('error')}")
+            continue
+        print(f"{row['type']:<9}{exact['rows_compared'] - exact['rows_differing']:>4}/{exact['rows_compared']:<3}"
+              f"{exact['one_row_ms']:>8.2f}{stock['step_ms']:>9.2f}{exact['one_row_ms'] / stock['step_ms']:>9.2f}x"
+              + "".join(f"{exact['block_x'][str(n)]:>7.2f}" for n in BLOCKS[1:])
+              + f"{exact['prefill_tok_s']:>9.0f}{stock['prefill_tok_s']:>8.0f}")
+    print("rows: rows of blocks of 2-16 bitwise equal to the same rows alone; xN: a block of N rows as a multiple of "
+          "one row; prefill: tok/s (exact route, then llama-cpp-python on the stock kernels)")
+
+
+if __name__ == "__main__":
+    main()
