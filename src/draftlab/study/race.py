@@ -28,6 +28,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
 
+from draftlab.models import split_weight_type
 from draftlab.study.cells import LLAMACPP_TARGET, Cell
 from draftlab.contenders.methods import METHODS, is_baseline, method_of
 from draftlab.study.store import ResultsStore
@@ -78,8 +79,9 @@ class Projection:
 
 
 def model_of(target: str) -> str:
-    """The model a target name runs, whatever the engine: cells of one model race each other."""
-    return target.removeprefix(LLAMACPP_TARGET)
+    """The model a target name runs, whatever the engine and weight type ('llamacpp:smollm2-135m@Q4_0_PURE' ->
+    'smollm2-135m'): cells of one model race each other, and its answer names the engine and file that won."""
+    return split_weight_type(target.removeprefix(LLAMACPP_TARGET))[0]
 
 
 def race_order(prompt_ids: list[str], lengths: dict[str, int], categories: dict[str, str]) -> list[str]:
