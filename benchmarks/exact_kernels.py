@@ -4,9 +4,10 @@ Per weight type of the target (the shipped file and each type derived from it wi
 - draftlab's exact route (the libraries scripts/build-llama-cpp.sh patches, `LlamaCppBackend`): one row's time
   after a cached prefix, blocks of 2/4/8/16 rows as multiples of it, whether every row of every block is bitwise
   the same row scored alone, and prefill tok/s;
-- llama-cpp-python on llama.cpp's stock kernels (the same build's unpatched ggml-cpu, `$cache/llama.cpp/*/stock`,
-  loaded through LLAMA_CPP_LIB_PATH; repack on, tiled matmul at its default, flash attention off): one decode step
-  (`Llama.eval` of one token) and prefill tok/s of the same file.
+- llama.cpp's stock kernels (the same build's unpatched ggml-cpu, `$cache/llama.cpp/*/stock`, loaded through
+  LLAMA_CPP_LIB_PATH; repack on, tiled matmul at its default, flash attention off): llama-cpp-python's own decode
+  step (`Llama.eval` of one token) and prefill tok/s of the same file, and draftlab's engine on those kernels (the
+  same loop as the exact route's: the kernels alone differ), whose rows are compared with single rows too.
 Each side runs in a child process of its own (ggml reads its kernels and switches once), one after the other, for
 each weight type in turn. Prints the host's CPU flags, one table, and one JSON document as the last line.
 
@@ -80,11 +81,12 @@ def run_child(args) -> dict:
     path = Path(args.gguf)
     prefix = [100 + (i * 37) % 20000 for i in range(args.prefix)]
     prompt = [100 + (i * 53) % 20000 for i in range(args.prefill)]
-    return exact_side(path, prefix, prompt, args.rounds) if args.child == "exact" else stock_side(path, prefix, prompt, args.rounds)
+    loop = loop_side(path, prefix, prompt, args.rounds)
+    return loop if args.child == "exact" else {"loop": loop, **stock_side(path, prefix, prompt, args.rounds)}
 
 
-def exact_side(path: Path, prefix: list[int], prompt: list[int], rounds: int) -> dict:
-    """draftlab's exact route: block costs, row exactness, prefill."""
+def loop_side(path: Path, prefix: list[int], prompt: list[int], rounds: int) -> dict:
+    """draftlab's llama.cpp engine (`LlamaCppBackend`) on the loaded kernels: block costs, row exactness, prefill."""
     import torch
 
     from draftlab.backends.gguf import LlamaCppModel, describe_gguf
@@ -174,19 +176,23 @@ def host_flags() -> list[str]:
 
 def print_table(rows: list[dict]) -> None:
     print(f"host: {os.cpu_count()} CPU(s), flags {' '.join(host_flags())}")
-    print(f"{'type':<9}{'rows':>8}{'row ms':>8}{'stock ms':>9}{'row/stock':>10}"
-          + "".join(f"{'x' + str(n):>7}" for n in BLOCKS[1:]) + f"{'prefill':>9}{'stock':>8}")
+    print(f"{'type':<11}{'kernels':<8}{'rows':>8}{'row ms':>8}" + "".join(f"{'x' + str(n):>7}" for n in BLOCKS[1:])
+          + f"{'prefill':>9}  llama-cpp-python, stock: step ms, prefill")
     for row in rows:
         exact, stock = row["exact"], row["stock"]
         if "error" in exact or "error" in stock:
-            print(f"{row['type']:<9} failed: {exact.get('error') or stock.get('error')}")
+            print(f"{row['type']:<11}failed: {exact.get('error') or stock.get('error')}")
             continue
-        print(f"{row['type']:<9}{exact['rows_compared'] - exact['rows_differing']:>4}/{exact['rows_compared']:<3}"
-              f"{exact['one_row_ms']:>8.2f}{stock['step_ms']:>9.2f}{exact['one_row_ms'] / stock['step_ms']:>9.2f}x"
-              + "".join(f"{exact['block_x'][str(n)]:>7.2f}" for n in BLOCKS[1:])
-              + f"{exact['prefill_tok_s']:>9.0f}{stock['prefill_tok_s']:>8.0f}")
-    print("rows: rows of blocks of 2-16 bitwise equal to the same rows alone; xN: a block of N rows as a multiple of "
-          "one row; prefill: tok/s (exact route, then llama-cpp-python on the stock kernels)")
+        for name, side in (("exact", exact), ("stock", stock["loop"])):
+            tail = (f"  {stock['step_ms']:.2f} ({exact['one_row_ms'] / stock['step_ms']:.2f}x), "
+                    f"{stock['prefill_tok_s']:.0f}" if name == "exact" else "")
+            print(f"{row['type'] if name == 'exact' else '':<11}{name:<8}"
+                  f"{side['rows_compared'] - side['rows_differing']:>4}/{side['rows_compared']:<3}{side['one_row_ms']:>8.2f}"
+                  + "".join(f"{side['block_x'][str(n)]:>7.2f}" for n in BLOCKS[1:]) + f"{side['prefill_tok_s']:>9.0f}"
+                  + tail)
+    print("draftlab's engine on its exact kernels, then on llama.cpp's stock ones; rows: rows of blocks of 2-16 bitwise "
+          "equal to the same rows alone; xN: a block of N rows as a multiple of one row; prefill: tok/s; last: "
+          "llama-cpp-python's own step on the stock kernels (and the exact row's multiple of it) and prefill")
 
 
 if __name__ == "__main__":

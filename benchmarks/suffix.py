@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nhost: {cpu_model()} ({' '.join(flags)}), Python {platform.python_version()}; "
           f"{time.perf_counter() - started:.0f} s")
     print("command: python benchmarks/suffix.py " + " ".join(sys.argv[1:] if argv is None else argv))
-    print(json.dumps({"target": args.target, "backend": target.engine, "suffix_ks": args.suffix_ks, "ks": args.ks,
+    print(json.dumps({"target": args.target, "backend": str(target.engine), "suffix_ks": args.suffix_ks, "ks": args.ks,
                       "max_new_tokens": args.max_new_tokens, "results": results}))
 
 

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
 PREFIX = [100 + (i * 37) % 20000 for i in range(600)]
-TYPES = ["smollm2-135m", "smollm2-135m@Q4_0", "smollm2-135m@Q8_0", "smollm2-135m@BF16"]  # Q4_1 (shipped): vec_dot
+TYPES = ["smollm2-135m", "smollm2-135m@Q4_0_PURE", "smollm2-135m@Q4_0", "smollm2-135m@Q8_0", "smollm2-135m@BF16"]  # Q4_1 (shipped): vec_dot
 
 
 def rows_alone_and_blocks(backend: LlamaCppBackend) -> list[str]:
@@ -95,3 +95,9 @@ def test_llama_servers_own_ngram_speculation_is_greedy_identical_to_its_plain_de
         drafted += sum(r.stats.drafted for r in runs)
     assert len(prompts) >= 6 and drafted > 0  # the speculation drafted: the comparison can fail
     assert outputs["ngram-mod"] == outputs["plain"] and outputs["ngram-simple"] == outputs["plain"]
+    # ... and the server reproduces draftlab's own llama.cpp engine token for token (the Deploy line's promise)
+    from draftlab.api import SpeculativeDecoder
+
+    target = load_model(STUDY_TARGET, backend="llamacpp")
+    engine = SpeculativeDecoder.from_names(target, drafter="ngram", k=3)
+    assert [engine.generate(p.ids, max_new_tokens=128).token_ids for p in prompts] == outputs["plain"]
