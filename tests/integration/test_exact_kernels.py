@@ -1,6 +1,7 @@
 """draftlab's exact llama.cpp kernels (scripts/llama-cpp/*.patch), bitwise on the host at hand: after a cached prefix
-of 600 tokens, every row of a block of 2-16 rows equals the same row scored alone, with 1 and 2 threads, for every
-weight type the kernels claim (the types llamafile's sgemm serves at every row count, and those vec_dot serves)."""
+of 600 tokens, every row of a block of 2-16 rows (and of 20 and 24, past the one-gemv kernel) equals the same row
+scored alone, with 1 and 2 threads, for every weight type the kernels claim (the types llamafile's sgemm serves at
+every row count, repacked Q4_0, and those vec_dot serves)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 import draftlab.backends.llamacpp as llamacpp_module
-from draftlab.backends.gguf import SGEMM_EVERY_ROW
+from draftlab.backends.gguf import Q4_0_ROWS, SGEMM_EVERY_ROW
 from draftlab.backends.llamacpp import LlamaCppBackend
 from draftlab.contenders.llama_server import build_dir
 from draftlab.models import load_model
@@ -25,15 +26,18 @@ PREFIX = [100 + (i * 37) % 20000 for i in range(600)]
 TYPES = ["smollm2-135m", "smollm2-135m@Q4_0_PURE", "smollm2-135m@Q4_0", "smollm2-135m@Q8_0", "smollm2-135m@BF16"]  # Q4_1 (shipped): vec_dot
 
 
+BLOCKS = (*range(2, 17), 20, 24)  # every decode block size, and two past the one-gemv kernel's 16 rows (gemm there)
+
+
 def rows_alone_and_blocks(backend: LlamaCppBackend) -> list[str]:
-    """'n=N row I' for every row of a block of N (2..16) after PREFIX that differs from the same row alone."""
+    """'n=N row I' for every row of a block of N (BLOCKS) after PREFIX that differs from the same row alone."""
     backend.score(PREFIX, last_only=True)
     tokens, alone = [5], []
-    for _ in range(16):
+    for _ in range(max(BLOCKS)):
         alone.append(backend.score(tokens[-1:])[0])  # [V]
         tokens.append(int(alone[-1].argmax()))
     differing = []
-    for n in range(2, 17):
+    for n in BLOCKS:
         backend.rollback(len(PREFIX))
         block = backend.score(tokens[:n])  # [n, V]
         differing += [f"n={n} row {i}" for i in range(n) if not torch.equal(block[i], alone[i])]
@@ -45,7 +49,7 @@ def rows_alone_and_blocks(backend: LlamaCppBackend) -> list[str]:
 def test_block_rows_are_bitwise_single_rows_for_every_weight_type(source, threads, monkeypatch):
     monkeypatch.setattr(llamacpp_module, "threads", lambda: threads)
     target = load_model(source, backend="llamacpp")
-    assert SGEMM_EVERY_ROW in target.model.exact_kernels and target.model.sgemm
+    assert {SGEMM_EVERY_ROW, Q4_0_ROWS} <= set(target.model.exact_kernels) and target.model.sgemm
     backend = LlamaCppBackend(target.model)
     assert backend.batch_invariant and "sgemm at every row count" in backend.numerics
     assert rows_alone_and_blocks(backend) == []

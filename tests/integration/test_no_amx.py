@@ -55,10 +55,11 @@ def test_llama_server_and_the_backend_share_draftlabs_exact_kernels_and_the_stoc
     installed = {lib.name: lib for lib in installed_ggml()}
     for name in ("libggml-cpu.so", "libggml-base.so"):
         assert (binary.parent / name).read_bytes() == installed[name].read_bytes()
-    assert "ggml_cpu_draftlab_kernels" in symbols(installed["libggml-cpu.so"], dynamic=True)
+    assert "ggml_cpu_draftlab_sgemm_every_row" in symbols(installed["libggml-cpu.so"], dynamic=True)
+    assert "ggml_cpu_draftlab_q4_0_rows" in symbols(installed["libggml-cpu.so"], dynamic=True)
     stock = binary.parent.parent / "stock" / "libggml-cpu.so"
     stock_symbols = symbols(stock, dynamic=True)
-    assert "llamafile_sgemm" in stock_symbols and "ggml_cpu_draftlab_kernels" not in stock_symbols
+    assert "llamafile_sgemm" in stock_symbols and "ggml_cpu_draftlab" not in stock_symbols
     assert stock.read_bytes() != installed["libggml-cpu.so"].read_bytes()
 
 

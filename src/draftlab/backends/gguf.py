@@ -6,7 +6,7 @@ choices break that in three places, and draftlab's build mends or avoids each (s
 
 - llamafile's sgemm served blocks of 2+ rows and vec_dot one row: draftlab's build patches the gate out
   (scripts/llama-cpp/sgemm-every-row.patch), so tinyBLAS, one chain of FMAs per output, serves every row count;
-  `LlamaCppModel.exact_kernels` names the patches the loaded library holds (its `ggml_cpu_draftlab_kernels`);
+  `LlamaCppModel.exact_kernels` names the patches the loaded library holds (`EXACT_KERNELS`);
 - weight repacking (an "extra buffer type": gemm for the first floor(n/4)*4 rows, gemv for the rest): on x86 the
   repacked Q4_0 kernels give each output the same order of additions in both (integer block sums, then one FMA per
   block), so files of the types in `REPACK_EXACT` load repacked and stay exact; others (the K-quants' repacked
@@ -38,6 +38,8 @@ GGML_LOG_LEVEL_ERROR = 4  # ggml.h: NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CO
 INSTALL_HINT = ("install it with ./run.sh --setup-only (it compiles llama.cpp with draftlab's exact kernels and without "
                 "ggml's AMX kernels, ~7 minutes on 2 cores)")
 SGEMM_EVERY_ROW = "sgemm-every-row"  # scripts/llama-cpp/sgemm-every-row.patch
+Q4_0_ROWS = "q4_0-rows"  # scripts/llama-cpp/q4_0-rows.patch: one gemv over a block's rows for repacked Q4_0
+EXACT_KERNELS = (SGEMM_EVERY_ROW, Q4_0_ROWS)  # each patch exports ggml_cpu_draftlab_<its name, "-" as "_">
 # Tensor types whose repacked kernels on x86 keep rows exact at every row count (Q4_0's 8x8 gemm and gemv; the others
 # are not repacked on x86), proven bitwise per file type by tests/integration/test_exact_kernels.py.
 REPACK_EXACT = frozenset({"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"})
@@ -76,19 +78,17 @@ def repack_keeps_rows(path: Path) -> bool:
 
 @lru_cache(maxsize=1)
 def exact_kernels() -> tuple[str, ...]:
-    """The names of draftlab's kernel patches in the loaded ggml-cpu library (its exported
-    `ggml_cpu_draftlab_kernels`); () for a library built without them."""
+    """The names of draftlab's kernel patches in the loaded ggml-cpu library (each exports a
+    `ggml_cpu_draftlab_<name>` symbol); () for a library built without them."""
     llama_lib()
     path = next((line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
                  if "libggml-cpu" in line.rsplit("/", 1)[-1]), None) if Path("/proc/self/maps").exists() else None
-    if path is None:
-        return ()
     try:
-        names = ctypes.CDLL(path).ggml_cpu_draftlab_kernels
-    except (OSError, AttributeError):  # another build of llama.cpp: no such symbol
+        library = ctypes.CDLL(path) if path else None
+    except OSError:
         return ()
-    names.restype = ctypes.c_char_p
-    return tuple(n for n in names().decode().split(",") if n)
+    return tuple(name for name in EXACT_KERNELS
+                 if library is not None and hasattr(library, "ggml_cpu_draftlab_" + name.replace("-", "_")))
 
 
 @lru_cache(maxsize=1)
@@ -213,8 +213,9 @@ class LlamaCppModel:
         """What the kernel settings are, for the results' record."""
         tiled = os.environ.get("GGML_CPU_TILED_MM", "default")
         sgemm = ("at every row count" if SGEMM_EVERY_ROW in self.exact_kernels else "on") if self.sgemm else "off"
+        repack = ("on, Q4_0 rows in one gemv" if Q4_0_ROWS in self.exact_kernels else "on") if self.repack else "off"
         return (f"llama.cpp {self.weight_type}, AMX {'on' if self.amx else 'off'}, sgemm {sgemm}, "
-                f"repack {'on' if self.repack else 'off'}, tiled MM {'off' if tiled == '0' else tiled}")
+                f"repack {repack}, tiled MM {'off' if tiled == '0' else tiled}")
 
     def __del__(self) -> None:
         handle, self.handle = getattr(self, "handle", None), None
