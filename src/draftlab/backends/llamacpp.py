@@ -160,7 +160,7 @@ class LlamaCppBackend:
             self._decode(len(part))
             rows.append(self._logits(sum(wanted)))
             self._len += len(part)
-        return torch.cat(rows)  # [n, V] or [1, V]
+        return rows[0] if len(rows) == 1 else torch.cat(rows)  # [n, V] or [1, V]
 
     def _prefill_on_twin(self, tokens: list[int]) -> torch.Tensor:
         """Prefill on the repacked twin, then copy its cache of seq 0 here; the last row's logits [1, V]."""
