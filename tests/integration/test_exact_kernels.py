@@ -105,3 +105,23 @@ def test_llama_servers_own_ngram_speculation_is_greedy_identical_to_its_plain_de
     target = load_model(STUDY_TARGET, backend="llamacpp")
     engine = SpeculativeDecoder.from_names(target, drafter="ngram", k=3)
     assert [engine.generate(p.ids, max_new_tokens=128).token_ids for p in prompts] == outputs["plain"]
+
+
+def test_a_k_quant_file_loads_without_repack_and_its_server_gets_the_switches():
+    """K-quants' repacked kernels are not proven exact: such a file loads without repack (rows exact through vec_dot,
+    tiled matmul off), and llama-server is given the same switches, in the command a user deploys too."""
+    from draftlab.backends.gguf import repack_keeps_rows
+    from draftlab.contenders.llama_server import ServerConfig
+    from draftlab.contenders.serve_check import parse_command
+    from draftlab.models import gguf_path
+
+    path = gguf_path("smollm2-135m@Q4_K_M")
+    assert not repack_keeps_rows(path) and repack_keeps_rows(gguf_path(STUDY_TARGET))
+    config = ServerConfig(path)
+    assert "--no-repack" in config.flags() and config.command().startswith("GGML_CPU_TILED_MM=0 llama-server ")
+    parsed = parse_command(config.command())  # the printed command reads back as it runs
+    assert parsed.model == config.model and parsed.env() == config.env() and "--no-repack" in parsed.flags()
+    target = load_model("smollm2-135m@Q4_K_M", backend="llamacpp")
+    backend = LlamaCppBackend(target.model)
+    assert not target.model.repack and backend.batch_invariant
+    assert rows_alone_and_blocks(backend) == []

@@ -101,7 +101,7 @@ class ServerConfig:
         threads = str(self.threads or len(os.sched_getaffinity(0)))
         args = ["-m", str(self.model), "-t", threads, "-tb", threads, "-np", str(self.slots), "-c", str(self.context),
                 "-fa", "off", "--no-webui"]
-        if not self._repack_exact():
+        if not self._repack_exact() and "--no-repack" not in self.extra:
             args += ["--no-repack"]  # the K-quants' repacked kernels round a block's rows unlike the rows alone
         if self.draft is not None:
             args += ["-md", str(self.draft)]

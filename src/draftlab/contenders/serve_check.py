@@ -14,6 +14,7 @@ concurrency the command pays, also in the shape vLLM's `num_speculative_tokens_p
 
 from __future__ import annotations
 
+import re
 import shlex
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -40,6 +41,8 @@ def parse_command(text: str) -> ServerConfig:
         words = shlex.split(text)
     except ValueError as exc:
         raise DraftlabError(f"cannot read the command: {exc}") from None
+    while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):  # VAR=VALUE before the binary
+        words = words[1:]  # (draftlab starts every server with its kernel settings: ServerConfig.env)
     if words and Path(words[0]).name == LLAMA_SERVER.name:
         words = words[1:]
     values: dict = {}
