@@ -20,9 +20,9 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 .venv/bin/python -m pip install --quiet -e ".[test]"
 # llama.cpp, compiled once here (~6 minutes on 2 cores, cached in ~/.cache/draftlab) for both of its engines:
-# llama-cpp-python (the llamacpp backend) loads its libraries, built without llamafile's sgemm so that a row of a block
-# rounds as the row scored alone; llama-server, the server CPU users deploy, runs on the same libraries but its own
-# ggml-cpu with llama.cpp's defaults (the one part compiled twice). Both without ggml's AMX kernels, which crash every
+# llama-cpp-python (the llamacpp backend) and llama-server, the server CPU users deploy, load the same libraries, with
+# draftlab's exact kernels (scripts/llama-cpp/*.patch: a row of a block rounds as the row scored alone, at every block
+# size); llama.cpp's stock ggml-cpu is built beside them for the benchmarks. Both without ggml's AMX kernels, which crash every
 # decode on AMX CPUs; what is installed is checked (docs/backends.md). The study races llama-server's own
 # speculation beside draftlab's; a failed build leaves the llama.cpp engines out, with one line.
 if ! bash scripts/build-llama-cpp.sh .venv/bin/python >/dev/null; then
