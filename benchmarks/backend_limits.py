@@ -36,7 +36,9 @@ import torch
 
 from draftlab.backends import FastLlamaBackend
 from draftlab.backends.routes import KINDS, Route, choose_for, cpu_flags, cpu_model, exact_routes, gpu_name
+from draftlab.backends.static_step import StaticStep
 from draftlab.checks.exactness import DTYPES, SHAPES, random_model, shapes_named
+from draftlab.errors import DraftlabError
 from draftlab.models import load_model
 from draftlab.decoding.step import Block
 
@@ -157,6 +159,10 @@ def main() -> None:
     parser.add_argument("--max-block", type=int, default=16)
     parser.add_argument("--routes", nargs="*", default=None,
                         help="route names to measure (e.g. linear exact-wm/4); default: every route")
+    parser.add_argument("--steps", nargs="+", default=["auto"],
+                        help="how exact routes run their blocks: auto (the device's default), off (eager), rows, "
+                             "block (static passes, attention by rows or in one call), graphs, graphs-block (the "
+                             "same replayed as CUDA graphs)")
     parser.add_argument("--prefill-tokens", type=int, default=1344, help="length of the prompt whose prefill is timed")
     parser.add_argument("--llama-gguf", nargs="*", default=[],
                         help="GGUF files (e.g. F32 and F16 conversions of the target) to decode with llama.cpp")
@@ -166,16 +172,16 @@ def main() -> None:
     for device in args.devices:
         print(f"{device}: {describe(device, read_bandwidth(device))}")
         rows += measure_device(args, device, sizes, prefills, hf_times)
-    print(f"\n{'device':<7}{'route':<22}{'MB/token':>9}{'limit tok/s':>12}{'AR tok/s':>9}{'% limit':>8}"
+    print(f"\n{'device':<7}{'route':<22}{'step':<13}{'MB/token':>9}{'limit tok/s':>12}{'AR tok/s':>9}{'% limit':>8}"
           f"{'same rows':>10}  block cost / one token (n = " + " ".join(str(n) for n in sizes) + ")")
-    for device, route, per_token, limit, seconds, curve, same in rows:
+    for device, route, per_token, limit, seconds, curve, same, step in rows:
         ratios = " ".join(f"{curve[n] / curve[1]:.2f}" for n in sizes)
-        print(f"{device:<7}{route.label:<22}{per_token / 1e6:>9.0f}{limit:>12.1f}{1 / seconds:>9.1f}"
+        print(f"{device:<7}{route.label:<22}{step:<13}{per_token / 1e6:>9.0f}{limit:>12.1f}{1 / seconds:>9.1f}"
               f"{100 / seconds / limit:>7.0f}%{100 * same:>9.0f}%  {ratios}")
     print(f"\nprefill of a {args.prefill_tokens}-token prompt: " + ", ".join(
         f"{device} {dtype} {s:.3f} s" for (device, dtype), s in prefills.items()))
     for device in args.devices:
-        summarize_device(args, device, [r[1:] for r in rows if r[0] == device])
+        summarize_device(args, device, [r[1:7] for r in rows if r[0] == device and r[7] == args.steps[0]])
     for (device, dtype), seconds in hf_times.items():
         print(f"{device} {dtype}: HF generate (eager, plain) {1 / seconds:.1f} tok/s")
     for gguf in args.llama_gguf:
@@ -190,10 +196,10 @@ def main() -> None:
         print("llama.cpp: not measured (give --llama-gguf FILE...; needs pip install llama-cpp-python)")
     print("reproduce: python benchmarks/backend_limits.py " + " ".join(sys.argv[1:]))
     print(json.dumps({"model": args.shape or args.target, "random_weights": bool(args.shape), "rows": [
-        {"device": device, "route": route.label, "bytes_per_token": per_token, "limit_tokens_per_s": limit,
+        {"device": device, "route": route.label, "step": step, "bytes_per_token": per_token, "limit_tokens_per_s": limit,
          "tokens_per_s": 1 / seconds, "share_of_limit": 1 / seconds / limit,
          "block_cost": {n: curve[n] / curve[1] for n in sizes}, "identical_rows": same}
-        for device, route, per_token, limit, seconds, curve, same in rows],
+        for device, route, per_token, limit, seconds, curve, same, step in rows],
         "hf_generate_tokens_per_s": {f"{d} {t}": 1 / s for (d, t), s in hf_times.items()},
         "prefill_s": {f"{d} {t}": s for (d, t), s in prefills.items()}}))
 
@@ -210,14 +216,22 @@ def measure_device(args, device: str, sizes: list[int], prefills: dict, hf_times
         for route in [Route(dtype, kind, 0) for kind in KINDS] + exact_routes(dtype):
             if args.routes and route.label.split(" ", 1)[1] not in args.routes:
                 continue
-            backend = FastLlamaBackend(target.model, device, route=route)
-            seconds = decode_seconds(backend, args.tokens)
-            curve = block_curve(backend, sizes, args.rounds)
-            same = identical_rows(backend, sizes[1:])
-            rows.append((device, route, per_token, bandwidth / per_token, seconds, curve, same))
+            for step in args.steps if route.exact else ["off"]:
+                try:
+                    rows.append((device, route, per_token, bandwidth / per_token,
+                                 *measure_step(target.model, device, route, step, sizes, args), step))
+                except (RuntimeError, DraftlabError) as exc:  # one step's failure (a kernel's refusal) must not lose the others
+                    print(f"{device} {route.label} step {step}: failed: {str(exc).splitlines()[0]}", flush=True)
         prefills[(device, dtype)] = prefill_seconds(target.model, device, args.prefill_tokens)
         del target
     return rows
+
+
+def measure_step(model, device: str, route: Route, step: str, sizes: list[int], args) -> tuple[float, dict, float]:
+    """Seconds per plain token, the block-cost curve and the share of identical rows of a route run as `step`."""
+    backend = FastLlamaBackend(model, device, route=route, step="auto" if step == "auto" else StaticStep.parse(step))
+    seconds = decode_seconds(backend, args.tokens)
+    return seconds, block_curve(backend, sizes, args.rounds), identical_rows(backend, sizes[1:])
 
 
 def model_of(args, dtype: str, device: str):
@@ -243,7 +257,7 @@ def hf_generate_seconds(model, device: str, tokens: int) -> float:
 
 def summarize_device(args, device: str, rows: list[tuple]) -> None:
     """The route auto chooses on the device, the fastest plain decoding, and the chosen route's block of 8."""
-    config = model_of(args, args.dtypes[0], "cpu").model.config
+    config = model_of(args, args.dtypes[0], "meta").model.config
     choice = choose_for(config, device)
     print(f"{device}: auto chooses {choice.describe()}")
     exact = [r for r in rows if r[0].exact]

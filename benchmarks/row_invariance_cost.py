@@ -21,7 +21,7 @@ import time
 
 import torch
 
-import draftlab.backends.fast_llama as fast_llama
+import draftlab.backends.attention as attention
 from draftlab.backends import FastLlamaBackend
 from draftlab.backends.numerics import rms_norm
 from draftlab.backends.routes import cpu_flags
@@ -45,19 +45,19 @@ def timed(backend: FastLlamaBackend, n: int, device: str) -> float:
 
 def measure(backend: FastLlamaBackend, device: str, rounds: int) -> dict[str, dict[int, float]]:
     """Median seconds per block size, before and after, the two interleaved in every round."""
-    ops = {"after": (backend._norm, fast_llama.attention_row),  # noqa: SLF001 (the ops under test)
+    ops = {"after": (backend._norm, attention.attention_row),  # noqa: SLF001 (the ops under test)
            "before": (rms_norm, lambda query: query)}
     times: dict[str, dict[int, list[float]]] = {name: {n: [] for n in range(1, 17)} for name in ops}
     backend.reset()
     backend.score(PROMPT, last_only=True)
     for r in range(rounds + 1):
         for name in (list(ops) if r % 2 else list(ops)[::-1]):
-            backend._norm, fast_llama.attention_row = ops[name]  # noqa: SLF001
+            backend._norm, attention.attention_row = ops[name]  # noqa: SLF001
             for n in range(1, 17):
                 seconds = timed(backend, n, device)
                 if r:  # the first round warms up
                     times[name][n].append(seconds)
-    backend._norm, fast_llama.attention_row = ops["after"]  # noqa: SLF001
+    backend._norm, attention.attention_row = ops["after"]  # noqa: SLF001
     return {name: {n: statistics.median(v) for n, v in sizes.items()} for name, sizes in times.items()}
 
 

@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from draftlab.backends.static_step import StaticStep
 from draftlab.checks.exactness import SHAPES, TREES, check_shape
 
 CPU_MLP = 1024
@@ -34,14 +35,27 @@ def test_every_block_row_equals_plain_decoding_on_the_cpu(name, dtype):
     assert [f.line() for f in findings if not f.ok] == []
 
 
-ON_GPU = [(name, dtype) for name in SHAPES for dtype in ("fp32", "bf16", "fp16")]
+STATIC = [(name, dtype) for name in SHAPES for dtype in ("fp32", "bf16")]
+
+
+@pytest.mark.parametrize("name, dtype", STATIC, ids=[f"{n}-{d}" for n, d in STATIC])
+def test_the_static_step_keeps_every_block_row_equal_to_plain_decoding_on_the_cpu(name, dtype):
+    """The passes a GPU replays as CUDA graphs (`static_step`), run eagerly: attention over the whole masked cache,
+    trees over their rows' keys in plain decoding's order."""
+    findings = check_shape(cpu_shape(name), dtype, "cpu", (17,), (1, 5, 16), tuple(TREES), rows=4,
+                           step=StaticStep(False, "rows"))
+    assert {f.what for f in findings} >= {"attention", "tree dynamic after 17"}
+    assert [f.line() for f in findings if not f.ok] == []
+
+
+ON_GPU = [(name, dtype, step) for name in SHAPES for dtype in ("fp32", "bf16", "fp16") for step in ("off", "graphs")]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name, dtype", ON_GPU, ids=[f"{n}-{d}" for n, d in ON_GPU])
-def test_every_block_row_equals_plain_decoding_on_cuda(name, dtype):
+@pytest.mark.parametrize("name, dtype, step", ON_GPU, ids=[f"{n}-{d}-{s}" for n, d, s in ON_GPU])
+def test_every_block_row_equals_plain_decoding_on_cuda(name, dtype, step):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device here: the shape matrix runs on the CPU in the default suite")
     findings = check_shape(SHAPES[name].capped(SHAPES[name].intermediate, 8192), dtype, "cuda", (17, 300, 700),
-                           (1, 2, 3, 5, 7, 8, 11, 12, 13, 16))
+                           (1, 2, 3, 5, 7, 8, 11, 12, 13, 16), step=StaticStep.parse(step))
     assert [f.line() for f in findings if not f.ok] == []

@@ -1,41 +1,23 @@
 """A lean forward pass for Llama-family models (Llama, Qwen2), with a static KV cache.
 
-Why: on a CPU a 135M model is memory bound; its matrix products take ~21 ms a
-token, but transformers' eager forward adds ~14 ms of per-module overhead
-(mask building, attention dispatch, cache concatenation). This backend runs the
-same weights (read from the loaded HF module, never modified) through plain tensor code:
+Why: transformers' eager forward adds per-module overhead (masks, attention dispatch, cache concatenation) to a
+memory-bound pass. This backend runs the same weights (read from the loaded HF module, never modified) through plain
+tensor code:
 
-- q/k/v and gate/up projections concatenated once (a copy of those weights,
-  made at construction), so each layer runs 4 matrix products instead of 7.
-- KV cache preallocated per layer as [kv_heads, capacity, head_dim]; writing at
-  `cache_len` and rolling back by moving `cache_len` (stale entries beyond it are
-  never read and are overwritten later), as gpt-fast does.
-- RoPE tables from the model's own rotary module, so every RoPE variant that
-  transformers implements gives the same angles.
-- SDPA with grouped-query attention; a causal mask only when more than one
-  token is scored, a tree mask (cache + ancestors) for tree-shaped blocks;
-  `keep` compacts an accepted tree path in place.
-- Exact by construction (a target's default, every dtype): every row of a
-  scored block is bitwise the row that scoring its token alone after the same
-  prefix gives. Matrix products run on fixed-size row chunks along the route
-  measured fastest on this host (`draftlab.backends.routes`: `F.linear` or
-  weight-major, chunks of 1-16 rows), norms and RoPE are per row already, and
-  attention runs one query row at a time over exactly the keys it sees (the
-  cache prefix, or for a tree its ancestors gathered in order).
-- Prefill at full speed: a block scored for its last row only (a prompt) runs
-  the fastest products and one attention call, since plain and speculative
-  decoding prefill alike and its other rows are only cached.
-- Drafts (not exact: their rounding never reaches the output) run the fastest
-  products: weight-major blocks in fp32 on CPUs (`weight_major_linear`), so a
-  block of 2-4 tokens costs about one token's products.
-- Drafts and prefills in emulated bf16/fp16 (timed: a 16-row product costs over
-  1.5x fp32's): a draft's single tokens and short blocks as they are, which reads
-  half the bytes of fp32; prefills and trees of 6+ tokens with the weights
-  converted to fp32 on the fly (`UpcastLinear`), where a bf16 block would cost
-  one product per row.
+- q/k/v and gate/up projections concatenated once (copies), so each layer runs 4 matrix products instead of 7.
+- KV cache preallocated per layer as [kv_heads, capacity, head_dim]; rolled back by moving `cache_len` (stale
+  entries are never read), as gpt-fast does. RoPE tables from the model's own rotary module.
+- Exact by construction (a target's default, every dtype): every row of a scored block is bitwise the row its
+  token gets scored alone after the same prefix. Products run on fixed-size row chunks along the route measured
+  fastest here (`draftlab.backends.routes`), norms and RoPE per row, attention per row over exactly the keys it sees
+  (`attention.py`). On CUDA the scored blocks run as static passes replayed as CUDA graphs (`static_step.py`).
+- Prefill at full speed: a prompt runs the fastest products and one attention call (plain and speculative
+  decoding prefill alike; its other rows are only cached).
+- Drafts (not exact: their rounding never reaches the output) run the fastest products: weight-major blocks in
+  fp32 on CPUs (`weight_major_linear`); in emulated bf16/fp16, long blocks and prefills with the weights converted
+  to fp32 on the fly (`UpcastLinear`).
 
-It implements the `Backend` protocol; the registry (`draftlab.backends`) picks
-it for the model types in `SUPPORTED_MODEL_TYPES`.
+It implements the `Backend` protocol; the registry (`draftlab.backends`) picks it for `SUPPORTED_MODEL_TYPES`.
 """
 
 from __future__ import annotations
@@ -47,22 +29,29 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from draftlab.backends.attention import (
+    BlockAttention,
+    MaskedAttention,
+    RowAttention,
+    gathered_keys,
+    key_order,
+    visible_bias,
+)
 from draftlab.backends.base import ROUNDING, all_rows, is_prefix
 from draftlab.backends.numerics import (
     INVARIANT_ROWS,
     UpcastLinear,
-    attention_row,
-    causal_mask,
+    chunk_linear,
     cut_head,
     invariant_linear,
     invariant_rms_norm,
     rms_norm,
     rope,
-    tree_mask,
     weight_major_linear,
 )
 from draftlab.backends.routes import Route, default_route, dtype_label, upcast_pays
 from draftlab.backends.row_check import check_ops
+from draftlab.backends.static_step import CAPACITY_STEP, StaticStep, StepGraphs, StepInputs, default_step
 from draftlab.errors import DraftlabError
 from draftlab.decoding.step import Block, Scores
 
@@ -85,6 +74,7 @@ class FastLlamaBackend:
         head_rows: torch.Tensor | None = None,
         upcast: bool | None = None,
         route: Route | None = None,
+        step: StaticStep | str | None = "auto",
     ) -> None:
         """`batch_invariant`: score each block row bitwise as if alone (None: on, a target's default); drafts pass
         False and run the fastest products instead.
@@ -102,6 +92,9 @@ class FastLlamaBackend:
         `upcast`: run a draft's blocks of 6+ rows and every prefill with the weights converted to fp32
         (`UpcastLinear`; None: on for bf16/fp16 weights where this host's 16-row products in that dtype, timed,
         cost over 1.5x fp32's: bf16 emulated, without AVX-512 BF16 or AMX).
+
+        `step`: how an exact backend runs its scored blocks (`static_step.py`): a `StaticStep`, None for the eager
+        step, 'auto' for the device's default (CUDA: static passes replayed as CUDA graphs).
         """
         config = model.config
         self.model = model
@@ -122,14 +115,17 @@ class FastLlamaBackend:
         self._fast_products = self._draft_products()  # prefills (and drafts' blocks): the fastest products
         self._project = self._route_products() if self.route is not None else self._fast_products
         self._norm = partial(invariant_rms_norm, rows=self.route.rows) if self.batch_invariant else rms_norm
-        self.numerics = (self.route.label if self.batch_invariant else
-                         f"{self.route.label if self.route is not None else 'draft products'} ({ROUNDING})")
+        self.step = (default_step(self.device) if step == "auto" else step) if self.batch_invariant else None
+        if self.step and self.step.graphs and self.device.type != "cuda":
+            raise DraftlabError(f"CUDA graphs need a CUDA device, not {self.device}; run the static step eagerly there")
+        self._graphs = StepGraphs(self._static_pass, self.device) if self.step and self.step.graphs else None
+        self.numerics = (f"{self.route.label}{f', {self.step.label}' if self.step else ''}" if self.batch_invariant
+                         else f"{self.route.label if self.route is not None else 'draft products'} ({ROUNDING})")
         self._keys: list[torch.Tensor] = []  # per layer [kv_heads, capacity, head_dim]
         self._values: list[torch.Tensor] = []
         self._cos = self._sin = torch.empty(0)  # [capacity, head_dim]
         self._len = 0
         self._block_start = 0  # where the last scored block began
-        self._head_split = (self.num_heads, self.num_kv_heads, self.num_kv_heads)
         self._weights = [_fuse(layer) for layer in self.layers]
         self._allocate(capacity)
 
@@ -160,6 +156,8 @@ class FastLlamaBackend:
     def score(self, token_ids: Sequence[int], last_only: bool = False) -> torch.Tensor:
         """Append consecutive tokens to the cache; logits [n, V] (or [1, V] if last_only), fp32 on the CPU."""
         start, n = self._len, len(token_ids)
+        if self.step is not None and not (last_only and n > 1):
+            return self._static_scores(Block.chain(list(token_ids)), ()).logits
         positions = torch.arange(start, start + n, device=self.device)  # [n]
         hidden, _ = self._forward(token_ids, positions, None, prefill=last_only and n > 1)  # [n, D]
         return self._logits(hidden[-1:] if last_only else hidden)
@@ -170,6 +168,9 @@ class FastLlamaBackend:
         """Append a tree-shaped block in one pass; logits [n, V] ([1, V] if last_only), hidden states if asked: the
         final ones [n, D], or the inputs of layers `taps` concatenated [n, len(taps) * D]."""
         start, n = self._len, len(block.tokens)
+        if self.step is not None and not (last_only and n > 1 and block.is_chain):
+            scores = self._static_scores(block, taps if with_hidden else ())
+            return Scores(scores.logits[-1:] if last_only else scores.logits, scores.hidden if with_hidden else None)
         if block.is_chain:  # the chain's own code path: no tree bookkeeping, causal attention
             positions = torch.arange(start, start + n, device=self.device)  # [n]
             ancestors = None
@@ -242,7 +243,7 @@ class FastLlamaBackend:
         start, end = self._len, self._len + n
         if end > self._keys[0].shape[1]:
             self._allocate(min(max(2 * end, 256), self.max_positions))
-        attend = _BlockAttention(start, ancestors, self.device) if prefill else self._attention(start, ancestors)
+        attend = BlockAttention(start, ancestors, self.device) if prefill else self._attention(start, ancestors)
         ops = RowOps(attend, self._fast_products, rms_norm) if prefill else RowOps(attend, self._project, self._norm)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)  # [n]
         hidden = F.embedding(ids, self.model.model.embed_tokens.weight)  # [n, D]
@@ -251,24 +252,66 @@ class FastLlamaBackend:
         for index, layer in enumerate(self.layers):
             if index in taps:
                 tapped[index] = hidden
-            hidden = self._layer(index, layer, hidden, cos, sin, start, end, ops)
+            hidden = self._layer(index, layer, hidden, cos, sin, slice(start, end), ops)
         self._block_start, self._len = start, end
         taps_out = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None  # [n, len(taps) * D]
         return ops.norm(hidden, self.model.model.norm.weight, self.eps), taps_out  # [n, D]
+
+    def _static_scores(self, block: Block, taps: tuple[int, ...]) -> Scores:
+        """A block through the static step: logits [n, V] (fp32, CPU), and the taps' inputs [n, len(taps) * D] or
+        the final hidden states [n, D].
+        A block of up to R rows (the route's chunk) runs as R, padding rows (the first row's position and mask)
+        writing to the cache's last entry, which no row sees: products and norms see R rows, as chunked ops would."""
+        start, n = self._len, len(block.tokens)
+        layout = None if block.is_chain else block.layout()
+        depths, ancestors = (torch.arange(n), None) if layout is None else (layout.depths, layout.ancestors)
+        if start + n > self._keys[0].shape[1] - 1:  # the last entry is the padding rows' scratch
+            self._allocate(min(max(2 * (start + n + 1), 256), self.max_positions))
+        capacity = self._keys[0].shape[1]
+        pad = max(self.route.rows - n, 0)
+        positions = F.pad(start + depths.to(torch.long), (0, pad), value=start + int(depths[0]))  # [n + pad]
+        inputs = StepInputs(F.pad(torch.tensor(list(block.tokens), dtype=torch.long), (0, pad)), positions,
+                            F.pad(torch.arange(start, start + n), (0, pad), value=capacity - 1),
+                            visible_bias(positions, capacity, self.dtype), n,
+                            None if ancestors is None else key_order(start, ancestors, capacity)).to(self.device)
+        logits, hidden, tapped = (self._graphs or self._static_pass)(inputs, taps)
+        self._block_start, self._len = start, start + n
+        return Scores(logits[:n].float().cpu(), tapped[:n] if taps else hidden[:n])
+
+    def _static_pass(self, inputs: StepInputs, taps: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+        """The layers on static inputs (a CUDA graph's pass): logits [m, V], final hidden states [m, D], the taps'
+        inputs [m, len(taps) * D] (empty without); m: the block's rows padded to R, where each product and norm runs
+        once on the R rows, bitwise what the chunked ops compute for each row."""
+        attend = MaskedAttention(inputs.bias, inputs.order, self.step.attention, rows=inputs.rows)
+        one_chunk = inputs.ids.shape[0] == self.route.rows
+        ops = RowOps(attend, partial(chunk_linear, weight_major=self.route.kind == "weight-major"), rms_norm
+                     ) if one_chunk else RowOps(attend, self._project, self._norm)
+        hidden = F.embedding(inputs.ids, self.model.model.embed_tokens.weight)  # [m, D]
+        cos, sin = self._cos[inputs.positions], self._sin[inputs.positions]  # [m, head_dim]
+        tapped = []
+        for index, layer in enumerate(self.layers):
+            if index in taps:
+                tapped.append(hidden)
+            hidden = self._layer(index, layer, hidden, cos, sin, inputs.slots, ops)
+        hidden = ops.norm(hidden, self.model.model.norm.weight, self.eps)  # [m, D]
+        taps_out = torch.cat(tapped, dim=-1) if taps else hidden.new_empty(0)  # [m, len(taps) * D]
+        return ops.project(hidden, self._head, None), hidden, taps_out
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM-head logits [n, V] ([n, V'] with head rows), fp32 on the CPU, from final hidden states [n, D]."""
         return self._project(hidden, self._head).float().cpu()
 
-    def _layer(self, index, layer, hidden, cos, sin, start, end, ops: "RowOps") -> torch.Tensor:
+    def _layer(self, index, layer, hidden, cos, sin, slots, ops: "RowOps") -> torch.Tensor:
+        """One layer on hidden [n, D]; its keys and values are written to cache entries `slots` (a slice, or [n])."""
         weights, project = self._weights[index], ops.project
         n = hidden.shape[0]
         normed = ops.norm(hidden, layer.input_layernorm.weight, self.eps)  # [n, D]
         qkv = project(normed, weights.qkv, weights.qkv_bias)  # [n, (H + 2 Hkv) hd]
-        query, key, value = qkv.view(n, -1, self.head_dim).transpose(0, 1).split(self._head_split)  # [heads, n, hd]
-        query, key = rope(query, cos, sin), rope(key, cos, sin)
-        self._keys[index][:, start:end] = key
-        self._values[index][:, start:end] = value
+        heads = qkv.view(n, -1, self.head_dim).transpose(0, 1)  # [H + 2 Hkv, n, hd]
+        query_key = rope(heads[: self.num_heads + self.num_kv_heads], cos, sin)  # elementwise: one pass for both
+        query, key, value = query_key[: self.num_heads], query_key[self.num_heads :], heads[-self.num_kv_heads :]
+        self._keys[index][:, slots] = key
+        self._values[index][:, slots] = value
         out = ops.attend(query, self._keys[index], self._values[index], layer.self_attn.scaling)  # [H, n, hd]
         o_proj, down_proj = layer.self_attn.o_proj, layer.mlp.down_proj
         hidden = hidden + project(out.transpose(0, 1).reshape(n, -1), o_proj.weight, o_proj.bias)
@@ -277,8 +320,7 @@ class FastLlamaBackend:
         return hidden + project(F.silu(gate) * up, down_proj.weight, down_proj.bias)
 
     def row_check(self) -> str:
-        """'' when every op a scored block runs is row-invariant on this device (checked op by op on this model's
-        sizes, `row_check`), else which op differed where; '' for a draft's inexact products, which claim nothing."""
+        """'' when every op a block runs is row-invariant here (`row_check`), else which differed where ('' for a draft)."""
         if not self.batch_invariant:
             return ""
         found = check_ops(self.block_ops, self.model.config.hidden_size, self.num_heads, self.num_kv_heads,
@@ -292,12 +334,20 @@ class FastLlamaBackend:
 
     def _attention(self, start: int, ancestors: torch.Tensor | None) -> Callable:
         """attend(query [H, n, hd], keys, values [Hkv, capacity, hd], scale) -> [H, n, hd] for this block's shape."""
+        if self.step is not None:
+            order = None if ancestors is None else key_order(start, ancestors, self._keys[0].shape[1]).to(self.device)
+            return MaskedAttention(None, order, self.step.attention, start)
         if self.batch_invariant:
-            return _RowAttention(start, _gathered_keys(start, ancestors, self.device))
-        return _BlockAttention(start, ancestors, self.device)
+            return RowAttention(start, gathered_keys(start, ancestors, self.device))
+        return BlockAttention(start, ancestors, self.device)
 
     def _allocate(self, capacity: int) -> None:
-        """(Re)allocate cache buffers and RoPE tables for `capacity` positions, keeping cached entries."""
+        """(Re)allocate cache buffers and RoPE tables for `capacity` positions, keeping cached entries (a static
+        step's capacity rounded up to a multiple of `CAPACITY_STEP`; its graphs, which wrote the old buffers, go)."""
+        if self.step is not None:
+            capacity = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
+            if self._graphs is not None:
+                self._graphs.clear()
         shape = (self.num_kv_heads, capacity, self.head_dim)
         keep = self._len
         self._keys = [self._grow(old, shape, keep) for old in self._keys] or [
@@ -348,53 +398,3 @@ def _fuse(layer) -> _FusedWeights:
         qkv_bias.detach() if qkv_bias is not None else None,
         torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
     )
-
-
-def _gathered_keys(start: int, ancestors: torch.Tensor | None, device: torch.device) -> list[torch.Tensor] | None:
-    """Per tree row, the cache entries it sees in order: the prefix, then its ancestors and itself. None for a chain."""
-    if ancestors is None:
-        return None
-    prefix = torch.arange(start, device=device)  # [start]
-    return [torch.cat([prefix, start + row.nonzero()[:, 0].to(device)]) for row in ancestors]
-
-
-class _BlockAttention:
-    """All rows of a block in one SDPA call, with a causal or tree mask (fast, rounding depends on the block)."""
-
-    def __init__(self, start: int, ancestors: torch.Tensor | None, device: torch.device) -> None:
-        self.start, self.device = start, device
-        self.mask = None if ancestors is None else tree_mask(start, ancestors, device)  # [n, start + n]
-
-    def __call__(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-        rows = query.shape[1]
-        end = self.start + rows
-        mask = self.mask if self.mask is not None else causal_mask(self.start, rows, self.device)
-        return F.scaled_dot_product_attention(
-            query.unsqueeze(0),  # [1, H, n, hd]
-            keys[:, :end].unsqueeze(0),  # [1, Hkv, end, hd]
-            values[:, :end].unsqueeze(0),
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=True,
-        )[0]  # [H, n, hd]
-
-
-class _RowAttention:
-    """One query row at a time over exactly the keys that row sees: bitwise what scoring it alone computes."""
-
-    def __init__(self, start: int, gathered: list[torch.Tensor] | None) -> None:
-        self.start, self.gathered = start, gathered  # gathered: per tree row its key indices; None for a chain
-
-    def __call__(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-        rows = [self._row(query[:, i : i + 1], keys, values, scale, i) for i in range(query.shape[1])]
-        return torch.cat(rows, dim=1)  # [H, n, hd]
-
-    def _row(self, query, keys, values, scale, i) -> torch.Tensor:
-        if self.gathered is None:  # a chain: row i sees the cache and the block up to itself
-            seen = self.start + i + 1
-            keys, values = keys[:, :seen], values[:, :seen]  # [Hkv, seen, hd]
-        else:
-            keys, values = keys[:, self.gathered[i]], values[:, self.gathered[i]]
-        return F.scaled_dot_product_attention(
-            attention_row(query).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), scale=scale, enable_gqa=True
-        )[0]  # [H, 1, hd]

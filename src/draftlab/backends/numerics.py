@@ -4,7 +4,8 @@ Written once so that every module computes them the same way, bit for bit. This 
 row invariance (a row scored in a block of any size rounds as the row scored alone), op by op:
 - products: `invariant_linear`, every product on exactly R rows (the route's R, timed per host);
 - norms: `invariant_rms_norm`, every reduction on exactly R rows too (the route's R);
-- attention: one SDPA call per row (`fast_llama._RowAttention`) on a contiguous copy of the row (`attention_row`)
+- attention: one SDPA call per row (`attention.RowAttention`; the static step's `attention.MaskedAttention`) on a
+  contiguous copy of the row (`attention_row`)
   over exactly the keys it sees, a view of the cache for chains and plain decoding alike;
 - rope, residual adds, SiLU, embedding: elementwise or gathers, row-invariant as they are.
 `draftlab.checks.exactness` checks each of them on a device, per model shape (`draftlab check exact`).
@@ -113,6 +114,14 @@ def invariant_linear(
     else:
         parts = [F.linear(chunk, weight) for chunk in padded.split(rows)]
     out = torch.cat(parts)[:n]  # [n, out]
+    return out if bias is None else out + bias
+
+
+def chunk_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, weight_major: bool = False
+                 ) -> torch.Tensor:
+    """One chunk of `invariant_linear` on x [R, D] (exactly its R rows, contiguous): bitwise its rows, without the
+    padded copy; the bias added apart, as there (a GEMM's fused bias rounds otherwise)."""
+    out = torch.mm(weight, x.t()).t() if weight_major else F.linear(x, weight)  # [R, out]
     return out if bias is None else out + bias
 
 

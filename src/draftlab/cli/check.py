@@ -26,6 +26,9 @@ def add_check_commands(sub) -> None:
     exact.add_argument("--rows", type=int, default=16, help="the exact route's row chunk R (exact-linear/R; default 16)")
     exact.add_argument("--full-mlp", action="store_true",
                        help=f"keep the shapes' MLP width on a CPU too (default: at most {CPU_MLP_CAP} there)")
+    exact.add_argument("--step", nargs="+", default=["auto"], metavar="STEP",
+                       help="how the exact route runs its blocks, each checked: auto (the device's default: CUDA "
+                            "graphs on a GPU, the eager step elsewhere), off (eager), rows, block, graphs, graphs-block")
     exact.set_defaults(run=cmd_check_exact)
 
 
@@ -35,6 +38,7 @@ def cmd_check_exact(args) -> None:
 
     from draftlab.backends.routes import cpu_flags
     from draftlab.errors import DraftlabError
+    from draftlab.backends.static_step import StaticStep
     from draftlab.checks.exactness import check_shape, shapes_named
     from draftlab.models import check_device
 
@@ -48,13 +52,16 @@ def cmd_check_exact(args) -> None:
     print(f"check exact: torch {torch.__version__} on {where}; random weights in each shape, "
           f"{'full' if on_cuda or args.full_mlp else f'MLP and vocabulary at most {CPU_MLP_CAP} and {CPU_VOCAB_CAP}'}, "
           f"exact-linear/{args.rows}")
+    steps = {name: "auto" if name == "auto" else StaticStep.parse(name) for name in args.step}
     started, findings = time.perf_counter(), []
-    for shape in shapes_named(args.shape):
-        shape = shape if on_cuda or args.full_mlp else shape.capped(CPU_MLP_CAP, CPU_VOCAB_CAP)
-        for dtype in dtypes:
-            for finding in check_shape(shape, dtype, args.device, tuple(args.prefixes), rows=args.rows):
-                print(finding.line(), flush=True)
-                findings.append(finding)
+    for name, step in steps.items():
+        print(f"check exact: step {name}")
+        for shape in shapes_named(args.shape):
+            shape = shape if on_cuda or args.full_mlp else shape.capped(CPU_MLP_CAP, CPU_VOCAB_CAP)
+            for dtype in dtypes:
+                for finding in check_shape(shape, dtype, args.device, tuple(args.prefixes), rows=args.rows, step=step):
+                    print(finding.line(), flush=True)
+                    findings.append(finding)
     bad = [f for f in findings if not f.ok]
     print(f"check exact: {'all rows invariant' if not bad else f'{len(bad)} of {len(findings)} checks DIFFER'} "
           f"({len(findings)} checks, {time.perf_counter() - started:.0f} s)")
