@@ -31,7 +31,7 @@ stage blocks-7b 80 $py benchmarks/backend_limits.py --shape qwen2.5-7b --devices
   --rounds 3 --routes linear exact-linear/16 --steps $steps --prefill-tokens 512
 stage blocks-1.5b 50 $py benchmarks/backend_limits.py --shape qwen2.5-1.5b --devices cuda --dtypes bf16 --tokens 32 \
   --rounds 3 --routes linear exact-linear/16 --steps $steps --prefill-tokens 512
-stage tests 40 $py -m pytest -m gpu -rs -q -x tests/test_shape_matrix.py -k "bf16 or fp16" --durations=5
+stage tests 40 $py -m pytest -m gpu -rs -q -x tests/test_shape_matrix.py -k "bf16 and graphs-block" --durations=5
 grep -hE "DIFFER|^check exact|rror" "$out/exact.log" "$out/exact-block.log" | tail -n 16
 for log in blocks-7b blocks-1.5b; do grep -E "^cuda |auto|fastest|HF|rror|failed" "$out/$log.log" | head -n 12; done
 tail -n 6 "$out/tests.log"
