@@ -89,14 +89,11 @@ def key_order(start: int, ancestors: torch.Tensor, capacity: int) -> torch.Tenso
     ancestors and itself, then the rest (masked out). Plain decoding of the row's path holds the same keys at the
     same places, so the row's attention adds them up in the same order (a hole in a row's keys moved the later ones
     to other lanes of the kernel's sums, and their rounding with them)."""
-    rows = ancestors.shape[0]
-    order = torch.empty(rows, capacity, dtype=torch.long)
-    block = start + torch.arange(rows)  # [n] the block's cache entries
-    for i, seen in enumerate(ancestors.cpu()):
+    order = torch.empty(ancestors.shape[0], capacity, dtype=torch.long)
+    for i, seen in enumerate(gathered_keys(start, ancestors.cpu(), torch.device("cpu"))):
         rest = torch.ones(capacity, dtype=torch.bool)
-        rest[:start] = False
-        rest[block[seen]] = False
-        order[i] = torch.cat([torch.arange(start), block[seen], rest.nonzero()[:, 0]])
+        rest[seen] = False
+        order[i] = torch.cat([seen, rest.nonzero()[:, 0]])
     return order
 
 

@@ -109,18 +109,14 @@ def invariant_linear(
     n = x.shape[0]
     padded = x.new_zeros(-(-n // rows) * rows, x.shape[1])  # [ceil(n / R) R, D] row-major
     padded[:n] = x
-    if weight_major:
-        parts = [torch.mm(weight, chunk.t()).t() for chunk in padded.split(rows)]  # [R, out] each
-    else:
-        parts = [F.linear(chunk, weight) for chunk in padded.split(rows)]
-    out = torch.cat(parts)[:n]  # [n, out]
+    out = torch.cat([chunk_linear(chunk, weight, None, weight_major) for chunk in padded.split(rows)])[:n]  # [n, out]
     return out if bias is None else out + bias
 
 
 def chunk_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, weight_major: bool = False
                  ) -> torch.Tensor:
-    """One chunk of `invariant_linear` on x [R, D] (exactly its R rows, contiguous): bitwise its rows, without the
-    padded copy; the bias added apart, as there (a GEMM's fused bias rounds otherwise)."""
+    """One chunk of `invariant_linear`: x [R, D], exactly its R rows, contiguous (`weight_major`: as weight @ x^T);
+    the bias added apart (a GEMM's fused bias rounds otherwise). A block of R rows runs it directly."""
     out = torch.mm(weight, x.t()).t() if weight_major else F.linear(x, weight)  # [R, out]
     return out if bias is None else out + bias
 
