@@ -26,7 +26,7 @@ from draftlab.perf.calibrate import Profile
 from draftlab.files.safeio import load_tensors, save_tensors, write_atomic
 from draftlab.backends.routes import parse_route
 from draftlab.decoding.sampling import SamplingConfig
-from draftlab.study.runner import _read_state, _stored_pairs
+from draftlab.study.runner import _read_state
 from draftlab.study.store import SCHEMA_VERSION, ResultsStore
 from tests.conftest import older_database_file
 
@@ -89,8 +89,6 @@ def test_json_sqlite_and_jsonl_files_refuse_a_payload(tmp_path, marker):
     (cache / "responses.jsonl").write_bytes(blob + b"\n[1, 2, 3]\n")
     (cache / "suffix-cache.json").write_text(json.dumps({"format": "draftlab-suffix-cache/1", "tokenizer": ""}))
     assert read_responses(cache / "responses.jsonl") == [[1, 2, 3]]  # the damaged line is dropped
-    (cache / "prompts.json").write_bytes(blob)
-    assert _stored_pairs(cache) == []  # a sweep cell's prompt list: a cold cache, never a crash
     (tmp_path / "prompts.jsonl").write_bytes(blob)
     with pytest.raises(DraftlabError):
         load_prompts(str(tmp_path / "prompts.jsonl"))

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from draftlab.design.training import LoopSettings, train
-from draftlab.drafters.designed import DesignedDraft, build_draft, draft_state, save_draft
+from draftlab.drafters.designed import DesignedDraft, draft_state, save_draft
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel
 from draftlab.files.safeio import load_tensors, save_tensors
@@ -185,8 +185,3 @@ def distill(target: LoadedModel, draft: DesignedDraft, sequences: list[list[int]
     train(student, train_rows, LoopSettings.of(settings), out, settings.seq_len, progress, log_name=LOG)
     draft.model.model.eval()
     return draft
-
-
-def fresh_student(target: LoadedModel, layers: list[int], vocab_map: torch.Tensor | None) -> DesignedDraft:
-    """A trainable draft initialised from the target's layers (copies: training never touches the target)."""
-    return build_draft(target, layers, vocab_map)

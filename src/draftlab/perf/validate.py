@@ -97,11 +97,6 @@ def measured_cells(rows: list[dict], method: str = SPS.name) -> dict[tuple[str, 
             for key, (tokens, seconds, steps, target, draft, overhead) in sums.items() if seconds > 0 and steps > 0}
 
 
-def measured_decode_throughput(rows: list[dict]) -> dict[tuple[str, int], float]:
-    """Decode tokens/s (prefill excluded) of every sps cell, over all its datasets."""
-    return {key: cell.tokens_per_s for key, cell in measured_cells(rows).items()}
-
-
 def explain(p: Prediction, cell: MeasuredCell, overhead_s: float, anchor: float = 1.0) -> str:
     """Which input's misprediction moved the time per token most: TAR, block time, draft cost or overhead.
 

@@ -15,7 +15,6 @@ import torch
 
 from draftlab.api import SpeculativeDecoder, build_drafter, eos_ids, parse_drafter_spec
 from draftlab.drafters.base import Drafter
-from draftlab.drafters.suffix import RESPONSES_FILE, read_responses
 from draftlab.errors import DraftlabError
 from draftlab.contenders.hf import HFGenerate, hf_assist
 from draftlab.contenders.llama_cpp_python import LlamaCppPeer
@@ -31,7 +30,6 @@ from draftlab.contenders.server_configs import ServerPool, spec_config
 if TYPE_CHECKING:
     from draftlab.study.config import SweepConfig
 
-PROMPTS_FILE = "prompts.json"  # 0.11's suffix cells: the prompt of each response beside the cell's cache
 STATE_FILES = ("state-0.pt", "state-1.pt")  # a learning cell's two newest states (what it learned, from which prompts)
 
 
@@ -130,8 +128,6 @@ class CellRunner:
         states = [_read_state(where / name) for name in STATE_FILES if where is not None]
         usable = [s for s in states if s is not None and s.get("start") == self.cell_starts[cell.key]
                   and all((cell.key, p) in self.done for p in s["prompts"])]
-        if not usable and where is not None:  # a suffix cell of 0.11: its responses file and their prompts
-            usable = _stored_suffix_state(where, cell.key, self.done)
         if usable:
             state = max(usable, key=lambda s: len(s["prompts"]))
             own.load_state(state["state"])
@@ -200,34 +196,6 @@ def record_of(cell: Cell, run: RunRecord) -> Record:
         s.wall_s, token_sha(run.token_ids), levels_per_step=s.levels_per_step_list if s.has_trees else [],
         cache_held=s.cache_held, window_tokens=s.window_tokens, latency_s=s.latency_s,
     )
-
-
-def _stored_suffix_state(where: Path, cell_key: str, done: set) -> list[dict]:
-    """A 0.11 suffix cell's cache as a state: the responses to its stored prompts, in order (none: cold)."""
-    prompts, responses = [], []
-    for prompt_id, response in _stored_pairs(where):
-        if (cell_key, prompt_id) not in done:
-            break
-        prompts.append(prompt_id)
-        responses.append(response)
-    return [{"prompts": prompts, "state": {"responses": responses}}] if prompts else []
-
-
-def _stored_pairs(where: Path) -> list[tuple[str, list[int]]]:
-    """(prompt id, response) of a suffix cell's saved cache, in order; none when the prompt list is torn, foreign,
-    or was not written after the responses it pairs with (a kill between the two writes): the cell then starts
-    cold, which costs speed, never a prompt timed with its own answer."""
-    try:
-        stored = json.loads((where / PROMPTS_FILE).read_text(encoding="utf-8"))
-        digest = hashlib.sha256((where / RESPONSES_FILE).read_bytes()).hexdigest()
-    except (OSError, ValueError):
-        return []
-    if not isinstance(stored, dict) or stored.get("responses_sha256") != digest:
-        return []
-    prompts = stored.get("prompts")
-    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
-        return []
-    return list(zip(prompts, read_responses(where / RESPONSES_FILE)))
 
 
 def _read_state(path: Path) -> dict | None:
