@@ -27,9 +27,9 @@ from draftlab.bench import BenchSettings, run_bench
 from draftlab.files.datasets import load_prompts
 from draftlab.measure import DECODE, END_TO_END, RunSettings
 from draftlab.perf.halving import PLAIN, encode, run_round
-from draftlab.study.report import summarize
-from draftlab.study.store import ResultsStore
-from draftlab.study.sweep import SweepConfig, run_sweep
+from draftlab.study.answer.report import summarize
+from draftlab.study.run.store import ResultsStore
+from draftlab.study.run.sweep import SweepConfig, run_sweep
 
 
 def bench_speedups(decoder, prompts, args) -> tuple[float, float]:

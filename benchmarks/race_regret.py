@@ -7,7 +7,7 @@ study's "Use" line names: a lossless configuration on any engine, or plain decod
 against), the full grid's, whether they are the same configuration or the full grid cannot tell them apart (the
 pick's speedup lies within the answer's paired interval there, or the pick's interval reaches the answer), and the
 regret: the full grid's answer's speedup over the pick's, both measured in the full grid against its reference
-plain decoding (`draftlab.study.host`). It also replays the race rule on each full grid's own records (the same
+plain decoding (`draftlab.study.answer.host`). It also replays the race rule on each full grid's own records (the same
 decisions the sweep makes, prompt by prompt in the race's order, readmissions included), which isolates the rule
 from run-to-run noise. The last line
 of stdout is one JSON document. Run it alone: it is a benchmark.
@@ -30,11 +30,11 @@ from pathlib import Path
 
 from draftlab.backends.routes import cpu_flags
 from draftlab.contenders.methods import method_of
-from draftlab.study.race import PromptSet, RaceRule, dropped_cells, race_order
-from draftlab.study.answer import chosen
-from draftlab.study.report import ALL, CellSummary, load_checks, load_study, pace, summarize
-from draftlab.study.store import ResultsStore
-from draftlab.study.sweep import make_config, plan
+from draftlab.study.run.race import PromptSet, RaceRule, dropped_cells, race_order
+from draftlab.study.answer.recommend import chosen
+from draftlab.study.answer.report import ALL, CellSummary, load_checks, load_study, pace, summarize
+from draftlab.study.run.store import ResultsStore
+from draftlab.study.run.sweep import make_config, plan
 
 
 def main() -> None:

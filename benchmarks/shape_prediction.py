@@ -84,7 +84,7 @@ def compare(profile: Profile, records: dict, args) -> dict:
     cells = {key: acceptance(key[0], key[1], args.device, [counts(r.stats) for r in runs])
              for key, runs in records.items() if key[0] != "plain"}
     if args.acceptance_from:
-        from draftlab.study.transfer import acceptance_from
+        from draftlab.study.answer.transfer import acceptance_from
 
         elsewhere = {(c.drafter, c.k): c for c in acceptance_from(args.acceptance_from)[0]}
         cells = {key: replace(elsewhere[key], measured_tokens_per_s=cell.measured_tokens_per_s, device=args.device)

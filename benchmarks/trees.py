@@ -27,9 +27,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from draftlab.study.report import summarize
-from draftlab.study.store import ResultsStore
-from draftlab.study.sweep import SweepConfig, run_sweep
+from draftlab.study.answer.report import summarize
+from draftlab.study.run.store import ResultsStore
+from draftlab.study.run.sweep import SweepConfig, run_sweep
 
 
 def main() -> None:

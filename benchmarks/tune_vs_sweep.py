@@ -37,9 +37,9 @@ from pathlib import Path
 
 from draftlab.perf.calibrate import CalibrationSettings
 from draftlab.models import load_model
-from draftlab.study.report import summarize
-from draftlab.study.store import ResultsStore
-from draftlab.study.sweep import SweepConfig, run_sweep
+from draftlab.study.answer.report import summarize
+from draftlab.study.run.store import ResultsStore
+from draftlab.study.run.sweep import SweepConfig, run_sweep
 from draftlab.files.datasets import load_prompts
 from draftlab.perf.halving import PLAIN
 from draftlab.perf.sizing import TuneSettings

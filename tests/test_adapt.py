@@ -21,6 +21,7 @@ from draftlab.decoding.policy import FixedK
 from draftlab.registry import adapt_spec, build_drafter, parse_drafter_spec
 from tests.conftest import tiny_llama
 from tests.test_engine_sampling import K, SAMPLINGS, VOCAB, assert_joint_matches, empirical_joint, exact_joint
+from tests.tiers import exhaustive
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 9, 10, 9, 10, 11], [42, 17, 5], [30, 31, 32, 33]]
 FAST = AdaptSettings(lr=3e-3, every=8, steps=2, window=32, batch=2)
@@ -76,6 +77,7 @@ def test_greedy_output_equals_plain_decoding_while_the_draft_learns(tiny_target,
     assert "fc.weight" in changed and "q_proj.weight" in changed
 
 
+@pytest.mark.slow
 def test_acceptance_rises_on_a_stream_it_learns_from(tiny_target):
     """A draft that starts from a copy of the target's last layer learns the tiny target's own continuations."""
     static = FeatureDrafter(new_feature_draft(tiny_target, torch.arange(64)))
@@ -166,7 +168,7 @@ def test_the_api_adapts_and_saves(tmp_path):
         SpeculativeDecoder.from_names(target, drafter="ngram", k=2).save_draft(str(tmp_path / "x"))
 
 
-@pytest.mark.parametrize("name", ["t1", "t1-top0.85"])
+@pytest.mark.parametrize("name", ["t1", exhaustive("t1-top0.85")])
 @pytest.mark.slow  # statistical: `pytest -m slow`, which CI runs too
 def test_adaptation_keeps_the_joint_distribution(name):
     """A half-vocabulary feature draft that takes an optimizer step every position: what it proposes changes all

@@ -13,6 +13,7 @@ from draftlab.decoding.policy import FixedK
 from draftlab.decoding.sampling import SamplingConfig, logits_to_probs, sample
 from draftlab.decoding.verify import Verdict
 from tests.conftest import noisy_copy, tiny_llama
+from tests.tiers import slow
 
 PROMPT = [1, 2, 3, 4, 5]
 SAMPLING = SamplingConfig(0.8)
@@ -38,7 +39,7 @@ def sampler(target, drafter, verifier=None, sampling=SAMPLING):
     return lambda seed: run.generate(PROMPT, config(seed)).token_ids
 
 
-@pytest.fixture(scope="module", params=sorted(SETTINGS))
+@pytest.fixture(scope="module", params=["fp32", slow("bf16")])  # SETTINGS' dtypes; bf16 trains longer
 def report(request):
     import torch
 

@@ -11,8 +11,9 @@ import torch
 from draftlab.cli import main
 from draftlab.drafters.designed import build_draft, save_draft
 from draftlab.models import load_model
-from draftlab.study.store import ResultsStore
+from draftlab.study.run.store import ResultsStore
 from tests.conftest import tiny_model_dir
+from tests.tiers import slow
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +181,7 @@ def test_the_table_has_at_least_60_cases():
     assert len(CASES) >= 60
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", [slow(n) if n == "tune an adapting draft" else n for n in CASES])  # it trains a draft
 def test_bad_input_exits_2_with_one_line(files, name, capsys):
     argv = cases(files)[name]
     before = snapshot(files)

@@ -80,6 +80,7 @@ def test_layer_search_beats_or_matches_first_layers(tiny_target):
     assert len(chosen) == 2 and score >= first
 
 
+@pytest.mark.slow
 def test_distillation_raises_agreement(tiny_target, tmp_path):
     draft = build_draft(tiny_target, [0])
     sequences = [[(i * 5 + j * j) % 60 for j in range(64)] for i in range(40)]
@@ -114,6 +115,7 @@ def _distill_command(model, prompts, out):
             "--checkpoint-every", "1", "--seq-len", "16", "--batch-size", "4", "--top-k", "8", "--no-progress"]
 
 
+@pytest.mark.slow
 def test_killed_distillation_resumes_from_its_last_checkpoint(tmp_path):
     model = tiny_model_dir(tmp_path / "tiny")
     prompts = tmp_path / "text.jsonl"
@@ -231,6 +233,7 @@ def test_cut_model_draft_refuses_damaged_or_foreign_records(tmp_path):
         build_drafter(f"model:{cut_dir}", target)
 
 
+@pytest.mark.slow
 def test_design_cut_command_writes_a_draft_of_the_most_frequent_tokens(tmp_path):
     target_dir = tiny_model_dir(tmp_path / "target")
     draft_dir = tiny_model_dir(tmp_path / "draft", layers=2, seed=1)

@@ -27,6 +27,7 @@ from draftlab.decoding.policy import FixedK
 from draftlab.registry import build_drafter
 from draftlab.decoding.sampling import SamplingConfig, logits_to_probs
 from tests.conftest import noisy_copy, tiny_llama
+from tests.tiers import exhaustive, matrix
 
 VOCAB = 4
 K = 3
@@ -103,8 +104,8 @@ SAMPLINGS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(SAMPLINGS))
-@pytest.mark.parametrize("draft", ["noisy", "adversarial"])
+@pytest.mark.parametrize("draft, name", matrix({("noisy", "t1"), ("adversarial", "t0.8-top3")}, ["noisy", "adversarial"],
+                                              sorted(SAMPLINGS)))
 @pytest.mark.slow  # statistical: `pytest -m slow`, which CI runs too
 def test_engine_joint_distribution_equals_target(toy, name, draft):
     sampling = SAMPLINGS[name]
@@ -116,7 +117,7 @@ def test_engine_joint_distribution_equals_target(toy, name, draft):
     assert_joint_matches(counts, exact_joint(toy.model, sampling))
 
 
-@pytest.mark.parametrize("name", ["t1", "t1-top0.85"])
+@pytest.mark.parametrize("name", ["t1", exhaustive("t1-top0.85")])
 @pytest.mark.slow  # statistical: `pytest -m slow`, which CI runs too
 def test_ngram_drafts_keep_the_joint_distribution(toy, name):
     """A one-hot drafter that really drafts K tokens (the prompt's last token recurs) is lossless too."""
@@ -127,7 +128,8 @@ def test_ngram_drafts_keep_the_joint_distribution(toy, name):
     assert_joint_matches(counts, exact_joint(toy.model, sampling))
 
 
-@pytest.mark.parametrize("spec", ["suffix:factor=0,offset=3,min_prob=0", "suffix:tree,factor=0,offset=3,min_prob=0"])
+@pytest.mark.parametrize("spec", ["suffix:factor=0,offset=3,min_prob=0",
+                                  exhaustive("suffix:tree,factor=0,offset=3,min_prob=0")])
 @pytest.mark.slow  # statistical: `pytest -m slow`, which CI runs too
 def test_suffix_drafts_keep_the_joint_distribution(toy, spec):
     """Suffix decoding (chains, and trees of the continuations earlier runs took) over a cache that learns from

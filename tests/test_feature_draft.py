@@ -17,6 +17,7 @@ from draftlab.decoding.policy import FixedK
 from draftlab.decoding.step import Block
 from tests.conftest import tiny_llama
 from tests.test_engine_sampling import K, SAMPLINGS, VOCAB, assert_joint_matches, empirical_joint, exact_joint
+from tests.tiers import exhaustive
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 9, 10, 9, 10, 11], [42]]
 CUT = torch.arange(0, 64, 2)  # a draft that can only propose even token ids
@@ -145,7 +146,7 @@ def test_errors(tiny_target, tmp_path):
         FeatureSettings(seq_len=2)
 
 
-@pytest.mark.parametrize("name", ["t1", "t1-top0.85"])
+@pytest.mark.parametrize("name", ["t1", exhaustive("t1-top0.85")])
 @pytest.mark.slow  # statistical: `pytest -m slow`, which CI runs too
 def test_feature_draft_keeps_the_joint_distribution(name):
     """K=3 drafts from a half-vocabulary feature draft (forcing residual draws) keep the target's joint law."""
@@ -159,6 +160,7 @@ def test_feature_draft_keeps_the_joint_distribution(name):
     assert_joint_matches(counts, exact_joint(toy.model, SAMPLINGS[name]))
 
 
+@pytest.mark.slow
 def test_design_feature_command_builds_a_usable_draft(tmp_path):
     """`draftlab design feature` end to end on a tiny model, then the draft through the API."""
     import json

@@ -21,6 +21,7 @@ from draftlab.registry import build_drafter
 from draftlab.decoding.sampling import SamplingConfig
 from tests.conftest import tiny_llama
 from tests.test_engine_sampling import K, SAMPLINGS, VOCAB, assert_joint_matches, empirical_joint, exact_joint
+from tests.tiers import matrix
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 9, 10, 9, 10, 11], [42]]
 CUT = torch.arange(0, 64, 2)  # heads that can only propose even token ids
@@ -159,8 +160,7 @@ def test_errors(tiny_target, tmp_path):
         load_heads_draft(tmp_path / "h", tiny_target)
 
 
-@pytest.mark.parametrize("shape", [None, "2x2"])
-@pytest.mark.parametrize("name", ["t1", "t0.8-top3"])
+@pytest.mark.parametrize("name, shape", matrix({("t1", "2x2")}, ["t1", "t0.8-top3"], [None, "2x2"]))
 @pytest.mark.slow  # statistical: `pytest -m slow`, which CI runs too
 def test_heads_keep_the_joint_distribution(name, shape):
     """Half-vocabulary random heads (forcing residual draws), as a chain and a tree: the target's exact law."""
@@ -175,6 +175,7 @@ def test_heads_keep_the_joint_distribution(name, shape):
     assert_joint_matches(counts, exact_joint(toy.model, SAMPLINGS[name]))
 
 
+@pytest.mark.slow
 def test_design_heads_command_trains_on_a_feature_drafts_features(trained, tmp_path):
     """`draftlab design heads --features DIR` reuses cached target features; the heads work through the API."""
     from draftlab.contenders.plain import autoregressive

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from draftlab.engine import GenerationConfig
 from draftlab.errors import DraftlabError
 from draftlab.contenders.hf import HFAssist, hf_assist, hf_generate
 from draftlab.models import LoadedModel
@@ -12,7 +13,8 @@ from draftlab.registry import parse_drafter_spec
 from tests.conftest import noisy_copy, tiny_llama
 
 PROMPT = [3, 17, 5, 9, 3, 17, 5, 9, 3, 17]
-EOS = [63]
+EOS = (63,)
+PLAIN_24 = GenerationConfig(24, eos_token_ids=EOS)  # plain decoding of 24 tokens, greedy
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +40,11 @@ def test_assistant_drafts_k_for_the_call_and_keeps_its_own_config(pair, k):
     target, draft = pair
     own = draft.model.generation_config
     own_k = own.num_assistant_tokens
-    plain = hf_generate(target, PROMPT, 24, EOS)
+    plain = hf_generate(target, PROMPT, PLAIN_24)
     assist = hf_assist(parse_drafter_spec("model:noisy", k), draft, k)
     assert assist == HFAssist(k, assistant=draft.model)
     outputs = []
-    seen = seen_k_during(draft.model, lambda: outputs.append(hf_generate(target, PROMPT, 24, EOS, assist=assist)))
+    seen = seen_k_during(draft.model, lambda: outputs.append(hf_generate(target, PROMPT, PLAIN_24, assist=assist)))
     assert seen and set(seen) == {k}  # HF read the lent K at every draft pass
     assert outputs[0] == plain  # greedy assisted generation keeps HF's greedy output
     assert draft.model.generation_config is own and own.num_assistant_tokens == own_k
@@ -53,7 +55,7 @@ def test_assistant_config_is_restored_when_generate_fails(pair):
     own = draft.model.generation_config
     assist = hf_assist(parse_drafter_spec("model:noisy", 2), draft, 2)
     with pytest.raises(Exception):
-        hf_generate(target, [], 4, EOS, assist=assist)  # an empty prompt: HF refuses
+        hf_generate(target, [], GenerationConfig(4, eos_token_ids=EOS), assist=assist)  # an empty prompt: HF refuses
     assert draft.model.generation_config is own
 
 
@@ -61,8 +63,8 @@ def test_prompt_lookup_takes_k_and_the_ngram_size(pair):
     target, _ = pair
     assist = hf_assist(parse_drafter_spec("ngram:1-3", 4), None, 4)
     assert assist.generate_args() == {"prompt_lookup_num_tokens": 4, "max_matching_ngram_size": 3}
-    plain = hf_generate(target, PROMPT, 24, EOS)
-    assert hf_generate(target, PROMPT, 24, EOS, assist=assist) == plain
+    plain = hf_generate(target, PROMPT, PLAIN_24)
+    assert hf_generate(target, PROMPT, PLAIN_24, assist=assist) == plain
 
 
 def test_a_cut_vocabulary_draft_has_no_hf_counterpart(pair):

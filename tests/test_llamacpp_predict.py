@@ -12,9 +12,9 @@ import pytest
 
 from draftlab.perf.calibrate import Profile
 from draftlab.perf.throughput import TargetProfile
-from draftlab.study.store import ResultsStore
-from draftlab.study.sweep import SweepConfig, run_sweep
-from draftlab.study.transfer import acceptance_from, mean_context, unlike_study
+from draftlab.study.run.store import ResultsStore
+from draftlab.study.run.sweep import SweepConfig, run_sweep
+from draftlab.study.answer.transfer import acceptance_from, mean_context, unlike_study
 from tests.study.test_report import cell, record
 
 TEXT = ("The river rose all night. The river rose all night and the town watched the river rise, and by morning the "
@@ -26,6 +26,7 @@ def draftlab(*args) -> subprocess.CompletedProcess:
                           timeout=600)
 
 
+@pytest.mark.slow
 @pytest.mark.slow
 def test_a_llamacpp_profile_predicts_the_studys_llamacpp_cells(tmp_path):
     prompts = tmp_path / "p.jsonl"

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import pytest
 
 from draftlab.api import SpeculativeDecoder
 from draftlab.engine import GenerationResult
 from draftlab.errors import DraftlabError
 from draftlab.measure import (
-    DECODE, END_TO_END, EncodedPrompt, Measurement, Rechecks, RunRecord, RunSettings, measure, measure_prompt,
-    paired, run_once, speedup,
+    DECODE, END_TO_END, EncodedPrompt, Listener, Measurement, Rechecks, RunRecord, RunSettings, measure,
+    measure_prompt, paired, run_once, speedup,
 )
 from draftlab.decoding.metrics import GenerationStats
 from draftlab.models import load_model
@@ -69,11 +71,26 @@ def test_rechecks_retime_the_baseline_and_measure_drift(tiny):
     ngram = SpeculativeDecoder.from_names(tiny, drafter="ngram", k=3)
     checks: list[RunRecord] = []
     ran = measure_prompt({"plain": plain, "n2": ngram, "n3": ngram.with_drafter(ngram.drafter)}, PROMPTS[0],
-                         RunSettings(8), rechecks=Rechecks("plain", autoregressive(plain), 1), on_check=checks.append)
+                         RunSettings(8), Rechecks("plain", autoregressive(plain), 1), _Heard(checks=checks))
     assert [r.key for r in ran] == ["plain", "n2", "n3"] and [c.key for c in checks] == ["plain", "plain"]
     assert Measurement({"plain": [ran[0]]}).drift() == 0.0  # no re-checks: not measured
     timings = [_run("plain", "a", 10, 1.0), _run("plain", "a", 12, 1.0), _run("plain", "a", 8, 1.0)]
     assert Measurement({"plain": timings[:1]}, timings[1:]).drift() == pytest.approx((12 - 8) / 10)
+
+
+@dataclass
+class _Heard(Listener):
+    """What the loop told: the re-checks, and the keys whose errors it took as skips."""
+
+    checks: list = field(default_factory=list)
+    skipped: list = field(default_factory=list)
+
+    def rechecked(self, record) -> None:
+        self.checks.append(record)
+
+    def failed(self, key, exc) -> bool:
+        self.skipped.append(key)
+        return True
 
 
 class _Refuses:
@@ -94,7 +111,7 @@ def test_an_error_the_caller_accepts_skips_the_contender_and_any_other_propagate
     plain = SpeculativeDecoder.from_names(tiny, drafter="none", k=1)
     skipped = []
     ran = measure_prompt({"bad": _Refuses(), "plain": plain}, PROMPTS[1], RunSettings(4),
-                         on_error=lambda key, exc: skipped.append(key) or True)
+                         listener=_Heard(skipped=skipped))
     assert [r.key for r in ran] == ["plain"] and skipped == ["bad"]
     with pytest.raises(DraftlabError, match="refused"):
         measure_prompt({"bad": _Refuses()}, PROMPTS[1], RunSettings(4))

@@ -105,6 +105,7 @@ def _run(target, drafter, k, prompt, max_new_tokens=40):
     return engine.generate(prompt, GenerationConfig(max_new_tokens=max_new_tokens))
 
 
+@pytest.mark.slow
 def test_feature_draft_on_qwen2_copies_the_biases_trains_and_stays_lossless(tmp_path):
     """A feature draft for a Qwen2 target: its layer starts as the target's last (q/k/v biases included),
     training raises its agreement, the file loads back, and greedy output equals autoregressive."""

@@ -15,6 +15,7 @@ import torch
 
 from draftlab.backends.static_step import StaticStep
 from draftlab.checks.exactness import SHAPES, TREES, check_shape
+from tests.tiers import slow
 
 CPU_MLP = 1024
 ON_CPU = [(name, dtype) for name in SHAPES for dtype in ("fp32", "bf16", "fp16")]
@@ -25,7 +26,8 @@ def cpu_shape(name: str):
     return shape if shape.hidden < 3000 else replace(shape, layers=1)
 
 
-@pytest.mark.parametrize("name, dtype", ON_CPU, ids=[f"{n}-{d}" for n, d in ON_CPU])
+@pytest.mark.parametrize("name, dtype", [slow(n, d, id=f"{n}-{d}") if n in ("llama-3-8b", "qwen2.5-7b") else
+                                         pytest.param(n, d, id=f"{n}-{d}") for n, d in ON_CPU])  # 7-8B shapes: slow
 def test_every_block_row_equals_plain_decoding_on_the_cpu(name, dtype):
     large = SHAPES[name].hidden > 3000  # one prefix there: the budget (the kernels are the same at any length)
     prefixes, chains = ((17,) if large else (17, 150), (1, 5, 16)) if dtype == "fp32" else ((17,), (16,))

@@ -15,9 +15,9 @@ from draftlab.checks.exactness import Shape, shapes_named
 from draftlab.perf.calibrate import Profile, two_paths
 from draftlab.perf.throughput import DraftProfile, TargetProfile
 from draftlab.perf.shapes import Acceptance, StepCounts, acceptance, calibrate_shape, format_predicted, predict_from
-from draftlab.study.store import ResultsStore
-from draftlab.study.sweep import SweepConfig, run_sweep
-from draftlab.study.transfer import acceptance_from
+from draftlab.study.run.store import ResultsStore
+from draftlab.study.run.sweep import SweepConfig, run_sweep
+from draftlab.study.answer.transfer import acceptance_from
 from tests.conftest import tiny_model_dir
 
 TINY = Shape("tiny", 64, 4, 2, 16, 128, False, 256, False, 2)
@@ -58,6 +58,7 @@ def draftlab(*args: str) -> subprocess.CompletedProcess:
                           timeout=600)
 
 
+@pytest.mark.slow
 def test_the_cli_calibrates_a_config_files_shape_and_refuses_what_is_not_one(tmp_path):
     folder = tmp_path / "my-llama"
     folder.mkdir()
@@ -78,6 +79,7 @@ def test_the_cli_calibrates_a_config_files_shape_and_refuses_what_is_not_one(tmp
             shapes_named([str(bad)])
 
 
+@pytest.mark.slow
 def test_acceptance_comes_from_a_studys_lossless_greedy_records(tmp_path):
     model = tiny_model_dir(tmp_path / "tiny")
     prompts = tmp_path / "p.jsonl"

@@ -18,6 +18,7 @@ from tests.conftest import noisy_copy, tiny_llama
 from tests.test_engine_sampling import K, PROMPT, SAMPLINGS, VOCAB, adversarial, assert_joint_matches, \
     empirical_joint, exact_joint
 from tests.test_trees import PROMPTS, run
+from tests.tiers import matrix
 
 
 class ConstantGuess(BlindDrafter):
@@ -87,9 +88,8 @@ def toy():
     return target
 
 
-@pytest.mark.parametrize("helper", ["ngram", "constant"])
-@pytest.mark.parametrize("name", ["t1", "t0.8-top3"])
-@pytest.mark.parametrize("draft", ["noisy", "adversarial"])
+@pytest.mark.parametrize("draft, name, helper", matrix({("noisy", "t1", "ngram"), ("adversarial", "t0.8-top3", "constant")},
+                                                      ["noisy", "adversarial"], ["t1", "t0.8-top3"], ["ngram", "constant"]))
 @pytest.mark.slow  # statistical: `pytest -m slow`, which CI runs too
 def test_staged_sampling_keeps_the_joint_distribution(toy, draft, name, helper):
     """Rejection sampling at the draft's level keeps each token's law = its draft_probs row: the target's law holds."""
@@ -105,6 +105,7 @@ def test_staged_sampling_keeps_the_joint_distribution(toy, draft, name, helper):
     assert_joint_matches(counts, exact_joint(toy.model, SAMPLINGS[name]))
 
 
+@pytest.mark.slow
 def test_staged_first_token_follows_the_drafts_distribution(toy):
     """The draft-level rule alone: the first drafted token's frequencies match draft_probs, whatever is guessed."""
     draft_model = noisy_copy(toy, 0.8, seed=2)

@@ -67,7 +67,7 @@ def test_the_graph_sees_known_imports():
     graph = unit_graph()
     assert "draftlab.backends" in graph["draftlab.engine"]
     assert "draftlab.perf" in graph["draftlab.study"]  # the report shows the model's validation
-    assert "draftlab.study.store" in module_graph()["draftlab.study.sweep"]
+    assert "draftlab.study.run.store" in module_graph()["draftlab.study.run.sweep"]
 
 
 def test_no_module_is_over_the_limit():
@@ -120,13 +120,13 @@ def test_only_the_backends_registry_and_cli_name_the_llamacpp_engine():
 
 
 def test_every_timed_decode_goes_through_the_measurement_loop():
-    """No module but `draftlab.measure` reads a clock around a decode (`generate`, a contender's `run`); the
+    """No module outside `draftlab.measure` reads a clock around a decode (`generate`, a contender's `run`); the
     engine's own stopwatch times its phases inside one generation."""
     decodes = {"generate", "hf_generate", "run", "run_once"}
     timed = []
     for path in SOURCE.rglob("*.py"):
         module, tree = _module_name(path), ast.parse(path.read_text())
-        if module == "draftlab.measure":
+        if module.startswith("draftlab.measure"):
             continue
         clocks = [n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in ("perf_counter", "time")
                   and isinstance(n.value, ast.Name) and n.value.id == "time"]
@@ -203,3 +203,16 @@ def test_the_units_form_layers_and_few_modules_lie_loose_at_the_top():
     assert "draftlab.errors" in layers and "draftlab.study" in layers
     loose = sorted(p.name for p in SOURCE.glob("*.py"))
     assert len(loose) <= 12, f"{len(loose)} modules directly in src/draftlab: {loose}"
+
+
+def test_the_study_runs_on_one_side_and_answers_on_the_other():
+    """`draftlab.study` is two packages: the run side (plans and measures) never imports the answer side (reads and
+    tells), so what is measured cannot depend on how it is reported; no module lies loose beside them."""
+    study = SOURCE / "study"
+    assert sorted(p.name for p in study.glob("*.py")) == ["__init__.py"]
+    assert sorted(p.name for p in study.iterdir() if (p / "__init__.py").exists()) == ["answer", "run"]
+    graph = module_graph()
+    crossing = sorted((module, name) for module, names in graph.items() if module.startswith("draftlab.study.run")
+                      for name in names if name.startswith("draftlab.study.answer"))
+    assert not crossing, f"run-side modules importing the answer side: {crossing}"
+    assert any(name.startswith("draftlab.study.run") for name in graph["draftlab.study.answer.results"])

@@ -19,6 +19,7 @@ from draftlab.decoding.sampling import SamplingConfig
 from draftlab.decoding.step import ROOT, Proposal
 from tests.conftest import noisy_copy, tiny_llama
 from tests.test_engine_sampling import K, SAMPLINGS, VOCAB, adversarial, assert_joint_matches, empirical_joint, exact_joint
+from tests.tiers import exhaustive, matrix
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 9, 10, 9, 10, 11], [42]]
 SHAPES = ["1", "2", "3x2x1", "2x2-5", "dyn-2-6", "1@0.5", "dyn-2-6@0.05", "2@auto"]
@@ -185,9 +186,9 @@ def toy():
     return target
 
 
-@pytest.mark.parametrize("shape", ["2x2", "dyn-2-5@0.2", "2@auto"])
-@pytest.mark.parametrize("name", ["t1", "t0.8-top3"])
-@pytest.mark.parametrize("draft", ["noisy", "adversarial"])
+@pytest.mark.parametrize("draft, name, shape", matrix(
+    {("noisy", "t1", "2x2"), ("noisy", "t1", "2@auto"), ("adversarial", "t0.8-top3", "dyn-2-5@0.2")},
+    ["noisy", "adversarial"], ["t1", "t0.8-top3"], ["2x2", "dyn-2-5@0.2", "2@auto"]))
 @pytest.mark.slow  # statistical: `pytest -m slow`, which CI runs too
 def test_tree_sampling_keeps_the_joint_distribution(toy, draft, name, shape):
     """Siblings drawn without replacement, verified by recursive rejection sampling: the target's exact law."""
@@ -200,7 +201,7 @@ def test_tree_sampling_keeps_the_joint_distribution(toy, draft, name, shape):
     assert_joint_matches(counts, exact_joint(toy.model, sampling))
 
 
-@pytest.mark.parametrize("name", ["t1", "t1-top0.85"])
+@pytest.mark.parametrize("name", ["t1", exhaustive("t1-top0.85")])
 @pytest.mark.slow  # statistical: `pytest -m slow`, which CI runs too
 def test_feature_tree_sampling_keeps_the_joint_distribution(toy, name):
     drafter = TreeDrafter(FeatureDrafter(new_feature_draft(toy, torch.arange(0, VOCAB, 2))), TreeShape.parse("2x2"),
@@ -276,9 +277,8 @@ def test_merged_specs_in_the_registry(tiny_target):
         hf_assist(plan, built.model, 2)
 
 
-@pytest.mark.parametrize("shape", ["1", "2x2"])
-@pytest.mark.parametrize("guide", ["ngram", "constant"])
-@pytest.mark.parametrize("draft", ["noisy", "adversarial"])
+@pytest.mark.parametrize("draft, guide, shape", matrix({("noisy", "ngram", "1"), ("adversarial", "constant", "2x2")},
+                                                      ["noisy", "adversarial"], ["ngram", "constant"], ["1", "2x2"]))
 @pytest.mark.slow  # statistical: `pytest -m slow`, which CI runs too
 def test_merged_tree_sampling_keeps_the_joint_distribution(toy, draft, guide, shape):
     """One-hot guide nodes, then the draft's siblings without the guide's token: the target's exact law."""

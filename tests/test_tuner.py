@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from draftlab.files.datasets import Prompt
@@ -11,7 +9,8 @@ from draftlab.errors import DraftlabError
 from draftlab.models import load_model
 from draftlab.perf.calibrate import CalibrationSettings
 from draftlab.perf.throughput import DraftProfile, TargetProfile, predict
-from draftlab.perf.sizing import TuneSettings
+from draftlab.perf.halving import plan_race
+from draftlab.perf.sizing import MIN_CALIBRATION_TOKENS, CalibrationCost, Pilot, TuneSettings, fit_calibration
 from draftlab.perf.tuner import contenders, tune
 from tests.conftest import tiny_model_dir
 
@@ -49,21 +48,37 @@ def test_tune_races_and_recommends_a_measured_configuration(tiny):
     assert sizes == sorted(sizes, reverse=True)  # the field only shrinks
 
 
-@pytest.mark.parametrize("budget", [3.0, 6.0])
-def test_tune_finishes_within_its_budget(tiny, budget):
+@pytest.mark.parametrize("per_token_s, prefill_s", [(0.001, 0.005), (0.01, 0.05), (0.05, 0.5)])
+@pytest.mark.parametrize("budget", [3.0, 6.0, 60.0])
+def test_the_budget_is_planned_to_hold_on_hosts_of_any_speed(per_token_s, prefill_s, budget):
+    """From a pilot's timings (synthetic: a fast, a middling and a slow host), the calibration is sized to its share
+    of the budget, and the race to what is left, each by the same estimates the tuner then runs by."""
+    pilot = Pilot(per_token_s, prefill_s)
+    settings, tune_settings = CalibrationSettings(k_max=4, max_new_tokens=48, repeats=5), TuneSettings(budget_s=budget)
+    fitted, kept, notes = fit_calibration(pilot, prompts(24), DRAFTS, settings, tune_settings)
+    calibration_s = CalibrationCost(pilot, fitted, len(DRAFTS)).seconds(len(kept), fitted.max_new_tokens)
+    least = (len(kept), fitted.max_new_tokens) == (1, MIN_CALIBRATION_TOKENS)  # the least calibration there is
+    assert calibration_s <= budget * tune_settings.calibration_share or least
+    assert bool(notes) == (len(kept) < 24 or fitted.max_new_tokens < 48)  # it says what the budget left out
+    plan = plan_race(tune_settings.max_contenders, len(kept), settings.max_new_tokens, pilot, budget - calibration_s)
+    assert plan is None or plan.seconds(pilot) <= budget - calibration_s
+
+
+@pytest.mark.slow
+def test_a_tune_with_a_budget_says_what_the_budget_left_out(tiny):
     settings = CalibrationSettings(k_max=4, max_new_tokens=48, repeats=5)
-    start = time.perf_counter()
-    rec, _, _ = tune(tiny, DRAFTS, prompts(24), settings, TuneSettings(budget_s=budget), progress=False)
-    assert time.perf_counter() - start <= 1.1 * budget
-    assert rec.notes  # it says what the budget left out
+    rec, _, _ = tune(tiny, DRAFTS, prompts(24), settings, TuneSettings(budget_s=0.05), progress=False)
+    assert any("of 24 prompts" in note for note in rec.notes)  # too short for any host: it says what it left out
+    assert (rec.draft, rec.k) == ("none", 0) and any("no time to race" in note for note in rec.notes)
 
 
+@pytest.mark.slow
 def test_tune_and_sweep_read_a_users_mt_bench_file(tmp_path, capsys):
     """`tune --prompts FILE --json` and `sweep --prompts FILE` on a user's MT-Bench-format questions."""
     import json
 
     from draftlab.cli import main
-    from draftlab.study.store import ResultsStore
+    from draftlab.study.run.store import ResultsStore
 
     model = tiny_model_dir(tmp_path / "tiny")
     questions = tmp_path / "question.jsonl"
@@ -145,6 +160,7 @@ def test_contenders_put_the_predicted_best_first_then_the_highest_interval_ends(
     assert picked[1].tokens_per_s < max(p.tokens_per_s for p in preds if p.draft == "a" and p is not picked[0])
 
 
+@pytest.mark.slow
 def test_tune_searches_the_dtype_and_races_the_picks(tmp_path, capsys):
     """Each dtype tuned, the picks and reference plain decoding raced head to head; outputs compared."""
     import json
@@ -154,16 +170,13 @@ def test_tune_searches_the_dtype_and_races_the_picks(tmp_path, capsys):
 
     model = tiny_model_dir(tmp_path / "tiny")
     settings = CalibrationSettings(k_max=2, max_new_tokens=16, repeats=2)
-    start = time.perf_counter()
     choice = tune_dtypes(lambda dtype: load_model(str(model), dtype=dtype), ["fp32", "bf16"], DRAFTS[:1], prompts(3),
                          settings, TuneSettings(budget_s=12.0), progress=False)
-    assert time.perf_counter() - start <= 1.1 * 12.0
     assert list(choice.per_dtype) == ["fp32", "bf16"] and choice.dtype in ("fp32", "bf16")
     assert "fp32 plain decoding" in choice.head_to_head and len(choice.head_to_head) >= 2
     same, total = choice.identical
     assert total >= 1 and choice.speedup > 0
-    if choice.dtype == "fp32":
-        assert same == total  # speculation in the reference dtype is lossless against its plain decoding
+    assert choice.dtype != "fp32" or same == total  # in the reference dtype: lossless against its plain decoding
     assert main(["tune", "--target", str(model), "--dtypes", "fp32", "bf16", "--drafts", "ngram", "--k-max", "2",
                  "--max-new-tokens", "12", "--repeats", "2", "--limit", "2", "--no-progress"]) == 0
     out = capsys.readouterr().out

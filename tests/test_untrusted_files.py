@@ -26,8 +26,8 @@ from draftlab.perf.calibrate import Profile
 from draftlab.files.safeio import load_tensors, save_tensors, write_atomic
 from draftlab.backends.routes import parse_route
 from draftlab.decoding.sampling import SamplingConfig
-from draftlab.study.runner import _read_state
-from draftlab.study.store import SCHEMA_VERSION, ResultsStore
+from draftlab.study.run.runner import _read_state
+from draftlab.study.run.store import SCHEMA_VERSION, ResultsStore
 from tests.conftest import older_database_file
 
 
@@ -208,6 +208,7 @@ def test_skip_past_the_end_and_duplicate_ids_are_refused(tmp_path):
     assert os.path.exists(path)
 
 
+@pytest.mark.slow
 def test_a_mode_that_is_not_exact_says_rounding_wherever_it_reports(tmp_path, capsys):
     from draftlab.cli import main
     from tests.conftest import tiny_model_dir

@@ -10,6 +10,7 @@ from draftlab.api import SpeculativeDecoder
 from draftlab.files.datasets import load_prompts
 from draftlab.drafters.adapt import AdaptingDrafter
 from draftlab.models import load_model
+from tests.tiers import exhaustive
 
 pytestmark = pytest.mark.integration
 TOKENS = 40
@@ -29,16 +30,19 @@ def check_stream(target, spec: str, k: int, count: int) -> None:
     assert not torch.equal(drafter.source.draft.layer.fc.weight, start)  # the drafting weights did change
 
 
+@pytest.mark.slow
 def test_adapting_designed_draft_greedy_equals_plain_decoding_fp32():
     check_stream(load_model("smollm2-135m", dtype="fp32"), "adapt:every=32/designed", 3, 3)
 
 
+@pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.slow
 def test_adapting_designed_draft_greedy_equals_plain_decoding_bf16():
     check_stream(load_model("smollm2-135m", dtype="bf16"), "adapt:every=32/designed", 3, 4)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("k", [1, 5])
+@pytest.mark.parametrize("k", [1, exhaustive(5)])
 def test_adapting_tree_greedy_equals_plain_decoding(k):
     check_stream(load_model("smollm2-135m", dtype="fp32"), "adapt:every=16,steps=2/tree:2x2:designed", k, 3)

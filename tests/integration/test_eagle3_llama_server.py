@@ -43,6 +43,7 @@ def encoded(target) -> list[EncodedPrompt]:
     return [EncodedPrompt(str(i), "code", encode_prompt(target.tokenizer, text)) for i, text in enumerate(TEXTS)]
 
 
+@pytest.mark.slow
 def test_the_shipped_smollm2_eagle3_draft_drafts_on_llama_server(binary, tmp_path):
     target = load_model("smollm2-135m", dtype="fp32")
     draft = load_eagle3_draft(shipped_draft("smollm2-135m", "eagle3"), target)
@@ -61,6 +62,8 @@ def test_the_shipped_smollm2_eagle3_draft_drafts_on_llama_server(binary, tmp_pat
           f"{[r.stats.drafted for r in speculative]}; outputs differing from plain: {differing}/{len(plain)}")
 
 
+@pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.slow
 @next(m for m in qwen_marks if m.name == "skipif")  # the Qwen pair's: cached, or DRAFTLAB_QWEN=1 (CI)
 def test_an_eagle3_draft_trained_here_drafts_for_the_qwen_target(binary, tmp_path):

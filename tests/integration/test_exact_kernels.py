@@ -18,6 +18,7 @@ from draftlab.backends.gguf import Q4_0_ROWS, SGEMM_EVERY_ROW
 from draftlab.backends.llamacpp import LlamaCppBackend
 from draftlab.contenders.llama_server import build_dir
 from draftlab.models import load_model
+from tests.tiers import exhaustive, slow
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,8 +45,8 @@ def rows_alone_and_blocks(backend: LlamaCppBackend) -> list[str]:
     return differing
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("source", TYPES)
+@pytest.mark.parametrize("source, threads", [("smollm2-135m@Q4_0_PURE", 2), *(slow(s, 2) for s in TYPES if s != "smollm2-135m@Q4_0_PURE"),
+                                             *(exhaustive(s, 1) for s in TYPES)])  # Q4_0_PURE on 2 threads: the smoke test
 def test_block_rows_are_bitwise_single_rows_for_every_weight_type(source, threads, monkeypatch):
     monkeypatch.setattr(llamacpp_module, "threads", lambda: threads)
     target = load_model(source, backend="llamacpp")
@@ -55,6 +56,7 @@ def test_block_rows_are_bitwise_single_rows_for_every_weight_type(source, thread
     assert rows_alone_and_blocks(backend) == []
 
 
+@pytest.mark.slow
 def test_on_llamas_stock_kernels_the_same_check_finds_differing_rows():
     """The check can fail: the same comparison on llama.cpp's stock ggml-cpu (sgemm gated to 2+ rows, built beside
     draftlab's for the benchmarks) finds rows of Q4_0 blocks that differ from the same rows alone."""
@@ -75,6 +77,7 @@ def test_on_llamas_stock_kernels_the_same_check_finds_differing_rows():
 STUDY_TARGET = "smollm2-135m@Q4_0_PURE"  # the quick study's llama.cpp target (study/config.py)
 
 
+@pytest.mark.slow
 def test_llama_servers_own_ngram_speculation_is_greedy_identical_to_its_plain_decoding(binary, tmp_path):
     """llama-server on draftlab's kernels (the same libraries): its own speculation keeps every output of its plain
     decoding on the quick study's prompts, where on llama.cpp's stock kernels it did not (docs/backends.md)."""
@@ -107,6 +110,8 @@ def test_llama_servers_own_ngram_speculation_is_greedy_identical_to_its_plain_de
     assert [engine.generate(p.ids, max_new_tokens=128).token_ids for p in prompts] == outputs["plain"]
 
 
+@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_a_k_quant_file_loads_without_repack_and_its_server_gets_the_switches():
     """K-quants' repacked kernels are not proven exact: such a file loads without repack (rows exact through vec_dot,
     tiled matmul off), and llama-server is given the same switches, in the command a user deploys too."""

@@ -24,6 +24,7 @@ def documented(binary) -> tuple[set[str], set[str]]:
     return names, set(types.group(1).split(","))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("draft, k", [("ngram", 3), ("ngram:2-4", 6), ("model:smollm2-135m", 4), ("ngram-mod", 32),
                                       ("ngram-simple", 16), ("draft-simple/smollm2-135m,p=0.5", 4), ("none", 0)])
 def test_llama_server_exports_use_documented_options(documented, draft, k):

@@ -50,6 +50,7 @@ def test_plain_decoding_repeats_exactly_and_the_server_stops(binary, tmp_path):
     assert not alive(pid)  # stopped on leaving the block
 
 
+@pytest.mark.slow
 def test_a_speculative_type_runs_and_reports_its_counters(binary, tmp_path):
     config = ServerConfig(gguf_path("smollm2-135m"), spec_type="ngram-simple", draft_n_max=8, context=CONTEXT)
     assert "--spec-type ngram-simple" in config.command() and "--spec-draft-n-max 8" in config.command()
@@ -59,6 +60,7 @@ def test_a_speculative_type_runs_and_reports_its_counters(binary, tmp_path):
     assert all(r.stats.steps == r.new_tokens - r.stats.accepted for r in runs)
 
 
+@pytest.mark.slow
 def test_a_server_killed_mid_study_ends_the_run_with_one_line(binary, tmp_path):
     with LlamaServer(ServerConfig(gguf_path("smollm2-135m"), context=CONTEXT), tmp_path) as server:
         server.process.send_signal(signal.SIGKILL)
@@ -68,6 +70,7 @@ def test_a_server_killed_mid_study_ends_the_run_with_one_line(binary, tmp_path):
     assert "\n" not in str(info.value) and str(server.log) in str(info.value)
 
 
+@pytest.mark.slow
 def test_start_failures_are_one_line_naming_the_cause(binary, tmp_path):
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"GGUF" + b"\0" * 64)
@@ -87,6 +90,7 @@ def test_start_failures_are_one_line_naming_the_cause(binary, tmp_path):
         ServerConfig(broken, spec_type="draft-simple")
 
 
+@pytest.mark.slow
 def test_a_missing_binary_says_how_to_build_it(monkeypatch, tmp_path):
     monkeypatch.setenv("DRAFTLAB_LLAMA_SERVER", str(tmp_path / "nowhere"))
     with pytest.raises(DraftlabError, match="build it with scripts/build-llama-cpp.sh"):
@@ -105,6 +109,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow
 def test_no_server_outlives_a_killed_study(binary, tmp_path):
     """The kernel stops the server when the process that started it dies, even by SIGKILL."""
     parent = subprocess.Popen([sys.executable, "-c", SCRIPT, str(tmp_path)], stdout=subprocess.PIPE, text=True)
@@ -118,6 +123,7 @@ def test_no_server_outlives_a_killed_study(binary, tmp_path):
     assert not alive(pid)
 
 
+@pytest.mark.slow
 def test_a_command_line_is_read_as_the_configuration_it_runs(tmp_path):
     from draftlab.contenders.serve_check import parse_command, plain_of
 
@@ -139,6 +145,7 @@ def test_a_command_line_is_read_as_the_configuration_it_runs(tmp_path):
             parse_command(bad)
 
 
+@pytest.mark.slow
 def test_serve_check_measures_a_command_against_its_plain_decoding(binary, capsys):
     import json
 
@@ -157,6 +164,7 @@ def test_serve_check_measures_a_command_against_its_plain_decoding(binary, capsy
     assert "num_speculative_tokens_per_batch_size" in out
 
 
+@pytest.mark.slow
 def test_where_speculation_stops_paying_under_load():
     from draftlab.contenders.serve_check import LoadLevel, pays_up_to, per_batch_size
 

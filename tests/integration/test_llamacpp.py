@@ -12,6 +12,7 @@ from draftlab.errors import DraftlabError
 from draftlab.models import gguf_path, load_model
 from draftlab.decoding.sampling import SamplingConfig
 from draftlab.decoding.step import Block, tree_layout
+from tests.tiers import exhaustive, slow
 
 pytestmark = pytest.mark.integration
 SLOW = pytest.mark.slow
@@ -21,6 +22,8 @@ PROMPTS = [
     "Rewrite this code with type hints and return it whole:\ndef add(a, b):\n    total = a + b\n    return total\n",
 ]
 DRAFT = "model:smollm2-135m"  # the target's own GGUF as a draft: it runs in its own llama.cpp context (repacked)
+DRAFTERS = ("ngram", DRAFT, f"tree:2x2:{DRAFT}", f"merged:ngram/{DRAFT}", f"staged:ngram/{DRAFT}")
+KEPT = {(f"tree:2x2:{DRAFT}", 2), (f"tree:2x2:{DRAFT}", 3), (f"merged:ngram/{DRAFT}", 3), (DRAFT, 3), (f"staged:ngram/{DRAFT}", 3)}
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +55,7 @@ def test_the_model_runs_as_shipped(target):
     assert target.vocab_size == 49152 and target.num_parameters() > 100_000_000
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 3, 4, 8, 16])
 def test_block_rows_are_bitwise_single_rows(plain_rows, n):
     backend, tokens, rows = plain_rows
@@ -60,6 +64,7 @@ def test_block_rows_are_bitwise_single_rows(plain_rows, n):
     assert all(torch.equal(block[i], rows[i]) for i in range(n))
 
 
+@pytest.mark.slow
 def test_block_rows_are_bitwise_single_rows_after_a_long_prompt(target):
     """Past ~256 cached tokens llama.cpp's flash attention rounds blocks differently: the backend must not use it."""
     backend = LlamaCppBackend(target.model)
@@ -74,6 +79,7 @@ def test_block_rows_are_bitwise_single_rows_after_a_long_prompt(target):
     assert all(torch.equal(block[i], rows[i]) for i in range(8))
 
 
+@pytest.mark.slow
 def test_a_tree_scores_every_branch_exactly_and_keeps_a_scattered_path(plain_rows):
     """The first branch is wrong: the kept path lies in scattered cells, and what follows must still be exact."""
     backend, tokens, rows = plain_rows
@@ -87,6 +93,7 @@ def test_a_tree_scores_every_branch_exactly_and_keeps_a_scattered_path(plain_row
     assert all(torch.equal(after[i], rows[3 + i]) for i in range(4))
 
 
+@pytest.mark.slow
 def test_a_forest_scored_then_rolled_back_leaves_the_cache_as_it_was(plain_rows):
     backend, tokens, rows = plain_rows
     backend.rollback(21)  # the cache holds the prefix and tokens[0]
@@ -96,6 +103,7 @@ def test_a_forest_scored_then_rolled_back_leaves_the_cache_as_it_was(plain_rows)
     assert torch.equal(backend.score(tokens[1:2])[0], rows[1])
 
 
+@pytest.mark.slow
 def test_llama_cpp_logs_reach_standard_error_for_errors_only(capsys):
     from draftlab.backends.gguf import GGML_LOG_LEVEL_ERROR, _errors_only, llama_lib
 
@@ -106,6 +114,7 @@ def test_llama_cpp_logs_reach_standard_error_for_errors_only(capsys):
     assert capsys.readouterr().err == f"level {GGML_LOG_LEVEL_ERROR}\n"
 
 
+@pytest.mark.slow
 def test_tree_bookkeeping():
     parents = (-1, 0, 0, 1, 2, 2)
     layout = tree_layout(parents)
@@ -115,10 +124,8 @@ def test_tree_bookkeeping():
     assert [order[i] for i in inverse(order)] == list(range(6)) and inverse(order)[3] == 2
 
 
-@pytest.mark.parametrize("drafter,k", [("ngram", 3), (f"tree:2x2:{DRAFT}", 2), (f"merged:ngram/{DRAFT}", 3),
-                                       *(pytest.param(d, k, marks=SLOW) for d in
-                                         ("ngram", DRAFT, f"tree:2x2:{DRAFT}", f"merged:ngram/{DRAFT}",
-                                          f"staged:ngram/{DRAFT}") for k in (1, 2, 3, 5, 8))])
+@pytest.mark.parametrize("drafter,k", [("ngram", 3), *(  # ngram K=3: the smoke test; CI: each drafter at a middle K
+    slow(d, k) if (d, k) in KEPT else exhaustive(d, k) for d in DRAFTERS for k in (1, 2, 3, 5, 8) if (d, k) != ("ngram", 3))])
 def test_greedy_equals_plain_decoding_on_llamacpp(target, reference, drafter, k):
     decoder = SpeculativeDecoder.from_names(target, drafter=drafter, k=k)
     assert decoder.target_backend.batch_invariant
@@ -126,6 +133,7 @@ def test_greedy_equals_plain_decoding_on_llamacpp(target, reference, drafter, k)
         assert decoder.generate(prompt, max_new_tokens=40).token_ids == expected
 
 
+@pytest.mark.slow
 def test_plain_decoding_on_repacked_kernels_is_the_same_text_here(target, reference):
     """Q4_1 has no repacked kernels on x86: llama.cpp's default plain decoding gives the exact kernels' output, and
     its rows are exact too (draftlab's build: `REPACK_EXACT`)."""
@@ -134,6 +142,7 @@ def test_plain_decoding_on_repacked_kernels_is_the_same_text_here(target, refere
     assert fast.generate(PROMPTS[0], max_new_tokens=40).token_ids == reference[0]
 
 
+@pytest.mark.slow
 def test_sampling_is_reproducible_and_drafts_change_nothing_at_one_seed_per_draft(target):
     """Same seed, same draft: same tokens; the statistical check of the distribution is `draftlab audit` (slow test)."""
     decoder = SpeculativeDecoder.from_names(target, drafter="ngram", k=3)
@@ -141,6 +150,8 @@ def test_sampling_is_reproducible_and_drafts_change_nothing_at_one_seed_per_draf
     assert decoder.generate(PROMPTS[0], max_new_tokens=24, temperature=0.8, seed=3).token_ids == first
 
 
+@pytest.mark.slow
+@pytest.mark.exhaustive
 @SLOW
 def test_the_audit_passes_on_llamacpp(tmp_path):
     """Speculative sampling on llama.cpp keeps the target's distribution (chi-square against plain sampling and
@@ -155,12 +166,14 @@ def test_the_audit_passes_on_llamacpp(tmp_path):
     assert "PASS" in out.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["layers:0-3", "designed"])
 def test_drafts_built_from_torch_weights_are_refused_clearly(target, drafter):
     with pytest.raises(DraftlabError, match="torch weights"):
         SpeculativeDecoder.from_names(target, drafter=drafter, k=2)
 
 
+@pytest.mark.slow
 def test_bad_inputs_get_one_line_errors(tmp_path):
     with pytest.raises(DraftlabError, match="GGUF's own weight types"):
         load_model("smollm2-135m", dtype="bf16", backend="llamacpp")
@@ -174,6 +187,7 @@ def test_bad_inputs_get_one_line_errors(tmp_path):
         load_model(str(broken), backend="llamacpp")
 
 
+@pytest.mark.slow
 def test_llama_cpp_pythons_own_generate_and_prompt_lookup(target, reference):
     from draftlab.contenders.llama_cpp_python import LlamaCppPeer
     from draftlab.measure import DECODE, EncodedPrompt, RunSettings, run_once
@@ -189,6 +203,7 @@ def test_llama_cpp_pythons_own_generate_and_prompt_lookup(target, reference):
     assert lookup == plain  # its lookup is lossless against its own plain decoding on this prompt
 
 
+@pytest.mark.slow
 def test_only_a_trees_first_branch_counts_as_exact(plain_rows):
     """Other branches' cells are shifted from their positions: greedy decoding re-verifies a path through them."""
     backend, tokens, rows = plain_rows

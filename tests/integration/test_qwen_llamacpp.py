@@ -40,6 +40,8 @@ def reference(target, prompts) -> list[list[int]]:
     return [plain.generate(ids, max_new_tokens=TOKENS).token_ids for ids in prompts]
 
 
+@pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("drafter", DRAFTERS)
 def test_greedy_equals_plain_decoding_on_llamacpp(target, prompts, reference, drafter):
     for k in (1, 2, 3, 5, 8):
@@ -51,6 +53,7 @@ def test_greedy_equals_plain_decoding_on_llamacpp(target, prompts, reference, dr
                 assert out.stats.accepted > 0
 
 
+@pytest.mark.slow
 def test_loading_the_model_prints_no_llama_cpp_warnings():
     """llama.cpp's loader warns on this file ("control-looking token ... was not control-type"): draftlab passes on
     llama.cpp's errors only (llama-cpp-python's own callback printed its warnings on every load)."""

@@ -14,6 +14,7 @@ from draftlab.files import assets
 from draftlab.api import SpeculativeDecoder, encode_prompt
 from draftlab.drafters import check_compatible
 from draftlab.models import LoadedModel, load_model
+from tests.tiers import exhaustive, slow
 
 PAIR = (assets.QWEN25_CODER_15B, assets.QWEN25_CODER_05B)
 
@@ -47,13 +48,15 @@ def reference(target, prompt_ids) -> list[int]:
     return SpeculativeDecoder.from_names(target, drafter="none").generate(prompt_ids, max_new_tokens=16).token_ids
 
 
+@pytest.mark.slow
 def test_the_pair_shares_a_tokenizer(target):
     draft = load_model("qwen2.5-coder-0.5b", dtype="fp32")
     check_compatible(target, draft)  # raises on a tokenizer or vocabulary mismatch
     assert draft.num_parameters() < target.num_parameters() / 2.5
 
 
-@pytest.mark.parametrize("drafter", ["model:qwen2.5-coder-0.5b", "model:qwen2.5-coder-0.5b@bf16", "layers:0-7", "ngram"])
+@pytest.mark.parametrize("drafter", [exhaustive("model:qwen2.5-coder-0.5b"), exhaustive("model:qwen2.5-coder-0.5b@bf16"),
+                                     exhaustive("layers:0-7"), slow("ngram")])
 def test_greedy_with_each_draft_equals_autoregressive(target, prompt_ids, reference, drafter):
     for k in (1, 3, 5):
         out = SpeculativeDecoder.from_names(target, drafter=drafter, k=k).generate(prompt_ids, max_new_tokens=16)
@@ -62,6 +65,8 @@ def test_greedy_with_each_draft_equals_autoregressive(target, prompt_ids, refere
             assert out.stats.accepted > 0
 
 
+@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_cut_vocabulary_draft_equals_autoregressive_and_computes_fewer_rows(target, prompt_ids, reference, tmp_path):
     from draftlab.design.layer_search import fill_by_rank, frequent_tokens
     from draftlab.drafters.cut import CutDraft, save_cut_draft

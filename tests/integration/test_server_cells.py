@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from draftlab.study.config import SweepConfig
-from draftlab.study.serving import server_answer
-from draftlab.study.store import ResultsStore
-from draftlab.study.sweep import run_sweep
+from draftlab.study.run.config import SweepConfig
+from draftlab.study.answer.serving import load_summaries, server_answer
+from draftlab.study.run.store import ResultsStore
+from draftlab.study.run.sweep import run_sweep
 
 pytestmark = pytest.mark.integration
 TARGET = "llamacpp:smollm2-135m"
@@ -60,6 +60,7 @@ def config(prompts: Path, **changes) -> SweepConfig:
     return SweepConfig(**settings)
 
 
+@pytest.mark.slow
 def test_server_cells_run_beside_draftlabs_engine_and_under_load(binary, prompts, tmp_path):
     store = ResultsStore(tmp_path / "study.sqlite")
     added = run_sweep(config(prompts), store, progress=False)
@@ -78,12 +79,13 @@ def test_server_cells_run_beside_draftlabs_engine_and_under_load(binary, prompts
     speculative = [r for r in rows if r["method"] == "server"]
     assert all(r["identical"] in (0, 1) for r in speculative) and sum(r["drafted"] for r in speculative) > 0
     assert all(r["identical"] == 1 for r in rows if r["method"] == "sps")  # draftlab's own: exact
-    text = server_answer(rows)
+    text = server_answer(load_summaries(rows))
     assert any(s.startswith("Fastest for smollm2-135m with 2 request(s) in flight") for s in text)
     deploy = [s for s in text if s.startswith("Deploy smollm2-135m on llama-server")]
     assert len(deploy) == 1 and " with: llama-server -m " in deploy[0] and "--host 127.0.0.1" in deploy[0]
 
 
+@pytest.mark.slow
 def test_a_server_killed_mid_sweep_ends_its_cell_and_the_next_run_resumes_it(binary, prompts, tmp_path, capsys):
     grid = config(prompts, servers=("ngram-simple:16",), concurrency=(1,), max_new_tokens=96)
     db = tmp_path / "study.sqlite"
@@ -121,6 +123,7 @@ def test_a_server_killed_mid_sweep_ends_its_cell_and_the_next_run_resumes_it(bin
     assert not server_pids()
 
 
+@pytest.mark.slow
 def test_bench_runs_llama_servers_types_beside_draftlab(binary, prompts):
     from draftlab.api import SpeculativeDecoder
     from draftlab.bench import BenchSettings, run_bench
@@ -136,6 +139,7 @@ def test_bench_runs_llama_servers_types_beside_draftlab(binary, prompts):
     assert summary["identical"] == 2 and not server_pids()
 
 
+@pytest.mark.slow
 def test_the_tuners_server_round_ends_with_the_command_to_deploy(binary, prompts, tmp_path):
     from draftlab.files.datasets import load_prompts
     from draftlab.models import load_model

@@ -13,6 +13,7 @@ from draftlab.api import SpeculativeDecoder, encode_prompt
 from draftlab.drafters import check_compatible
 from draftlab.errors import DraftlabError
 from draftlab.models import DTYPES, LoadedModel, auto_dtype, load_model
+from tests.tiers import exhaustive, slow
 
 pytestmark = pytest.mark.integration
 SLOW = pytest.mark.slow  # the rest of the real-model suite: `pytest -m slow` (CI runs it); unmarked tests are the smoke set
@@ -35,8 +36,8 @@ def baseline(target):
     return [ar.generate(p, max_new_tokens=32).token_ids for p in PROMPTS]
 
 
-@pytest.mark.parametrize("drafter", ["ngram", *(pytest.param(d, marks=SLOW) for d in
-                                                ("layers:0-3", "layers:0-29:3", "model:smollm2-135m"))])
+@pytest.mark.parametrize("drafter", ["ngram", exhaustive("layers:0-3"), exhaustive("layers:0-29:3"),
+                                     slow("model:smollm2-135m")])  # ngram: the README's smoke test for torch
 def test_greedy_equals_autoregressive_fp32(target, baseline, drafter):
     for k in (1, 2, 3, 5, 8):
         decoder = SpeculativeDecoder.from_names(target, drafter=drafter, k=k)
@@ -45,8 +46,8 @@ def test_greedy_equals_autoregressive_fp32(target, baseline, drafter):
             assert result.token_ids == expected, f"{drafter} k={k}"
 
 
-@pytest.mark.parametrize("drafter", ["designed", "tree:2x2:designed", "tree:dyn-2-6@0.05:designed",
-                                     "tree:2:layers:0-3"])
+@pytest.mark.parametrize("drafter", ["designed", "tree:2x2:designed", exhaustive("tree:dyn-2-6@0.05:designed"),
+                                     exhaustive("tree:2:layers:0-3")])
 @SLOW
 def test_designed_draft_and_trees_are_lossless(target, baseline, drafter):
     """The shipped feature draft, chains and trees of it (and a tree of a layer draft): plain decoding's output."""
@@ -60,7 +61,7 @@ def test_designed_draft_and_trees_are_lossless(target, baseline, drafter):
     assert accepted > 0
 
 
-@pytest.mark.parametrize("dtype", ["fp32", pytest.param("bf16", marks=SLOW)])
+@pytest.mark.parametrize("dtype", [exhaustive("fp32"), slow("bf16")])  # bf16: bit for bit
 def test_the_eagle3_draft_chains_and_trees_are_lossless(dtype):
     """The shipped EAGLE-3 draft (it reads target layers 2, 15 and 27), as chains and trees at K 1-5, in fp32 and in
     bf16 (where blocks are scored batch-invariantly): plain decoding's output, with drafts accepted."""
@@ -78,6 +79,7 @@ def test_the_eagle3_draft_chains_and_trees_are_lossless(dtype):
         assert accepted > 0, f"{drafter} {dtype} accepted nothing: later block rows went unchecked"
 
 
+@pytest.mark.slow
 @SLOW
 def test_transformers_backend_gives_the_same_output(target, baseline):
     decoder = SpeculativeDecoder.from_names(target, drafter="ngram", k=4, backend="hf")
@@ -86,14 +88,15 @@ def test_transformers_backend_gives_the_same_output(target, baseline):
     assert ar.generate(PROMPTS[1], max_new_tokens=32).token_ids == baseline[1]
 
 
+@pytest.mark.slow
 def test_self_draft_accepts_everything(target):
     decoder = SpeculativeDecoder.from_names(target, drafter="model:smollm2-135m", k=4)
     stats = decoder.generate(PROMPTS[0], max_new_tokens=30).stats
     assert stats.acceptance_rate == 1.0 and stats.tokens_per_step == 5.0
 
 
-@pytest.mark.parametrize("drafter", ["ngram", *(pytest.param(d, marks=SLOW) for d in
-                                                ("layers:0-3", "designed", "tree:2x2:designed"))])
+@pytest.mark.parametrize("drafter", [slow("ngram"), exhaustive("layers:0-3"), slow("designed"),
+                                     exhaustive("tree:2x2:designed")])
 def test_greedy_equals_autoregressive_bf16_bit_for_bit(drafter):
     """In bf16 the fast backend scores blocks batch-invariantly: greedy output equals plain decoding exactly.
 
@@ -117,6 +120,7 @@ def test_greedy_equals_autoregressive_bf16_bit_for_bit(drafter):
         assert accepted > 0, f"{drafter} accepted nothing: later block rows went unchecked"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype, expected", [("auto", DTYPES[auto_dtype("cpu", "smollm2-135m")[0]]), ("fp32", torch.float32),
                                              ("bf16", torch.bfloat16)])
 def test_dtype_flag_loads_that_dtype(dtype, expected):
@@ -128,6 +132,7 @@ def test_dtype_flag_loads_that_dtype(dtype, expected):
     assert {p.dtype for p in decoder.draft_model.model.parameters()} == {expected}
 
 
+@pytest.mark.slow
 def test_tokenizer_mismatch_is_refused(target):
     other = LoadedModel("other", target.model, _ShiftedTokenizer(target.tokenizer), target.device, target.dtype)
     with pytest.raises(DraftlabError, match="different tokenizers"):
@@ -150,6 +155,7 @@ def draftlab(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "draftlab.cli", *args], capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_cli_generate_json():
     out = draftlab("generate", "--drafter", "ngram", "--k", "3", "--max-new-tokens", "24", "--json",
                    "--prompt", PROMPTS[0])
@@ -162,6 +168,7 @@ def test_cli_generate_json():
     assert record["tokens_per_step"] == pytest.approx(24 / record["steps"])
 
 
+@pytest.mark.slow
 def test_cli_bench_json(tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p, "category": c}) for p, c in zip(PROMPTS, ["code", "sum"])))
@@ -176,6 +183,7 @@ def test_cli_bench_json(tmp_path):
     assert "speedup" in out.stdout.splitlines()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -198,6 +206,7 @@ def test_cli_bad_input_is_one_clear_line(args, message):
     assert len(lines) == 1 and message in lines[0], out.stderr
 
 
+@pytest.mark.slow
 def test_feature_draft_on_the_real_target_is_lossless(target, baseline):
     """An (untrained) EAGLE-style draft reading SmolLM2's hidden states: same greedy output."""
     from draftlab.engine import GenerationConfig, SpeculativeEngine
@@ -213,6 +222,7 @@ def test_feature_draft_on_the_real_target_is_lossless(target, baseline):
         assert engine.generate(ids, GenerationConfig(max_new_tokens=32)).token_ids == expected
 
 
+@pytest.mark.slow
 def test_questions_prompt_set():
     from draftlab.files.datasets import load_prompts
 
@@ -221,6 +231,7 @@ def test_questions_prompt_set():
     assert all(p.chat and p.text.strip() for p in prompts)
 
 
+@pytest.mark.slow
 @SLOW
 def test_audit_passes_draftlab_and_fails_a_broken_verifier(target):
     """The losslessness audit on the real target at temperature 0.8 with two drafters, and a broken verifier."""

@@ -9,6 +9,7 @@ from draftlab.api import SpeculativeDecoder
 from draftlab.backends import gguf
 from draftlab.drafters import suffix
 from draftlab.models import load_model
+from tests.tiers import exhaustive
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(not suffix.available(), reason=suffix.INSTALL_HINT)]
 SLOW = pytest.mark.slow
@@ -18,7 +19,7 @@ PROMPTS = [
     "Rename the variable `items` to `values` and return the whole function:\n"
     "def mean(items):\n    if not items:\n        return 0.0\n    return sum(items) / len(items)\n",
 ]
-SPECS = ["suffix", "suffix:tree,min_prob=0.05"]
+SPECS = ["suffix", exhaustive("suffix:tree,min_prob=0.05")]
 KS = (4, 8, 16, 24)
 TOKENS = 40
 
@@ -41,6 +42,7 @@ def check_cold_and_warm(target, spec: str) -> None:
 
 
 @pytest.mark.parametrize("spec", SPECS)
+@SLOW
 def test_suffix_greedy_equals_plain_decoding_fp32(spec):
     check_cold_and_warm(load_model("smollm2-135m", dtype="fp32"), spec)
 
@@ -58,6 +60,7 @@ def test_suffix_greedy_equals_plain_decoding_on_llamacpp(spec):
     check_cold_and_warm(load_model("smollm2-135m", backend="llamacpp"), spec)
 
 
+@pytest.mark.slow
 def test_a_cache_directory_carries_what_was_learned_to_a_new_decoder(tmp_path):
     target = load_model("smollm2-135m", dtype="fp32")
     spec = f"suffix:cache={tmp_path / 'suffix'}"

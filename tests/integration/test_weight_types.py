@@ -13,6 +13,7 @@ from draftlab.models import gguf_path, is_gguf, load_model, split_weight_type
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.slow
 def test_a_derived_type_is_cached_checked_and_derived_again_when_damaged(tmp_path, monkeypatch):
     monkeypatch.setenv("DRAFTLAB_CACHE", str(tmp_path))
     shipped = gguf_path("smollm2-135m")  # fetched into the temporary cache
@@ -29,6 +30,7 @@ def test_a_derived_type_is_cached_checked_and_derived_again_when_damaged(tmp_pat
     assert load_model("smollm2-135m@Q8_0", backend="llamacpp").precision == "Q8_0"
 
 
+@pytest.mark.slow
 def test_greedy_decoding_stays_lossless_on_a_derived_type():
     target = load_model("smollm2-135m@BF16", backend="llamacpp")
     assert target.precision == "BF16" and target.name == "smollm2-135m@BF16" and is_gguf("smollm2-135m@BF16")
@@ -38,6 +40,7 @@ def test_greedy_decoding_stays_lossless_on_a_derived_type():
     assert ngram.token_ids == plain.token_ids and ngram.stats.steps < plain.stats.steps
 
 
+@pytest.mark.slow
 def test_weight_type_names_are_checked_in_one_line():
     assert split_weight_type("smollm2-135m@bf16") == ("smollm2-135m", "BF16")
     assert split_weight_type("dir/name@home.gguf") == ("dir/name@home.gguf", None)  # not a type: a path

@@ -9,9 +9,9 @@ import pytest
 
 from draftlab.cli.main import main
 from draftlab.models import load_model
-from draftlab.study.runner import CellRunner
-from draftlab.study.store import ResultsStore
-from draftlab.study.sweep import make_config
+from draftlab.study.run.runner import CellRunner
+from draftlab.study.run.store import ResultsStore
+from draftlab.study.run.sweep import make_config
 from tests.conftest import feature_study
 
 
@@ -22,6 +22,7 @@ def setup(tmp_path_factory):
     return root, model, draft, prompts
 
 
+@pytest.mark.slow
 def test_adapting_cells_learn_their_prompts_and_resume_from_stored_ones(setup):
     root, model, draft, prompts = setup
     db = root / "study.sqlite"

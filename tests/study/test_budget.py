@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-from draftlab.study.budget import PILOT_REASON, Deadline, Pilot, make_plan, pilot_drops
-from draftlab.study.cells import Cell
-from draftlab.study.store import ResultsStore
-from draftlab.study.sweep import SweepConfig, run_sweep
+from draftlab.study.run.budget import PILOT_REASON, Deadline, Pilot, PlanLimits, make_plan, pilot_drops
+from draftlab.study.run.cells import Cell
+from draftlab.study.run.store import ResultsStore
+from draftlab.study.run.sweep import SweepConfig, run_sweep
 from tests.conftest import tiny_model_dir
 
 
@@ -29,15 +29,15 @@ def test_the_plan_takes_the_most_prompts_that_fit_and_at_least_the_races_first()
     pilot = Pilot(prefill={"draftlab": 0.001}, decode={ar.key: 0.01, spec.key: 0.008},
                   keys={ar.key: "draftlab", spec.key: "draftlab"})
     lengths = [1000, 10, 100, 100, 100, 100]  # the race's order: the longest and the shortest first
-    full = make_plan({"m": [ar, spec]}, {"m": pilot}, lengths, 2, 1, 0.0)
+    full = make_plan({"m": [ar, spec]}, {"m": pilot}, lengths, PlanLimits(2, 1, 0.0))
     assert full.prompts == 6 and len(full.costs) == 6 and full.costs[0] > full.costs[2]
     # each prompt: 100 tokens of ar (1 s) and of spec (0.8 s), the baseline re-timed once (1 s), the prefill
     assert abs(full.costs[2] - (100 * 0.01 + 100 * 0.008 + 100 * 0.01 + 100 * 0.001)) < 1e-9
     slower = Pilot(pilot.prefill, {ar.key: 0.01, spec.key: 0.02}, pilot.keys)  # the race is expected to drop it
-    assert abs(make_plan({"m": [ar, spec]}, {"m": slower}, lengths, 2, 1, 0.0).costs[2] - 1.1) < 1e-9
-    fits = make_plan({"m": [ar, spec]}, {"m": pilot}, lengths, 2, 1, sum(full.costs[:4]) + 0.1)
+    assert abs(make_plan({"m": [ar, spec]}, {"m": slower}, lengths, PlanLimits(2, 1, 0.0)).costs[2] - 1.1) < 1e-9
+    fits = make_plan({"m": [ar, spec]}, {"m": pilot}, lengths, PlanLimits(2, 1, sum(full.costs[:4]) + 0.1))
     assert fits.prompts == 4 and "4 of 6 prompts x 2 cells x 100 tokens" in fits.line()
-    least = make_plan({"m": [ar, spec]}, {"m": pilot}, lengths, 2, 1, 1.0)
+    least = make_plan({"m": [ar, spec]}, {"m": pilot}, lengths, PlanLimits(2, 1, 1.0))
     assert least.prompts == 2 and "over the" in least.line()
 
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from draftlab.errors import DraftlabError
-from draftlab.study.sweep import SweepConfig, make_config
+from draftlab.study.run.sweep import SweepConfig, make_config
 
 
 def test_toml_file_then_flags(tmp_path):

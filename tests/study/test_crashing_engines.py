@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from draftlab.contenders.preflight import FAULT_ENV, EngineCheck, check_engine
-from draftlab.study.crashes import CRASH_ENV, LIMIT, SIGNAL_ENV
-from draftlab.study.store import ResultsStore
+from draftlab.study.run.crashes import CRASH_ENV, LIMIT, SIGNAL_ENV
+from draftlab.study.run.store import ResultsStore
 from tests.conftest import tiny_model_dir
 
 
@@ -44,6 +44,7 @@ def study_args(root, out) -> list[str]:
 
 # A hang is judged by its own limit (`hang=5`: the parent waits 5 s for that child); the healthy engine keeps the
 # default limit (300 s), which it meets on any host: no test races the host's speed.
+@pytest.mark.slow
 @pytest.mark.parametrize("mode, words", [("segv", "was killed by SIGSEGV"),
                                          ("hang=5", "did not decode 4 tokens within 5 s (a hang)")])
 def test_a_preflight_that_dies_leaves_its_engine_out_and_the_study_answers_with_the_others(models, mode, words):
@@ -63,6 +64,7 @@ def test_a_preflight_that_dies_leaves_its_engine_out_and_the_study_answers_with_
     assert targets == {str(one)}  # the other engine ran every cell; the dead one none
 
 
+@pytest.mark.slow
 def test_a_study_whose_every_engine_fails_its_preflight_exits_1_with_a_line_per_engine(models):
     root, one, two = models
     result = draftlab(study_args(models, root / "study-all-dead"), {FAULT_ENV: "torch:segv"})
@@ -85,6 +87,7 @@ def test_a_preflight_reports_a_nonzero_exit_with_its_last_error_line(models):
     assert not verdict.ok and "exited with code 1" in verdict.line and FAULT_ENV in verdict.line
 
 
+@pytest.mark.slow
 def test_a_cell_that_kills_the_process_twice_is_skipped_and_the_study_completes(models):
     root, one, _ = models
     db = root / "crash.sqlite"
@@ -111,6 +114,7 @@ def test_a_cell_that_kills_the_process_twice_is_skipped_and_the_study_completes(
     assert all("killed the study's process 2 times" in s["reason"] for s in skips)
 
 
+@pytest.mark.slow
 def test_a_sweep_stopped_from_outside_is_not_taken_for_a_crash_and_completes(models):
     root, one, _ = models
     db = root / "stopped.sqlite"

@@ -10,9 +10,10 @@ from types import SimpleNamespace
 import pytest
 
 from draftlab.errors import DraftlabError
-from draftlab.study import findings as f
-from draftlab.study.page import build_report
-from draftlab.study.report import CellSummary, load_study, summarize
+from draftlab.study.answer import findings as f
+from draftlab.study.answer.page import build_report
+from draftlab.study.answer.results import ReportInputs
+from draftlab.study.answer.report import CellSummary, load_study, summarize
 from tests.study.test_report import study  # noqa: F401  (the hand-built database fixture)
 
 
@@ -86,13 +87,14 @@ def test_sps_against_asg_on_the_same_pairs():
     assert f.sps_beats_asg(cells[-1:]).verdict == f.NOT_MEASURED
 
 
+@pytest.mark.slow
 def test_report_shows_the_findings(study, tmp_path):  # noqa: F811
     micro = tmp_path / "microbench.json"
     micro.write_text(json.dumps([{"series": "fixed_width", "layers": 2, "hidden": 64, "ms_per_token": 1.0},
                                  {"series": "fixed_width", "layers": 8, "hidden": 64, "ms_per_token": 4.0},
                                  {"series": "fixed_depth", "layers": 4, "hidden": 64, "ms_per_token": 2.0},
                                  {"series": "fixed_depth", "layers": 4, "hidden": 256, "ms_per_token": 7.0}]))
-    page = build_report(study, tmp_path / "report", microbench_path=micro).read_text()
+    page = build_report(study, tmp_path / "report", ReportInputs(microbench=micro)).read_text()
     assert "The seeds' findings beside ours" in page
     assert page.index("The seeds' findings") < page.index("<h2>Figures</h2>")
     rows, params, _ = load_study(study)
@@ -102,8 +104,8 @@ def test_report_shows_the_findings(study, tmp_path):  # noqa: F811
     assert sps_asg.verdict == f.DISAGREES and "0 of 1 pairs" in sps_asg.measured  # both at 12.5 tok/s: not faster
     assert "4x the width cost 3.50x" in page
     with pytest.raises(DraftlabError, match="cannot read the microbenchmark"):
-        build_report(study, tmp_path / "again", microbench_path=tmp_path / "missing.json")
+        build_report(study, tmp_path / "again", ReportInputs(microbench=tmp_path / "missing.json"))
     done = subprocess.run([sys.executable, "-m", "draftlab.cli", "report", "--db", str(study), "--out",
                            str(tmp_path / "cli"), "--microbench", str(micro)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert "The seeds' findings beside this study:" in done.stdout and "[disagrees] Draft latency" in done.stdout
+    assert "== The seeds' findings beside ours ==" in done.stdout and "[disagrees] Draft latency" in done.stdout

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from draftlab.study.answer import recommend
-from draftlab.study.report import ALL, Drift, summarize
+from draftlab.study.answer.recommend import recommend
+from draftlab.study.answer.report import ALL, Drift, summarize
 
 
 def row(method: str, tokens_per_s: float, at: float, prompt: str, drafter: str = "none", k: int = 0) -> dict:

@@ -43,6 +43,8 @@ def setup(tmp_path_factory):
     return root, model, draft, prompts
 
 
+@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_a_sweep_killed_ten_times_loses_nothing_stored_and_completes(setup):
     root, model, draft, prompts = setup
     db = root / "killed.sqlite"
@@ -85,6 +87,7 @@ for i in range(400):
 """
 
 
+@pytest.mark.slow
 def test_a_suffix_cache_appended_by_two_processes_keeps_every_whole_response(tmp_path):
     store = tmp_path / "cache"
     chance = random.Random(11)

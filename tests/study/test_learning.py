@@ -7,16 +7,17 @@ import json
 import pytest
 
 from draftlab.drafters import suffix
-from draftlab.study.learning import format_learning, learning_rows
-from draftlab.study.page import build_report
-from draftlab.study.report import load_checks, load_study, summarize
-from draftlab.study.store import ResultsStore
-from draftlab.study.sweep import SweepConfig, run_sweep
+from draftlab.study.answer.learning import format_learning, learning_rows
+from draftlab.study.answer.page import build_report
+from draftlab.study.answer.report import load_checks, load_study, summarize
+from draftlab.study.run.store import ResultsStore
+from draftlab.study.run.sweep import SweepConfig, run_sweep
 from tests.conftest import tiny_model_dir
 
 pytestmark = pytest.mark.skipif(not suffix.available(), reason=suffix.INSTALL_HINT)
 
 
+@pytest.mark.slow
 def test_suffix_cells_show_cold_and_warm_beside_ngram_and_plain(tmp_path):
     model = tiny_model_dir(tmp_path / "tiny")
     prompts = tmp_path / "stream.jsonl"  # a stream of requests of two templates: later answers repeat earlier ones

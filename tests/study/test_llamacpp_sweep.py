@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from draftlab.study import sweep
-from draftlab.study.answer import engine_answer, recommend
-from draftlab.study.report import Drift, load_study, summarize
-from draftlab.study.tables import optimal_table
-from draftlab.study.store import ResultsStore
+from draftlab.study.run import sweep
+from draftlab.study.answer.recommend import engine_answer, recommend
+from draftlab.study.answer.report import Drift, load_study, summarize
+from draftlab.study.answer.tables import optimal_table
+from draftlab.study.run.store import ResultsStore
 
 pytestmark = pytest.mark.integration
 
@@ -26,6 +26,7 @@ def study(tmp_path_factory):
     return root / "study.sqlite"
 
 
+@pytest.mark.slow
 def test_each_engine_runs_its_own_cells(study, capsys):
     rows, params, envs = load_study(study)
     on_llamacpp = [r for r in rows if r["target"] == "llamacpp:smollm2-135m"]
@@ -41,6 +42,7 @@ def test_each_engine_runs_its_own_cells(study, capsys):
     assert any("llama.cpp" in env["numerics"] for env in envs)
 
 
+@pytest.mark.slow
 def test_the_answer_is_one_use_line_per_model_naming_the_engine(study):
     rows, params, _ = load_study(study)
     summaries = summarize(rows)

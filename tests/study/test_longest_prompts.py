@@ -14,8 +14,8 @@ from dataclasses import replace
 import pytest
 
 from draftlab.files.datasets import DATASETS, load_prompts, prompt_line
-from draftlab.study.store import ResultsStore
-from draftlab.study.sweep import make_config, run_sweep
+from draftlab.study.run.store import ResultsStore
+from draftlab.study.run.sweep import make_config, run_sweep
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -65,6 +65,7 @@ def check_every_cell_ended(config, prompts, outcome) -> set[tuple[str, str]]:
     return {(key.split("|")[0], key.split("|")[1]) for key in cells}
 
 
+@pytest.mark.slow
 def test_quick_presets_methods_on_a_long_prompt_and_a_conversation(tmp_path):
     """Every method and peer of the quick preset (n-gram drafts only) on a 700-token prompt and a multi-turn one."""
     config, prompts, outcome = run_preset(tmp_path, "quick", long_prompt_and_turns(), ks=(1,), drafters=("ngram",))
@@ -76,6 +77,8 @@ def test_quick_presets_methods_on_a_long_prompt_and_a_conversation(tmp_path):
     assert lookup and lookup.count(None) == len(lookup)  # llama-cpp-python's prompt lookup ran them
 
 
+@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_quick_preset_on_the_longest_prompts(tmp_path):
     config, prompts, outcome = run_preset(tmp_path, "quick", ks=(1,))  # every method and draft; K changes no length
     seen = check_every_cell_ended(config, prompts, outcome)
@@ -88,6 +91,8 @@ def test_quick_preset_on_the_longest_prompts(tmp_path):
     assert lookup and lookup.count(None) == len(lookup)
 
 
+@pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.skipif(not os.environ.get("DRAFTLAB_QWEN"), reason="DRAFTLAB_QWEN=1 runs the Qwen2.5-Coder pair")
 def test_family_preset_on_llamacpp_on_the_longest_prompts(tmp_path):
     """The family preset's cells that run on llama.cpp (its torch cells take hours on a CPU with these prompts)."""

@@ -13,13 +13,14 @@ import pytest
 from draftlab.backends.routes import candidate_dtypes
 
 from draftlab.contenders import hf
-from draftlab.study import plots, sweep
-from draftlab.study.page import build_report
-from draftlab.study.answer import recommend
-from draftlab.study.report import ALL, load_checks, load_study, summarize
-from draftlab.study.tables import lossy_cells, optimal_table
-from draftlab.study.report import baseline_drift
-from draftlab.study.store import ResultsStore
+from draftlab.study.answer import plots
+from draftlab.study.run import sweep
+from draftlab.study.answer.page import build_report
+from draftlab.study.answer.recommend import recommend
+from draftlab.study.answer.report import ALL, load_checks, load_study, summarize
+from draftlab.study.answer.tables import lossy_cells, optimal_table
+from draftlab.study.answer.report import baseline_drift
+from draftlab.study.run.store import ResultsStore
 from tests.conftest import tiny_model_dir
 
 LOSSY_K = 2
@@ -35,8 +36,8 @@ def lossy_study(tmp_path_factory):
         + "\n" for i in range(2)))
     real_generate = hf.hf_generate
 
-    def drifting_hf_generate(target, prompt_ids, max_new_tokens, eos, sampling, seed, assist=None):
-        tokens = real_generate(target, prompt_ids, max_new_tokens, eos, sampling, seed, assist)
+    def drifting_hf_generate(target, prompt_ids, config, assist=None):
+        tokens = real_generate(target, prompt_ids, config, assist)
         if assist is not None and assist.k == LOSSY_K:
             tokens = tokens[:-1] + [(tokens[-1] + 1) % 60]  # the last token differs from plain decoding
         return tokens
@@ -51,6 +52,7 @@ def lossy_study(tmp_path_factory):
     return root / "study.sqlite"
 
 
+@pytest.mark.slow
 def test_hf_plain_decoding_runs_beside_asg_and_is_its_reference(lossy_study):
     rows, _, _ = load_study(lossy_study)
     assert sum(r["method"] == "hf" for r in rows) == 2  # one per prompt
@@ -65,6 +67,7 @@ def test_hf_plain_decoding_runs_beside_asg_and_is_its_reference(lossy_study):
     assert not any(r["identical"] for r in rows if r["method"] == "asg" and r["k"] == LOSSY_K)
 
 
+@pytest.mark.slow
 def test_lossy_cells_are_listed_not_ranked(lossy_study, tmp_path):
     rows, params, _ = load_study(lossy_study)
     summaries = summarize(rows, load_checks(lossy_study))
@@ -82,6 +85,7 @@ def test_lossy_cells_are_listed_not_ranked(lossy_study, tmp_path):
     assert "Lossy cells (not ranked)" in page and "2/2" in page
 
 
+@pytest.mark.slow
 def test_sps_vs_asg_plot_leaves_lossy_pairs_out(lossy_study, tmp_path, monkeypatch):
     rows, _, _ = load_study(lossy_study)
     group = [s for s in summarize(rows) if s.dataset == ALL]

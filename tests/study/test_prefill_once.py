@@ -8,8 +8,8 @@ from collections import Counter
 
 import pytest
 
-from draftlab.study.store import ResultsStore
-from draftlab.study.sweep import SweepConfig, run_sweep
+from draftlab.study.run.store import ResultsStore
+from draftlab.study.run.sweep import SweepConfig, run_sweep
 from tests.conftest import tiny_model_dir
 
 

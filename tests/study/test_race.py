@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 
-from draftlab.study.answer import engine_answer, recommend
-from draftlab.study.race import PromptSet, RaceRule, dropped_cells, format_skips, race_order, readmitted
-from draftlab.study.report import baseline_drift, load_checks, load_study, summarize
-from draftlab.study.store import Cell, ResultsStore
-from draftlab.study.sweep import SweepConfig, run_sweep
+import pytest
+
+from draftlab.study.answer.recommend import engine_answer, recommend
+from draftlab.study.answer.sections import skipped_cells
+from draftlab.study.run.race import PromptSet, RaceRule, dropped_cells, race_order, readmitted
+from draftlab.study.answer.report import baseline_drift, load_checks, load_study, summarize
+from draftlab.study.run.store import Cell, ResultsStore
+from draftlab.study.run.sweep import SweepConfig, run_sweep
 from tests.conftest import tiny_model_dir
 
 
@@ -143,6 +146,7 @@ def write_prompts(path, lengths: list[int]) -> None:
                                         "category": "code", "id": f"q{i}"}) + "\n" for i, n in enumerate(lengths)))
 
 
+@pytest.mark.slow
 def test_a_real_sweep_races_stores_its_decisions_and_resumes_with_nothing_to_do(tmp_path):
     model = tiny_model_dir(tmp_path / "tiny")
     prompts = tmp_path / "prompts.jsonl"
@@ -168,10 +172,11 @@ def test_a_real_sweep_races_stores_its_decisions_and_resumes_with_nothing_to_do(
     assert len(dropped) == len({s["cell"] for s in skips})
     assert ("ar", "none", 0) in complete and not complete & dropped
     sentences = recommend(summaries, baseline_drift(rows, load_checks(db)))
-    assert format_skips(skips).count("\n") == len(dropped)  # a title and one line per cell; none: ""
+    assert len(skipped_cells(skips)) == len(dropped)  # one line per cell the race dropped
     assert all("dropped by the race" not in s or "Use plain decoding" in s for s in sentences)
 
 
+@pytest.mark.slow
 def test_a_prompt_longer_than_the_context_is_skipped_with_one_line_and_the_sweep_goes_on(tmp_path, capsys):
     model = tiny_model_dir(tmp_path / "tiny")  # its context holds 512 positions
     prompts = tmp_path / "prompts.jsonl"
@@ -194,9 +199,9 @@ def test_a_prompt_longer_than_the_context_is_skipped_with_one_line_and_the_sweep
 def test_the_latency_plot_and_the_optimal_table_compare_every_line_on_the_same_prompts(tmp_path):
     """A cell the race dropped after two prompts beside cells that ran four: the figure is drawn on the two prompts
     every cell ran (its data, written beside it, says so), and the table ranks only cells that ran every prompt."""
-    from draftlab.study.page import build_report
-    from draftlab.study.tables import optimal_table
-    from draftlab.study.store import Record
+    from draftlab.study.answer.page import build_report
+    from draftlab.study.answer.tables import optimal_table
+    from draftlab.study.run.store import Record
 
     store = ResultsStore(tmp_path / "s.sqlite")
     run = store.start_run({})

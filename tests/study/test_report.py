@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from draftlab.study.page import build_report
-from draftlab.study.report import load_study, summarize
-from draftlab.study.tables import format_optimal, optimal_table
-from draftlab.study.store import Cell, Record, ResultsStore
+from draftlab.study.answer.page import build_report
+from draftlab.study.answer.results import ReportInputs
+from draftlab.study.answer.report import load_study, summarize
+from draftlab.study.answer.tables import format_optimal, optimal_table
+from draftlab.study.run.store import Cell, Record, ResultsStore
 
 
 def cell(method, drafter="none", k=0, dataset="code"):
@@ -92,14 +93,14 @@ def test_report_with_profile_checks_the_model(study, tmp_path):
                                DraftProfile("layers:0-1", 0.01, [0.5, 0.3, 0.2])])
     profile.save(tmp_path / "profile.json")
     assert Profile.load(tmp_path / "profile.json").target.score_s[3] == 0.1
-    page = build_report(study, tmp_path / "report", tmp_path / "profile.json").read_text()
+    page = build_report(study, tmp_path / "report", ReportInputs(profile=tmp_path / "profile.json")).read_text()
     assert "Performance model" in page and "predicted_vs_measured.png" in page and "What-if" in page
     assert (tmp_path / "report" / "predicted_vs_measured.png").exists()
 
 
 def test_recommendation_names_the_measured_best_lossless_configuration(study, tmp_path):
-    from draftlab.study.answer import recommend
-    from draftlab.study.report import Drift
+    from draftlab.study.answer.recommend import recommend
+    from draftlab.study.answer.report import Drift
 
     rows, _, _ = load_study(study)
     sentences = recommend(summarize(rows), Drift(2, 0.02))
@@ -114,14 +115,14 @@ def test_recommendation_names_the_measured_best_lossless_configuration(study, tm
 
 def _judged(cells):
     """Hand-built summaries, judged against their model's reference plain decoding as `summarize` judges them."""
-    from draftlab.study.host import add_host_speedups
+    from draftlab.study.answer.host import add_host_speedups
 
     add_host_speedups(cells, {})
     return cells
 
 
 def _summary(method, drafter, k, speedup, identical=2, width=0.05):
-    from draftlab.study.report import ALL, CellSummary
+    from draftlab.study.answer.report import ALL, CellSummary
 
     return CellSummary("tgt", method, drafter, k, ALL, 0.0, 2, 200, 10.0, 20.0 * speedup, 50.0, None, None, None,
                        None, None, speedup=speedup, speedup_min=speedup - 0.1, speedup_max=speedup + 0.1,
@@ -129,8 +130,8 @@ def _summary(method, drafter, k, speedup, identical=2, width=0.05):
 
 
 def test_recommendation_says_plain_decoding_when_nothing_wins():
-    from draftlab.study.answer import recommend
-    from draftlab.study.report import Drift
+    from draftlab.study.answer.recommend import recommend
+    from draftlab.study.answer.report import Drift
 
     cells = [_summary("ar", "none", 0, 1.0), _summary("sps", "ngram", 3, 0.9), _summary("asg", "ngram", 3, 0.8)]
     (sentence,) = recommend(_judged(cells), Drift(2, 0.03))
@@ -140,8 +141,8 @@ def test_recommendation_says_plain_decoding_when_nothing_wins():
 
 
 def test_a_gain_whose_paired_interval_includes_1x_is_not_the_answer():
-    from draftlab.study.answer import recommend
-    from draftlab.study.report import Drift
+    from draftlab.study.answer.recommend import recommend
+    from draftlab.study.answer.report import Drift
 
     sure = recommend(_judged([_summary("ar", "none", 0, 1.0), _summary("sps", "designed", 1, 1.08)]), Drift(2, 0.2))[0]
     assert sure.startswith("Use designed at K=1 (SpS) on draftlab's torch backend for tgt on this machine: "
@@ -186,8 +187,8 @@ def test_the_answer_is_judged_against_the_fastest_plain_decoding_on_the_host(tmp
     """Plain decoding in another mode ran twice as fast as the study's own: speedups are stated against it."""
     from dataclasses import replace
 
-    from draftlab.study.answer import recommend
-    from draftlab.study.report import Drift
+    from draftlab.study.answer.recommend import recommend
+    from draftlab.study.answer.report import Drift
 
     store = ResultsStore(tmp_path / "study.sqlite")
     run = store.start_run({})
@@ -209,7 +210,7 @@ def test_the_answer_is_judged_against_the_fastest_plain_decoding_on_the_host(tmp
 def test_the_study_exports_its_fastest_lossless_configuration(study):
     """ngram K=2 (2.0x, every output identical) is exported; K=4 differed once, so it never is."""
     from draftlab.deploy import export
-    from draftlab.study.answer import fastest_lossless
+    from draftlab.study.answer.recommend import fastest_lossless
 
     rows, _, _ = load_study(study)
     (choice,) = fastest_lossless(summarize(rows))
@@ -221,7 +222,7 @@ def test_predict_names_a_route_or_context_unlike_the_studys(tmp_path):
     """A profile of another route, or timed at another context, is not compared with the study (no error figure)."""
     from draftlab.perf.calibrate import Profile
     from draftlab.perf.throughput import TargetProfile
-    from draftlab.study.transfer import unlike_study
+    from draftlab.study.answer.transfer import unlike_study
 
     store = ResultsStore(tmp_path / "study.sqlite")
     run = store.start_run({"device": "cpu", "numerics": "fp32 exact-wm/2 (measured: fastest)"})

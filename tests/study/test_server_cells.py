@@ -12,11 +12,11 @@ from draftlab.engine import GenerationResult
 from draftlab.errors import DraftlabError
 from draftlab.measure import EncodedPrompt, InFlight, RunSettings, run_once
 from draftlab.decoding.metrics import GenerationStats
-from draftlab.study.cells import Cell
-from draftlab.study.config import SweepConfig, with_weight_types
+from draftlab.study.run.cells import Cell
+from draftlab.study.run.config import SweepConfig, with_weight_types
 from draftlab.contenders.server_configs import parse_server_spec, spec_config
-from draftlab.study.serving import deploy_config, level_answers, load_summaries, per_batch_size, server_sentences
-from draftlab.study.store import SCHEMA_VERSION, Record, ResultsStore
+from draftlab.study.answer.serving import deploy_config, level_answers, load_summaries, per_batch_size, server_sentences
+from draftlab.study.run.store import SCHEMA_VERSION, Record, ResultsStore
 from tests.conftest import older_database_file
 
 
@@ -190,8 +190,8 @@ def test_the_answer_per_concurrency_ranks_rounding_apart_and_ends_with_a_command
 
 
 def test_weight_types_are_compared_on_speed_size_and_outputs():
-    from draftlab.study.report import summarize
-    from draftlab.study.weight_types import format_weight_types, weight_type_rows, weight_type_sentences
+    from draftlab.study.answer.report import summarize
+    from draftlab.study.answer.weight_types import format_weight_types, weight_type_rows, weight_type_sentences
 
     def record(target, method, drafter, k, wall, sha, prompt):
         return {**row(method, drafter, k, 1, 64, wall, True if method == "ar" else None, prompt), "target": target,
@@ -217,7 +217,7 @@ def test_a_study_at_several_concurrency_levels_exports_its_k_per_batch_size_to_v
     """The chosen llama-server configuration (a draft model at K=4) pays alone and at 2, not at 4: vLLM's export of
     it carries that table; llama-server's keeps the server's own flags."""
     from draftlab.deploy import export, vllm_config
-    from draftlab.study.serving import server_deployables
+    from draftlab.study.answer.serving import server_deployables
 
     draft = "draft-simple/qwen2.5-coder-0.5b"
     rows = [row("server-ar", "none", 0, 1, 64, 1.0), row("server", draft, 4, 1, 64, 0.5, True),

@@ -7,7 +7,7 @@ import sqlite3
 import pytest
 
 from draftlab.errors import DraftlabError
-from draftlab.study.store import SCHEMA_VERSION, Cell, Record, ResultsStore
+from draftlab.study.run.store import SCHEMA_VERSION, Cell, Record, ResultsStore
 from tests.conftest import older_database_file
 
 CELL = Cell("t", "ngram", 2, "sps", "d", 0.0, 16)
@@ -109,7 +109,7 @@ def test_every_setting_that_changes_a_record_is_in_the_cell_key(tmp_path):
     from dataclasses import replace
 
     from draftlab.models import resolve_dtype_name
-    from draftlab.study.sweep import SweepConfig
+    from draftlab.study.run.sweep import SweepConfig
     from tests.conftest import tiny_model_dir
 
     fp32 = SweepConfig(dtype="fp32", host_baselines=False)

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from draftlab.study.store import ResultsStore
+from draftlab.study.run.store import ResultsStore
 from tests.conftest import tiny_model_dir
 
 DETERMINISTIC = ("cell", "prompt_id", "method", "drafter", "k", "new_tokens", "steps", "drafted", "accepted",
@@ -59,6 +59,7 @@ def deterministic_rows(db) -> list[tuple]:
     return rows
 
 
+@pytest.mark.slow
 def test_killed_sweep_resumes_to_the_same_records(setup):
     root, model, prompts = setup
     full_db, killed_db = root / "full.sqlite", root / "killed.sqlite"

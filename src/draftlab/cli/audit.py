@@ -33,6 +33,7 @@ def cmd_audit(args) -> None:
     from draftlab.api import SpeculativeDecoder, eos_ids, encode_prompt
     from draftlab.checks.audit import AuditSettings, exact_first_distribution, format_audit, run_audit
     from draftlab.contenders.hf import hf_assist, hf_generate
+    from draftlab.engine import GenerationConfig
     from draftlab.models import load_model
     from draftlab.registry import parse_drafter_spec
     from draftlab.decoding.sampling import SamplingConfig
@@ -60,8 +61,9 @@ def cmd_audit(args) -> None:
             except DraftlabError:
                 continue
             methods[f"hf assisted {spec} K={args.k}"] = (
-                lambda seed, assist=assist: hf_generate(target, prompt_ids, settings.positions, eos, sampling, seed,
-                                                        assist))
+                lambda seed, assist=assist: hf_generate(
+                    target, prompt_ids, GenerationConfig(settings.positions, sampling, seed, eos_token_ids=tuple(eos)),
+                    assist))
     report = run_audit(ours(plain), methods, exact_first_distribution(plain.engine, prompt_ids, sampling), settings,
                        progress=print)
     print(format_audit(report))

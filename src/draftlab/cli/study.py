@@ -106,8 +106,8 @@ def _sweep_config(args):
 
     from draftlab.api import parse_layers
     from draftlab.registry import with_adapting
-    from draftlab.study.config import with_weight_types
-    from draftlab.study.sweep import make_config
+    from draftlab.study.run.config import with_weight_types
+    from draftlab.study.run.sweep import make_config
 
     ks = tuple(parse_layers(args.ks)) if args.ks else None
     concurrency = tuple(parse_layers(args.concurrency)) if args.concurrency else None
@@ -126,8 +126,8 @@ def _sweep_config(args):
 
 
 def _run_sweep(args, db) -> None:
-    from draftlab.study.store import ResultsStore
-    from draftlab.study.sweep import plan, run_sweep
+    from draftlab.study.run.store import ResultsStore
+    from draftlab.study.run.sweep import plan, run_sweep
 
     config = _sweep_config(args)
     groups = plan(config)  # a bad prompt set is refused before the database is created
@@ -145,81 +145,39 @@ def cmd_sweep(args) -> None:
 
 
 def cmd_study(args) -> None:
-    """Sweep into OUT/study.sqlite, write OUT/report, print the recommendation and the optimal table."""
-    from draftlab.study.page import answer_lines, build_report
-    from draftlab.study.report import baseline_drift, load_checks, load_study, summarize
-    from draftlab.study.tables import format_lossy, format_optimal, lossy_cells, optimal_table
-    from draftlab.study.race import format_skips, load_skips
-
+    """Sweep into OUT/study.sqlite, write OUT/report, print the answer's sections."""
     out = Path(args.out)
     db = args.db or str(out / "study.sqlite")
     _run_sweep(args, db)
-    page = build_report(db, out / "report")
-    rows, params, envs = load_study(db)
-    checks = load_checks(db)
-    summaries = summarize(rows, checks)
-    drift = baseline_drift(rows, checks)
-    print(f"report: {page}")
-    print(drift.describe())
-    print("\n".join(answer_lines(db, rows, checks, envs, output_tokens=args.output_tokens)))
-    print(format_optimal(optimal_table(summaries, params)))
-    _print_learning(summaries, rows)
-    lossy = lossy_cells(summaries)
-    if lossy:
-        print(format_lossy(lossy))
-    skipped = format_skips(load_skips(db))
-    if skipped:
-        print(skipped)
+    from draftlab.study.answer.results import ReportInputs
 
-
-def _print_learning(summaries, rows) -> None:
-    """Suffix decoding cold and warm per workload, when the study has suffix cells."""
-    from draftlab.study.learning import format_learning, learning_rows
-
-    table = format_learning(learning_rows(summaries, rows))
-    if table:
-        print(table)
+    _report(db, out / "report", ReportInputs(output_tokens=args.output_tokens))
 
 
 def cmd_report(args) -> None:
-    """Write the HTML report of a study database; print the recommendation and the seeds' findings beside ours."""
-    from draftlab.study.findings import format_findings, gather_evidence, seeds_findings
-    from draftlab.study.page import answer_lines, build_report
-    from draftlab.study.report import baseline_drift, load_checks, load_study, summarize
+    """Write the HTML report of a study database; print the same sections."""
+    from draftlab.study.answer.results import ReportInputs
 
-    print(f"report: {build_report(args.db, args.out, args.profile, args.microbench, args.correlate)}")
-    rows, params, envs = load_study(args.db)
-    checks = load_checks(args.db)
-    summaries = summarize(rows, checks)
-    drift = baseline_drift(rows, checks)
-    print("\n".join(answer_lines(args.db, rows, checks, envs, output_tokens=args.output_tokens)))
-    _print_learning(summaries, rows)
-    _print_exports(summaries, rows, drift.typical, args.export)
-    evidence = gather_evidence(summaries, params, rows, args.profile, args.microbench, args.correlate)
-    print("The seeds' findings beside this study:")
-    print(format_findings(seeds_findings(evidence)))
+    optional = lambda path: Path(path) if path else None  # noqa: E731
+    _report(args.db, Path(args.out), ReportInputs(optional(args.profile), optional(args.microbench),
+                                                  optional(args.correlate), args.output_tokens, tuple(args.export)))
 
 
-def _print_exports(summaries, rows: list[dict], margin: float, engines: list[str]) -> None:
-    """The configuration to deploy in each engine's syntax: llama-server's chosen configuration where the study ran
-    it (with its K per batch size), else the study's fastest lossless configuration."""
-    from draftlab.cli.tune import print_exports
-    from draftlab.study.answer import fastest_lossless
-    from draftlab.study.serving import server_deployables
+def _report(db, out: Path, inputs) -> None:
+    """Load the study once, write its page, and print the page's sections in the same order."""
+    from draftlab.study.answer.page import write_report
+    from draftlab.study.answer.results import StudyResults
+    from draftlab.study.answer.sections import sections_of, terminal_lines
 
-    if not engines:
-        return
-    choices = server_deployables(rows, margin) or fastest_lossless(summaries)
-    if not choices:
-        print("export: the study holds no configuration measured on every prompt")
-    for choice in choices:
-        print(f"{choice.target} {choice.draft} K={choice.k}:")
-        print_exports(choice, engines)
+    results = StudyResults.load(db, inputs, figures_dir=out)
+    sections = sections_of(results)
+    print(f"report: {write_report(results, sections, out)}")
+    print("\n".join(terminal_lines(sections)))
 
 
 def cmd_export(args) -> None:
     """Write a study's records as CSV or JSONL."""
-    from draftlab.study.report import load_study, write_csv
+    from draftlab.study.answer.report import load_study, write_csv
 
     rows, _, _ = load_study(args.db)
     out = Path(args.out)

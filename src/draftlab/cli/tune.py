@@ -172,7 +172,7 @@ def _draft_shape(text: str) -> tuple[str, str]:
 def _predict_from_study(args, profile) -> None:
     """`predict --acceptance-from`: the profile's device, the study's acceptance."""
     from draftlab.perf.shapes import format_predicted, predict_from
-    from draftlab.study.transfer import acceptance_from, mean_context, unlike_study
+    from draftlab.study.answer.transfer import acceptance_from, mean_context, unlike_study
 
     cells, plain = acceptance_from(args.acceptance_from, engine_of_backend(profile.backend).runs_gguf)
     context = mean_context(args.acceptance_from)
@@ -211,7 +211,7 @@ def cmd_predict(args) -> None:
 def cmd_validate(args) -> None:
     """Errors of both formulas against a measured study."""
     from draftlab.perf.calibrate import Profile
-    from draftlab.study.report import load_checks, load_study, write_csv
+    from draftlab.study.answer.report import load_checks, load_study, write_csv
     from draftlab.perf.validate import compare, error_summary
     from draftlab.perf.present import plot_comparison
 

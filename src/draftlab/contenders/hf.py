@@ -19,7 +19,6 @@ from draftlab.registry import DraftPlan
 from draftlab.errors import DraftlabError
 from draftlab.engine import GenerationConfig, GenerationResult, check_room, tokens_result
 from draftlab.models import LoadedModel
-from draftlab.decoding.sampling import SamplingConfig
 
 
 @dataclass(frozen=True)
@@ -82,28 +81,22 @@ def lent_assistant_config(assist: HFAssist | None) -> Iterator[None]:
         assist.assistant.generation_config = own
 
 
-def hf_generate(
-    target: LoadedModel,
-    prompt_ids: Sequence[int],
-    max_new_tokens: int,
-    eos: Sequence[int],
-    sampling: SamplingConfig = SamplingConfig(),
-    seed: int = GenerationConfig.seed,
-    assist: HFAssist | None = None,
-) -> list[int]:
-    """New token ids of one HF generate call (batch 1); `assist`: assisted generation. Timed only through
-    `HFGenerate` in the measurement loop."""
+def hf_generate(target: LoadedModel, prompt_ids: Sequence[int], config: GenerationConfig,
+                assist: HFAssist | None = None) -> list[int]:
+    """New token ids of one HF generate call (batch 1) of `config`'s length, sampling, seed and end-of-sequence ids;
+    `assist`: assisted generation. Timed only through `HFGenerate` in the measurement loop."""
+    sampling, eos = config.sampling, config.eos_token_ids
     input_ids = torch.tensor([list(prompt_ids)], device=target.device)
     options = {"do_sample": False}
     if not sampling.greedy:
         # top_k=0 switches HF's top-k off explicitly (None would fall back to the model's default, often 50).
         options = {"do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k,
                    "top_p": sampling.top_p}
-        torch.manual_seed(seed)  # HF samples from the global generator
+        torch.manual_seed(config.seed)  # HF samples from the global generator
     assisted = assist.generate_args() if assist else {}
     with torch.inference_mode(), lent_assistant_config(assist):
         out = target.model.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=config.max_new_tokens,
             eos_token_id=list(eos) or None, pad_token_id=eos[0] if eos else None, **options, **assisted,
         )
     if target.device.type == "cuda":
@@ -127,14 +120,14 @@ class HFGenerate:
 
     def prefill(self, prompt_ids: list[int]) -> None:
         """HF's prefill of the prompt, as `generate` computes it: one new token (timed by the loop)."""
-        hf_generate(self.target, prompt_ids, 1, self.eos, SamplingConfig(), 0)
+        hf_generate(self.target, prompt_ids, GenerationConfig(1, eos_token_ids=self.eos))
 
     def run(self, prompt_ids: list[int], settings) -> GenerationResult:
         """One `generate` call with the loop's settings; a prompt that does not fit the context is refused as
         draftlab's engine refuses it (HF's would run past the context with a warning)."""
         check_room(len(prompt_ids), settings.max_new_tokens, self.target.context_length)
-        tokens = hf_generate(self.target, prompt_ids, settings.max_new_tokens, self.eos, settings.sampling,
-                             settings.seed, self.assist)
+        config = GenerationConfig(settings.max_new_tokens, settings.sampling, settings.seed, eos_token_ids=self.eos)
+        tokens = hf_generate(self.target, prompt_ids, config, self.assist)
         return tokens_result(prompt_ids, tokens)
 
     def forgetful(self) -> "HFGenerate":

@@ -5,7 +5,7 @@ hardware. So the seeds' model, tokens/s = TAR / (t_target + t_draft + overhead),
 places: the target's (and a model draft's) cost per block size timed on this device with random weights in the
 model's shape (`calibrate_shape`, no weights needed: a pair whose files never reach the device), and TAR, the
 drafted block sizes and the host-side drafting cost per step from a study run anywhere (`Acceptance`, read from its
-SpS records by `draftlab.study.transfer`). `predict_from` combines them into a table labelled as predicted, with the profile's device; where
+SpS records by `draftlab.study.answer.transfer`). `predict_from` combines them into a table labelled as predicted, with the profile's device; where
 the study ran on the same device, its measured decode tok/s stand beside the prediction, and the error with them.
 """
 

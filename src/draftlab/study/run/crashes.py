@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Iterator
 
 from draftlab.contenders.preflight import check_engines, engine_checks
-from draftlab.study.config import SweepConfig, target_backend
-from draftlab.study.store import LEFT_OUT, ResultsStore
+from draftlab.study.run.config import SweepConfig, target_backend
+from draftlab.study.run.store import LEFT_OUT, ResultsStore
 
 RUNNING = "running"  # meta key: {"cell": key, "prompt": id} of the run in progress, '' when none
 DEATHS = "deaths"  # meta key: {cell key: [prompt ids it was running when the process died]}

@@ -9,13 +9,13 @@ from draftlab.backends import engine_of_backend
 from draftlab.errors import DraftlabError
 from draftlab.perf.calibrate import route_of
 from draftlab.perf.shapes import Acceptance, StepCounts, acceptance
-from draftlab.study.report import load_study
+from draftlab.study.answer.report import load_study
 from draftlab.contenders.methods import AR, SPS
 from draftlab.api import prompt_ids
 from draftlab.models import load_model
-from draftlab.study.config import SweepConfig, target_backend
-from draftlab.study.store import ResultsStore
-from draftlab.study.sweep import plan
+from draftlab.study.run.config import SweepConfig, target_backend
+from draftlab.study.run.store import ResultsStore
+from draftlab.study.run.sweep import plan
 
 
 def acceptance_from(db, gguf: bool = False) -> tuple[list[Acceptance], dict[str, float]]:

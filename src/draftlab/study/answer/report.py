@@ -9,23 +9,23 @@ from __future__ import annotations
 import csv
 import statistics
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
-from draftlab.perf.baselines import baseline_timings, interval, nearest_baseline, prompt_key
+from draftlab.perf.baselines import interval, nearest_baseline, prompt_key
 from draftlab.errors import DraftlabError
 from draftlab.measure import speedup
 from draftlab.contenders.methods import is_baseline, method_of
-from draftlab.study.host import PromptPaces, add_host_speedups
-from draftlab.study.summary import ALL, CellSummary, engine_words, pace, plain_label
-from draftlab.study.store import ResultsStore
+from draftlab.study.answer.host import PromptPaces, add_host_speedups
+from draftlab.study.answer.summary import ALL, CellSummary, engine_words, pace, plain_label
+from draftlab.study.run.drift import Drift, baseline_drift
+from draftlab.study.run.store import ResultsStore
 from draftlab.perf.calibrate import Profile
 from draftlab.perf.validate import compare
 
 __all__ = ["ALL", "CellSummary", "Drift", "baseline_drift", "comparisons_of", "decode_paces", "engine_words",
            "load_checks", "load_study", "on_shared_prompts", "pace", "plain_label", "summarize", "write_csv"]
-NOISY_DRIFT = 0.10  # a baseline that moved more than this (relative) during the study makes it noisy
 
 
 def summarize(rows: list[dict], checks: list[dict] = ()) -> list[CellSummary]:
@@ -33,7 +33,7 @@ def summarize(rows: list[dict], checks: list[dict] = ()) -> list[CellSummary]:
 
     `checks`: re-timings of the baseline (`ResultsStore.baseline_checks`); each record is then compared with
     the baseline measured closest in time on its prompt, so that drift during the study cancels. Records made
-    under load (concurrency above 1) are summarized apart (`draftlab.study.serving`).
+    under load (concurrency above 1) are summarized apart (`draftlab.study.answer.serving`).
     """
     rows = [r for r in rows if (r.get("concurrency") or 1) == 1]
     groups: dict[tuple, list[dict]] = defaultdict(list)
@@ -74,44 +74,6 @@ def _mark_complete(summaries: list[CellSummary]) -> None:
         most[(s.target, s.dataset, s.temperature)] = max(most[(s.target, s.dataset, s.temperature)], s.prompts)
     for s in summaries:
         s.complete = s.prompts == most[(s.target, s.dataset, s.temperature)]
-
-
-@dataclass(frozen=True)
-class Drift:
-    """How much the baseline moved during a study: the largest relative spread of one prompt's re-timings.
-
-    The median over prompts beside it tells a machine that was noisy throughout (median close to the largest)
-    from one disturbed once (a small median under one large spread); the NOISY flag follows the largest.
-    """
-
-    prompts: int  # prompts whose baseline was timed more than once
-    spread: float  # max over prompts of (fastest - slowest) / median baseline tokens/s
-    typical: float = 0.0  # the median over prompts of the same spread
-
-    @property
-    def noisy(self) -> bool:
-        """True when the machine's speed moved enough to shift ratios measured against one baseline."""
-        return self.spread > NOISY_DRIFT
-
-    def describe(self) -> str:
-        """One sentence for the terminal and the report."""
-        if not self.prompts:
-            return "baseline drift: not measured (no baseline re-checks in this study)"
-        verdict = ("NOISY: the machine's speed moved during the study; each speedup is against the baseline "
-                   "measured closest in time, but treat differences below the drift as noise"
-                   if self.noisy else "quiet")
-        return (f"baseline drift: {self.spread:.1%} over {self.prompts} prompt(s), median {self.typical:.1%} "
-                f"({verdict})")
-
-
-def baseline_drift(rows: list[dict], checks: list[dict]) -> Drift:
-    """The study's drift from its baseline re-checks."""
-    spreads = [
-        (max(speeds) - min(speeds)) / statistics.median(speeds)
-        for speeds in ([v for _, v in timings] for timings in baseline_timings(rows, checks).values())
-        if len(speeds) > 1
-    ]
-    return Drift(len(spreads), max(spreads, default=0.0), statistics.median(spreads) if spreads else 0.0)
 
 
 def _sort_key(item):

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 
 from draftlab.deploy import Deployable
-from draftlab.study.race import model_of
-from draftlab.study.report import ALL, CellSummary, Drift, engine_words, pace
-from draftlab.study.cells import LLAMACPP_TARGET
+from draftlab.study.run.race import model_of
+from draftlab.study.answer.report import ALL, CellSummary, Drift, engine_words, pace
+from draftlab.study.run.cells import LLAMACPP_TARGET
 from draftlab.contenders.methods import PLAIN, SPS, method_of
 from draftlab.backends.base import ROUNDING
-from draftlab.study.store import LEFT_OUT, ResultsStore
 
 
 def engine_answer(summaries: list[CellSummary]) -> list[str]:
@@ -49,18 +49,11 @@ def numerics_notes(envs: list[dict]) -> list[str]:
     return sorted(notes)
 
 
-def left_out_notes(db) -> list[str]:
-    """A line per engine the study's last sweep could not run (it died or hung in its preflight): the answer above
-    was chosen without it."""
-    import json
-
-    store = ResultsStore(db, read_only=True)
+def left_out_notes(left_out: str | None) -> list[str]:
+    """A line per engine the study's last sweep could not run (it died or hung in its preflight), from the store's
+    JSON list (`StudyResults.left_out`): the answer above was chosen without it."""
     try:
-        text = store.get_meta(LEFT_OUT)
-    finally:
-        store.close()
-    try:
-        lines = json.loads(text) if text else []
+        lines = json.loads(left_out) if left_out else []
     except ValueError:
         return []
     return [f"Not run in this study, so not in the answer: {line}" for line in lines if isinstance(line, str)]
@@ -79,7 +72,7 @@ def _judged_speedup(s: CellSummary) -> float:
 
 
 def _judged_interval(s: CellSummary) -> tuple[float, float]:
-    """The judged speedup's paired interval (`draftlab.study.host`)."""
+    """The judged speedup's paired interval (`draftlab.study.answer.host`)."""
     if s.host_speedup is not None:
         return s.host_low, s.host_high
     return s.speedup_low, s.speedup_high
@@ -117,7 +110,7 @@ def recommend(summaries: list[CellSummary], drift: Drift, output_tokens: int | N
 
 
 def _reference_plain(summaries: list[CellSummary]) -> dict[tuple, CellSummary]:
-    """Per (model, temperature): the plain decoding its cells are judged against (`draftlab.study.host`: the one
+    """Per (model, temperature): the plain decoding its cells are judged against (`draftlab.study.answer.host`: the one
     that decodes fastest, or llama-server's when none is surely faster), over all prompts."""
     return {(model_of(s.target), s.temperature): s for s in summaries if s.dataset == ALL and s.host_reference}
 

@@ -17,9 +17,9 @@ from pathlib import Path
 from statistics import median
 
 from draftlab.errors import DraftlabError
-from draftlab.study.report import ALL, CellSummary
+from draftlab.study.answer.report import ALL, CellSummary
 from draftlab.contenders.methods import ASG, SPS
-from draftlab.study.report import comparisons_of
+from draftlab.study.answer.report import comparisons_of
 
 AGREES, PARTLY, DISAGREES, NOT_MEASURED = "agrees", "partly", "disagrees", "not measured"
 

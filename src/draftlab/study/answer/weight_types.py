@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from draftlab.models import split_weight_type
-from draftlab.study.cells import LLAMACPP_TARGET
-from draftlab.study.report import ALL, CellSummary
+from draftlab.study.run.cells import LLAMACPP_TARGET
+from draftlab.study.answer.report import ALL, CellSummary
 from draftlab.contenders.methods import AR, PLAIN, method_of
 from draftlab.errors import DraftlabError
 from draftlab.models import gguf_path
@@ -102,14 +102,7 @@ def format_weight_types(table: list[WeightTypeRow]) -> str:
         same = f"{row.identical_to_shipped}/{row.prompts}" if row.identical_to_shipped is not None else "-"
         lines.append(f"{row.model:<22}{row.weight_type:<10}{size:>7}{row.plain_tokens_per_s:>13.1f}"
                      f"{row.best_tokens_per_s:>12.1f}{same:>11}  {row.best}")
-    return "Weight types (greedy; '= shipped': plain outputs equal to the shipped type's):\n" + "\n".join(lines)
-
-
-def weight_type_answer(summaries: list[CellSummary], rows: list[dict], table: bool = True) -> list[str]:
-    """The sentences (and the table) for a study's records; none when no model ran in more than one type."""
-    found = weight_type_rows(summaries, rows, file_bytes)
-    text = format_weight_types(found) if table else ""
-    return weight_type_sentences(found) + ([text] if text else [])
+    return "\n".join(lines)
 
 
 def file_bytes(source: str) -> int | None:

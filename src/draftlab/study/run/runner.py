@@ -23,12 +23,12 @@ from draftlab.models import LoadedModel, gguf_path
 from draftlab.contenders.plain import plain_mode
 from draftlab.decoding.policy import FixedK
 from draftlab.files.safeio import load_tensors, save_tensors
-from draftlab.study.cells import Cell, Record
+from draftlab.study.run.cells import Cell, Record
 from draftlab.contenders.methods import method_of
 from draftlab.contenders.server_configs import ServerPool, spec_config
 
 if TYPE_CHECKING:
-    from draftlab.study.config import SweepConfig
+    from draftlab.study.run.config import SweepConfig
 
 STATE_FILES = ("state-0.pt", "state-1.pt")  # a learning cell's two newest states (what it learned, from which prompts)
 

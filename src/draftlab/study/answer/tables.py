@@ -7,7 +7,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from draftlab.contenders.methods import is_baseline, method_of
-from draftlab.study.report import ALL, CellSummary
+from draftlab.study.answer.report import ALL, CellSummary
 
 
 @dataclass(frozen=True)
@@ -67,9 +67,8 @@ def lossy_cells(summaries: list[CellSummary]) -> list[CellSummary]:
 
 def format_lossy(cells: list[CellSummary]) -> str:
     """The lossy cells as text: how many outputs differed, and how fast they were (which is not to be trusted)."""
-    lines = ["Cells whose outputs differed from plain decoding on their engine (not ranked):"]
-    lines += [f"  {s.method.upper()} {s.drafter} K={s.k} ({s.dataset}): {s.prompts - s.identical}/{s.prompts} outputs "
-              f"differed; {s.tokens_per_s:.1f} tok/s" for s in cells]
+    lines = [f"{s.method.upper()} {s.drafter} K={s.k} ({s.dataset}): {s.prompts - s.identical}/{s.prompts} outputs "
+             f"differed; {s.tokens_per_s:.1f} tok/s" for s in cells]
     return "\n".join(lines)
 
 

@@ -28,7 +28,7 @@ from draftlab.models import (LoadedModel, ModelSpec, auto_dtype, check_device, c
                              model_config, resolve_dtype_name)
 from draftlab.contenders.preflight import TIMEOUT_S as PREFLIGHT_TIMEOUT_S
 from draftlab.decoding.sampling import SamplingConfig
-from draftlab.study.cells import LLAMACPP_TARGET as LLAMACPP, Cell
+from draftlab.study.run.cells import LLAMACPP_TARGET as LLAMACPP, Cell
 from draftlab.contenders.methods import AR, CHOICES as METHODS, METHODS as TABLE, PLAIN, SERVER, SERVER_AR, method_of
 from draftlab.contenders.server_configs import check_concurrency, parse_server_spec
 

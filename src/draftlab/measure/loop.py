@@ -1,40 +1,10 @@
-"""The one measurement loop: every timed decode in draftlab runs here.
-
-A *contender* is anything that decodes token ids (`Contender`): draftlab's own decoder on any backend, HF's
-`generate`, llama-cpp-python, a server. `measure` decodes a list of prompts with a set of contenders, interleaved
-per prompt (the order rotated from prompt to prompt, so that a machine that speeds up or slows down hits every
-contender alike), after untimed warm-up runs that teach drafters nothing; with a baseline it re-times the baseline
-on the same prompt every few contenders, which measures the machine's drift. `run_once` is the loop's single timed
-call; the sweep, which stores and resumes per (cell, prompt), calls `measure_prompt` for each prompt.
-
-Prefill once per engine and prompt: contenders that share a prompt's prefill share a `prefill_key` (draftlab's
-decoders of one backend, one llama-cpp-python instance, one llama-server); `measure_prompt` prefills the prompt
-once per key, timed apart (`PrefillRecord`), and each contender's run then decodes from it: its timed run is its
-decode. A contender that cannot start from a prefill (HF `generate`) says so (`reuses_prefill` False): its
-run prefills again, and the loop takes its key's prefill, timed apart, off its run.
-
-Each run gives one `RunRecord`: output ids, the engine's statistics, the total time and, where the engine
-reports it, the prefill's (draftlab's engine does; a peer library's `generate` does not). Speedups are defined
-once, here, in two named kinds:
-
-- `END_TO_END`: new tokens per second of the whole call, prefill included (what a user waits for);
-- `DECODE`: new tokens per second after the prefill (what speculation changes; the tuner races on it).
-
-Under load (`measure_load`: a server answering N requests at once) the figure is the aggregate: all requests' new
-tokens over the wall time from the first request sent to the last answer, beside each request's own latency. The
-sweep measures load per (cell, prompt) with `InFlight`: the prompt sent together with N-1 companion prompts, its
-record the prompt's own output, the window's wall time, the window's tokens and mean latency.
-
-`speedup(runs, paces)`: the seconds the baseline needs for the runs' tokens (each prompt at the baseline's pace
-on that prompt) over the runs' seconds. With equal outputs this is tokens/s over tokens/s; it stays defined when
-outputs differ in length (sampling, a stop).
-"""
+"""The loop itself: one timed call (`run_once`), a prompt through every contender (`measure_prompt`), a list of
+prompts interleaved (`measure`), and the speedups defined once. See `draftlab.measure`."""
 
 from __future__ import annotations
 
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Callable, Hashable, Mapping, Protocol, Sequence
 
@@ -168,7 +138,7 @@ def prefill_once(contenders: Sequence[Contender], prompt: EncodedPrompt) -> dict
 
 def pilot(contenders: Mapping[Hashable, Contender], prompt: EncodedPrompt, settings: Mapping[Hashable, RunSettings]
           ) -> tuple[dict[str, PrefillRecord], dict[Hashable, RunRecord]]:
-    """A host's timings before a study plans (`draftlab.study.budget`): the prompt prefilled once per key, then a
+    """A host's timings before a study plans (`draftlab.study.run.budget`): the prompt prefilled once per key, then a
     short decode of each contender's forgetful view from it (`settings`: each one's), as the loop times them. A
     contender that fails here is left out (its timed runs report why)."""
     prefills, records = prefill_once(list(contenders.values()), prompt), {}
@@ -262,130 +232,81 @@ class Rechecks:
     every: int
 
 
+class Listener:
+    """What `measure_prompt` tells its caller as it goes. Each method here does nothing: a caller overrides what it
+    needs (the sweep stores every record and skip as it comes)."""
+
+    def started(self, key: Hashable) -> None:
+        """A run (a contender's, or the baseline's re-check) is about to start."""
+
+    def prefilled(self, record: PrefillRecord) -> None:
+        """The prompt was prefilled once for one prefill key."""
+
+    def recorded(self, record: RunRecord) -> None:
+        """A contender's run ended."""
+
+    def rechecked(self, record: RunRecord) -> None:
+        """The baseline was re-timed on the prompt."""
+
+    def failed(self, key: Hashable, exc: Exception) -> bool:
+        """A contender's run raised: True when the caller took it as a skip (the loop goes on), False to raise it."""
+        return False
+
+
 def measure_prompt(contenders: Mapping[Hashable, Contender], prompt: EncodedPrompt, settings: RunSettings,
-                   on_record: Callable[[RunRecord], None] = lambda record: None,
-                   rechecks: Rechecks | None = None, on_check: Callable[[RunRecord], None] = lambda record: None,
-                   on_error: Callable[[Hashable, Exception], bool] = lambda key, exc: False,
-                   on_start: Callable[[Hashable], None] = lambda key: None,
-                   on_prefill: Callable[[PrefillRecord], None] = lambda record: None) -> list[RunRecord]:
-    """Every contender on one prompt, in the given order, after the prompt's prefill once per prefill key
-    (`on_prefill` sees each); `on_start` hears of each run before it starts and `on_record` sees each as it ends.
-    A contender whose error `on_error` accepts (it records the skip) is passed over; any other error propagates.
-    With `rechecks`, the baseline is re-timed on the prompt (`on_check`) as `Rechecks` says: after every `every`
-    runs of the others that ended, and after the last if any ran since."""
+                   rechecks: Rechecks | None = None, listener: Listener = Listener()) -> list[RunRecord]:
+    """Every contender on one prompt, in the given order, after the prompt's prefill once per prefill key; the
+    `listener` hears of each prefill, each run's start and end, each re-check, and each error. A contender whose
+    error the listener takes as a skip is passed over; any other error propagates. With `rechecks`, the baseline is
+    re-timed on the prompt as `Rechecks` says: after every `every` runs of the others that ended, and after the last
+    if any ran since."""
     records, since = [], 0
     keys = list(contenders)
     prefills = prefill_once([*([rechecks.contender] if rechecks else []), *contenders.values()], prompt)
     for prefill in prefills.values():
-        on_prefill(prefill)
+        listener.prefilled(prefill)
     seconds = {key: prefill.seconds for key, prefill in prefills.items()}
     for index, key in enumerate(keys):
-        on_start(key)
+        listener.started(key)
         try:
             record = run_once(key, contenders[key], prompt, settings, seconds.get(contenders[key].prefill_key))
         except Exception as exc:
-            if not on_error(key, exc):
+            if not listener.failed(key, exc):
                 raise
             continue
         records.append(record)
-        on_record(record)
+        listener.recorded(record)
         if rechecks is None or not rechecks.every:
             continue
         since = 0 if key == rechecks.key else since + 1
         if since and (since >= rechecks.every or index + 1 == len(keys)):
-            on_start(rechecks.key)
-            on_check(run_once(rechecks.key, rechecks.contender, prompt, settings,
-                              seconds.get(rechecks.contender.prefill_key)))
+            listener.started(rechecks.key)
+            listener.rechecked(run_once(rechecks.key, rechecks.contender, prompt, settings,
+                                        seconds.get(rechecks.contender.prefill_key)))
             since = 0
     return records
 
 
 def measure(contenders: Mapping[Hashable, Contender], prompts: Sequence[EncodedPrompt], settings: RunSettings, *,
-            warmup: int = 1, rotate: bool = True, rechecks: Rechecks | None = None, progress: str = ""
-            ) -> Measurement:
-    """Decode every prompt with every contender, interleaved per prompt (the order rotated from prompt to prompt
-    when `rotate`), after `warmup` untimed runs on the first prompts; `progress`: the bar's label ('' for none)."""
+            warmup: int = 1, rechecks: Rechecks | None = None, progress: str = "") -> Measurement:
+    """Decode every prompt with every contender, interleaved per prompt (the order rotated from prompt to prompt),
+    after `warmup` untimed runs on the first prompts; `progress`: the bar's label ('' for none)."""
     out = Measurement({key: [] for key in contenders})
     for prompt in prompts[:warmup]:
         warm_up(contenders, prompt, settings)
     keys = list(contenders)
     for i, prompt in enumerate(track(prompts, progress, unit="prompt", disable=not progress)):
-        order = keys[i % len(keys):] + keys[: i % len(keys)] if rotate and keys else keys
-        for record in measure_prompt({k: contenders[k] for k in order}, prompt, settings, rechecks=rechecks,
-                                     on_check=out.checks.append):
+        order = keys[i % len(keys):] + keys[: i % len(keys)] if keys else keys
+        for record in measure_prompt({k: contenders[k] for k in order}, prompt, settings, rechecks, _Checks(out.checks)):
             out.records[record.key].append(record)
     return out
 
 
 @dataclass(frozen=True)
-class InFlight:
-    """A contender that serves requests at once (a server with that many slots), timed under load: each prompt is
-    sent together with `companions` (one request a thread, all at once). The result is the prompt's own output;
-    its statistics carry the window's new tokens (all requests) and its requests' mean latency, and the loop's
-    time is the window's, from the first request sent to the last answer."""
+class _Checks(Listener):
+    """Collects the baseline's re-checks into `checks`."""
 
-    contender: Contender
-    companions: tuple[EncodedPrompt, ...]
-    times_prefill = False  # requests overlap: no prefill of the window is apart from its decoding
-    reuses_prefill = False  # each request of the window prefills its prompt
-    prefill_key = ""
+    checks: list[RunRecord]
 
-    def prefill(self, prompt_ids: list[int]) -> None:
-        """Nothing: each request prefills under load."""
-
-    def run(self, prompt_ids: list[int], settings: RunSettings) -> GenerationResult:
-        timed = _in_flight(self.contender, [prompt_ids, *(c.ids for c in self.companions)], settings)
-        own = timed[0][0]
-        stats = replace(own.stats, window_tokens=sum(len(r.token_ids) for r, _ in timed),
-                        latency_s=statistics.mean(seconds for _, seconds in timed))
-        return GenerationResult(own.token_ids, own.text, stats)
-
-    def forgetful(self) -> "InFlight":
-        return InFlight(self.contender.forgetful(), self.companions)
-
-
-def _in_flight(contender: Contender, prompts: Sequence[list[int]], settings: RunSettings
-               ) -> list[tuple[GenerationResult, float]]:
-    """Every prompt's request sent at once; each result with its seconds from sending to answer."""
-    def one(ids: list[int]) -> tuple[GenerationResult, float]:
-        start = time.perf_counter()
-        result = contender.run(ids, settings)
-        return result, time.perf_counter() - start
-
-    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
-        return list(pool.map(one, prompts))
-
-
-@dataclass
-class LoadRun:
-    """One contender answering every prompt with `concurrency` requests in flight."""
-
-    key: Hashable
-    concurrency: int
-    records: list[RunRecord]  # in prompt order; each record's wall time is its own request's latency
-    wall_s: float  # first request sent to last answer
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Aggregate new tokens per second."""
-        return sum(r.new_tokens for r in self.records) / self.wall_s if self.wall_s else 0.0
-
-    @property
-    def latency_s(self) -> float:
-        """Mean seconds of one request, from sending it to its answer."""
-        return statistics.mean(r.stats.wall_s for r in self.records) if self.records else 0.0
-
-
-def measure_load(contenders: Mapping[Hashable, Contender], prompts: Sequence[EncodedPrompt], settings: RunSettings,
-                 concurrency: int) -> dict[Hashable, LoadRun]:
-    """Each contender answers every prompt with `concurrency` requests in flight (one thread a request), one contender
-    after the other, after a warm-up request. Only for contenders that serve requests at once (a server with that
-    many slots): draftlab's own decoder runs one generation at a time."""
-    out = {}
-    for key, contender in contenders.items():
-        warm_up({key: contender}, prompts[0], settings)
-        start = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=concurrency) as pool:
-            records = list(pool.map(lambda prompt: run_once(key, contender, prompt, settings), prompts))
-        out[key] = LoadRun(key, concurrency, records, time.perf_counter() - start)
-    return out
+    def rechecked(self, record: RunRecord) -> None:
+        self.checks.append(record)

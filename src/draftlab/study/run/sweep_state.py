@@ -7,13 +7,13 @@ from dataclasses import dataclass, field
 from draftlab.files.datasets import Prompt
 from draftlab.measure import EncodedPrompt
 from draftlab.progress import Bar
-from draftlab.study.budget import Deadline
-from draftlab.study.cells import Cell
+from draftlab.study.run.budget import Deadline
+from draftlab.study.run.cells import Cell
 from draftlab.contenders.methods import method_of
-from draftlab.study.config import SweepConfig
-from draftlab.study.crashes import CrashLog
-from draftlab.study.runner import CellRunner
-from draftlab.study.store import ResultsStore
+from draftlab.study.run.config import SweepConfig
+from draftlab.study.run.crashes import CrashLog
+from draftlab.study.run.runner import CellRunner
+from draftlab.study.run.store import ResultsStore
 
 
 @dataclass

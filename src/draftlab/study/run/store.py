@@ -68,7 +68,7 @@ from pathlib import Path
 from typing import Iterator
 
 from draftlab.errors import DraftlabError
-from draftlab.study.cells import Cell, Record  # noqa: F401  (re-exported: the store's row types)
+from draftlab.study.run.cells import Cell, Record  # noqa: F401  (re-exported: the store's row types)
 
 APP = "draftlab-study"
 SCHEMA_VERSION = "8"

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from draftlab.models import split_weight_type
-from draftlab.study.cells import LLAMACPP_TARGET, Cell
+from draftlab.study.run.cells import LLAMACPP_TARGET, Cell
 from draftlab.contenders.methods import METHODS, is_baseline, method_of
-from draftlab.study.store import ResultsStore
+from draftlab.study.run.store import ResultsStore
 
 RACE_REASON = "dropped by the race"  # how every skip the race stores begins
 
@@ -231,35 +231,3 @@ def _describe(cell: Cell) -> str:
     what = "plain decoding" if cell.drafter == "none" else cell.drafter
     k = f" K={cell.k}" if cell.k else ""
     return f"{cell.target} {cell.method} {what}{k}"
-
-
-def load_skips(db) -> list[dict]:
-    """The skipped (cell, prompt) pairs of a study database, with their reasons."""
-    store = ResultsStore(db, read_only=True)
-    try:
-        return store.skips()
-    finally:
-        store.close()
-
-
-def skipped_cells(skips: list[dict]) -> list[tuple[str, int, str]]:
-    """(cell, prompts skipped, first reason) per cell, in the order they were first skipped."""
-    by_cell: dict[str, list[dict]] = {}
-    for skip in skips:
-        by_cell.setdefault(skip["cell"], []).append(skip)
-    return [(_cell_words(key), len(items), items[0]["reason"]) for key, items in by_cell.items()]
-
-
-def format_skips(skips: list[dict]) -> str:
-    """The skipped cells as text: one line each (none: an empty string)."""
-    cells = skipped_cells(skips)
-    if not cells:
-        return ""
-    lines = [f"Cells not measured on every prompt ({len(cells)}; not ranked):"]
-    return "\n".join(lines + [f"  {cell}: {count} prompt(s) skipped, {reason}" for cell, count, reason in cells])
-
-
-def _cell_words(key: str) -> str:
-    """'target|method|drafter|k=K|dataset|...' -> 'target METHOD drafter K=K (dataset)'."""
-    target, method, drafter, k, dataset, *_ = key.split("|")
-    return f"{target} {method.upper()} {drafter} {k.upper()} ({dataset})"

@@ -19,8 +19,8 @@ from collections import defaultdict
 
 from draftlab.contenders.methods import AR, is_baseline, method_of
 from draftlab.perf.baselines import interval
-from draftlab.study.race import model_of
-from draftlab.study.summary import CellSummary, engine_words, pace, plain_label
+from draftlab.study.run.race import model_of
+from draftlab.study.answer.summary import CellSummary, engine_words, pace, plain_label
 
 PromptPaces = dict[tuple, tuple[float, float]]  # (dataset, prompt id) -> (decode tok/s, speedup over its baseline)
 

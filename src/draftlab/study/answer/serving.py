@@ -19,11 +19,11 @@ from pathlib import Path
 from draftlab.deploy import Deployable
 from draftlab.contenders.llama_server import ServerConfig
 from draftlab.contenders.server_configs import spec_config
-from draftlab.study.cells import LLAMACPP_TARGET
+from draftlab.study.run.cells import LLAMACPP_TARGET
 from draftlab.contenders.methods import PLAIN, SERVER, SERVER_AR, method_of
-from draftlab.study.report import ALL
+from draftlab.study.answer.report import ALL
 from draftlab.models import gguf_path
-from draftlab.study.plots import finish, plt, slug
+from draftlab.study.answer.plots import Labels, finish, plt, slug
 
 
 @dataclass(frozen=True)
@@ -234,14 +234,11 @@ def _level_sentence(model: str, answer: LevelAnswer, workloads: list[str]) -> st
     return text + "."
 
 
-def server_answer(rows: list[dict], table: bool = True, margin: float = 0.0) -> list[str]:
-    """The sentences for a study's records (none when no llama-server cell ran), and the per-concurrency table;
-    `margin`: the gain over plain decoding that counts (the study's typical drift)."""
-    summaries = load_summaries(rows)
-    sentences = server_sentences(level_answers(summaries),
-                                 lambda target: gguf_path(target.removeprefix(LLAMACPP_TARGET)), margin)
-    text = format_load(summaries) if table else ""
-    return sentences + ([text] if text else [])
+def server_answer(summaries: list[LoadSummary], margin: float = 0.0) -> list[str]:
+    """The sentences for a study's summaries per concurrency (none when no llama-server cell ran); `margin`: the gain
+    over plain decoding that counts (the study's typical drift)."""
+    return server_sentences(level_answers(summaries), lambda target: gguf_path(target.removeprefix(LLAMACPP_TARGET)),
+                            margin)
 
 
 def draw_load(summaries: list[LoadSummary], out: Path) -> list[tuple[str, str]]:
@@ -261,7 +258,7 @@ def draw_load(summaries: list[LoadSummary], out: Path) -> list[tuple[str, str]]:
             ax.plot(levels, [points[c] for c in levels], marker="o", label=name,
                     linestyle="--" if method == SERVER_AR.name else "-")
         file, title = f"load_{slug(target)}.png", f"llama-server under load ({target})"
-        if finish(fig, ax, out / file, "requests in flight", "aggregate tokens/s", title, integer_x=True):
+        if finish(fig, ax, out / file, Labels("requests in flight", "aggregate tokens/s", title), integer_x=True):
             figures.append((file, title))
     return figures
 
@@ -279,5 +276,4 @@ def format_load(summaries: list[LoadSummary]) -> str:
         rate = f"{s.accepted / s.drafted:.0%}" if s.drafted else "-"
         lines.append(f"{s.target:<28}{s.concurrency:>3}  {s.name:<44}{s.tokens_per_s:>8.1f}{s.latency_s:>11.2f}"
                      f"{same:>11}{rate:>10}")
-    return "llama-server per concurrency (aggregate tok/s; identical: to the same server's plain decoding):\n" + \
-        "\n".join(lines)
+    return "\n".join(lines)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from draftlab.backends import engine_of_backend
 from draftlab.contenders.methods import HF, LLAMA, PLAIN, method_of
-from draftlab.study.cells import LLAMACPP_TARGET
+from draftlab.study.run.cells import LLAMACPP_TARGET
 
 ALL = "all"
 
@@ -47,7 +47,7 @@ class CellSummary:
     host_speedup: float | None = None  # over the fastest plain decoding measured on the host (any dtype or route)
     host_plain: str = ""  # which plain decoding that was ('ar': the study's own, else `plain_label`)
     host_engine: str = ""  # the engine it ran on, in words (`engine_words`)
-    host_low: float = 0.0  # host_speedup's 95% interval over the prompts both ran (`draftlab.study.host`)
+    host_low: float = 0.0  # host_speedup's 95% interval over the prompts both ran (`draftlab.study.answer.host`)
     host_high: float = 0.0
     host_reference: bool = False  # this cell is the plain decoding its model's cells are judged against
     backend: str = ""  # the backend its records ran on ('llamacpp', 'fast', 'auto', ...)

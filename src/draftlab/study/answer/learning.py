@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from draftlab.study.report import ALL, CellSummary
+from draftlab.study.answer.report import ALL, CellSummary
 from draftlab.contenders.methods import AR, PLAIN, SPS
 
 
@@ -51,8 +51,7 @@ def format_learning(table: list[LearningRow]) -> str:
     """The table as text (empty when the study has no suffix cell)."""
     if not table:
         return ""
-    lines = ["Suffix decoding per workload (later: tokens per step over the later half of the prompts):",
-             f"{'target':<24}{'dataset':<16}{'':<13}{'draft':<28}{'K':>3}{'tok/step':>9}{'later':>7}"
+    lines = [f"{'target':<24}{'dataset':<16}{'':<13}{'draft':<28}{'K':>3}{'tok/step':>9}{'later':>7}"
              f"{'speedup':>9}{'vs fastest':>11}"]
     for r in table:
         host = f"{r.host_speedup:.2f}x" if r.host_speedup is not None else "-"

@@ -7,11 +7,11 @@ import statistics
 from collections import defaultdict
 
 from draftlab.measure import EncodedPrompt
-from draftlab.study.budget import plan_group
-from draftlab.study.cells import Cell
-from draftlab.study.race import RACE_REASON, PromptSet, RaceRule, dropped_cells, model_of, readmitted
-from draftlab.study.report import baseline_drift
-from draftlab.study.sweep_state import Group, GroupRun, SweepRun, words
+from draftlab.study.run.budget import PlanLimits, plan_group
+from draftlab.study.run.cells import Cell
+from draftlab.study.run.race import RACE_REASON, PromptSet, RaceRule, dropped_cells, model_of, readmitted
+from draftlab.study.run.drift import baseline_drift
+from draftlab.study.run.sweep_state import Group, GroupRun, SweepRun, words
 
 
 def plan_prompts(run: SweepRun, group: Group, cells: dict[str, list[Cell]],
@@ -27,7 +27,7 @@ def plan_prompts(run: SweepRun, group: Group, cells: dict[str, list[Cell]],
     if stored is None:
         pending = {name: [c for c in its if run.pending(c, order)] for name, its in cells.items()}
         planned = plan_group({name: run.targets[name].runner for name in cells}, pending, encoded, order,
-                             config.race_after, config.baseline_every, run.deadline.left())
+                             PlanLimits(config.race_after, config.baseline_every, run.deadline.left()))
         print(planned.plan.line())
         run.deadline.planned = planned.plan.costs
         for cell in (c for its in cells.values() for c in its if c.key in planned.drops):

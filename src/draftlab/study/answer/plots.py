@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
@@ -21,7 +22,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from draftlab.study.report import ALL, CellSummary, write_csv  # noqa: E402
+from draftlab.study.answer.report import ALL, CellSummary, write_csv  # noqa: E402
 from draftlab.contenders.methods import AR, ASG, SPS
 
 
@@ -52,13 +53,22 @@ def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", text)
 
 
-def finish(fig, ax, path: Path, xlabel: str, ylabel: str, title: str, integer_x: bool = False, grid: bool = True) -> bool:
+@dataclass(frozen=True)
+class Labels:
+    """A figure's words: its axes and its title."""
+
+    x: str
+    y: str
+    title: str
+
+
+def finish(fig, ax, path: Path, labels: Labels, integer_x: bool = False, grid: bool = True) -> bool:
     """Label the axes, add title, grid and legend, save the PNG and close the figure."""
     if integer_x:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(labels.x)
+    ax.set_ylabel(labels.y)
+    ax.set_title(labels.title, fontsize=10)
     if grid:
         ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -98,7 +108,7 @@ def _latency_vs_k(group, path, title) -> bool:
             ax.axhline(p["ms_per_token"], color="black", linestyle=":", label="autoregressive")
     prompts = sorted({p["prompts"] for p in points})
     shared = f", on the {prompts[0]} prompts every cell ran" if len(prompts) == 1 else ""
-    return finish(fig, ax, path, "draft tokens per step K", "latency (ms per generated token)", title + shared,
+    return finish(fig, ax, path, Labels("draft tokens per step K", "latency (ms per generated token)", title + shared),
                   integer_x=True)
 
 
@@ -115,7 +125,7 @@ def _throughput_vs_tar(group, path, title) -> bool:
     for s in group:
         if s.method == AR.name:
             ax.axhline(s.tokens_per_s, color="black", linestyle=":", label="autoregressive")
-    return finish(fig, ax, path, "tokens per step (TAR)", "throughput (tokens/s)", title)
+    return finish(fig, ax, path, Labels("tokens per step (TAR)", "throughput (tokens/s)", title))
 
 
 def _best_per_drafter(group, method=SPS.name) -> list[CellSummary]:
@@ -136,7 +146,7 @@ def _time_breakdown(group, path, title) -> bool:
     ax.bar(names, draft, label="draft")
     ax.bar(names, target, bottom=draft, label="target (verify + prefill)")
     ax.bar(names, overhead, bottom=[d + t for d, t in zip(draft, target)], label="overhead")
-    return finish(fig, ax, path, "draft (at its best K)", "time per step (ms)", title, grid=False)
+    return finish(fig, ax, path, Labels("draft (at its best K)", "time per step (ms)", title), grid=False)
 
 
 def _acceptance_by_position(group, path, title) -> bool:
@@ -149,7 +159,7 @@ def _acceptance_by_position(group, path, title) -> bool:
         if curve:
             ax.plot(range(1, len(curve) + 1), curve, "o-", label=f"{drafter} (K={cells[-1].k})")
     ax.set_ylim(0, 1.05)
-    return finish(fig, ax, path, "draft position", "P(accepted | drafted)", title, integer_x=True)
+    return finish(fig, ax, path, Labels("draft position", "P(accepted | drafted)", title), integer_x=True)
 
 
 def _sps_vs_asg(group, path, title) -> bool:
@@ -165,4 +175,4 @@ def _sps_vs_asg(group, path, title) -> bool:
     ax.bar([x + 0.2 for x in xs], [asg[p].tokens_per_s for p in pairs], width=0.4, label="AsG (HF)")
     ax.set_xticks(list(xs))
     ax.set_xticklabels([f"{d}\nK={k}" for d, k in pairs], fontsize=7, rotation=45, ha="right")
-    return finish(fig, ax, path, "draft and K", "throughput (tokens/s)", title, grid=False)
+    return finish(fig, ax, path, Labels("draft and K", "throughput (tokens/s)", title), grid=False)

@@ -21,9 +21,9 @@ from draftlab.backends.routes import cpu_flags
 from draftlab.contenders.methods import is_baseline, method_of
 from draftlab.errors import DraftlabError
 from draftlab.measure import EncodedPrompt, pilot as measure_pilot
-from draftlab.study.cells import Cell
-from draftlab.study.race import keep_peer_references, model_of
-from draftlab.study.runner import CellRunner
+from draftlab.study.run.cells import Cell
+from draftlab.study.run.race import keep_peer_references, model_of
+from draftlab.study.run.runner import CellRunner
 
 PILOT_TOKENS = 16  # each cell's decode in the pilot
 PILOT_MARGIN = 3.0  # a cell whose pilot decodes this many times slower than its model's fastest is dropped
@@ -107,10 +107,20 @@ def pilot_drops(cells: list[Cell], pilot: Pilot) -> dict[str, str]:
     return keep_peer_references(out, cells)
 
 
-def make_plan(cells: dict[str, list[Cell]], pilots: dict[str, Pilot], lengths: list[int], race_after: int,
-              every: int, budget_s: float) -> Plan:
+@dataclass(frozen=True)
+class PlanLimits:
+    """What a group's plan must keep to: the race's first prompts, the baseline's re-checks, the time left."""
+
+    race_after: int  # prompts every cell runs before the race may drop one (0: no race)
+    every: int  # the baseline is re-timed after this many cells of a prompt (0: never)
+    budget_s: float  # the time the group may take (0: no limit)
+
+
+def make_plan(cells: dict[str, list[Cell]], pilots: dict[str, Pilot], lengths: list[int], limits: PlanLimits
+              ) -> Plan:
     """The most prompts (of `lengths`, the group's prompt lengths in the order they run) whose estimate fits
-    `budget_s` (0: all), at least the race's first ones. `cells`: each target's cells left after the pilot."""
+    `limits.budget_s` (0: all), at least the race's first ones. `cells`: each target's cells left after the pilot."""
+    race_after, every, budget_s = limits.race_after, limits.every, limits.budget_s
     kept = _race_keeps(cells, pilots)
     tokens = max((c.max_new_tokens for its in cells.values() for c in its), default=0)
     least = min(len(lengths), max(race_after, 2) if race_after else len(lengths))
@@ -190,11 +200,10 @@ class GroupPlan:
 
 
 def plan_group(runners: dict[str, CellRunner], cells: dict[str, list[Cell]],
-               prompts: dict[str, dict[str, EncodedPrompt]], order: list[str], race_after: int, every: int,
-               budget_s: float) -> GroupPlan:
+               prompts: dict[str, dict[str, EncodedPrompt]], order: list[str], limits: PlanLimits) -> GroupPlan:
     """Time the host on the group's median-length prompt (each target's engines and its `cells`, the pending ones),
     drop the cells whose pilot is hopeless, and plan the prompts (`order`: their ids as they will run) to fit
-    `budget_s`."""
+    `limits`."""
     first = next(iter(prompts))
     middle = sorted(order, key=lambda p: len(prompts[first][p].ids))[len(order) // 2]
     pilots = {name: time_pilot(runners[name], its, prompts[name][middle]) for name, its in cells.items()}
@@ -207,5 +216,5 @@ def plan_group(runners: dict[str, CellRunner], cells: dict[str, list[Cell]],
     drops = {key: reason for its in models.values() for key, reason in pilot_drops(its, merged).items()}
     left = {name: [c for c in its if c.key not in drops] for name, its in cells.items()}
     lengths = [len(prompts[first][p].ids) for p in order]
-    plan = make_plan(left, pilots, lengths, race_after, every, budget_s)
+    plan = make_plan(left, pilots, lengths, limits)
     return GroupPlan(replace(plan, dropped=len(drops)), drops)

@@ -17,6 +17,7 @@ records how many earlier responses it held at each prompt."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 from draftlab.api import prompt_ids
 from draftlab.backends import LLAMA_SERVER, engine_of_backend
@@ -25,21 +26,21 @@ from draftlab.files.datasets import load_prompts
 from draftlab.errors import DraftlabError, NothingToMeasure
 from draftlab.contenders.llama_server import ServerExited, server_binary
 from draftlab.contenders.server_configs import ServerPool
-from draftlab.measure import EncodedPrompt, Rechecks, RunRecord, measure_prompt
+from draftlab.measure import EncodedPrompt, Listener, PrefillRecord, Rechecks, RunRecord, measure_prompt
 from draftlab.models import load_model
 from draftlab.progress import Bar
-from draftlab.study.budget import Deadline
-from draftlab.study.cells import Cell, Record
+from draftlab.study.run.budget import Deadline
+from draftlab.study.run.cells import Cell, Record
 from draftlab.contenders.methods import ASG, is_baseline, method_of
-from draftlab.study.crashes import CrashLog, preflight, skip_fatal
-from draftlab.study.config import (  # noqa: F401  (re-exported: the sweep's grid and presets)
+from draftlab.study.run.crashes import CrashLog, preflight, skip_fatal
+from draftlab.study.run.config import (  # noqa: F401  (re-exported: the sweep's grid and presets)
     METHODS, PRESETS, SweepConfig, environment, load_config, make_config, target_backend,
 )
-from draftlab.study.pacing import plan_prompts, race, stop_at
-from draftlab.study.race import race_order
-from draftlab.study.runner import CellRunner, record_of
-from draftlab.study.store import ResultsStore
-from draftlab.study.sweep_state import Group, GroupRun, SweepRun, TargetRun  # noqa: F401  (re-exported)
+from draftlab.study.run.pacing import plan_prompts, race, stop_at
+from draftlab.study.run.race import race_order
+from draftlab.study.run.runner import CellRunner, record_of
+from draftlab.study.run.store import ResultsStore
+from draftlab.study.run.sweep_state import Group, GroupRun, SweepRun, TargetRun  # noqa: F401  (re-exported)
 
 
 def run_sweep(config: SweepConfig, store: ResultsStore, progress: bool = True, groups: list[Group] | None = None) -> int:
@@ -178,41 +179,61 @@ def _run_prompt(run: SweepRun, target: TargetRun, cells: list[Cell], prompt: Enc
     pending = [c for c in cells if run.pending(c, [prompt.id]) and c.key not in target.ended]
     if not pending:
         return 0
-    runner, added, store = target.runner, [], run.store
-    baseline = pending[0].baseline()
-    rechecks = Rechecks(baseline, runner.contender(baseline), run.config.baseline_every)
+    runner = target.runner
+    listener = PromptRun(run, target, prompt, pending[0].baseline())
+    rechecks = Rechecks(listener.baseline, runner.contender(listener.baseline), run.config.baseline_every)
+    contenders = {}
+    for cell in pending:  # a server starts here, outside the timed runs; one that cannot start skips its cell
+        listener.started(cell)
+        try:
+            contenders[cell] = runner.contender(cell, companions)
+        except DraftlabError as exc:
+            listener.failed(cell, exc)
+    measure_prompt(contenders, prompt, runner.settings(listener.baseline), rechecks, listener)
+    run.crashes.end()
+    return len(listener.added)
 
-    def stored(record: RunRecord) -> None:
-        added.append(_store(run, target, record.key, record))
-        run.passed(record.key, prompt.id)
 
-    def skipped(cell: Cell, exc: Exception) -> bool:
+@dataclass
+class PromptRun(Listener):
+    """One prompt of a target as the loop runs it: each run stored as it ends, each re-check, prefill and skip too,
+    and the crash log told which cell is about to run."""
+
+    run: SweepRun
+    target: TargetRun
+    prompt: EncodedPrompt
+    baseline: Cell
+    added: list[Record] = field(default_factory=list)
+
+    def started(self, cell: Cell) -> None:
+        self.run.crashes.start(cell.key, self.prompt.id)
+
+    def prefilled(self, record: PrefillRecord) -> None:
+        self.run.store.add_prefill(self.baseline.target, self.baseline.dataset, record, self.target.run_id)
+
+    def recorded(self, record: RunRecord) -> None:
+        self.added.append(_store(self.run, self.target, record.key, record))
+        self.run.passed(record.key, self.prompt.id)
+
+    def rechecked(self, record: RunRecord) -> None:
+        self.run.store.add_baseline_check(record_of(self.baseline, record), self.target.run_id)
+
+    def failed(self, cell: Cell, exc: Exception) -> bool:
+        """A server that exited ends its cell for this run; a library's refusal of a prompt is a skip, stored with
+        its reason; anything else from draftlab's own engine is a bug, and propagates."""
         if isinstance(exc, ServerExited):
-            target.ended.add(cell.key)
-            print(f"sweep: {cell.method} {cell.drafter} k={cell.k} c={cell.concurrency} ended at {prompt.id}: {exc}; "
-                  "the next run resumes it")
+            self.target.ended.add(cell.key)
+            print(f"sweep: {cell.method} {cell.drafter} k={cell.k} c={cell.concurrency} ended at {self.prompt.id}: "
+                  f"{exc}; the next run resumes it")
             return True
         if not isinstance(exc, DraftlabError) and not method_of(cell.method).peer:
             return False  # draftlab's own bug: a traceback, not a skip
         reason = f"{type(exc).__name__}: {exc}" if not isinstance(exc, DraftlabError) else str(exc)
-        store.add_skip(cell, prompt.id, reason, target.run_id)
-        print(f"sweep: {cell.method} {cell.drafter} k={cell.k} skipped {prompt.id}: {reason.splitlines()[0][:200]}")
-        run.passed(cell, prompt.id)
+        self.run.store.add_skip(cell, self.prompt.id, reason, self.target.run_id)
+        print(f"sweep: {cell.method} {cell.drafter} k={cell.k} skipped {self.prompt.id}: "
+              f"{reason.splitlines()[0][:200]}")
+        self.run.passed(cell, self.prompt.id)
         return True
-
-    contenders = {}
-    for cell in pending:  # a server starts here, outside the timed runs; one that cannot start skips its cell
-        run.crashes.start(cell.key, prompt.id)
-        try:
-            contenders[cell] = runner.contender(cell, companions)
-        except DraftlabError as exc:
-            skipped(cell, exc)
-    measure_prompt(contenders, prompt, runner.settings(baseline), stored, rechecks,
-                   lambda check: store.add_baseline_check(record_of(baseline, check), target.run_id), skipped,
-                   lambda cell: run.crashes.start(cell.key, prompt.id),
-                   lambda prefill: store.add_prefill(baseline.target, baseline.dataset, prefill, target.run_id))
-    run.crashes.end()
-    return len(added)
 
 
 def _store(run: SweepRun, target: TargetRun, cell: Cell, measured: RunRecord) -> Record:
