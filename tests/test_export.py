@@ -16,7 +16,7 @@ import shlex
 import pytest
 
 from draftlab.errors import DraftlabError
-from draftlab.deploy import ENGINES, Deployable, export, vllm_config
+from draftlab.deploy import EXPORT_ENGINES, Deployable, export, vllm_config
 
 VLLM_METHODS = {"ngram", "medusa", "mlp_speculator", "draft_model", "suffix", "eagle", "eagle3", "ngram_gpu"}
 VLLM_FIELDS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
@@ -75,7 +75,7 @@ def sglang_parse(command: str) -> argparse.Namespace:
 @pytest.mark.parametrize("draft, k", CHOICES)
 def test_each_export_parses_in_its_engines_syntax_or_says_why_not(draft, k):
     choice = Deployable("qwen2.5-coder-1.5b", draft, k)
-    for engine in ENGINES:
+    for engine in EXPORT_ENGINES:
         try:
             command = export(choice, engine)
         except DraftlabError as exc:
@@ -115,7 +115,7 @@ def test_a_study_at_several_batch_sizes_exports_its_k_per_batch_size():
 @pytest.mark.parametrize("draft", ["designed", "layers:0-3", "staged:ngram/layers:0-3", "merged:ngram/tree:2x2:designed",
                                    "adapt/designed"])
 def test_drafts_without_a_counterpart_say_so_on_every_engine(draft):
-    for engine in ENGINES:
+    for engine in EXPORT_ENGINES:
         with pytest.raises(DraftlabError, match="no counterpart"):
             export(Deployable("smollm2-135m", draft, 3), engine)
 

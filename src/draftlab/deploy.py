@@ -27,6 +27,7 @@ import json
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from draftlab.backends.engines import LLAMA_SERVER, SERVED, SGLANG, VLLM
 from draftlab.contenders.llama_server import SPEC_TYPES
@@ -39,7 +40,7 @@ from draftlab.drafters.files import draft_format
 from draftlab.files.assets import MODEL_ASSETS, cached_path
 from draftlab.registry import parse_drafter_spec
 
-ENGINES = tuple(e.name for e in SERVED)  # what `--export` takes
+EXPORT_ENGINES = tuple(e.name for e in SERVED)  # what `--export` takes
 HF_REPOS = {  # the embedded models' names on the Hugging Face hub, as vLLM and SGLang load them
     "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
     "gemma3-270m": "google/gemma-3-270m",
@@ -66,10 +67,23 @@ class Deployable:
                 raise DraftlabError(f"bad per-batch-size row {[lo, hi, k]}: 1 <= lo <= hi and K >= -1")
 
 
+def per_batch_size(pays: Sequence[tuple[int, bool]], k: int) -> list[list[int]]:
+    """vLLM's `num_speculative_tokens_per_batch_size` from (concurrency, whether speculation pays there), in rising
+    concurrency: a row [lo, hi, K] per run of levels, K where it pays and 0 where not (-1 as K: the type's default)."""
+    table: list[list[int]] = []
+    for concurrency, paying in pays:
+        level_k = k if paying else 0
+        if table and table[-1][2] == level_k:
+            table[-1][1] = concurrency
+        else:
+            table.append([table[-1][1] + 1 if table else 1, concurrency, level_k])
+    return table
+
+
 def export(choice: Deployable, engine: str) -> str:
-    """The command that runs `choice` on `engine` (one of ENGINES); a one-line error where it has no counterpart."""
-    if engine not in ENGINES:
-        raise DraftlabError(f"unknown engine {engine!r} to export to; use one of {', '.join(ENGINES)}")
+    """The command that runs `choice` on `engine` (one of EXPORT_ENGINES); a one-line error where it has no counterpart."""
+    if engine not in EXPORT_ENGINES:
+        raise DraftlabError(f"unknown engine {engine!r} to export to; use one of {', '.join(EXPORT_ENGINES)}")
     return {VLLM.name: vllm_command, SGLANG.name: sglang_command, LLAMA_SERVER.name: llama_server_command}[engine](choice)
 
 

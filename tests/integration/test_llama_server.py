@@ -166,13 +166,14 @@ def test_serve_check_measures_a_command_against_its_plain_decoding(binary, capsy
 
 @pytest.mark.slow
 def test_where_speculation_stops_paying_under_load():
-    from draftlab.contenders.serve_check import LoadLevel, pays_up_to, per_batch_size
+    from draftlab.contenders.serve_check import LoadLevel, level_pays, pays_up_to
+    from draftlab.deploy import per_batch_size
 
     def level(concurrency, speedup):
         return LoadLevel(concurrency, 100.0, 100.0 * speedup, 1.0, 1.0, 4, 4)
 
     paying = [level(1, 1.5), level(2, 1.2), level(4, 0.9), level(8, 1.1)]
     assert pays_up_to(paying) == 2  # the first level where it does not pay ends it
-    assert per_batch_size(paying, 3) == [[1, 2, 3], [3, 8, 0]]
-    assert pays_up_to([level(1, 0.8)]) == 0 and per_batch_size([level(1, 0.8), level(2, 0.7)], 3) == [[1, 2, 0]]
-    assert per_batch_size([level(1, 1.3), level(4, 1.1)], 5) == [[1, 4, 5]]
+    assert per_batch_size(level_pays(paying), 3) == [[1, 2, 3], [3, 8, 0]]
+    assert pays_up_to([level(1, 0.8)]) == 0 and per_batch_size(level_pays([level(1, 0.8), level(2, 0.7)]), 3) == [[1, 2, 0]]
+    assert per_batch_size(level_pays([level(1, 1.3), level(4, 1.1)]), 5) == [[1, 4, 5]]

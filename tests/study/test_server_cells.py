@@ -15,7 +15,8 @@ from draftlab.decoding.metrics import GenerationStats
 from draftlab.study.run.cells import Cell
 from draftlab.study.run.config import SweepConfig, with_weight_types
 from draftlab.contenders.server_configs import parse_server_spec, spec_config
-from draftlab.study.answer.serving import deploy_config, level_answers, load_summaries, per_batch_size, server_sentences
+from draftlab.deploy import per_batch_size
+from draftlab.study.answer.serving import choice_pays, deploy_config, level_answers, load_summaries, server_sentences
 from draftlab.study.run.store import SCHEMA_VERSION, Record, ResultsStore
 from tests.conftest import older_database_file
 
@@ -177,7 +178,7 @@ def test_the_answer_per_concurrency_ranks_rounding_apart_and_ends_with_a_command
     model = tmp_path / "m.gguf"
     config = deploy_config(answers, model)  # the fastest whose outputs all matched, up to where it pays
     assert config.spec_type == "ngram-mod" and config.slots == 2
-    assert per_batch_size(answers, alone.clean) == [[1, 2, -1], [3, 4, 0]]
+    assert per_batch_size(choice_pays(answers, alone.clean), alone.clean.k or -1) == [[1, 2, -1], [3, 4, 0]]
     text = server_sentences(answers, lambda target: model)
     assert "lossless only up to rounding: 0/1 outputs identical" in text[0]
     assert "best speculation with every output identical, llama-server ngram-mod" in text[0]

@@ -16,7 +16,7 @@ from draftlab.backends.gguf import LlamaCppModel
 from draftlab.backends.hf import HFBackend
 from draftlab.backends.llamacpp import LlamaCppBackend
 from draftlab.backends.engines import (  # noqa: F401  (the engines' interface)
-    ENGINES, LLAMA_SERVER, LLAMACPP, SERVED, SGLANG, TORCH, VLLM, Engine, PlainMode, default_kernels_plain,
+    IN_PROCESS, LLAMA_SERVER, LLAMACPP, SERVED, SGLANG, TORCH, VLLM, Engine, PlainMode, default_kernels_plain,
     engine_named, engine_of_backend, engine_of_model,
 )
 from draftlab.backends.routes import Route, plain_contenders

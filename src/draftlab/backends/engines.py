@@ -35,7 +35,7 @@ class Engine:
 
 TORCH = Engine("torch", "torch", "auto", runs_gguf=False, torch_drafts=True, numerics=())
 LLAMACPP = Engine("llamacpp", "llama.cpp", "llamacpp", runs_gguf=True, torch_drafts=False, numerics=LLAMACPP_NUMERICS)
-ENGINES = (TORCH, LLAMACPP)  # the backends' engines: a target loads on one of them in this process
+IN_PROCESS = (TORCH, LLAMACPP)  # the backends' engines: a target loads on one of them in this process
 LLAMA_SERVER = Engine("llama-server", "llama-server", "", runs_gguf=True, torch_drafts=False, numerics=(), served=True)
 VLLM = Engine("vllm", "vLLM", "", runs_gguf=False, torch_drafts=True, numerics=(), served=True)
 SGLANG = Engine("sglang", "SGLang", "", runs_gguf=False, torch_drafts=True, numerics=(), served=True)
@@ -44,15 +44,15 @@ SERVED = (VLLM, SGLANG, LLAMA_SERVER)  # the servers a study's answer is exporte
 
 def engine_named(name: str) -> Engine:
     """The engine of that name (in records, environment variables and `--export`)."""
-    found = next((e for e in (*ENGINES, *SERVED) if e.name == name), None)
+    found = next((e for e in (*IN_PROCESS, *SERVED) if e.name == name), None)
     if found is None:
-        raise DraftlabError(f"unknown engine {name!r}: one of {', '.join(e.name for e in (*ENGINES, *SERVED))}")
+        raise DraftlabError(f"unknown engine {name!r}: one of {', '.join(e.name for e in (*IN_PROCESS, *SERVED))}")
     return found
 
 
 def engine_of_backend(backend: str) -> Engine:
     """The engine a backend name (`--backend`) runs targets on."""
-    return next((e for e in ENGINES if e.backend == backend), TORCH)
+    return next((e for e in IN_PROCESS if e.backend == backend), TORCH)
 
 
 def engine_of_model(model) -> Engine:

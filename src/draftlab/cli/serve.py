@@ -74,7 +74,8 @@ def _levels(text: str | None) -> list[int]:
 
 def _load_table(load, k: int | None) -> str:
     """Per concurrency, both servers' aggregate tokens/s and latency, and where speculation stops paying."""
-    from draftlab.contenders.serve_check import pays_up_to, per_batch_size
+    from draftlab.contenders.serve_check import level_pays, pays_up_to
+    from draftlab.deploy import per_batch_size
 
     lines = [f"{'concurrency':>11}{'plain tok/s':>13}{'command tok/s':>15}{'speedup':>9}{'latency plain/command':>24}"
              f"{'identical':>11}"]
@@ -86,5 +87,5 @@ def _load_table(load, k: int | None) -> str:
     lines.append(f"under load: the command pays up to {pays} concurrent request(s)" if pays else
                  "under load: the command does not pay at any concurrency measured")
     if k is not None:
-        lines.append(f"as vLLM's num_speculative_tokens_per_batch_size: {per_batch_size(load, k)}")
+        lines.append(f"as vLLM's num_speculative_tokens_per_batch_size: {per_batch_size(level_pays(load), k)}")
     return "\n".join(lines)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from draftlab.cli.options import add_preflight_arg
 from draftlab.errors import DraftlabError
-from draftlab.deploy import ENGINES
+from draftlab.deploy import EXPORT_ENGINES
 
 
 def add_study_commands(sub) -> None:
@@ -30,7 +30,7 @@ def add_study_commands(sub) -> None:
     report.add_argument("--correlate", help="correlate.json of `draftlab design correlate`: accuracy vs TAR beside the seeds")
     report.add_argument("--output-tokens", type=int, metavar="N", help="state end-to-end times for N-token "
                         "outputs (each engine's prefill plus N tokens at the decode rate measured)")
-    report.add_argument("--export", nargs="+", choices=ENGINES, default=[], metavar="ENGINE",
+    report.add_argument("--export", nargs="+", choices=EXPORT_ENGINES, default=[], metavar="ENGINE",
                         help="also print the configuration to deploy as a command for vllm, sglang or llama-server "
                              "(with vLLM's K per batch size where the study measured several concurrency levels)")
     report.set_defaults(run=cmd_report)

@@ -11,7 +11,7 @@ from draftlab.backends.engines import engine_of_backend
 from draftlab.cli.options import add_preflight_arg
 from draftlab.errors import DraftlabError
 from draftlab.defaults import DEFAULT_BACKEND
-from draftlab.deploy import ENGINES, Deployable, export
+from draftlab.deploy import EXPORT_ENGINES, Deployable, export
 from draftlab.models import DEFAULT_TARGET, ModelSpec
 from draftlab.perf.calibrate import CalibrationSettings
 
@@ -60,7 +60,7 @@ def add_tune_commands(sub) -> None:
                       help="with --backend llamacpp: end with a round on llama-server, the pick beside the server's "
                            "plain decoding and these speculative types of its own (ngram-mod, ngram-simple:16, ...), "
                            "and print the llama-server command to deploy")
-    tune.add_argument("--export", nargs="+", choices=ENGINES, default=[], metavar="ENGINE",
+    tune.add_argument("--export", nargs="+", choices=EXPORT_ENGINES, default=[], metavar="ENGINE",
                       help="also print the pick as a command for vllm, sglang or llama-server (their own syntax)")
     tune.add_argument("--json", action="store_true", help="stdout ends with one JSON object (tune always does)")
     tune.set_defaults(run=cmd_tune)

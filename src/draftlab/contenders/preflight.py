@@ -40,7 +40,7 @@ from draftlab.models import gguf_path, load_model
 TOKENS = 4  # decoded by each check: enough to run prefill, a block and single-token steps
 TIMEOUT_S = 300  # a check that has not answered after this long hangs (loading a 1.5B model in fp32 takes ~30 s)
 FAULT_ENV = "DRAFTLAB_PREFLIGHT_FAULT"
-ENGINES = (TORCH.name, LLAMACPP.name, LLAMA_SERVER.name)  # the engines checked, by `backends.engines` name
+PREFLIGHTED = (TORCH.name, LLAMACPP.name, LLAMA_SERVER.name)  # the engines checked, by `backends.engines` name
 REMEDY = {
     TORCH.name: "check torch on that device, or run with another --device or --dtype",
     LLAMACPP.name: "rebuild llama.cpp with ./run.sh --setup-only (it rebuilds a library that holds ggml's AMX "
@@ -54,15 +54,15 @@ REMEDY = {
 class EngineCheck:
     """One engine to check: which engine, on which target and with which numerics (as the work will load it)."""
 
-    engine: str  # one of ENGINES
+    engine: str  # one of PREFLIGHTED
     source: str  # the model: a short name, a directory or a .gguf file
     device: str = "cpu"
     dtype: str = "auto"
     backend: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
-            raise DraftlabError(f"unknown engine {self.engine!r}: use {', '.join(ENGINES)}")
+        if self.engine not in PREFLIGHTED:
+            raise DraftlabError(f"unknown engine {self.engine!r}: use {', '.join(PREFLIGHTED)}")
 
     def words(self) -> str:
         """The engine in words, for its line."""

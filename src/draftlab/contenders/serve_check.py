@@ -176,12 +176,11 @@ def pays_up_to(levels: list[LoadLevel]) -> int:
     return best
 
 
-def per_batch_size(levels: list[LoadLevel], k: int) -> list[list[int]]:
-    """vLLM's `num_speculative_tokens_per_batch_size` for these levels: K up to the concurrency where the command
-    pays, 0 beyond (up to the highest level measured)."""
-    top, pays = max(level.concurrency for level in levels), pays_up_to(levels)
-    table = [[1, pays, k]] if pays else []
-    return table + ([[pays + 1, top, 0]] if pays < top else [])
+def level_pays(levels: list[LoadLevel]) -> list[tuple[int, bool]]:
+    """(concurrency, whether the command pays there) per level: up to `pays_up_to`, not beyond; the rows of its
+    `deploy.per_batch_size` table."""
+    pays = pays_up_to(levels)
+    return [(level.concurrency, level.concurrency <= pays) for level in sorted(levels, key=lambda x: x.concurrency)]
 
 
 def as_dict(check: ServeCheck, levels: list[LoadLevel] = ()) -> dict:

@@ -16,7 +16,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftlab.deploy import Deployable
+from draftlab.deploy import Deployable, per_batch_size
 from draftlab.contenders.llama_server import ServerConfig
 from draftlab.contenders.server_configs import spec_config
 from draftlab.study.run.cells import LLAMACPP_TARGET
@@ -141,19 +141,11 @@ def deploy_choice(answers: list[LevelAnswer], margin: float = 0.0) -> LoadSummar
     return clean if (alone[0].gain(clean) or 0.0) > 1.0 + margin else alone[0].server_plain
 
 
-def per_batch_size(answers: list[LevelAnswer], choice: LoadSummary, margin: float = 0.0) -> list[list[int]]:
-    """vLLM's `num_speculative_tokens_per_batch_size` for the chosen configuration: per run of concurrency levels,
-    its draft length where it beats the server's plain decoding there by more than `margin`, else 0 (-1: the
-    type's default)."""
-    table: list[list[int]] = []
-    for answer in sorted(answers, key=lambda a: a.concurrency):
-        pays = choice.method == SERVER.name and (answer.gain(choice) or 0.0) > 1.0 + margin
-        k = (choice.k or -1) if pays else 0
-        if table and table[-1][2] == k:
-            table[-1][1] = answer.concurrency
-        else:
-            table.append([table[-1][1] + 1 if table else 1, answer.concurrency, k])
-    return table
+def choice_pays(answers: list[LevelAnswer], choice: LoadSummary, margin: float = 0.0) -> list[tuple[int, bool]]:
+    """(concurrency, whether the chosen configuration beats the server's plain decoding there by more than
+    `margin`), in rising concurrency: the rows of its `deploy.per_batch_size` table."""
+    return [(a.concurrency, choice.method == SERVER.name and (a.gain(choice) or 0.0) > 1.0 + margin)
+            for a in sorted(answers, key=lambda a: a.concurrency)]
 
 
 def deploy_config(answers: list[LevelAnswer], model: Path, margin: float = 0.0) -> ServerConfig | None:
@@ -162,7 +154,7 @@ def deploy_config(answers: list[LevelAnswer], model: Path, margin: float = 0.0) 
     choice = deploy_choice(answers, margin)
     if choice is None:
         return None
-    table = per_batch_size(answers, choice, margin)
+    table = per_batch_size(choice_pays(answers, choice, margin), choice.k or -1)
     slots = table[0][1] if table[0][2] else 1
     return spec_config(model, choice.drafter, choice.k, slots)
 
@@ -188,7 +180,7 @@ def server_sentences(answers: list[LevelAnswer], model_file, margin: float = 0.0
         if len(overall) > 1 and choice.method == SERVER.name:
             sentences.append(f"On llama-server, {choice.name} per concurrency in vLLM's "
                              f"num_speculative_tokens_per_batch_size shape (K -1: the type's default length): "
-                             f"{per_batch_size(overall, choice, margin)}.")
+                             f"{per_batch_size(choice_pays(overall, choice, margin), choice.k or -1)}.")
         why = "" if choice.method == SERVER.name else (" (plain decoding: no speculative type kept every output identical "
                                                     f"to it and beat it alone by more than {margin:.0%})")
         sentences.append(f"Deploy {model} on llama-server{why} with: "
@@ -206,7 +198,7 @@ def server_deployables(rows: list[dict], margin: float = 0.0) -> list[Deployable
         choice = deploy_choice(overall, margin)
         if choice is None:
             continue
-        table = per_batch_size(overall, choice, margin) if len(overall) > 1 and choice.method == SERVER.name else []
+        table = per_batch_size(choice_pays(overall, choice, margin), choice.k or -1) if len(overall) > 1 and choice.method == SERVER.name else []
         drafter = choice.drafter if choice.method == SERVER.name else "none"
         out.append(Deployable(target.removeprefix(LLAMACPP_TARGET), drafter, choice.k, tuple(map(tuple, table))))
     return out

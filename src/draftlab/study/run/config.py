@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from draftlab.api import parse_drafter_spec
-from draftlab.backends import LLAMACPP as LLAMACPP_ENGINE, engine_of_backend
+from draftlab.backends import LLAMACPP, engine_of_backend
 from draftlab.contenders.plain import DEFAULT_KERNELS
 from draftlab.backends import check_backend_name, gguf
 from draftlab.backends.fast_llama import SUPPORTED_MODEL_TYPES
@@ -28,16 +28,16 @@ from draftlab.models import (LoadedModel, ModelSpec, auto_dtype, check_device, c
                              model_config, resolve_dtype_name)
 from draftlab.contenders.preflight import TIMEOUT_S as PREFLIGHT_TIMEOUT_S
 from draftlab.decoding.sampling import SamplingConfig
-from draftlab.study.run.cells import LLAMACPP_TARGET as LLAMACPP, Cell
-from draftlab.contenders.methods import AR, CHOICES as METHODS, METHODS as TABLE, PLAIN, SERVER, SERVER_AR, method_of
+from draftlab.study.run.cells import LLAMACPP_TARGET, Cell
+from draftlab.contenders.methods import AR, CHOICES, METHODS, PLAIN, SERVER, SERVER_AR, method_of
 from draftlab.contenders.server_configs import check_concurrency, parse_server_spec
 
 
 
 def target_backend(target: str, backend: str) -> tuple[str, str]:
     """(backend, model source) of a target name: 'llamacpp:NAME' runs NAME on llama.cpp, others on `backend`."""
-    if target.startswith(LLAMACPP):
-        return LLAMACPP_ENGINE.backend, target.removeprefix(LLAMACPP)
+    if target.startswith(LLAMACPP_TARGET):
+        return LLAMACPP.backend, target.removeprefix(LLAMACPP_TARGET)
     return backend, target
 
 
@@ -72,9 +72,9 @@ class SweepConfig:
     def __post_init__(self) -> None:
         if not self.ks or min(self.ks) < 1:
             raise DraftlabError(f"every K must be >= 1, got {list(self.ks)}")
-        unknown = set(self.methods) - set(METHODS)
+        unknown = set(self.methods) - set(CHOICES)
         if unknown:
-            raise DraftlabError(f"unknown method(s) {sorted(unknown)}; use {', '.join(METHODS)}")
+            raise DraftlabError(f"unknown method(s) {sorted(unknown)}; use {', '.join(CHOICES)}")
         if self.limit < 1 or self.max_new_tokens < 1:
             raise DraftlabError("limit and max_new_tokens must be >= 1")
         if self.skip < 0 or self.warmup < 0 or self.baseline_every < 0 or self.race_after < 0:
@@ -105,7 +105,7 @@ class SweepConfig:
         methods = [method_of(m) for m in self.methods]
         methods = [m for m in methods if not (m.torch_only if on_gguf else m.gguf_only)]
         plains = {m.engine_plain for m in methods} - {None}
-        peers = [replace(base, method=m.name) for m in TABLE.values() if m.name in plains and not m.served]
+        peers = [replace(base, method=m.name) for m in METHODS.values() if m.name in plains and not m.served]
         host = [replace(base, drafter=label, method=PLAIN.name, dtype=dtype) for label, dtype in self.host_modes(target)]
         others = [
             replace(base, drafter=drafter, k=k, method=method.name)
@@ -132,7 +132,7 @@ class SweepConfig:
             return []
         backend, source = target_backend(target, self.backend)
         # llama.cpp's default kernels of a torch target's GGUF: timed once, on its llama.cpp target when it has one
-        twin = not engine_of_backend(backend).runs_gguf and f"{LLAMACPP}{target}" in self.targets
+        twin = not engine_of_backend(backend).runs_gguf and f"{LLAMACPP_TARGET}{target}" in self.targets
         modes = [(DEFAULT_KERNELS, "gguf")] if gguf.available() and is_gguf(source) and not twin else []
         if backend == "hf" or engine_of_backend(backend).runs_gguf:
             return modes
@@ -158,7 +158,7 @@ PRESETS = {
     # Its llama.cpp target is SmolLM2 in Q4_0 with every tensor Q4_0 (derived once from the shipped Q4_1 at setup):
     # on x86 every product of a step then runs the repacked Q4_0 kernels, exact at every block size with draftlab's
     # build, at the stock step's price and with GEMM prefill (Q4_1 has neither; docs/backends.md).
-    "quick": SweepConfig(targets=("smollm2-135m", f"{LLAMACPP}smollm2-135m@Q4_0_PURE"),
+    "quick": SweepConfig(targets=("smollm2-135m", f"{LLAMACPP_TARGET}smollm2-135m@Q4_0_PURE"),
                          drafters=("designed", "merged:ngram/tree:1:designed", "ngram"),
                          methods=("sps", "asg", "lcp"), ks=(1, 2, 3), datasets=("heldout",), limit=8, race_after=2,
                          max_new_tokens=128, baseline_every=2, budget_s=480.0,
@@ -192,7 +192,7 @@ def with_weight_types(config: SweepConfig, weight_types: tuple[str, ...]) -> Swe
     llama.cpp's quantizer), so that the study races type x engine x drafter x K on the same prompts."""
     names = [weight_type_name(t) for t in weight_types]
     derived = [f"{target}@{name}" for target in config.targets for name in names
-               if target_backend(target, config.backend)[0] == LLAMACPP_ENGINE.backend and "@" not in target]
+               if target_backend(target, config.backend)[0] == LLAMACPP.backend and "@" not in target]
     if names and not derived:
         raise DraftlabError("--weight-types derives GGUF targets: name a llama.cpp target (llamacpp:NAME, or "
                             "--backend llamacpp)")

@@ -34,7 +34,7 @@ from draftlab.study.run.cells import Cell, Record
 from draftlab.contenders.methods import ASG, is_baseline, method_of
 from draftlab.study.run.crashes import CrashLog, preflight, skip_fatal
 from draftlab.study.run.config import (  # noqa: F401  (re-exported: the sweep's grid and presets)
-    METHODS, PRESETS, SweepConfig, environment, load_config, make_config, target_backend,
+    PRESETS, SweepConfig, environment, load_config, make_config, target_backend,
 )
 from draftlab.study.run.pacing import plan_prompts, race, stop_at
 from draftlab.study.run.race import race_order
