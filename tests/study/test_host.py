@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from draftlab.study.answer.recommend import recommend
+from draftlab.study.answer.recommend import deploy_notes, recommend
 from draftlab.study.answer.report import ALL, Drift, summarize
 
 
@@ -63,3 +63,39 @@ def test_engines_of_one_target_are_compared_through_the_baseline_so_drift_cancel
     lcp, server = judged(summaries, "llama"), judged(summaries, "server-ar")
     assert lcp.tokens_per_s == pytest.approx(0.5 * server.tokens_per_s)
     assert lcp.host_speedup == pytest.approx(1.0, rel=0.02) and server.host_reference  # raw rates: 0.5x
+
+
+def _timed(target: str, method: str, prompt: str, prefill_s: float, decode_tokens_per_s: float, backend: str,
+           drafter: str = "none", k: int = 0) -> dict:
+    """A record of 128 new tokens: its engine's prefill of the prompt, then its decode at the given rate."""
+    return {**row(method, 1.0, 0.0, prompt, drafter, k), "target": target, "new_tokens": 128, "prefill_s": prefill_s,
+            "wall_s": prefill_s + 128 / decode_tokens_per_s, "backend": backend, "finished_at": None}
+
+
+def amx_like_study() -> list:
+    """Timings shaped like the AMX host's: draftlab's torch backend prefills in 0.48 s and decodes at 26 tok/s, within
+    3x of llama.cpp's 65, whose engines (draftlab's, llama-cpp-python's, llama-server's) prefill in 5.1 s (no GEMM
+    path for the file's type there); an n-gram cell on llama.cpp at 0.95x its plain decoding."""
+    rows, llama = [], "llamacpp:m@Q4_1"
+    for i in range(8):
+        p, jitter = f"p{i}", 1 + 0.01 * (i % 3)
+        rows += [_timed("m", "ar", p, 0.48, 26.0 * jitter, "fast"),
+                 _timed(llama, "ar", p, 5.11, 65.0 * jitter, "llamacpp"),
+                 _timed(llama, "llama", p, 5.11, 64.0 * jitter, "llamacpp"),
+                 _timed(llama, "server-ar", p, 5.11, 65.4 * jitter, "llamacpp"),
+                 _timed(llama, "sps", p, 5.11, 61.5 * jitter, "llamacpp", "ngram", 1)]
+    return rows
+
+
+def test_the_engine_is_the_one_that_answers_sooner_end_to_end_and_the_answer_says_which_decodes_faster():
+    summaries = summarize(amx_like_study())
+    (use,) = recommend(summaries, Drift(8, 0.03, 0.02))
+    assert use.startswith("Use plain decoding on draftlab's torch backend for m on this machine: end to end, "
+                          "128-token outputs, it answers a prompt in 5.36 s")
+    assert "against 7.05 s for plain decoding on llama-server, which decodes faster (66.0 tok/s)" in use
+    (note,) = deploy_notes(summaries, Drift(8, 0.03, 0.02))  # the Deploy line, llama-server's, says why it differs
+    assert note.startswith("The answer for m runs on draftlab's torch backend")
+    # Outputs ten times longer: decode outweighs the prefill, and the fastest decoder answers sooner too.
+    (use,) = recommend(summaries, Drift(8, 0.03, 0.02), output_tokens=1280)
+    assert use.startswith("Use plain decoding on llama-server for m on this machine: no configuration beat it")
+    assert "end to end, 1280-token outputs" in use

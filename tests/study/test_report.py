@@ -107,7 +107,7 @@ def test_recommendation_names_the_measured_best_lossless_configuration(study, tm
     assert len(sentences) == 1
     # ngram K=4 measured 1.67x but one output differed: never recommended; ngram K=2 is the best lossless one
     assert sentences[0].startswith("Use ngram at K=2 (SpS) on draftlab's torch backend for tgt on this machine: "
-                                   "2.00x (2.00-2.00) plain decoding on draftlab's torch backend")
+                                   "2.00x (2 prompts: too few for an interval) plain decoding on draftlab's torch backend")
     assert "every output identical to plain decoding (2/2)" in sentences[0]
     assert "1 configuration(s) produced output different" in sentences[0]
     assert sentences[0] in build_report(study, tmp_path / "report").read_text().replace("&#x27;", "'")
@@ -137,7 +137,7 @@ def test_recommendation_says_plain_decoding_when_nothing_wins():
     (sentence,) = recommend(_judged(cells), Drift(2, 0.03))
     assert sentence.startswith("Use plain decoding on draftlab's torch backend for tgt on this machine: no "
                                "configuration beat it")
-    assert "ngram at K=3 (SpS) on draftlab's torch backend, ran at 0.90x (0.85-0.95)" in sentence
+    assert "ngram at K=3 (SpS) on draftlab's torch backend, ran at 0.90x (2 prompts: too few for an interval)" in sentence
 
 
 def test_a_gain_whose_paired_interval_includes_1x_is_not_the_answer():
@@ -146,7 +146,7 @@ def test_a_gain_whose_paired_interval_includes_1x_is_not_the_answer():
 
     sure = recommend(_judged([_summary("ar", "none", 0, 1.0), _summary("sps", "designed", 1, 1.08)]), Drift(2, 0.2))[0]
     assert sure.startswith("Use designed at K=1 (SpS) on draftlab's torch backend for tgt on this machine: "
-                           "1.08x (1.03-1.13)")
+                           "1.08x (2 prompts: too few for an interval)")
     unsure = recommend(_judged([_summary("ar", "none", 0, 1.0), _summary("sps", "designed", 1, 1.08, width=0.12)]),
                        Drift(2, 0.2))[0]
     assert unsure.startswith("Use plain decoding on draftlab's torch backend for tgt on this machine: no "
@@ -180,7 +180,7 @@ def test_report_command_prints_the_recommendation(study, tmp_path, capsys):
 @pytest.mark.parametrize("spec_seconds, expected", [
     (8.0, "Use plain decoding on draftlab's torch backend (fp32 linear) for tgt on this machine: no configuration "
           "beat it"),
-    (4.0, "Use ngram at K=2 (SpS) on draftlab's torch backend for tgt on this machine: 1.25x (1.25-1.25) plain "
+    (4.0, "Use ngram at K=2 (SpS) on draftlab's torch backend for tgt on this machine: 1.25x (2 prompts: too few for an interval) plain "
           "decoding on draftlab's torch backend (fp32 linear), decoding 25.0 tok/s against 20.0"),
 ])
 def test_the_answer_is_judged_against_the_fastest_plain_decoding_on_the_host(tmp_path, spec_seconds, expected):
@@ -234,3 +234,11 @@ def test_predict_names_a_route_or_context_unlike_the_studys(tmp_path):
     other = Profile(TargetProfile("shape:tgt fp32 on cpu (fp32 exact-wm/4)", {1: 0.01}), [], 256)
     said = unlike_study(other, db, 600)
     assert "route fp32 exact-wm/4, the study's torch target fp32 exact-wm/2" in said and "~600" in said
+
+
+def test_fewer_than_four_paired_prompts_give_no_interval():
+    from draftlab.study.answer.summary import interval_words
+
+    assert interval_words(0.9, 1.3, 3) == "3 prompts: too few for an interval"
+    assert interval_words(0.9, 1.3, 1) == "1 prompt: too few for an interval"
+    assert interval_words(0.9, 1.3, 4) == "0.90-1.30" and interval_words(0.9, 1.3, 8, " - ") == "0.90 - 1.30"

@@ -180,10 +180,13 @@ def test_the_answer_per_concurrency_ranks_rounding_apart_and_ends_with_a_command
     assert config.spec_type == "ngram-mod" and config.slots == 2
     assert per_batch_size(choice_pays(answers, alone.clean), alone.clean.k or -1) == [[1, 2, -1], [3, 4, 0]]
     text = server_sentences(answers, lambda target: model)
-    assert "lossless only up to rounding: 0/1 outputs identical" in text[0]
+    assert text[0].startswith("On llama-server for m, one request at a time: ")  # the Use line ranks across engines
     assert "best speculation with every output identical, llama-server ngram-mod" in text[0]
+    assert "lossless only up to rounding: 0/1 outputs identical" in text[1]  # under load: the fastest of all
+    assert text[1].startswith("Fastest for m with 2 request(s) in flight")
     assert "[[1, 2, -1], [3, 4, 0]]" in text[-2]
-    assert text[-1].startswith("Deploy m on llama-server with: llama-server -m ") and "-np 2" in text[-1]
+    assert text[-1].startswith("Deploy m on llama-server (its own speculation: every output identical to its plain "
+                               "decoding here, but exact only up to rounding") and "-np 2" in text[-1]
     lossy_only = [r for r in rows if r["drafter"] != "ngram-mod"]
     text = server_sentences(level_answers(load_summaries(lossy_only)), lambda target: model)
     assert text[-1].startswith("Deploy m on llama-server (plain decoding: no speculative type kept every output")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 
 from draftlab.study.answer.findings import Finding
-from draftlab.study.answer.summary import CellSummary
+from draftlab.study.answer.summary import CellSummary, interval_words
 from draftlab.study.answer.tables import OptimalRow
 
 esc = html.escape
@@ -41,9 +41,10 @@ def optimal_html(rows: list[OptimalRow]) -> str:
               "own plain tok/s", "vs own", "vs fastest plain"]
     return table(header, [[
         r.target, r.dataset, f"{r.temperature:g}", r.method.upper(), r.drafter, str(r.k), f"{r.speedup:.3f}x",
-        f"{r.speedup_low:.2f} - {r.speedup_high:.2f}", f"{r.tokens_per_s:.1f}", _num(r.scaling, ".2f", "x"),
+        interval_words(r.speedup_low, r.speedup_high, r.prompts, " - "), f"{r.tokens_per_s:.1f}", _num(r.scaling, ".2f", "x"),
         _num(r.engine_plain_tokens_per_s, ".1f"), _num(r.engine_speedup, ".3f", "x"),
-        f"{_num(r.host_speedup, '.3f', 'x')} ({r.host_low:.2f} - {r.host_high:.2f})"] for r in rows])
+        f"{_num(r.host_speedup, '.3f', 'x')} ({interval_words(r.host_low, r.host_high, r.prompts, ' - ')})"]
+        for r in rows])
 
 
 def lossy_html(cells: list[CellSummary]) -> str:

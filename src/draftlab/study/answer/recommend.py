@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from dataclasses import dataclass
 
 from draftlab.deploy import Deployable
 from draftlab.study.run.race import model_of
 from draftlab.study.answer.report import ALL, CellSummary, Drift, engine_words, pace
+from draftlab.study.answer.summary import interval_words
 from draftlab.study.run.cells import LLAMACPP_TARGET
 from draftlab.contenders.methods import PLAIN, SPS, method_of
 from draftlab.backends.base import ROUNDING
@@ -80,15 +82,16 @@ def _judged_interval(s: CellSummary) -> tuple[float, float]:
 
 def recommend(summaries: list[CellSummary], drift: Drift, output_tokens: int | None = None) -> list[str]:
     """One sentence per model and temperature, across its engines: which engine, draft and K to use here, or plain
-    decoding (on the engine that decodes it fastest).
+    decoding.
 
-    Judged on decode speed, what speculation changes: each configuration's speedup over the fastest plain decoding
-    of the model measured on the host (any engine, dtype or route), over all the study's prompts (dataset 'all'),
-    with the 95% interval of its paired per-prompt ratios; a configuration whose greedy output differed from plain
-    decoding is never recommended, nor one exact only up to rounding (llama-server's own: `serving.py`), nor one
-    whose interval includes 1.0x (it may not beat plain decoding: the answer is then plain decoding). `drift`: the
-    study's, said beside a noisy answer. `output_tokens`: the output length the end-to-end times assume (the
-    study's own when None).
+    Draft and K are judged on decode speed, what speculation changes: each configuration's speedup over the fastest
+    plain decoding of the model measured on the host (any engine, dtype or route), over all the study's prompts
+    (dataset 'all'), with the 95% interval of its paired per-prompt ratios; a configuration whose greedy output
+    differed from plain decoding is never recommended, nor one exact only up to rounding (llama-server's own:
+    `serving.py`), nor one whose interval includes 1.0x (the answer is then plain decoding). The engine is judged by
+    what the user waits for (`_sooner`): where another engine's pick answers a prompt of the study's (or
+    `output_tokens`') length sooner end to end, its measured prefill included, by more than the noise, the answer is
+    that engine's, and the sentence says which decodes faster. `drift`: the study's, said beside a noisy answer.
     """
     groups: dict[tuple, list[CellSummary]] = defaultdict(list)
     dropped: dict[tuple, list[CellSummary]] = defaultdict(list)
@@ -105,7 +108,9 @@ def recommend(summaries: list[CellSummary], drift: Drift, output_tokens: int | N
     for (model, temperature), cells in sorted(groups.items()):
         where = model + (f" at temperature {temperature:g}" if len(temperatures[model]) > 1 else "")
         plain = plains.get((model, temperature))
-        sentences.append(_sentence(where, cells, dropped[(model, temperature)], plain, drift, output_tokens))
+        sooner = _sooner(summaries, (model, temperature), drift, output_tokens)
+        sentences.append(sooner.sentence(where) if sooner else
+                         _sentence(where, cells, dropped[(model, temperature)], plain, drift, output_tokens))
     return sentences
 
 
@@ -133,7 +138,7 @@ def _sentence(where: str, cells: list[CellSummary], dropped: list[CellSummary], 
     best = max(lossless, key=_judged_speedup)
     gain, (low, high) = _judged_speedup(best), _judged_interval(best)
     name = f"{best.drafter} at K={best.k} ({method_of(best.method)}) on {engine_words(best)}"
-    measured = (f"{gain:.2f}x ({low:.2f}-{high:.2f}) {plain_words}, decoding {pace(best):.1f} tok/s against "
+    measured = (f"{gain:.2f}x ({interval_words(low, high, best.prompts)}) {plain_words}, decoding {pace(best):.1f} tok/s against "
                 f"{pace(plain) if plain else pace(best) / gain:.1f} over {best.prompts} prompts (paired per prompt)"
                 f"{_end_to_end(best, plain, output_tokens)}")
     if gain <= 1.0 or low <= 1.0:
@@ -144,24 +149,85 @@ def _sentence(where: str, cells: list[CellSummary], dropped: list[CellSummary], 
     return f"Use {name} for {where} on this machine: {measured}; {_identical_text(best)}{warning}."
 
 
-def chosen(summaries: list[CellSummary]) -> dict[tuple, CellSummary]:
+def chosen(summaries: list[CellSummary], drift: Drift = Drift(0, 0.0), output_tokens: int | None = None
+           ) -> dict[tuple, CellSummary]:
     """Per (model, temperature), what its Use line names: the configuration, or the plain decoding."""
     plains = _reference_plain(summaries)
     picks = {key: _choice(cells, plains.get(key)) for key, cells in _groups(summaries).items()}
+    for key in picks:
+        sooner = _sooner(summaries, key, drift, output_tokens)
+        picks[key] = sooner.pick if sooner else picks[key]
     return {key: pick for key, pick in picks.items() if pick is not None}
 
 
-def deploy_notes(summaries: list[CellSummary]) -> list[str]:
+def deploy_notes(summaries: list[CellSummary], drift: Drift = Drift(0, 0.0), output_tokens: int | None = None
+                 ) -> list[str]:
     """A line per model whose answer (greedy) is not on llama-server: why the Deploy line, llama-server's own best
     measured beside it, names another engine."""
     notes = []
-    for (model, temperature), cells in sorted(_groups(summaries).items()):
-        choice = _choice(cells, _reference_plain(summaries).get((model, temperature)))
-        if temperature == 0 and choice is not None and not method_of(choice.method).served:
+    for (model, temperature), choice in sorted(chosen(summaries, drift, output_tokens).items()):
+        if temperature == 0 and not method_of(choice.method).served:
             notes.append(f"The answer for {model} runs on {engine_words(choice)}, draftlab's own loop or library, "
                          "which has no server of its own to deploy: the Deploy line below is llama-server's best "
                          "measured beside it.")
     return notes
+
+
+SOONER_MARGIN = 0.10  # another engine's pick must answer this much sooner end to end (or by the drift, if larger)
+
+
+@dataclass(frozen=True)
+class Sooner:
+    """The answer where the engine that answers a prompt soonest end to end is not the one whose pick decodes
+    fastest: `pick`, that engine's own pick, against `faster`, the decode-judged pick on another engine."""
+
+    pick: CellSummary
+    faster: CellSummary
+    tokens: int  # the output length both are judged at
+
+    def seconds(self, s: CellSummary) -> float:
+        """A prompt end to end: the engine's measured prefill, then `tokens` at its measured decode rate."""
+        return s.prefill_s + self.tokens / pace(s)
+
+    def sentence(self, where: str) -> str:
+        pick, faster = self.pick, self.faster
+        return (f"Use {_named(pick)} for {where} on this machine: end to end, {self.tokens}-token outputs, it answers a "
+                f"prompt in {self.seconds(pick):.2f} s ({pick.prefill_s:.2f} s of prefill, then {pace(pick):.1f} tok/s) "
+                f"against {self.seconds(faster):.2f} s for {_named(faster)}, which decodes faster ({pace(faster):.1f} "
+                f"tok/s) but prefills in {faster.prefill_s:.2f} s; over {pick.prompts} prompts; "
+                f"{_identical_text(pick)}.")
+
+
+def _named(s: CellSummary) -> str:
+    """A pick in words: its draft, K, method and engine, or plain decoding and its engine."""
+    if method_of(s.method).plain:
+        return f"plain decoding on {_mode(s)}"
+    return f"{s.drafter} at K={s.k} ({method_of(s.method)}) on {engine_words(s)}"
+
+
+def _sooner(summaries: list[CellSummary], key: tuple, drift: Drift, output_tokens: int | None) -> Sooner | None:
+    """For one (model, temperature): the engine whose pick (`_engine_picks`) answers a prompt of `output_tokens`
+    (the study's own length when None) soonest end to end, where it is not the decode-judged pick's engine and
+    answers sooner by more than `SOONER_MARGIN` or the study's typical drift; else None."""
+    cells = _groups(summaries).get(key, [])
+    faster = _choice(cells, _reference_plain(summaries).get(key))
+    if faster is None or faster.prefill_s is None or not faster.prompts:
+        return None
+    tokens = output_tokens or round(faster.new_tokens / faster.prompts)
+    timed = [s for s in _engine_picks(cells).values() if s.prefill_s is not None]
+    best = Sooner(min(timed, key=lambda s: s.prefill_s + tokens / pace(s)), faster, tokens)
+    sooner = best.seconds(best.pick) * (1 + max(drift.typical, SOONER_MARGIN)) < best.seconds(faster)
+    return best if sooner and engine_words(best.pick) != engine_words(faster) else None
+
+
+def _engine_picks(cells: list[CellSummary]) -> dict[str, CellSummary]:
+    """Per engine (in words), what it would run: its fastest decoding among its plain decodings and the speculation
+    whose paired interval over its target's plain decoding lies above 1.0x."""
+    picks: dict[str, CellSummary] = {}
+    for s in sorted(cells, key=pace, reverse=True):
+        if engine_words(s) not in picks and (method_of(s.method).plain or s.speedup_low > 1.0):
+            picks[engine_words(s)] = s
+    return picks
 
 
 def _groups(summaries: list[CellSummary]) -> dict[tuple, list[CellSummary]]:
@@ -208,7 +274,7 @@ def _all_dropped(where: str, cells: list[CellSummary], plain: str) -> str:
     return (f"Use {plain} for {where} on this machine: every lossless configuration trailed the fastest cell by "
             f"more than the margin and was dropped by the race (the closest, {best.drafter} at K={best.k} "
             f"({method_of(best.method)}) on {engine_words(best)}, ran at {_judged_speedup(best):.2f}x "
-            f"({low:.2f}-{high:.2f}) {plain}, paired, over the {best.prompts} prompts it ran; "
+            f"({interval_words(low, high, best.prompts)}) {plain}, paired, over the {best.prompts} prompts it ran; "
             f"{_identical_text(best)}; the report gives each cell's ratio to the leader).")
 
 

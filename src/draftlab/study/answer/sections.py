@@ -47,7 +47,9 @@ def answer_section(r: StudyResults) -> Section:
 
 
 def deploy_section(r: StudyResults) -> Section | None:
-    lines = deploy_notes(r.summaries) + server_answer(r.load_summaries, r.drift.typical)
+    served = server_answer(r.load_summaries, r.drift.typical)
+    notes = deploy_notes(r.summaries, r.drift, r.inputs.output_tokens)
+    lines = (notes if any(line.startswith("Deploy ") for line in served) else []) + served
     return Section("Deploy", lines, h.paragraphs(lines, "answer")) if lines else None
 
 

@@ -181,8 +181,10 @@ def server_sentences(answers: list[LevelAnswer], model_file, margin: float = 0.0
             sentences.append(f"On llama-server, {choice.name} per concurrency in vLLM's "
                              f"num_speculative_tokens_per_batch_size shape (K -1: the type's default length): "
                              f"{per_batch_size(choice_pays(overall, choice, margin), choice.k or -1)}.")
-        why = "" if choice.method == SERVER.name else (" (plain decoding: no speculative type kept every output identical "
-                                                    f"to it and beat it alone by more than {margin:.0%})")
+        why = (" (its own speculation: every output identical to its plain decoding here, but exact only up to "
+               "rounding, so the Use line does not rank it)" if choice.method == SERVER.name else
+               " (plain decoding: no speculative type kept every output identical to it and beat it alone by more than "
+               f"{margin:.0%})")
         sentences.append(f"Deploy {model} on llama-server{why} with: "
                          f"{deploy_config(overall, model_file(target), margin).command()}")
     return sentences
@@ -205,9 +207,12 @@ def server_deployables(rows: list[dict], margin: float = 0.0) -> list[Deployable
 
 
 def _level_sentence(model: str, answer: LevelAnswer, workloads: list[str]) -> str:
-    """One level in words."""
+    """One level in words. Under load: the fastest configuration and the fastest lossless one; one request at a time,
+    llama-server's own comparison alone (the Use line answers for one request, across every engine)."""
     fastest, lossless = answer.fastest, answer.lossless
     on = f" on {answer.dataset}" if len(workloads) > 1 else ""
+    if answer.concurrency == 1:
+        return _server_gains(f"On llama-server for {model}{on}, one request at a time", answer) + "."
     where = f"{model}{on} with {answer.concurrency} request(s) in flight"
     text = f"Fastest for {where}: {fastest.name}, {fastest.tokens_per_s:.1f} tok/s"
     if not fastest.exact:
@@ -216,14 +221,23 @@ def _level_sentence(model: str, answer: LevelAnswer, workloads: list[str]) -> st
         text += f" (lossless only up to rounding: {same})"
     if lossless is not None and lossless is not fastest:
         text += f"; fastest lossless: {lossless.name}, {lossless.tokens_per_s:.1f} tok/s"
+    return _server_gains(text, answer) + "."
+
+
+def _server_gains(text: str, answer: LevelAnswer) -> str:
+    """`text`, then llama-server's best speculation (and its best with every output identical) over its plain
+    decoding at this level."""
     best, clean = (answer.server_types[0] if answer.server_types else None), answer.clean
+    found = []
     for label, config in (("best speculation", best),
                           ("best speculation with every output identical", clean if clean is not best else None)):
         if answer.gain(config) is not None:
-            text += (f"; llama-server's {label}, {config.name}, is {answer.gain(config):.2f}x its plain decoding "
-                     f"({answer.server_plain.tokens_per_s:.1f} tok/s; {answer.server_plain.latency_s:.2f} s per request "
-                     f"against {config.latency_s:.2f} s)")
-    return text + "."
+            found.append(f"llama-server's {label}, {config.name}, is {answer.gain(config):.2f}x its plain decoding "
+                         f"({answer.server_plain.tokens_per_s:.1f} tok/s; {answer.server_plain.latency_s:.2f} s per "
+                         f"request against {config.latency_s:.2f} s)")
+    if not found and answer.concurrency == 1:
+        found.append("its plain decoding ran alone")
+    return text + (": " if answer.concurrency == 1 else "; ") + "; ".join(found) if found else text
 
 
 def server_answer(summaries: list[LoadSummary], margin: float = 0.0) -> list[str]:

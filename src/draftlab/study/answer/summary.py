@@ -72,6 +72,17 @@ class CellSummary:
         return (self.target, self.method, self.drafter, self.k, self.temperature)
 
 
+MIN_INTERVAL_PROMPTS = 4  # fewer paired prompts give no interval worth printing
+
+
+def interval_words(low: float, high: float, prompts: int, sep: str = "-") -> str:
+    """A paired 95% interval as printed: '1.02-1.27', or 'n prompts: too few for an interval' where fewer than
+    `MIN_INTERVAL_PROMPTS` prompts were paired (t over 1-2 degrees of freedom spans orders of magnitude)."""
+    if prompts < MIN_INTERVAL_PROMPTS:
+        return f"{prompts} prompt{'s' if prompts != 1 else ''}: too few for an interval"
+    return f"{low:.2f}{sep}{high:.2f}"
+
+
 def pace(s: CellSummary) -> float:
     """A cell's decode tokens/s (its end-to-end tokens/s where no prefill was timed apart)."""
     return s.decode_tokens_per_s or s.tokens_per_s

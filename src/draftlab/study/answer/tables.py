@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from draftlab.contenders.methods import is_baseline, method_of
 from draftlab.study.answer.report import ALL, CellSummary
+from draftlab.study.answer.summary import interval_words
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class OptimalRow:
     host_speedup: float | None = None  # over the fastest plain decoding measured on the host
     host_low: float = 0.0  # its paired 95% interval
     host_high: float = 0.0
+    prompts: int = 0  # the prompts the speedups pair over
 
 
 def optimal_table(summaries: list[CellSummary], params: dict[str, int]) -> list[OptimalRow]:
@@ -50,7 +52,7 @@ def optimal_table(summaries: list[CellSummary], params: dict[str, int]) -> list[
         scaling = 1.0 if is_baseline(method) else (params[target] / draft_params if draft_params and target in params else None)
         rows.append(OptimalRow(target, dataset, temperature, method, s.drafter, s.k, s.speedup, s.speedup_low,
                                s.speedup_high, s.tokens_per_s, scaling, s.engine_plain_tokens_per_s, s.engine_speedup,
-                               s.host_speedup, s.host_low, s.host_high))
+                               s.host_speedup, s.host_low, s.host_high, s.prompts))
     datasets_per_target = defaultdict(set)
     for r in rows:
         datasets_per_target[r.target].add(r.dataset)
@@ -78,18 +80,23 @@ def format_optimal(rows: list[OptimalRow]) -> str:
     target_w = width("target", [r.target for r in rows])
     dataset_w = width("dataset", [r.dataset for r in rows])
     draft_w = width("draft", [r.drafter for r in rows])
+    intervals = [interval_words(r.speedup_low, r.speedup_high, r.prompts) for r in rows]
+    ci_w = width("(95% CI)", intervals)
+    fastest_w = max([len("vs fastest (95% CI)"), *(len(interval_words(r.host_low, r.host_high, r.prompts)) + 9
+                                                  for r in rows)]) + 3
     header = (f"{'target':<{target_w}}{'dataset':<{dataset_w}}{'temp':>5}  {'method':<7}{'draft':<{draft_w}}{'K':>3}"
-              f"{'speedup':>9}  {'(95% CI)':<12}{'tok/s':>7}{'scaling':>9}{'own plain':>11}{'vs own':>8}"
-              f"{'vs fastest (95% CI)':>22}")
+              f"{'speedup':>9}  {'(95% CI)':<{ci_w}}{'tok/s':>7}{'scaling':>9}{'own plain':>11}{'vs own':>8}"
+              f"{'vs fastest (95% CI)':>{fastest_w}}")
     lines = [header]
-    for r in rows:
+    for r, ci in zip(rows, intervals):
         scaling = f"{r.scaling:.2f}x" if r.scaling else "-"
         own = f"{r.engine_plain_tokens_per_s:.1f}" if r.engine_plain_tokens_per_s else "-"
         vs_own = f"{r.engine_speedup:.2f}x" if r.engine_speedup else "-"
-        vs_fastest = f"{r.host_speedup:.2f}x ({r.host_low:.2f}-{r.host_high:.2f})" if r.host_speedup else "-"
+        vs_fastest = (f"{r.host_speedup:.2f}x ({interval_words(r.host_low, r.host_high, r.prompts)})"
+                      if r.host_speedup else "-")
         lines.append(
             f"{r.target:<{target_w}}{r.dataset:<{dataset_w}}{r.temperature:>5.2f}  "
             f"{r.method.upper():<7}{r.drafter:<{draft_w}}{r.k:>3}{r.speedup:>8.3f}x  "
-            f"{r.speedup_low:.2f}-{r.speedup_high:<7.2f}{r.tokens_per_s:>7.1f}{scaling:>9}{own:>11}{vs_own:>8}{vs_fastest:>22}"
+            f"{ci:<{ci_w}}{r.tokens_per_s:>7.1f}{scaling:>9}{own:>11}{vs_own:>8}{vs_fastest:>{fastest_w}}"
         )
     return "\n".join(lines)
