@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from draftlab.study.run.budget import PILOT_REASON, Deadline, Pilot, PlanLimits, make_plan, pilot_drops
+from draftlab.study.run.budget import PILOT_REASON, PLAN_REASON, Deadline, Pilot, PlanLimits, make_plan, pilot_drops
 from draftlab.study.run.cells import Cell
 from draftlab.study.run.store import ResultsStore
 from draftlab.study.run.sweep import SweepConfig, run_sweep
@@ -35,10 +35,43 @@ def test_the_plan_takes_the_most_prompts_that_fit_and_at_least_the_races_first()
     assert abs(full.costs[2] - (100 * 0.01 + 100 * 0.008 + 100 * 0.01 + 100 * 0.001)) < 1e-9
     slower = Pilot(pilot.prefill, {ar.key: 0.01, spec.key: 0.02}, pilot.keys)  # the race is expected to drop it
     assert abs(make_plan({"m": [ar, spec]}, {"m": slower}, lengths, PlanLimits(2, 1, 0.0)).costs[2] - 1.1) < 1e-9
-    fits = make_plan({"m": [ar, spec]}, {"m": pilot}, lengths, PlanLimits(2, 1, sum(full.costs[:4]) + 0.1))
-    assert fits.prompts == 4 and "4 of 6 prompts x 2 cells x 100 tokens" in fits.line()
+    fits = make_plan({"m": [ar, spec]}, {"m": pilot}, lengths, PlanLimits(2, 1, sum(full.costs[:5]) + 0.1))
+    assert fits.prompts == 5 and "5 of 6 prompts x 2 cells x 100 tokens" in fits.line() and not fits.budget_drops
     least = make_plan({"m": [ar, spec]}, {"m": pilot}, lengths, PlanLimits(2, 1, 1.0))
-    assert least.prompts == 2 and "over the" in least.line()
+    assert least.prompts == 5 and "over the" in least.line()  # 5 of 6 (PROMPT_SHARE): over, with the baseline alone
+    assert set(least.budget_drops) == {spec.key} and least.budget_drops[spec.key].startswith(PLAN_REASON)
+
+
+def test_a_budget_that_cannot_hold_the_prompts_leaves_out_the_most_hopeless_cells_first():
+    """Shaped like the AMX host: draftlab's torch engine within 3x of llama.cpp's decode and prefilling 10x faster,
+    seven llama.cpp engines that each prefill the prompt; 8 prompts of 128 tokens in 8 minutes. The plan keeps at
+    least 6 of the 8 prompts for every cell it keeps, leaving out the slowest cells (never a baseline, nor a peer's
+    plain decoding whose speculation runs), and its estimate is what those cells cost by the pilot's timings."""
+    BUDGET = 300.0  # all cells on every prompt would take about twice that
+    torch_cells = [cell("ar"), *(cell("sps", d, k) for d in ("ngram", "designed") for k in (1, 2, 3))]
+    llama = "llamacpp:m"
+    llama_cells = [cell("ar", target=llama), cell("llama", target=llama), cell("server-ar", target=llama),
+                   *(cell("sps", d, k, llama) for d in ("ngram", "designed") for k in (1, 2, 3)),
+                   *(cell("lcp", "ngram", k, llama) for k in (1, 2, 3)),
+                   *(cell("server", t, 0, llama) for t in ("ngram-mod", "ngram-simple", "draft-simple"))]
+    engine = {"ar": "draftlab", "sps": "draftlab", "llama": "llama-cpp-python", "lcp": "llama-cpp-python lookup"}
+    keys = {c.key: "torch" if c.target == "m" else c.drafter if c.method == "server" else engine.get(c.method, c.method)
+            for c in torch_cells + llama_cells}  # seven llama.cpp engines, each prefilling the prompt apart
+    decode = {c.key: 1 / 26 if c.target == "m" else 1 / 65 for c in torch_cells + llama_cells}
+    decode.update({c.key: 1 / 20 for c in torch_cells[4:]} | {c.key: 1 / 45 for c in llama_cells[6:9]})
+    prefill = {key: (0.48 if key == "torch" else 9.0) / 1344 for key in set(keys.values())}  # per prompt token
+    torch_pilot = Pilot(prefill, {c.key: decode[c.key] for c in torch_cells}, {c.key: keys[c.key] for c in torch_cells})
+    llama_pilot = Pilot(prefill, {c.key: decode[c.key] for c in llama_cells}, {c.key: keys[c.key] for c in llama_cells})
+    lengths = [1344, 40, 300, 200, 150, 400, 250, 120]  # the race's order: the longest, the shortest, then the rest
+    plan = make_plan({"m": torch_cells, llama: llama_cells}, {"m": torch_pilot, llama: llama_pilot}, lengths,
+                     PlanLimits(2, 6, BUDGET))
+    assert plan.prompts >= 6 and plan.estimate_s <= BUDGET, plan.line()
+    dropped = set(plan.budget_drops)
+    assert dropped and not {c.key for c in (torch_cells[0], llama_cells[0])} & dropped  # the baselines stay
+    kept = [c for c in torch_cells + llama_cells if c.key not in dropped]
+    assert any(c.method == "lcp" for c in kept) <= (llama_cells[1].key not in dropped)  # a peer's reference stays
+    slowest = max(decode[c.key] for c in kept if c.method not in ("ar",))
+    assert all(decode[key] >= slowest * 0.999 for key in dropped if not key.startswith("llamacpp:m|llama|"))
 
 
 def test_the_deadline_expects_the_next_prompt_as_planned_scaled_by_the_prompts_so_far():
@@ -60,8 +93,14 @@ def test_a_budgeted_sweep_prints_its_plan_keeps_it_and_stores_the_pilots_drops(t
     store = ResultsStore(tmp_path / "s.sqlite")
     run_sweep(config, store, progress=False)
     plan_line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("plan: "))
-    assert "2 of 5 prompts" in plan_line and "over the" in plan_line  # 10 ms afford only the race's first
+    assert "4 of 5 prompts x 1 cells" in plan_line and "over the" in plan_line  # 10 ms hold none: cells go first
+    assert "cell(s) left out" in plan_line and store.get_meta("plan:" + str(prompts) + ":0") == "4"
+    skips = store.skips()  # the two sps cells: the pilot's drop where one decoded 3x slower, the plan's the rest
+    assert {s["cell"] for s in skips} == {c for c in {s["cell"] for s in skips} if "|sps|" in c} and len(
+        {s["cell"] for s in skips}) == 2 and all(s["reason"].startswith((PILOT_REASON, PLAN_REASON)) for s in skips)
     ran = {r["prompt_id"] for r in store.rows()}
-    assert len(ran) == 2 and store.get_meta("plan:" + str(prompts) + ":0") == "2"
-    assert run_sweep(config, store, progress=False) == 0  # a second run keeps the plan: nothing left
+    assert {r["method"] for r in store.rows()} == {"ar"} and 1 <= len(ran) <= 4  # the deadline may end it sooner
+    for _ in range(4):  # each later run resumes within the stored plan, never past it
+        run_sweep(config, store, progress=False)
+    assert len({r["prompt_id"] for r in store.rows()}) == 4 and run_sweep(config, store, progress=False) == 0
     store.close()

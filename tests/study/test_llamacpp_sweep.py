@@ -49,7 +49,8 @@ def test_the_answer_is_one_use_line_per_model_naming_the_engine(study):
     (use,) = recommend(summaries, Drift(2, 0.02))  # one model on two engines: one answer
     assert use.startswith("Use ") and " for smollm2-135m on this machine: " in use  # whichever engine is faster here
     assert " on llama.cpp" in use or " on draftlab's torch backend" in use
-    assert "tok/s against" in use and "end to end, 16-token outputs" in use
+    assert "end to end, 16-token outputs" in use  # by decode, or by end to end where another engine answers sooner
+    assert "tok/s against" in use or ("which decodes faster" in use and "but prefills in" in use)
     sentences = engine_answer(summaries)
     phases = [s for s in sentences if s.startswith("Prefill and decode apart for smollm2-135m")]
     assert len(phases) == 1 and "llama.cpp (draftlab):" in phases[0] and "s a prompt, then" in phases[0]

@@ -5,8 +5,10 @@ once (timed: seconds per prompt token) and each cell decodes `PILOT_TOKENS` from
 new token). From these the plan estimates what each prompt costs: its prefill on every engine, every cell's decode
 of the study's output length and the baseline's re-checks, every cell on the race's first prompts and, after them,
 the cells the race is expected to keep (those within `RACE_KEEPS` of the fastest pilot of their model). It takes the
-most prompts of the group that fit the time the budget has left, at least the race's first ones, and says so in
-one line. A cell whose pilot decodes more than `PILOT_MARGIN` times slower than the fastest lossless cell of its
+most prompts of the group that fit the time the budget has left, and says so in one line. With a race it keeps at
+least `PROMPT_SHARE` of them: where those do not fit, it leaves out cells instead of prompts (the most hopeless by
+their pilot first, stored as skipped with the reason), so that every cell ranked ran as many prompts as the rest.
+A cell whose pilot decodes more than `PILOT_MARGIN` times slower than the fastest lossless cell of its
 model is dropped before the first prompt (stored as skipped, with its pilot's rate): so wide a gap is not closed by
 a prompt's acceptance. While the study runs, a prompt is not started when the time it is expected to take (the
 mean of the prompts so far) would end past the budget: every cell still running has then run the same prompts.
@@ -29,6 +31,8 @@ PILOT_TOKENS = 16  # each cell's decode in the pilot
 PILOT_MARGIN = 3.0  # a cell whose pilot decodes this many times slower than its model's fastest is dropped
 RACE_KEEPS = 1.5  # the plan expects the race to keep the cells whose pilot is within this factor of the fastest
 PILOT_REASON = "dropped by the pilot"  # how every skip of a pilot's drop begins
+PLAN_REASON = "dropped by the plan"  # how every skip of a cell the budget could not hold begins
+PROMPT_SHARE = 0.75  # with a race, a plan keeps at least this share of a group's prompts (6 of 8), dropping cells first
 HOST_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16")
 
 
@@ -48,25 +52,31 @@ class Plan:
 
     prompts: int
     of: int  # the group's prompts
-    cells: int  # cells that run its first prompt (after the pilot's drops)
+    cells: int  # cells that run its first prompt (after the pilot's and the plan's drops)
     dropped: int  # cells the pilot dropped
     tokens: int
     race_after: int
     estimate_s: float  # measuring those prompts, as planned
     budget_s: float  # the budget's seconds left when planned (0: no budget)
     costs: tuple[float, ...] = ()  # each planned prompt's estimate, in the order they run
+    budget_drops: dict[str, str] = field(default_factory=dict)  # cell key -> reason: cells the budget could not hold
+    prefills: int = 0  # engine instances that prefill each prompt apart (cells of one instance share its prefill)
 
     def line(self) -> str:
         """The plan in one line, with the host it was timed on."""
         flags = " ".join(f for f in HOST_FLAGS if f in cpu_flags()) or "no avx2"
         race = f", the race after {self.race_after}" if self.race_after else ""
         drops = f"; the pilot dropped {self.dropped} cell(s)" if self.dropped else ""
+        drops += (f"; {len(self.budget_drops)} more cell(s) left out to keep {self.prompts} of {self.of} prompts in the "
+                  "budget" if self.budget_drops else "")
         fits = (f"of {self.budget_s / 60:.1f} min left in the budget" if self.estimate_s <= self.budget_s else
                 f"over the {self.budget_s / 60:.1f} min left in the budget (the fewest prompts the race needs)")
         budget = f", about {self.estimate_s / 60:.1f} min {fits}" if self.budget_s else \
             f", about {self.estimate_s / 60:.1f} min (no budget)"
+        shared = (f"; {self.prefills} prefill(s) a prompt (one per engine instance: llama-cpp-python's lookup and each "
+                  "llama-server configuration hold a cache of their own)" if self.prefills > 1 else "")
         return (f"plan: {self.prompts} of {self.of} prompts x {self.cells} cells x {self.tokens} tokens{race}{drops}"
-                f"{budget}; host timed on its CPU ({flags})")
+                f"{budget}{shared}; host timed on its CPU ({flags})")
 
 
 def time_pilot(runner: CellRunner, cells: list[Cell], prompt: EncodedPrompt) -> Pilot:
@@ -119,20 +129,56 @@ class PlanLimits:
 def make_plan(cells: dict[str, list[Cell]], pilots: dict[str, Pilot], lengths: list[int], limits: PlanLimits
               ) -> Plan:
     """The most prompts (of `lengths`, the group's prompt lengths in the order they run) whose estimate fits
-    `limits.budget_s` (0: all), at least the race's first ones. `cells`: each target's cells left after the pilot."""
-    race_after, every, budget_s = limits.race_after, limits.every, limits.budget_s
-    kept = _race_keeps(cells, pilots)
-    tokens = max((c.max_new_tokens for its in cells.values() for c in its), default=0)
-    least = min(len(lengths), max(race_after, 2) if race_after else len(lengths))
-    costs = [_prompt_cost(cells, pilots, kept if race_after and i >= race_after else None, length, every)
-             for i, length in enumerate(lengths)]
+    `limits.budget_s` (0: all). With a race, at least `PROMPT_SHARE` of them: where those do not fit, the plan leaves
+    out cells first (`_budget_drops`), the most hopeless by their pilot, so that every cell it keeps runs as many
+    prompts as the rest. `cells`: each target's cells left after the pilot."""
+    least = max(-(-len(lengths) * 3 // 4), limits.race_after) if limits.race_after else len(lengths)
+    least = min(len(lengths), least)
+    drops = _budget_drops(cells, pilots, lengths[:least], limits) if limits.budget_s else {}
+    cells = {target: [c for c in its if c.key not in drops] for target, its in cells.items()}
+    costs = _costs(cells, pilots, lengths, limits)
     prompts = least
     for n in range(len(lengths), least - 1, -1):
-        if not budget_s or sum(costs[:n]) <= budget_s:
+        if not limits.budget_s or sum(costs[:n]) <= limits.budget_s:
             prompts = n
             break
-    return Plan(prompts, len(lengths), sum(map(len, cells.values())), 0, tokens, race_after, sum(costs[:prompts]),
-                budget_s, tuple(costs[:prompts]))
+    tokens = max((c.max_new_tokens for its in cells.values() for c in its), default=0)
+    prefills = len({(t, pilots[t].keys[c.key]) for t, its in cells.items() for c in its if pilots[t].keys.get(c.key)})
+    return Plan(prompts, len(lengths), sum(map(len, cells.values())), 0, tokens, limits.race_after,
+                sum(costs[:prompts]), limits.budget_s, tuple(costs[:prompts]), drops, prefills)
+
+
+def _costs(cells: dict[str, list[Cell]], pilots: dict[str, Pilot], lengths: list[int], limits: PlanLimits
+           ) -> list[float]:
+    """Each prompt's estimate: every cell on the race's first prompts, the cells it is expected to keep after."""
+    kept = _race_keeps(cells, pilots)
+    return [_prompt_cost(cells, pilots, kept if limits.race_after and i >= limits.race_after else None, length,
+                         limits.every) for i, length in enumerate(lengths)]
+
+
+def _budget_drops(cells: dict[str, list[Cell]], pilots: dict[str, Pilot], lengths: list[int], limits: PlanLimits
+                  ) -> dict[str, str]:
+    """cell key -> reason, for the cells left out so that `lengths` (the fewest prompts a plan keeps) fit the
+    budget: one at a time, the cell whose pilot decodes slowest against its model's fastest first; never a baseline,
+    nor a peer's plain decoding while one of its speculative cells runs (`race.keep_peer_references`)."""
+    rates = {c.key: 1 / pilots[t].decode[c.key] for t, its in cells.items() for c in its if pilots[t].decode.get(c.key)}
+    best: dict[str, float] = {}
+    for c in (c for its in cells.values() for c in its if c.key in rates):
+        best[model_of(c.target)] = max(best.get(model_of(c.target), 0.0), rates[c.key])
+    order = sorted((c for its in cells.values() for c in its if c.key in rates and not is_baseline(c.method)),
+                   key=lambda c: rates[c.key] / best[model_of(c.target)])
+    everything = [c for its in cells.values() for c in its]
+    drops: dict[str, str] = {}
+    for cell in order:
+        left = {t: [c for c in its if c.key not in drops] for t, its in cells.items()}
+        if sum(_costs(left, pilots, lengths, limits)) <= limits.budget_s:
+            break
+        trial = keep_peer_references({**drops, cell.key: ""}, everything)
+        if cell.key in trial:
+            drops[cell.key] = (f"{PLAN_REASON}: the budget holds {len(lengths)} prompts only without it (its "
+                               f"{PILOT_TOKENS}-token pilot decoded {rates[cell.key]:.1f} tok/s, the fastest of "
+                               f"{model_of(cell.target)} {best[model_of(cell.target)]:.1f})")
+    return drops
 
 
 def _race_keeps(cells: dict[str, list[Cell]], pilots: dict[str, Pilot]) -> set[str]:
@@ -203,7 +249,7 @@ def plan_group(runners: dict[str, CellRunner], cells: dict[str, list[Cell]],
                prompts: dict[str, dict[str, EncodedPrompt]], order: list[str], limits: PlanLimits) -> GroupPlan:
     """Time the host on the group's median-length prompt (each target's engines and its `cells`, the pending ones),
     drop the cells whose pilot is hopeless, and plan the prompts (`order`: their ids as they will run) to fit
-    `limits`."""
+    `limits`, leaving out more cells where the budget cannot hold `PROMPT_SHARE` of the prompts."""
     first = next(iter(prompts))
     middle = sorted(order, key=lambda p: len(prompts[first][p].ids))[len(order) // 2]
     pilots = {name: time_pilot(runners[name], its, prompts[name][middle]) for name, its in cells.items()}
@@ -217,4 +263,4 @@ def plan_group(runners: dict[str, CellRunner], cells: dict[str, list[Cell]],
     left = {name: [c for c in its if c.key not in drops] for name, its in cells.items()}
     lengths = [len(prompts[first][p].ids) for p in order]
     plan = make_plan(left, pilots, lengths, limits)
-    return GroupPlan(replace(plan, dropped=len(drops)), drops)
+    return GroupPlan(replace(plan, dropped=len(drops)), {**drops, **plan.budget_drops})

@@ -52,6 +52,18 @@ def stop_at(run: SweepRun, going: GroupRun, index: int) -> None:
     del going.order[index:]
 
 
+def plan_kept(run: SweepRun, going: GroupRun) -> None:
+    """One line: the plan's estimate of the prompts this run measured, against the time they took (none for a
+    resumed plan, whose estimates were made by an earlier run)."""
+    done = run.deadline.prompt_s[-len(going.order):] if going.order else []
+    planned = run.deadline.planned[:len(done)]
+    if not planned or len(planned) < len(done) or not sum(planned):
+        return
+    took, estimate = sum(done), sum(planned)
+    print(f"sweep: {going.group.dataset}'s {len(done)} prompt(s) took {took / 60:.1f} min, planned "
+          f"{estimate / 60:.1f} min ({took / estimate:.2f}x the plan's estimate)")
+
+
 def race(run: SweepRun, going: GroupRun, index: int) -> int:
     """Before prompt `index` (or after the last): the race drops, per model, the cells that cannot beat its leader
     on the whole prompt set, each stored as skipped on every prompt it has left (so a resumed sweep makes the same

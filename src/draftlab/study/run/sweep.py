@@ -36,7 +36,7 @@ from draftlab.study.run.crashes import CrashLog, preflight, skip_fatal
 from draftlab.study.run.config import (  # noqa: F401  (re-exported: the sweep's grid and presets)
     PRESETS, SweepConfig, environment, load_config, make_config, target_backend,
 )
-from draftlab.study.run.pacing import plan_prompts, race, stop_at
+from draftlab.study.run.pacing import plan_kept, plan_prompts, race, stop_at
 from draftlab.study.run.race import race_order
 from draftlab.study.run.runner import CellRunner, record_of
 from draftlab.study.run.store import ResultsStore
@@ -141,6 +141,7 @@ def _run_group(run: SweepRun, group: Group) -> int:
         started = time.perf_counter()
         added += _run_index(run, going, index)
         run.deadline.prompt_s.append(time.perf_counter() - started)
+    plan_kept(run, going)
     # Cells readmitted on the way, and those the final leader's margin admits again, catch up on what they missed.
     readmitted_late = 1
     while race_after and readmitted_late:
