@@ -69,7 +69,9 @@ def race(run: SweepRun, going: GroupRun, index: int) -> int:
     on the whole prompt set, each stored as skipped on every prompt it has left (so a resumed sweep makes the same
     decision), and readmits the dropped cells it would keep now; returns how many came back."""
     group, store = going.group, run.store
-    rows = [r for r in store.rows() if r["dataset"] == group.dataset and r["temperature"] == group.temperature]
+    ranked = set(going.order)
+    rows = [r for r in store.rows() if r["dataset"] == group.dataset and r["temperature"] == group.temperature
+            and r["prompt_id"] in ranked]
     checks = [c for c in store.baseline_checks() if c["dataset"] == group.dataset]
     drift = baseline_drift(rows, checks).spread
     raced = {s["cell"] for s in store.skips() if s["reason"].startswith(RACE_REASON)}

@@ -133,7 +133,9 @@ def _run_group(run: SweepRun, group: Group) -> int:
     race_after = run.config.race_after
     added = 0
     for index in range(len(going.order)):
-        if index >= max(race_after, 2) and not run.deadline.affords_another():
+        # The budget ends a group only before a prompt with work left: a resumed run's measured prompts cost nothing.
+        waiting = any(run.pending(c, going.order[index:index + 1]) for its in going.cells.values() for c in its)
+        if waiting and index >= max(race_after, 2) and not run.deadline.affords_another():
             stop_at(run, going, index)
             break
         if index >= race_after > 0:
