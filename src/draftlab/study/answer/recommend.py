@@ -191,10 +191,13 @@ class Sooner:
 
     def sentence(self, where: str) -> str:
         pick, faster = self.pick, self.faster
+        gain = "" if method_of(pick.method).plain else (
+            f"; by decode {_judged_speedup(pick):.2f}x ({interval_words(*_judged_interval(pick), pick.prompts)}) the "
+            "fastest plain decoding, paired per prompt")
         return (f"Use {_named(pick)} for {where} on this machine: end to end, {self.tokens}-token outputs, it answers a "
                 f"prompt in {self.seconds(pick):.2f} s ({pick.prefill_s:.2f} s of prefill, then {pace(pick):.1f} tok/s) "
                 f"against {self.seconds(faster):.2f} s for {_named(faster)}, which decodes faster ({pace(faster):.1f} "
-                f"tok/s) but prefills in {faster.prefill_s:.2f} s; over {pick.prompts} prompts; "
+                f"tok/s) but prefills in {faster.prefill_s:.2f} s; over {pick.prompts} prompts{gain}; "
                 f"{_identical_text(pick)}.")
 
 
