@@ -190,6 +190,46 @@ def test_the_name_check_finds_a_comparison(tmp_path):
     assert _string_constants(compare[2].comparators[0]) & ENGINE_NAMES
 
 
+SPEC_READERS = ("draftlab.registry", "draftlab.drafters.kinds")  # where a drafter spec string is read
+DRAFTER_KINDS = {"none", "ar", "ngram", "suffix", "layers", "model", "designed", "eagle3", "tree", "staged", "merged",
+                 "adapt"}
+
+
+def _reads_a_drafter_spec(node: ast.AST) -> bool:
+    """Whether an operand is a drafter spec or a cell's drafter label: `drafter`, `cell.drafter`, `draft`, `spec`..."""
+    return bool(re.search(r"(^|\.|_)(drafter|draft|spec)$|^pick\[0\]$", ast.unparse(node)))
+
+
+def drafter_spec_reads(tree: ast.AST) -> list[int]:
+    """Lines where a drafter spec is compared with a drafter kind's name, or tested for its prefix, by string."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            literals = set().union(*(_string_constants(o) for o in operands))
+            if literals & DRAFTER_KINDS and any(_reads_a_drafter_spec(o) for o in operands):
+                found.append(node.lineno)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "startswith"
+              and _reads_a_drafter_spec(node.func.value)):
+            prefixes = set().union(*(_string_constants(a) for a in node.args))
+            if any(prefix.rstrip("/:") in DRAFTER_KINDS for prefix in prefixes):
+                found.append(node.lineno)
+    return found
+
+
+def test_drafter_specs_are_read_by_the_registry_alone():
+    """What a drafter spec means (plain decoding, lookup, suffix, adapting) is asked of `draftlab.drafters.kinds`
+    (`is_plain_drafter`, `is_lookup`, `learns_across_requests`, `is_adapting`), never read off the string."""
+    found = [f"{_module_name(path)}:{line}" for path in SOURCE.rglob("*.py") if _module_name(path) not in SPEC_READERS
+             for line in drafter_spec_reads(ast.parse(path.read_text()))]
+    assert not found, f"drafter specs read by string outside the registry: {found}"
+
+
+def test_the_drafter_check_finds_a_read():
+    source = 'a = cell.drafter == "none" or s.drafter.startswith("suffix") or spec.startswith(("adapt/", "adapt:"))'
+    assert drafter_spec_reads(ast.parse(source)) == [1, 1, 1] and not drafter_spec_reads(ast.parse('key == "tree"'))
+
+
 def test_the_units_form_layers_and_few_modules_lie_loose_at_the_top():
     """Packages and top-level modules import one another without a cycle of any length (so each stands on a layer
     and imports only those below it), and every module but a few lives in a package named for its role."""

@@ -38,6 +38,7 @@ from draftlab.drafters.eagle3_checkpoint import engine_files
 from draftlab.drafters.eagle3_checkpoint import is_checkpoint
 from draftlab.drafters.files import draft_format
 from draftlab.files.assets import MODEL_ASSETS, cached_path
+from draftlab.drafters.kinds import is_plain_drafter
 from draftlab.registry import parse_drafter_spec
 
 EXPORT_ENGINES = tuple(e.name for e in SERVED)  # what `--export` takes
@@ -192,7 +193,7 @@ def llama_server_command(choice: Deployable) -> str:
 def _draft_kind(draft: str, engine: str) -> tuple[str, object]:
     """(kind, its argument): none, ngram (low, high), suffix, model (name), tree-model ((branching), name),
     server (a llama-server type; on other engines only its draft-simple, as a draft model), or other (why not)."""
-    if draft in ("none", "ar", ""):
+    if is_plain_drafter(draft):
         return "none", None
     head, _, model = draft.partition("/")
     if all(t in SPEC_TYPES for t in head.split(",")):

@@ -292,13 +292,15 @@ def resolve_directory(source: str) -> Path:
     )
 
 
+CHECKPOINT_FORMAT = 2  # 2: a tied model's weights under model.embed_tokens.weight, its architecture named
+
+
 def convert_gguf(gguf_path: Path) -> Path:
-    """De-quantize a GGUF once into a safetensors directory in the cache and return it."""
+    """De-quantize a GGUF once into a safetensors directory in the cache (`save_checkpoint`) and return it."""
     digest = assets.sha256_file(gguf_path)
-    out = assets.cache_dir() / "converted" / digest[:16]
+    out = assets.cache_dir() / "converted" / f"{digest[:16]}-v{CHECKPOINT_FORMAT}"
     if (out / "config.json").exists():
         return out
-    from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:  # transformers' GGUF reader draws its own tqdm bar, outside its progress-bar switch: keep it off our output
@@ -310,14 +312,28 @@ def convert_gguf(gguf_path: Path) -> Path:
         raise DraftlabError(f"transformers cannot read GGUF {gguf_path}: {exc}") from exc
     partial = out.with_name(out.name + ".partial")
     partial.mkdir(parents=True, exist_ok=True)
-    save_model(model, str(partial / "model.safetensors"))
-    # The weights are plain fp32 after de-quantization: drop the GGUF marker
-    # in the saved copy only; the loaded model's config is left untouched.
-    config = model.config.to_dict()
-    config.pop("quantization_config", None)
-    (partial / "config.json").write_text(json.dumps(config, indent=2))
-    model.generation_config.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
+    save_checkpoint(model, tokenizer, partial)
     (partial / "SOURCE").write_text(f"{gguf_path.name} sha256={digest}\n")
     partial.replace(out)
     return out
+
+
+def save_checkpoint(model, tokenizer, out: Path) -> None:
+    """A loaded causal LM as a Hugging Face directory that transformers and vLLM load alike.
+
+    A tied model's shared matrix is written once, as `model.embed_tokens.weight`: transformers ties the head to it,
+    and vLLM reads a tied model's weights from the embeddings only (a file holding `lm_head.weight` alone left them
+    zero there, and every output token 0). The config names its architecture, and drops the GGUF marker (the weights
+    are plain after de-quantization); the loaded model's own config is left untouched."""
+    from safetensors.torch import save_file
+
+    state = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = config.get("architectures") or [type(model).__name__]
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    model.generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)

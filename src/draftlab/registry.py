@@ -54,6 +54,7 @@ from draftlab.drafters.anchored import AnchoredDrafter, FeatureDrafter
 from draftlab.drafters.adapt import AdaptingDrafter, AdaptSettings
 from draftlab.drafters.base import Drafter, NoDrafter
 from draftlab.drafters.files import draft_format
+from draftlab.drafters.kinds import is_adapting
 from draftlab.drafters.layers import build_layer_draft
 from draftlab.drafters.standalone import ModelDrafter, check_compatible
 from draftlab.drafters.ngram import NGramDrafter
@@ -102,7 +103,7 @@ class BuiltDraft:
 
 def parse_drafter_spec(spec: str, num_layers: int | None = None) -> DraftPlan:
     """Parse a drafter spec string (see the module docstring)."""
-    if spec.startswith(("adapt/", "adapt:")):
+    if is_adapting(spec):
         options, _, inner = spec[len("adapt") :].lstrip(":").partition("/")
         if inner:
             return DraftPlan("adapt", inner=parse_drafter_spec(inner, num_layers), adapt=AdaptSettings.parse(options))
@@ -304,7 +305,7 @@ def with_adapting(specs: tuple[str, ...], options: str | None) -> tuple[str, ...
 
 def adapt_spec(spec: str, options: str | None) -> str:
     """`spec` wrapped for online adaptation with these options (None: `spec` as it is)."""
-    if options is None or spec.startswith(("adapt/", "adapt:")):
+    if options is None or is_adapting(spec):
         return spec
     return f"adapt{':' + options if options else ''}/{spec}"
 

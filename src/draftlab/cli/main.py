@@ -72,9 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _decoder(args):
     from draftlab.api import SpeculativeDecoder
+    from draftlab.drafters.kinds import is_adapting
     from draftlab.registry import adapt_spec
 
-    if args.adapt_save and args.adapt is None and not args.drafter.startswith("adapt"):
+    if args.adapt_save and args.adapt is None and not is_adapting(args.drafter):
         raise DraftlabError("--adapt-save writes what --adapt learned: add --adapt (or an adapt/... drafter)")
     args.drafter = adapt_spec(args.drafter, args.adapt)  # what the tables and JSON name
     return SpeculativeDecoder.from_names(

@@ -14,6 +14,7 @@ from draftlab.defaults import DEFAULT_BACKEND
 from draftlab.deploy import EXPORT_ENGINES, Deployable, export
 from draftlab.models import DEFAULT_TARGET, ModelSpec
 from draftlab.perf.calibrate import CalibrationSettings
+from draftlab.drafters.kinds import is_adapting
 
 
 def add_tune_commands(sub) -> None:
@@ -103,7 +104,7 @@ def _search_inputs(args):
     if settings.k_max < 1:
         raise DraftlabError(f"--k-max must be >= 1, got {settings.k_max}")
     defaults = LLAMACPP_DRAFTS if engine_of_backend(args.backend).runs_gguf else DEFAULT_DRAFTS
-    adapting = [d for d in args.drafts or [] if d.startswith(("adapt/", "adapt:"))]
+    adapting = [d for d in args.drafts or [] if is_adapting(d)]
     if adapting:
         raise DraftlabError(f"{adapting[0]}: calibration and the race time each prompt more than once, and an adapting "
                             "draft would be timed on prompts it learned from; give its static draft here and measure "

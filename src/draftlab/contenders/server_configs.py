@@ -24,6 +24,7 @@ from draftlab.errors import DraftlabError
 from draftlab.contenders.llama_server import SPEC_TYPES, LlamaServer, LlamaServerRun, ServerConfig
 from draftlab.models import gguf_path
 from draftlab.drafters.eagle3_checkpoint import engine_files
+from draftlab.drafters.kinds import is_plain_drafter
 
 CONTEXT_PER_SLOT = 4096  # tokens of context each slot gets: the longest shipped prompt plus its answer fits
 NGRAM_MOD_MIN_SHARE = 0.75  # ngram-mod's --spec-ngram-mod-n-min as a share of its -n-max (the server's 48 of 64)
@@ -86,7 +87,7 @@ def check_concurrency(levels: tuple[int, ...]) -> None:
 def spec_config(model: Path, drafter: str, k: int, slots: int = 1) -> ServerConfig:
     """The server of one configuration: the target's GGUF, the drafter label's type and draft ('none': plain
     decoding), length K, `slots` requests at once."""
-    if drafter == "none":
+    if is_plain_drafter(drafter):
         return ServerConfig(model, slots=slots, context=CONTEXT_PER_SLOT * slots)
     spec_type, _, draft = drafter.partition("/")
     draft, _, p_min = draft.partition(",p=")

@@ -19,6 +19,7 @@ from draftlab.perf.sizing import DRAFT_SETUP_TOKENS, MIN_RUN_TOKENS, Pilot
 from draftlab.api import SpeculativeDecoder
 from draftlab.api import prompt_ids
 from draftlab.contenders.plain import fastest_plain
+from draftlab.drafters.kinds import is_plain_drafter
 
 
 @dataclass
@@ -221,7 +222,7 @@ def race_decoder(target: LoadedModel, draft: str, k: int, backend: str):
 
 def label(key: tuple[str, str, int]) -> str:
     dtype, draft, k = key
-    return f"{dtype} plain decoding" if draft == "none" else f"{dtype} {draft} K={k}"
+    return f"{dtype} plain decoding" if is_plain_drafter(draft) else f"{dtype} {draft} K={k}"
 
 
 def head_to_head(decoders: dict, keys: list, target: LoadedModel, prompts: list[Prompt],

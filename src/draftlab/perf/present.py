@@ -13,6 +13,7 @@ from draftlab.drafters import feature, heads
 from draftlab.drafters.files import draft_format
 from draftlab.perf.throughput import Prediction
 from draftlab.perf.validate import Comparison
+from draftlab.drafters.kinds import is_plain_drafter
 
 
 def plot_comparison(comparisons: list[Comparison], path: Path) -> None:
@@ -79,7 +80,7 @@ def format_what_if(preds: list[Prediction]) -> str:
 
 def usage(target: str, draft: str, k: int) -> list[str]:
     """How to run the recommendation in draftlab, HF transformers, vLLM and llama.cpp."""
-    if draft == "none":
+    if is_plain_drafter(draft):
         return ["speculative decoding is not predicted to help here: decode autoregressively"]
     plan = parse_drafter_spec(draft)
     lines = [f"draftlab:     draftlab generate --target {target} --drafter {draft} --k {k} --prompt ..."]

@@ -18,6 +18,7 @@ from draftlab.measure import DECODE, END_TO_END, RunSettings, measure
 from draftlab.models import LoadedModel, gguf_path
 from draftlab.perf.halving import encode, race_decoder
 from draftlab.contenders.server_configs import ServerPool, parse_server_spec, spec_config
+from draftlab.drafters.kinds import is_plain_drafter
 
 DRAFTLAB_PLAIN, SERVER_PLAIN = "draftlab plain decoding", "llama-server plain decoding"
 
@@ -59,7 +60,7 @@ def server_round(target: LoadedModel, pick: tuple[str, int], specs: list[str], p
     try:
         contenders = {DRAFTLAB_PLAIN: race_decoder(target, "none", 1, target.engine.backend),
                       SERVER_PLAIN: pool.contender(spec_config(model, "none", 0))}
-        if pick[0] != "none":
+        if not is_plain_drafter(pick[0]):
             contenders[f"draftlab {pick[0]} K={pick[1]}"] = race_decoder(target, *pick, target.engine.backend)
         contenders.update({name: pool.contender(spec_config(model, *config)) for name, config in configs.items()})
         measured = measure(contenders, encode(target, prompts), RunSettings(max_new_tokens), warmup=1,

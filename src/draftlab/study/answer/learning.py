@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from draftlab.study.answer.report import ALL, CellSummary
 from draftlab.contenders.methods import AR, PLAIN, SPS
+from draftlab.drafters.kinds import is_lookup, learns_across_requests
 
 
 @dataclass(frozen=True)
@@ -36,10 +37,10 @@ def learning_rows(summaries: list[CellSummary], rows: list[dict]) -> list[Learni
     """The table's rows, for every workload that has a suffix cell (none: an empty list)."""
     out: list[LearningRow] = []
     sps = [s for s in summaries if s.method == SPS.name and s.dataset != ALL]  # a workload is one stream
-    for group in sorted({(s.target, s.dataset, s.temperature) for s in sps if s.drafter.startswith("suffix")}):
+    for group in sorted({(s.target, s.dataset, s.temperature) for s in sps if learns_across_requests(s.drafter)}):
         cells = [s for s in sps if (s.target, s.dataset, s.temperature) == group]
-        ngram = [s for s in cells if s.drafter.startswith("ngram")]
-        chosen = [(_label(s), s) for s in cells if s.drafter.startswith("suffix")]
+        ngram = [s for s in cells if is_lookup(s.drafter)]
+        chosen = [(_label(s), s) for s in cells if learns_across_requests(s.drafter)]
         if ngram:
             chosen.append(("best n-gram", max(ngram, key=lambda s: s.tokens_per_s)))
         out += [_row(label, s, rows) for label, s in chosen]

@@ -31,6 +31,7 @@ from draftlab.decoding.sampling import SamplingConfig
 from draftlab.study.run.cells import LLAMACPP_TARGET, Cell
 from draftlab.contenders.methods import AR, CHOICES, METHODS, PLAIN, SERVER, SERVER_AR, method_of
 from draftlab.contenders.server_configs import check_concurrency, parse_server_spec
+from draftlab.drafters.kinds import is_lookup
 
 
 
@@ -110,7 +111,7 @@ class SweepConfig:
         others = [
             replace(base, drafter=drafter, k=k, method=method.name)
             for method in methods if method.swept
-            for drafter in self.drafters if not method.lookup_only or drafter.startswith("ngram")
+            for drafter in self.drafters if not method.lookup_only or is_lookup(drafter)
             for k in self.ks
         ]
         return [base, *peers, *host, *others, *(self.server_cells(base) if on_gguf else [])]

@@ -32,6 +32,7 @@ from draftlab.models import split_weight_type
 from draftlab.study.run.cells import LLAMACPP_TARGET, Cell
 from draftlab.contenders.methods import METHODS, is_baseline, method_of
 from draftlab.study.run.store import ResultsStore
+from draftlab.drafters.kinds import is_plain_drafter
 
 RACE_REASON = "dropped by the race"  # how every skip the race stores begins
 
@@ -228,6 +229,6 @@ def readmitted(dropped_before: set[str], dropped_now: dict[str, str]) -> set[str
 
 
 def _describe(cell: Cell) -> str:
-    what = "plain decoding" if cell.drafter == "none" else cell.drafter
+    what = "plain decoding" if is_plain_drafter(cell.drafter) else cell.drafter
     k = f" K={cell.k}" if cell.k else ""
     return f"{cell.target} {cell.method} {what}{k}"

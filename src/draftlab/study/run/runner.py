@@ -26,6 +26,7 @@ from draftlab.files.safeio import load_tensors, save_tensors
 from draftlab.study.run.cells import Cell, Record
 from draftlab.contenders.methods import method_of
 from draftlab.contenders.server_configs import ServerPool, spec_config
+from draftlab.drafters.kinds import is_plain_drafter
 
 if TYPE_CHECKING:
     from draftlab.study.run.config import SweepConfig
@@ -62,7 +63,7 @@ class CellRunner:
 
     def decoder(self, drafter: str, k: int) -> SpeculativeDecoder:
         """Our decoder for (drafter, K); drafter 'none' is the baseline. One drafter and target backend are shared."""
-        if drafter == "none":
+        if is_plain_drafter(drafter):
             return self.baseline
         if drafter not in self.by_drafter:
             built = build_drafter(drafter, self.target, self.backend)

@@ -1,0 +1,29 @@
+"""What a drafter spec is, read from its first word: the one place besides `draftlab.registry` (which parses the whole
+grammar) that reads a spec string, so that the study, the peers and the exports ask rather than compare strings
+(tests/test_structure.py).
+"""
+
+from __future__ import annotations
+
+PLAIN_DRAFTER = "none"  # the drafter spec of plain decoding (no draft); "ar" reads the same
+ADAPT_PREFIXES = ("adapt/", "adapt:")  # a spec that wraps another for online adaptation
+
+
+def is_plain_drafter(spec: str) -> bool:
+    """Whether a drafter spec (or a study cell's drafter label) means plain decoding: no draft."""
+    return spec in (PLAIN_DRAFTER, "ar", "")
+
+
+def is_adapting(spec: str) -> bool:
+    """Whether a drafter spec wraps another for online adaptation (`adapt[:OPTIONS]/SPEC`)."""
+    return spec.startswith(ADAPT_PREFIXES)
+
+
+def is_lookup(spec: str) -> bool:
+    """Whether a drafter spec is prompt lookup (n-gram), which needs no model: what a peer's lookup runs."""
+    return spec.partition(":")[0] == "ngram"
+
+
+def learns_across_requests(spec: str) -> bool:
+    """Whether a drafter spec is suffix decoding, whose cache holds the cell's earlier responses."""
+    return spec.partition(":")[0] == "suffix"
