@@ -27,7 +27,6 @@ def draftlab(*args) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_a_llamacpp_profile_predicts_the_studys_llamacpp_cells(tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": TEXT * (2 + i), "category": "prose", "id": f"q{i}"}) + "\n"

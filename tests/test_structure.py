@@ -217,7 +217,7 @@ def drafter_spec_reads(tree: ast.AST) -> list[int]:
     return found
 
 
-def test_drafter_specs_are_read_by_the_registry_alone():
+def test_drafter_specs_are_read_in_one_place():
     """What a drafter spec means (plain decoding, lookup, suffix, adapting) is asked of `draftlab.drafters.kinds`
     (`is_plain_drafter`, `is_lookup`, `learns_across_requests`, `is_adapting`), never read off the string."""
     found = [f"{_module_name(path)}:{line}" for path in SOURCE.rglob("*.py") if _module_name(path) not in SPEC_READERS

@@ -37,7 +37,6 @@ def test_adapting_designed_draft_greedy_equals_plain_decoding_fp32():
 
 @pytest.mark.slow
 @pytest.mark.exhaustive
-@pytest.mark.slow
 def test_adapting_designed_draft_greedy_equals_plain_decoding_bf16():
     check_stream(load_model("smollm2-135m", dtype="bf16"), "adapt:every=32/designed", 3, 4)
 

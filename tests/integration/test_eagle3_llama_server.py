@@ -64,7 +64,6 @@ def test_the_shipped_smollm2_eagle3_draft_drafts_on_llama_server(binary, tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.exhaustive
-@pytest.mark.slow
 @next(m for m in qwen_marks if m.name == "skipif")  # the Qwen pair's: cached, or DRAFTLAB_QWEN=1 (CI)
 def test_an_eagle3_draft_trained_here_drafts_for_the_qwen_target(binary, tmp_path):
     """`draftlab design eagle3 --gguf` end to end on the Qwen2.5-Coder 1.5B (a few steps on prompt text), then

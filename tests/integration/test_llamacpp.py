@@ -15,7 +15,6 @@ from draftlab.decoding.step import Block, tree_layout
 from tests.tiers import exhaustive, slow
 
 pytestmark = pytest.mark.integration
-SLOW = pytest.mark.slow
 
 PROMPTS = [
     "Write a Python function that returns the squares of a list of numbers, then show how to call it.",
@@ -152,7 +151,6 @@ def test_sampling_is_reproducible_and_drafts_change_nothing_at_one_seed_per_draf
 
 @pytest.mark.slow
 @pytest.mark.exhaustive
-@SLOW
 def test_the_audit_passes_on_llamacpp(tmp_path):
     """Speculative sampling on llama.cpp keeps the target's distribution (chi-square against plain sampling and
     the exact first-token distribution), with a model draft in its own context and with n-gram lookup."""

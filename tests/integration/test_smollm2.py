@@ -80,7 +80,6 @@ def test_the_eagle3_draft_chains_and_trees_are_lossless(dtype):
 
 
 @pytest.mark.slow
-@SLOW
 def test_transformers_backend_gives_the_same_output(target, baseline):
     decoder = SpeculativeDecoder.from_names(target, drafter="ngram", k=4, backend="hf")
     assert decoder.generate(PROMPTS[0], max_new_tokens=32).token_ids == baseline[0]
@@ -232,7 +231,6 @@ def test_questions_prompt_set():
 
 
 @pytest.mark.slow
-@SLOW
 def test_audit_passes_draftlab_and_fails_a_broken_verifier(target):
     """The losslessness audit on the real target at temperature 0.8 with two drafters, and a broken verifier."""
     from draftlab.checks.audit import AuditSettings, exact_first_distribution, run_audit
