@@ -66,6 +66,7 @@ def check_every_cell_ended(config, prompts, outcome) -> set[tuple[str, str]]:
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # CI's time (77 s): CI's ./run.sh runs the quick preset on its 8 prompts, articles included
 def test_quick_presets_methods_on_a_long_prompt_and_a_conversation(tmp_path):
     """Every method and peer of the quick preset (n-gram drafts only) on a 700-token prompt and a multi-turn one."""
     config, prompts, outcome = run_preset(tmp_path, "quick", long_prompt_and_turns(), ks=(1,), drafters=("ngram",))
