@@ -104,11 +104,11 @@ def recommend(summaries: list[CellSummary], drift: Drift, output_tokens: int | N
     temperatures = defaultdict(set)
     for model, temperature in groups:
         temperatures[model].add(temperature)
-    sentences = []
+    sentences, lossless = [], _groups(summaries)
     for (model, temperature), cells in sorted(groups.items()):
         where = model + (f" at temperature {temperature:g}" if len(temperatures[model]) > 1 else "")
         plain = plains.get((model, temperature))
-        sooner = _sooner(summaries, (model, temperature), drift, output_tokens)
+        sooner = _sooner(lossless.get((model, temperature), []), plain, drift, output_tokens)
         sentences.append(sooner.sentence(where) if sooner else
                          _sentence(where, cells, dropped[(model, temperature)], plain, drift, output_tokens))
     return sentences
@@ -152,10 +152,10 @@ def _sentence(where: str, cells: list[CellSummary], dropped: list[CellSummary], 
 def chosen(summaries: list[CellSummary], drift: Drift = Drift(0, 0.0), output_tokens: int | None = None
            ) -> dict[tuple, CellSummary]:
     """Per (model, temperature), what its Use line names: the configuration, or the plain decoding."""
-    plains = _reference_plain(summaries)
-    picks = {key: _choice(cells, plains.get(key)) for key, cells in _groups(summaries).items()}
+    plains, groups = _reference_plain(summaries), _groups(summaries)
+    picks = {key: _choice(cells, plains.get(key)) for key, cells in groups.items()}
     for key in picks:
-        sooner = _sooner(summaries, key, drift, output_tokens)
+        sooner = _sooner(groups[key], plains.get(key), drift, output_tokens)
         picks[key] = sooner.pick if sooner else picks[key]
     return {key: pick for key, pick in picks.items() if pick is not None}
 
@@ -208,12 +208,13 @@ def _named(s: CellSummary) -> str:
     return f"{s.drafter} at K={s.k} ({method_of(s.method)}) on {engine_words(s)}"
 
 
-def _sooner(summaries: list[CellSummary], key: tuple, drift: Drift, output_tokens: int | None) -> Sooner | None:
-    """For one (model, temperature): the engine whose pick (`_engine_picks`) answers a prompt of `output_tokens`
-    (the study's own length when None) soonest end to end, where it is not the decode-judged pick's engine and
-    answers sooner by more than `SOONER_MARGIN` or the study's typical drift; else None."""
-    cells = _groups(summaries).get(key, [])
-    faster = _choice(cells, _reference_plain(summaries).get(key))
+def _sooner(cells: list[CellSummary], plain: CellSummary | None, drift: Drift, output_tokens: int | None
+            ) -> Sooner | None:
+    """For one (model, temperature), its complete lossless cells (`_groups`) and reference plain decoding: the
+    engine whose pick (`_engine_picks`) answers a prompt of `output_tokens` (the study's own length when None)
+    soonest end to end, where it is not the decode-judged pick's engine and answers sooner by more than
+    `SOONER_MARGIN` or the study's typical drift; else None."""
+    faster = _choice(cells, plain)
     if faster is None or faster.prefill_s is None or not faster.prompts:
         return None
     tokens = output_tokens or round(faster.new_tokens / faster.prompts)
