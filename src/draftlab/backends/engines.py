@@ -5,6 +5,9 @@ files as they are, whether drafts built from the target's torch weights run on i
 plain decoding is its fastest. It never compares engine names with strings (tests/test_structure.py): it names an
 entry of this table. The served engines are here too: llama-server, which draftlab starts, races and exports to,
 and vLLM and SGLang, which it exports to.
+
+`ENGINES` is the one table. An engine a study races names, in `methods_from`, the module of `draftlab.contenders`
+that holds its methods (`contenders.contract`): racing a new engine is one entry here and that one module.
 """
 
 from __future__ import annotations
@@ -28,25 +31,34 @@ class Engine:
     torch_drafts: bool  # drafts built from the target's torch weights (layer, designed, feature, heads) run on it
     numerics: tuple[str, ...]  # the --numerics it takes; empty: the torch backend's routes
     served: bool = False  # an OpenAI-compatible server (a process of its own), not a backend in this process
+    methods_from: str = ""  # the module whose `METHODS` a study races on it ('': none; `contenders.methods`)
 
     def __str__(self) -> str:
         return self.label
 
 
-TORCH = Engine("torch", "torch", "auto", runs_gguf=False, torch_drafts=True, numerics=())
+# draftlab's own decoder: its methods run on the target's in-process engine, torch or llama.cpp
+TORCH = Engine("torch", "torch", "auto", runs_gguf=False, torch_drafts=True, numerics=(),
+               methods_from="draftlab.contenders.plain")
 LLAMACPP = Engine("llamacpp", "llama.cpp", "llamacpp", runs_gguf=True, torch_drafts=False, numerics=LLAMACPP_NUMERICS)
 IN_PROCESS = (TORCH, LLAMACPP)  # the backends' engines: a target loads on one of them in this process
-LLAMA_SERVER = Engine("llama-server", "llama-server", "", runs_gguf=True, torch_drafts=False, numerics=(), served=True)
+HF_GENERATE = Engine("hf-generate", "HF generate", "", runs_gguf=False, torch_drafts=True, numerics=(),
+                     methods_from="draftlab.contenders.hf")  # a peer in this process: transformers' `generate`
+LLAMA_CPP_PYTHON = Engine("llama-cpp-python", "llama-cpp-python", "", runs_gguf=True, torch_drafts=False, numerics=(),
+                          methods_from="draftlab.contenders.llama_cpp_python")  # a peer in this process
+LLAMA_SERVER = Engine("llama-server", "llama-server", "", runs_gguf=True, torch_drafts=False, numerics=(), served=True,
+                      methods_from="draftlab.contenders.server_configs")
 VLLM = Engine("vllm", "vLLM", "", runs_gguf=False, torch_drafts=True, numerics=(), served=True)
 SGLANG = Engine("sglang", "SGLang", "", runs_gguf=False, torch_drafts=True, numerics=(), served=True)
 SERVED = (VLLM, SGLANG, LLAMA_SERVER)  # the servers a study's answer is exported to (llama-server is also raced)
+ENGINES = (*IN_PROCESS, HF_GENERATE, LLAMA_CPP_PYTHON, *SERVED)  # every engine draftlab knows
 
 
 def engine_named(name: str) -> Engine:
     """The engine of that name (in records, environment variables and `--export`)."""
-    found = next((e for e in (*IN_PROCESS, *SERVED) if e.name == name), None)
+    found = next((e for e in ENGINES if e.name == name), None)
     if found is None:
-        raise DraftlabError(f"unknown engine {name!r}: one of {', '.join(e.name for e in (*IN_PROCESS, *SERVED))}")
+        raise DraftlabError(f"unknown engine {name!r}: one of {', '.join(e.name for e in ENGINES)}")
     return found
 
 

@@ -5,6 +5,8 @@ so `hf_assist` describes the config that gives a constant K and no confidence
 cut-off (the same fixed-K drafting our engine does), and `hf_generate` lends it
 to the assistant model for that one call and then puts the model's own back:
 no loaded model keeps a changed config.
+
+Its `METHODS` in a study (`contenders.contract`): HF's plain `generate` and its assisted generation (AsG).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-from draftlab.registry import DraftPlan
+from draftlab.contenders.contract import ContenderSource, Method
+from draftlab.registry import DraftPlan, parse_drafter_spec
 from draftlab.errors import DraftlabError
 from draftlab.engine import GenerationConfig, GenerationResult, check_room, tokens_result
 from draftlab.models import LoadedModel
@@ -133,3 +136,23 @@ class HFGenerate:
     def forgetful(self) -> "HFGenerate":
         """Itself: HF keeps nothing across calls."""
         return self
+
+
+def assist_of(source: ContenderSource, drafter: str, k: int) -> HFAssist:
+    """HF's counterpart of a study's drafter at K (a clear error where HF has none)."""
+    return hf_assist(parse_drafter_spec(drafter), source.decoder(drafter, k).draft_model, k)
+
+
+def _generate(source: ContenderSource, cell, _companions: tuple) -> HFGenerate:
+    return HFGenerate(source.target, source.eos)
+
+
+def _assisted(source: ContenderSource, cell, _companions: tuple) -> HFGenerate:
+    return HFGenerate(source.target, source.eos, assist_of(source, cell.drafter, cell.k))
+
+
+HF = Method("hf", "HF generate", 2, "HF generate", plain=True, reference="ar", times_prefill=False, peer=True,
+            torch_only=True, swept=False, build=_generate)
+ASG = Method("asg", "AsG", 4, "HF generate", plain=False, reference="hf", times_prefill=False, peer=True,
+             torch_only=True, assisted=True, build=_assisted)
+METHODS = (HF, ASG)

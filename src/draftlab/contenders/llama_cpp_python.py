@@ -16,9 +16,11 @@ from typing import Sequence
 
 from draftlab.backends.gguf import llama_lib, threads
 from draftlab.backends.llamacpp import MAX_CONTEXT
+from draftlab.contenders.contract import ContenderSource, Method
 from draftlab.engine import GenerationResult, check_room, tokens_result
 from draftlab.errors import DraftlabError
 from draftlab.decoding.sampling import SamplingConfig
+from draftlab.models import gguf_path
 
 
 class LlamaCppPeer:
@@ -111,3 +113,23 @@ class LlamaCppRun:
     def forgetful(self) -> "LlamaCppRun":
         """Itself: it learns nothing across runs (a prefix it reuses is the same prompt's)."""
         return self
+
+
+def _peer(source: ContenderSource) -> LlamaCppPeer:
+    """llama-cpp-python on the target's GGUF, loaded once per target."""
+    return source.shared("llama-cpp-python", lambda: LlamaCppPeer(gguf_path(source.target.source)))
+
+
+def _plain(source: ContenderSource, cell, _companions: tuple) -> LlamaCppRun:
+    return _peer(source).contender(source.eos, 0)
+
+
+def _lookup(source: ContenderSource, cell, _companions: tuple) -> LlamaCppRun:
+    return _peer(source).contender(source.eos, cell.k)
+
+
+LLAMA = Method("llama", "llama-cpp-python", 2, "llama-cpp-python", plain=True, reference="ar", times_prefill=False,
+               peer=True, gguf_only=True, swept=False, build=_plain)
+LCP = Method("lcp", "llama-cpp-python's prompt lookup", 4, "llama-cpp-python", plain=False, reference="llama",
+             times_prefill=False, peer=True, gguf_only=True, lookup_only=True, build=_lookup)
+METHODS = (LLAMA, LCP)

@@ -14,6 +14,7 @@ from draftlab.api import SpeculativeDecoder
 from draftlab.backends import FastLlamaBackend, PlainMode, default_kernels_plain
 from draftlab.backends import other_routes
 from draftlab.backends.routes import Route, parse_route
+from draftlab.contenders.contract import ContenderSource, Method
 from draftlab.drafters.base import NoDrafter
 from draftlab.models import DTYPES, LoadedModel, dtype_name, is_gguf
 from draftlab.decoding.policy import FixedK
@@ -78,3 +79,18 @@ def fastest_plain(decoder: SpeculativeDecoder) -> SpeculativeDecoder:
 def plain_mode(decoder: SpeculativeDecoder, label: str) -> SpeculativeDecoder:
     """Plain decoding in the mode a label names (a route's label, or `DEFAULT_KERNELS`)."""
     return default_kernels(decoder) if label == DEFAULT_KERNELS else plain_in(decoder, parse_route(label))
+
+
+def _cell_decoder(source: ContenderSource, cell, _companions: tuple) -> SpeculativeDecoder:
+    return source.cell_decoder(cell)
+
+
+def _plain_in(source: ContenderSource, cell, _companions: tuple) -> SpeculativeDecoder:
+    return source.plain_in(cell.drafter)
+
+
+AR = Method("ar", "plain decoding", 0, "draftlab", plain=True, reference="ar", swept=False, build=_cell_decoder)
+PLAIN = Method("plain", "plain decoding in another mode", 1, "draftlab", plain=True, reference="ar", swept=False,
+               chosen=False, build=_plain_in)  # a cell per mode of `SweepConfig.host_modes` (drafter: its label)
+SPS = Method("sps", "SpS", 3, "draftlab", plain=False, reference="ar", build=_cell_decoder)
+METHODS = (AR, PLAIN, SPS)

@@ -13,6 +13,8 @@ for `ngram-mod` (with its `-n-min` at three quarters of it, the ratio of the ser
 `ServerPool` starts each configuration's server the first time a cell needs it, keeps it for the study's other
 prompts (per-request speculative settings are compiled out of this llama.cpp: a configuration is a server start)
 and stops them all when the study ends, however it ends.
+
+Its `METHODS` in a study (`contenders.contract`): llama-server's plain decoding and its own speculation.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from draftlab.contenders.contract import ContenderSource, Method
 from draftlab.errors import DraftlabError
 from draftlab.contenders.llama_server import SPEC_TYPES, LlamaServer, LlamaServerRun, ServerConfig
+from draftlab.measure import Contender, InFlight
 from draftlab.models import gguf_path
 from draftlab.drafters.eagle3_checkpoint import engine_files
 from draftlab.drafters.kinds import is_plain_drafter
@@ -143,3 +147,23 @@ class ServerPool:
         for server in self.running.values():
             server.stop()
         self.running.clear()
+
+
+def _server(source: ContenderSource, cell, companions: tuple) -> Contender:
+    """The llama-server of a server cell; with more than one request in flight, timed with its companions (alone,
+    without any: the warm-up)."""
+    if source.servers is None:
+        raise DraftlabError("this sweep runs no llama-server cells")
+    config = spec_config(gguf_path(source.target.source), cell.drafter, cell.k, cell.concurrency)
+    if cell.concurrency > 1 and companions:
+        return InFlight(source.servers.contender(config, reuse=False), companions[:cell.concurrency - 1])
+    return source.servers.contender(config)
+
+
+SERVER_AR = Method("server-ar", "llama-server", 2, "llama-server", plain=True, reference="ar", peer=True,
+                   gguf_only=True, served=True, swept=False, chosen=False, build=_server)
+# llama-server's own speculation runs on kernels that round a block's rows apart from single rows: its outputs
+# equal plain decoding only up to rounding, even when every one measured did.
+SERVER = Method("server", "llama-server's own speculation", 4, "llama-server", plain=False, reference="server-ar",
+                lossless=False, peer=True, gguf_only=True, served=True, swept=False, chosen=False, build=_server)
+METHODS = (SERVER_AR, SERVER)  # cells from `SweepConfig.servers`, at each concurrency level

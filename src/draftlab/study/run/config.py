@@ -29,7 +29,7 @@ from draftlab.models import (LoadedModel, ModelSpec, auto_dtype, check_device, c
 from draftlab.contenders.preflight import TIMEOUT_S as PREFLIGHT_TIMEOUT_S
 from draftlab.decoding.sampling import SamplingConfig
 from draftlab.study.run.cells import LLAMACPP_TARGET, Cell
-from draftlab.contenders.methods import AR, CHOICES, METHODS, PLAIN, SERVER, SERVER_AR, method_of
+from draftlab.contenders.methods import AR, PLAIN, SERVER, SERVER_AR, choices, method_of, methods
 from draftlab.contenders.server_configs import check_concurrency, parse_server_spec
 from draftlab.drafters.kinds import is_lookup
 
@@ -73,9 +73,9 @@ class SweepConfig:
     def __post_init__(self) -> None:
         if not self.ks or min(self.ks) < 1:
             raise DraftlabError(f"every K must be >= 1, got {list(self.ks)}")
-        unknown = set(self.methods) - set(CHOICES)
+        unknown = set(self.methods) - set(choices())
         if unknown:
-            raise DraftlabError(f"unknown method(s) {sorted(unknown)}; use {', '.join(CHOICES)}")
+            raise DraftlabError(f"unknown method(s) {sorted(unknown)}; use {', '.join(choices())}")
         if self.limit < 1 or self.max_new_tokens < 1:
             raise DraftlabError("limit and max_new_tokens must be >= 1")
         if self.skip < 0 or self.warmup < 0 or self.baseline_every < 0 or self.race_after < 0:
@@ -103,14 +103,14 @@ class SweepConfig:
         dtype = "gguf" if on_gguf else resolve_dtype_name(self.dtype, self.device, source)
         base = Cell(target, "none", 0, AR.name, dataset, temperature, self.max_new_tokens, self.seed, dtype, backend,
                     self.device, self.skip)
-        methods = [method_of(m) for m in self.methods]
-        methods = [m for m in methods if not (m.torch_only if on_gguf else m.gguf_only)]
-        plains = {m.engine_plain for m in methods} - {None}
-        peers = [replace(base, method=m.name) for m in METHODS.values() if m.name in plains and not m.served]
+        chosen = [method_of(m) for m in self.methods]
+        chosen = [m for m in chosen if not (m.torch_only if on_gguf else m.gguf_only)]
+        plains = {m.engine_plain for m in chosen} - {None}
+        peers = [replace(base, method=m.name) for m in methods().values() if m.name in plains and not m.served]
         host = [replace(base, drafter=label, method=PLAIN.name, dtype=dtype) for label, dtype in self.host_modes(target)]
         others = [
             replace(base, drafter=drafter, k=k, method=method.name)
-            for method in methods if method.swept
+            for method in chosen if method.swept
             for drafter in self.drafters if not method.lookup_only or is_lookup(drafter)
             for k in self.ks
         ]

@@ -30,7 +30,7 @@ from typing import Callable
 
 from draftlab.models import split_weight_type
 from draftlab.study.run.cells import LLAMACPP_TARGET, Cell
-from draftlab.contenders.methods import METHODS, is_baseline, method_of
+from draftlab.contenders.methods import is_baseline, method_of, methods
 from draftlab.study.run.store import ResultsStore
 from draftlab.drafters.kinds import is_plain_drafter
 
@@ -203,7 +203,7 @@ def keep_peer_references(dropped: dict[str, str], cells: list[Cell]) -> dict[str
     return {key: reason for key, reason in dropped.items()
             if not any((cell.target, method.name) in running
                        for cell in cells if cell.key == key
-                       for method in METHODS.values() if not method.plain and method.engine_plain == cell.method)}
+                       for method in methods().values() if not method.plain and method.engine_plain == cell.method)}
 
 
 def _no_prefill(length: int) -> float:

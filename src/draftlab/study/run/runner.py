@@ -1,4 +1,5 @@
-"""A sweep's contenders for each (cell, prompt): our decoders, HF's and llama-cpp-python's, built once per target.
+"""A sweep's contenders for each (cell, prompt), as each cell's method builds them (`contenders.contract`): what is
+built once per target (the target, draftlab's decoders, a peer's instance) is built here.
 
 The measurement loop (`draftlab.measure`) times them; a cell whose drafter learns across requests (suffix decoding,
 online adaptation) keeps its own copy, whose state (`Drafter.state`) is saved beside the database after each
@@ -9,33 +10,34 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import torch
 
-from draftlab.api import SpeculativeDecoder, build_drafter, eos_ids, parse_drafter_spec
+from draftlab.api import SpeculativeDecoder, build_drafter, eos_ids
 from draftlab.drafters.base import Drafter
 from draftlab.errors import DraftlabError
-from draftlab.contenders.hf import HFGenerate, hf_assist
-from draftlab.contenders.llama_cpp_python import LlamaCppPeer
-from draftlab.measure import Contender, EncodedPrompt, InFlight, RunRecord, RunSettings, warm_up
-from draftlab.models import LoadedModel, gguf_path
+from draftlab.contenders.hf import assist_of
+from draftlab.measure import Contender, EncodedPrompt, RunRecord, RunSettings, warm_up
+from draftlab.models import LoadedModel
 from draftlab.contenders.plain import plain_mode
 from draftlab.decoding.policy import FixedK
 from draftlab.files.safeio import load_tensors, save_tensors
 from draftlab.study.run.cells import Cell, Record
 from draftlab.contenders.methods import method_of
-from draftlab.contenders.server_configs import ServerPool, spec_config
+from draftlab.contenders.server_configs import ServerPool
 from draftlab.drafters.kinds import is_plain_drafter
 
 if TYPE_CHECKING:
     from draftlab.study.run.config import SweepConfig
 
+T = TypeVar("T")
 STATE_FILES = ("state-0.pt", "state-1.pt")  # a learning cell's two newest states (what it learned, from which prompts)
 
 
 class CellRunner:
-    """Builds each drafter once per target and gives each (cell, prompt) its contender for the measurement loop."""
+    """Builds each drafter once per target and gives each (cell, prompt) its contender for the measurement loop (the
+    study's `contenders.contract.ContenderSource`)."""
 
     def __init__(self, target: LoadedModel, config: "SweepConfig", backend: str | None = None,
                  cache_root: Path | None = None, done: set[tuple[str, str]] = frozenset(),
@@ -58,7 +60,7 @@ class CellRunner:
                                                       backend=self.backend).with_prompt_cache("draftlab")
         self.by_drafter: dict[str, SpeculativeDecoder] = {}
         self.by_route: dict[str, SpeculativeDecoder] = {}  # plain decoding in the host's other modes
-        self._peer: LlamaCppPeer | None = None
+        self.built: dict[str, Any] = {}  # what methods share per target (`shared`): a peer's loaded instance
         self.servers = servers
 
     def decoder(self, drafter: str, k: int) -> SpeculativeDecoder:
@@ -88,20 +90,11 @@ class CellRunner:
         `companions`, the prompts sent beside each one (llama-server, as many as it needs)."""
         return method_of(cell.method).contender(self, cell, companions)
 
-    def speculative(self, cell: Cell) -> Contender:
-        """draftlab's decoder for the cell: plain decoding (drafter 'none') or its draft at K."""
-        return self.cell_decoder(cell)
-
-    def hf_generate(self, cell: Cell, assisted: bool) -> Contender:
-        """HF `generate`: plain (AsG's own plain decoding), or assisted by the cell's draft at K."""
-        if not assisted:
-            return HFGenerate(self.target, self.eos)
-        draft_model = self.decoder(cell.drafter, cell.k).draft_model
-        return HFGenerate(self.target, self.eos, hf_assist(parse_drafter_spec(cell.drafter), draft_model, cell.k))
-
-    def llama_cpp_python(self, cell: Cell, lookup: bool) -> Contender:
-        """llama-cpp-python's own `generate`: plain, or its prompt lookup at the cell's K."""
-        return self.peer().contender(self.eos, cell.k if lookup else 0)
+    def shared(self, name: str, build: Callable[[], T]) -> T:
+        """The object methods share under `name` for this target (a peer's instance), built on first use."""
+        if name not in self.built:
+            self.built[name] = build()
+        return self.built[name]
 
     def settings(self, cell: Cell) -> RunSettings:
         """The cell's generation settings for the measurement loop."""
@@ -145,22 +138,6 @@ class CellRunner:
             self.by_route[label] = mode if mode.prompt_cache else mode.with_prompt_cache(f"draftlab {label}")
         return self.by_route[label]
 
-    def server(self, cell: Cell, companions: tuple[EncodedPrompt, ...]) -> Contender:
-        """The llama-server of a server cell; with more than one request in flight, timed with its companions (alone,
-        without any: the warm-up)."""
-        if self.servers is None:
-            raise DraftlabError("this sweep runs no llama-server cells")
-        config = spec_config(gguf_path(self.target.source), cell.drafter, cell.k, cell.concurrency)
-        if cell.concurrency > 1 and companions:
-            return InFlight(self.servers.contender(config, reuse=False), companions[:cell.concurrency - 1])
-        return self.servers.contender(config)
-
-    def peer(self) -> LlamaCppPeer:
-        """llama-cpp-python's own API on the target's GGUF (loaded on first use)."""
-        if self._peer is None:
-            self._peer = LlamaCppPeer(gguf_path(self.target.source))
-        return self._peer
-
     def runs_here(self, drafter: str) -> bool:
         """Whether the drafter runs on this target's engine (drafts built from torch weights do not on llama.cpp)."""
         try:
@@ -172,7 +149,7 @@ class CellRunner:
     def asg_supported(self, drafter: str) -> bool:
         """Whether HF assisted generation can run this drafter (n-gram, or a full-vocabulary model draft)."""
         try:
-            hf_assist(parse_drafter_spec(drafter), self.decoder(drafter, 1).draft_model, 1)
+            assist_of(self, drafter, 1)
         except DraftlabError:
             return False
         return True
