@@ -5,6 +5,7 @@
 #   ./run.sh              set up, then the quick study into results/quick/
 #   ./run.sh --preset full   the full study (extra arguments go to `draftlab study`)
 #   ./run.sh --setup-only set up only (what CI does before the tests)
+#   ./run.sh --with vllm [...]  also make vLLM's own environment in draftlab's cache (3.4 GB, minutes; once), then go on
 # Extra arguments after the flags go to the main job.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -42,6 +43,11 @@ fi
 # The quick study's llama.cpp target: SmolLM2 in pure Q4_0, derived once from the shipped Q4_1 (seconds, cached).
 if .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
   .venv/bin/python -c "from draftlab.models import gguf_path; gguf_path('smollm2-135m@Q4_0_PURE')" >/dev/null
+fi
+# vLLM, on demand only: its own environment in draftlab's cache, never this venv (draftlab.contenders.vllm_env).
+if [ "${1:-}" = "--with" ] && [ "${2:-}" = "vllm" ]; then
+  .venv/bin/python -m draftlab.contenders.vllm_env || echo "run.sh: vLLM was not installed (see above); its cells are left out"
+  shift 2
 fi
 if [ "${1:-}" = "--setup-only" ]; then
   exit 0

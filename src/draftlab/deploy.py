@@ -27,12 +27,10 @@ import json
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from draftlab.backends.engines import LLAMA_SERVER, SERVED, SGLANG, VLLM
-from draftlab.contenders.llama_server import SPEC_TYPES
 from draftlab.errors import DraftlabError
-from draftlab.contenders.server_configs import length_flags
 from draftlab.drafters.eagle3 import is_eagle3_draft
 from draftlab.drafters.eagle3_checkpoint import engine_files
 from draftlab.drafters.eagle3_checkpoint import is_checkpoint
@@ -42,6 +40,10 @@ from draftlab.drafters.kinds import is_plain_drafter
 from draftlab.registry import parse_drafter_spec
 
 EXPORT_ENGINES = tuple(e.name for e in SERVED)  # what `--export` takes
+# llama-server's speculative types (`--spec-type`): what its exports name, and what the study starts it with
+SPEC_TYPES = ("draft-simple", "draft-eagle3", "draft-mtp", "draft-dflash", "draft-dspark", "ngram-simple",
+              "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
+NGRAM_MOD_MIN_SHARE = 0.75  # ngram-mod's --spec-ngram-mod-n-min as a share of its -n-max (the server's 48 of 64)
 HF_REPOS = {  # the embedded models' names on the Hugging Face hub, as vLLM and SGLang load them
     "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
     "gemma3-270m": "google/gemma-3-270m",
@@ -93,8 +95,9 @@ def hf_model(source: str) -> str:
     return HF_REPOS.get(source, source)
 
 
-def vllm_config(choice: Deployable) -> dict | None:
-    """vLLM's `speculative_config` for the choice (None: plain decoding)."""
+def vllm_config(choice: Deployable, model_path: Callable[[str], str] = hf_model) -> dict | None:
+    """vLLM's `speculative_config` for the choice (None: plain decoding); `model_path`: how vLLM finds a draft
+    model by its name (the hub id of an embedded one; a study gives its local directory)."""
     kind, arg = _draft_kind(choice.draft, VLLM.name)
     if kind == "none":
         return None
@@ -105,7 +108,7 @@ def vllm_config(choice: Deployable) -> dict | None:
     elif kind == "suffix":
         config = {"method": "suffix", "num_speculative_tokens": choice.k or 32}
     elif kind == "model":
-        config = {"method": "draft_model", "model": hf_model(arg), "num_speculative_tokens": choice.k or 4}
+        config = {"method": "draft_model", "model": model_path(arg), "num_speculative_tokens": choice.k or 4}
     elif kind == "eagle3":
         config = {"method": "eagle3", "model": eagle3_files(arg, choice.target)[0],
                   "num_speculative_tokens": choice.k or 3}
@@ -188,6 +191,17 @@ def llama_server_flags(choice: Deployable) -> list[str]:
 def llama_server_command(choice: Deployable) -> str:
     """`llama-server -m MODEL.gguf [--spec-* ...]`."""
     return shlex.join(["llama-server", "-m", _gguf(choice.target), *llama_server_flags(choice)])
+
+
+def length_flags(spec_type: str, k: int) -> tuple[int | None, tuple[str, ...]]:
+    """llama-server's (--spec-draft-n-max, other flags) for length K of a type (K 0: none, the server's defaults)."""
+    if not k:
+        return None, ()
+    types = spec_type.split(",")
+    if types == ["ngram-mod"]:
+        low = max(1, int(k * NGRAM_MOD_MIN_SHARE))
+        return None, ("--spec-ngram-mod-n-max", str(k), "--spec-ngram-mod-n-min", str(low))
+    return k, ()
 
 
 def _draft_kind(draft: str, engine: str) -> tuple[str, object]:

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from draftlab.deploy import Deployable, export
-from draftlab.contenders.llama_server import SPEC_TYPES
+from draftlab.deploy import SPEC_TYPES
 
 pytestmark = pytest.mark.integration
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from draftlab.contenders.contract import ContenderSource, Method
+from draftlab.drafters.kinds import is_lookup
 from draftlab.engine import GenerationResult
 
 
@@ -41,6 +42,6 @@ def _lookup(source: ContenderSource, cell, _companions: tuple) -> FakeRun:
 FAKE_PLAIN = Method("fake-plain", "the fake engine", 2, "a fake engine", plain=True, reference="ar",
                     times_prefill=False, peer=True, torch_only=True, swept=False, build=_plain)
 FAKE_LOOKUP = Method("fake-lookup", "the fake engine's lookup", 4, "a fake engine", plain=False,
-                     reference="fake-plain", times_prefill=False, peer=True, torch_only=True, lookup_only=True,
+                     reference="fake-plain", times_prefill=False, peer=True, torch_only=True, takes=is_lookup,
                      build=_lookup)
 METHODS = (FAKE_PLAIN, FAKE_LOOKUP)

@@ -4,7 +4,7 @@ Code outside `backends/` asks a target's `Engine` (`LoadedModel.engine`) what it
 files as they are, whether drafts built from the target's torch weights run on it, which numerics it takes, which
 plain decoding is its fastest. It never compares engine names with strings (tests/test_structure.py): it names an
 entry of this table. The served engines are here too: llama-server, which draftlab starts, races and exports to,
-and vLLM and SGLang, which it exports to.
+vLLM, which it starts (in an environment of its own), races and exports to, and SGLang, which it exports to.
 
 `ENGINES` is the one table. An engine a study races names, in `methods_from`, the module of `draftlab.contenders`
 that holds its methods (`contenders.contract`): racing a new engine is one entry here and that one module.
@@ -48,7 +48,8 @@ LLAMA_CPP_PYTHON = Engine("llama-cpp-python", "llama-cpp-python", "", runs_gguf=
                           methods_from="draftlab.contenders.llama_cpp_python")  # a peer in this process
 LLAMA_SERVER = Engine("llama-server", "llama-server", "", runs_gguf=True, torch_drafts=False, numerics=(), served=True,
                       methods_from="draftlab.contenders.server_configs")
-VLLM = Engine("vllm", "vLLM", "", runs_gguf=False, torch_drafts=True, numerics=(), served=True)
+VLLM = Engine("vllm", "vLLM", "", runs_gguf=False, torch_drafts=True, numerics=(), served=True,
+              methods_from="draftlab.contenders.vllm")  # in its own environment, made on demand
 SGLANG = Engine("sglang", "SGLang", "", runs_gguf=False, torch_drafts=True, numerics=(), served=True)
 SERVED = (VLLM, SGLANG, LLAMA_SERVER)  # the servers a study's answer is exported to (llama-server is also raced)
 ENGINES = (*IN_PROCESS, HF_GENERATE, LLAMA_CPP_PYTHON, *SERVED)  # every engine draftlab knows

@@ -48,8 +48,10 @@ def _add_sweep_args(parser: argparse.ArgumentParser, db_required: bool = True) -
     parser.add_argument("--targets", nargs="+")
     parser.add_argument("--drafters", nargs="+")
     parser.add_argument("--ks", help="K values: 1-7 or 1,2,4")
-    parser.add_argument("--methods", nargs="+", help="sps asg hf lcp llama (ar always runs; hf, HF's own plain "
-                        "decoding, runs with asg; llama, llama-cpp-python's, with lcp, its prompt lookup)")
+    parser.add_argument("--methods", nargs="+", help="sps asg hf lcp llama vllm (ar always runs; hf, HF's own plain "
+                        "decoding, runs with asg; llama, llama-cpp-python's, with lcp, its prompt lookup; vllm, "
+                        "vLLM's own speculation with each drafter it has, and its plain decoding, at each "
+                        "--concurrency; its environment is made first where it is missing)")
     parser.add_argument("--datasets", nargs="+", help="bundled prompt sets or JSONL prompt files")
     parser.add_argument("--prompts", help="your own workload: a JSONL file (draftlab lines or MT-Bench/Spec-Bench "
                                           "questions); added to --datasets")
@@ -79,8 +81,8 @@ def _add_sweep_args(parser: argparse.ArgumentParser, db_required: bool = True) -
                         help="llama-server's own speculative types, raced on every GGUF target beside its plain "
                              "decoding: ngram-mod, ngram-simple:16,64, draft-simple/qwen2.5-coder-0.5b:3,4 (K: the "
                              "type's draft length flag; none: the server's default)")
-    parser.add_argument("--concurrency", help="requests in flight for the llama-server cells: 1,2,4 (each level its "
-                                              "own servers with that many slots; default 1)")
+    parser.add_argument("--concurrency", help="requests in flight for the served cells (llama-server, vLLM): 1,2,4 "
+                                              "(each level its own servers with that many slots; default 1)")
     parser.add_argument("--weight-types", nargs="+", metavar="TYPE",
                         help="also run every llama.cpp target in these weight types (BF16, Q8_0, ...), derived with "
                              "llama.cpp's quantizer")

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
 
-from draftlab.measure import Contender
+from draftlab.errors import DraftlabError
+from draftlab.measure import Contender, InFlight
 
 if TYPE_CHECKING:
     from draftlab.api import SpeculativeDecoder
@@ -22,14 +23,15 @@ T = TypeVar("T")
 
 
 class Servers(Protocol):
-    """Where a served engine's cells get their servers: started on first use, stopped by the sweep however it ends
-    (llama-server's: `contenders.server_configs.ServerPool`)."""
+    """Where served engines' cells get their servers: started on first use (`config.server(log_dir)`), stopped by
+    the sweep however it ends (`contenders.server_configs.ServerPool`)."""
 
     def contender(self, config: Any, reuse: bool = True) -> Contender: ...  # the server of a configuration
 
 
 class ContenderSource(Protocol):
-    """What builds a cell's contender (the sweep's `study.run.runner.CellRunner`); `cell` is a `study.run.cells.Cell`."""
+    """What builds a cell's contender (the sweep's `study.run.runner.CellRunner`); `cell` is a
+    `study.run.cells.Cell`."""
 
     target: "LoadedModel"  # the cell's target, loaded once
     eos: tuple[int, ...]  # its end-of-sequence token ids
@@ -63,7 +65,8 @@ class Method:
     torch_only: bool = False  # runs torch targets only (HF's)
     served: bool = False  # a server: one server start per configuration, measured per concurrency
     assisted: bool = False  # HF assisted generation: an assistant model (AsG-style cells)
-    lookup_only: bool = False  # its only draft is prompt lookup (n-gram drafters)
+    takes: Callable[[str], bool] | None = None  # the drafters it runs (None: every one of the grid)
+    missing: Callable[[], str] | None = None  # why it cannot run here ('' when it can; None: it always can)
     swept: bool = True  # a cell per (drafter, K) of the grid; False: one cell, or made elsewhere (plain modes, servers)
     chosen: bool = True  # named by `--methods`; False: it follows another option (plain modes, servers)
 
@@ -78,9 +81,23 @@ class Method:
         draftlab's methods."""
         return (self.name if self.plain else self.reference) if self.peer else None
 
+    def runs(self, drafter: str) -> bool:
+        """Whether it has a cell for this drafter of the grid."""
+        return self.takes is None or self.takes(drafter)
+
     def contender(self, source: ContenderSource, cell: Any, companions: tuple = ()) -> Contender:
         """The cell's contender for the measurement loop."""
         return self.build(source, cell, companions)
 
     def __str__(self) -> str:
         return self.label
+
+
+def served_contender(source: ContenderSource, cell: Any, companions: tuple, config: Any) -> Contender:
+    """The server of a served cell's configuration; with more than one request in flight, timed with its
+    companions (alone, without any: the warm-up)."""
+    if source.servers is None:
+        raise DraftlabError("this sweep runs no server cells")
+    if cell.concurrency > 1 and companions:
+        return InFlight(source.servers.contender(config, reuse=False), companions[:cell.concurrency - 1])
+    return source.servers.contender(config)

@@ -20,6 +20,7 @@ from draftlab.contenders.contract import ContenderSource, Method
 from draftlab.engine import GenerationResult, check_room, tokens_result
 from draftlab.errors import DraftlabError
 from draftlab.decoding.sampling import SamplingConfig
+from draftlab.drafters.kinds import is_lookup
 from draftlab.models import gguf_path
 
 
@@ -131,5 +132,5 @@ def _lookup(source: ContenderSource, cell, _companions: tuple) -> LlamaCppRun:
 LLAMA = Method("llama", "llama-cpp-python", 2, "llama-cpp-python", plain=True, reference="ar", times_prefill=False,
                peer=True, gguf_only=True, swept=False, build=_plain)
 LCP = Method("lcp", "llama-cpp-python's prompt lookup", 4, "llama-cpp-python", plain=False, reference="llama",
-             times_prefill=False, peer=True, gguf_only=True, lookup_only=True, build=_lookup)
+             times_prefill=False, peer=True, gguf_only=True, takes=is_lookup, build=_lookup)
 METHODS = (LLAMA, LCP)

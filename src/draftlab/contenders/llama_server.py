@@ -35,14 +35,13 @@ from draftlab.files import assets
 from draftlab.engine import GenerationResult, check_room
 from draftlab.errors import DraftlabError
 from draftlab.decoding.metrics import GenerationStats
+from draftlab.deploy import SPEC_TYPES
 from draftlab.measure import RunSettings
 
 SERVER_VERSION = "0.3.36"  # the llama-cpp-python release whose vendored llama.cpp it is built from
 BUILD_HINT = "build it with scripts/build-llama-cpp.sh (~7 minutes on 2 cores), or set DRAFTLAB_LLAMA_SERVER"
 START_TIMEOUT_S = 180.0  # loading a 1.5B model on 2 cores takes seconds; a stuck start is an error
 REQUEST_TIMEOUT_S = 600.0
-SPEC_TYPES = ("draft-simple", "draft-eagle3", "draft-mtp", "draft-dflash", "draft-dspark", "ngram-simple",
-              "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
 
 
 class ServerExited(DraftlabError):
@@ -125,6 +124,10 @@ class ServerConfig:
         own llama.cpp engine (it serves 8+ rows only, so rows would round unlike the rows alone)."""
         return {} if self._repack_exact() else dict(EXACT_ENV)
 
+    def server(self, log_dir: Path) -> "LlamaServer":
+        """A server of this configuration (not started)."""
+        return LlamaServer(self, log_dir)
+
     def command(self) -> str:
         """The command line a user deploys this configuration with (draftlab's build of llama-server: its kernels
         keep a verification block's rows exact, so the server's own speculation is greedy-identical to its plain
@@ -137,7 +140,7 @@ _PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child onl
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the server's process before exec: the kernel sends it SIGTERM when the thread that started it ends (the
     main thread: when the process dies, however it dies)."""
     _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGTERM))
@@ -184,7 +187,7 @@ class LlamaServer:
         with open(self.log, "wb") as log:
             self.process = subprocess.Popen([str(binary), *self.config.flags(), "--host", "127.0.0.1",
                                              "--port", str(self.port)], stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+                                            stdin=subprocess.DEVNULL, preexec_fn=die_with_parent,
                                             env={**os.environ, **EXACT_ENV})
         try:
             self._wait_healthy()

@@ -22,16 +22,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from draftlab.contenders.contract import ContenderSource, Method
+from draftlab.contenders.contract import ContenderSource, Method, served_contender
 from draftlab.errors import DraftlabError
-from draftlab.contenders.llama_server import SPEC_TYPES, LlamaServer, LlamaServerRun, ServerConfig
-from draftlab.measure import Contender, InFlight
+from draftlab.contenders.llama_server import ServerConfig, server_binary
+from draftlab.deploy import SPEC_TYPES, length_flags
+from draftlab.measure import Contender
 from draftlab.models import gguf_path
 from draftlab.drafters.eagle3_checkpoint import engine_files
 from draftlab.drafters.kinds import is_plain_drafter
 
 CONTEXT_PER_SLOT = 4096  # tokens of context each slot gets: the longest shipped prompt plus its answer fits
-NGRAM_MOD_MIN_SHARE = 0.75  # ngram-mod's --spec-ngram-mod-n-min as a share of its -n-max (the server's 48 of 64)
 MAX_CONCURRENCY = 16  # load runs go to 127.0.0.1 only, bounded: each level is that many requests at once
 
 
@@ -114,30 +114,20 @@ def draft_gguf(spec_type: str, draft: str) -> Path:
     return gguf
 
 
-def length_flags(spec_type: str, k: int) -> tuple[int | None, tuple[str, ...]]:
-    """(--spec-draft-n-max, other flags) for length K of a type (K 0: none, the server's defaults)."""
-    if not k:
-        return None, ()
-    types = spec_type.split(",")
-    if types == ["ngram-mod"]:
-        low = max(1, int(k * NGRAM_MOD_MIN_SHARE))
-        return None, ("--spec-ngram-mod-n-max", str(k), "--spec-ngram-mod-n-min", str(low))
-    return k, ()
-
-
 @dataclass
 class ServerPool:
-    """The study's running servers, one per configuration, started on first use and stopped by `stop_all`."""
+    """The study's running servers (llama-server's, vLLM's), one per configuration, started on first use and stopped
+    by `stop_all`. A configuration makes its own server: `config.server(log_dir)`."""
 
     log_dir: Path
-    running: dict[ServerConfig, LlamaServer] = field(default_factory=dict)
+    running: dict = field(default_factory=dict)  # configuration -> its running server
 
-    def contender(self, config: ServerConfig, reuse: bool = True) -> LlamaServerRun:
+    def contender(self, config, reuse: bool = True) -> Contender:
         """The contender of a configuration's server, started if it is not running yet; `reuse`: its requests start
-        from the prompt's prefill (`LlamaServerRun`)."""
+        from the prompt's prefill."""
         server = self.running.get(config)
         if server is None:
-            server = LlamaServer(config, self.log_dir)
+            server = config.server(self.log_dir)
             server.start()
             self.running[config] = server
         return server.contender(CONTEXT_PER_SLOT, reuse)
@@ -150,20 +140,24 @@ class ServerPool:
 
 
 def _server(source: ContenderSource, cell, companions: tuple) -> Contender:
-    """The llama-server of a server cell; with more than one request in flight, timed with its companions (alone,
-    without any: the warm-up)."""
-    if source.servers is None:
-        raise DraftlabError("this sweep runs no llama-server cells")
     config = spec_config(gguf_path(source.target.source), cell.drafter, cell.k, cell.concurrency)
-    if cell.concurrency > 1 and companions:
-        return InFlight(source.servers.contender(config, reuse=False), companions[:cell.concurrency - 1])
-    return source.servers.contender(config)
+    return served_contender(source, cell, companions, config)
+
+
+def missing() -> str:
+    """Why llama-server cannot run here ('' when it can): no server binary."""
+    try:
+        server_binary()
+    except DraftlabError as exc:
+        return str(exc)
+    return ""
 
 
 SERVER_AR = Method("server-ar", "llama-server", 2, "llama-server", plain=True, reference="ar", peer=True,
-                   gguf_only=True, served=True, swept=False, chosen=False, build=_server)
+                   gguf_only=True, served=True, swept=False, chosen=False, build=_server, missing=missing)
 # llama-server's own speculation runs on kernels that round a block's rows apart from single rows: its outputs
 # equal plain decoding only up to rounding, even when every one measured did.
 SERVER = Method("server", "llama-server's own speculation", 4, "llama-server", plain=False, reference="server-ar",
-                lossless=False, peer=True, gguf_only=True, served=True, swept=False, chosen=False, build=_server)
+                lossless=False, peer=True, gguf_only=True, served=True, swept=False, chosen=False, build=_server,
+                missing=missing)
 METHODS = (SERVER_AR, SERVER)  # cells from `SweepConfig.servers`, at each concurrency level

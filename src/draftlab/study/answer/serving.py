@@ -58,7 +58,7 @@ class LoadSummary:
             engine = self.drafter if method is PLAIN else method.engine
             return f"plain decoding ({engine})"
         length = f" K={self.k}" if self.k else " (default length)"
-        where = "llama-server" if method.served else self.method.upper()
+        where = method.engine if method.served else self.method.upper()
         return f"{where} {self.drafter}{length}"
 
 

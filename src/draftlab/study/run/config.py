@@ -31,7 +31,6 @@ from draftlab.decoding.sampling import SamplingConfig
 from draftlab.study.run.cells import LLAMACPP_TARGET, Cell
 from draftlab.contenders.methods import AR, PLAIN, SERVER, SERVER_AR, choices, method_of, methods
 from draftlab.contenders.server_configs import check_concurrency, parse_server_spec
-from draftlab.drafters.kinds import is_lookup
 
 
 
@@ -66,7 +65,8 @@ class SweepConfig:
     budget_s: float = 0.0  # the study's time budget: the pilot, the plan and the deadline (study/budget.py); 0: none
     servers: tuple[str, ...] = ()  # llama-server's own speculative types on GGUF targets, 'TYPE[/DRAFT][:K,...[:P,...]]'
     # (draftlab.contenders.server_configs); with any, the server's plain decoding runs too
-    concurrency: tuple[int, ...] = (1,)  # requests in flight for the llama-server cells: each level its own servers
+    concurrency: tuple[int, ...] = (1,)  # requests in flight for the served engines' cells (llama-server, vLLM):
+    # each level its own servers
     preflight_s: float = PREFLIGHT_TIMEOUT_S  # each engine decodes a few tokens in a child first, within this many
     # seconds (draftlab.contenders.preflight); an engine that dies or hangs there is left out (0: no preflight)
 
@@ -106,15 +106,21 @@ class SweepConfig:
         chosen = [method_of(m) for m in self.methods]
         chosen = [m for m in chosen if not (m.torch_only if on_gguf else m.gguf_only)]
         plains = {m.engine_plain for m in chosen} - {None}
-        peers = [replace(base, method=m.name) for m in methods().values() if m.name in plains and not m.served]
+        peers = [replace(base, method=m.name, concurrency=c) for m in methods().values() if m.name in plains
+                 for c in self.levels(m)]
         host = [replace(base, drafter=label, method=PLAIN.name, dtype=dtype) for label, dtype in self.host_modes(target)]
         others = [
-            replace(base, drafter=drafter, k=k, method=method.name)
+            replace(base, drafter=drafter, k=k, method=method.name, concurrency=c)
             for method in chosen if method.swept
-            for drafter in self.drafters if not method.lookup_only or is_lookup(drafter)
+            for drafter in self.drafters if method.runs(drafter)
             for k in self.ks
+            for c in self.levels(method)
         ]
         return [base, *peers, *host, *others, *(self.server_cells(base) if on_gguf else [])]
+
+    def levels(self, method) -> tuple[int, ...]:
+        """The concurrency levels a method's cells run at: every level for a served engine, one request else."""
+        return self.concurrency if method.served else (1,)
 
     def server_cells(self, base: Cell) -> list[Cell]:
         """llama-server's plain decoding and each of its configurations, at every concurrency level."""

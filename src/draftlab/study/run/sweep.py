@@ -24,7 +24,7 @@ from draftlab.backends import LLAMA_SERVER, engine_of_backend
 from draftlab.backends.base import ROUNDING
 from draftlab.files.datasets import load_prompts
 from draftlab.errors import DraftlabError, NothingToMeasure
-from draftlab.contenders.llama_server import ServerExited, server_binary
+from draftlab.contenders.llama_server import ServerExited
 from draftlab.contenders.server_configs import ServerPool
 from draftlab.measure import EncodedPrompt, Listener, PrefillRecord, Rechecks, RunRecord, measure_prompt
 from draftlab.models import load_model
@@ -103,7 +103,7 @@ def _start_target(run: SweepRun, name: str, servers: ServerPool, server_died: bo
     run_id = store.start_run(environment(config, target, _numerics(runner.baseline.target_backend, config), source))
     gone, no_asg = _unrunnable(runner, config)
     _record_params(store, runner, config, name, gone)
-    return TargetRun(runner, run_id, gone, no_asg, server_died or _no_server(runner, config))
+    return TargetRun(runner, run_id, gone, no_asg, _left_out(name, config, server_died))
 
 
 def _numerics(backend, config: SweepConfig) -> str:
@@ -261,16 +261,23 @@ def _unrunnable(runner: CellRunner, config: SweepConfig) -> tuple[set[str], set[
     return gone, no_asg
 
 
-def _no_server(runner: CellRunner, config: SweepConfig) -> bool:
-    """Whether the llama-server cells cannot run here (no server binary); says why, once."""
-    if not (config.servers and runner.target.engine.runs_gguf):
-        return False
-    try:
-        server_binary()
-    except DraftlabError as exc:
-        print(f"sweep: {exc}; the llama-server cells of {runner.target.name} are left for a run that has it")
-        return True
-    return False
+def _left_out(target: str, config: SweepConfig, server_died: bool) -> frozenset[str]:
+    """The target's methods that cannot run here: llama-server's when it failed its preflight (`server_died`), and
+    any whose engine is missing (`Method.missing`: no llama-server binary; vLLM's environment, made first where it
+    can be); says why, once per engine."""
+    names = {c.method for c in config.cells(target, config.datasets[0], config.temperatures[0])}
+    wanted = [method_of(name) for name in sorted(names)]
+    out = {m.name for m in wanted if server_died and m.engine == LLAMA_SERVER.label}
+    why: dict[str, str] = {}
+    for method in wanted:
+        if method.missing is not None and method.name not in out:
+            if method.engine not in why:
+                why[method.engine] = method.missing()
+            out |= {method.name} if why[method.engine] else set()
+    for engine, reason in why.items():
+        if reason:
+            print(f"sweep: {reason}; the {engine} cells of {target} are left for a run that has it")
+    return frozenset(out)
 
 
 def _record_params(store: ResultsStore, runner: CellRunner, config: SweepConfig, target_name: str,

@@ -18,21 +18,22 @@ from draftlab.study.run.store import ResultsStore
 
 @dataclass
 class TargetRun:
-    """One target loaded for a sweep: its cell runner, its run id, the drafters that cannot run on it, whether
-    llama-server can, and the cells this run ended early (their server exited: a later run resumes them)."""
+    """One target loaded for a sweep: its cell runner, its run id, the drafters that cannot run on it, the methods
+    that cannot run here (a server that is missing or failed its preflight), and the cells this run ended early
+    (their server exited: a later run resumes them)."""
 
     runner: CellRunner
     run_id: int
     gone: set[str]
     no_asg: set[str]
-    no_server: bool = False
+    left_out: frozenset[str] = frozenset()  # method names
     ended: set[str] = field(default_factory=set)
 
     def runnable(self, cells: list[Cell]) -> list[Cell]:
         """The cells whose drafter runs on this target's engine (and has an HF counterpart, for asg)."""
         return [c for c in cells if c.drafter not in self.gone
                 and not (method_of(c.method).assisted and c.drafter in self.no_asg)
-                and not (self.no_server and method_of(c.method).served) and c.key not in self.ended]
+                and c.method not in self.left_out and c.key not in self.ended]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,282 @@
+"""vLLM as an engine the study starts, races and stops: `vllm serve` from its own environment (`vllm_env`).
+
+A `VllmServer` runs one configuration (`VllmConfig`: the target's Hugging Face directory, its dtype, vLLM's
+`--speculative-config`, the most requests at once) on a free port of 127.0.0.1 only, waits until it answers
+`/health`, and is stopped on every exit path: `stop()` signals its whole process group (vLLM runs an engine core
+and workers beside its API server), leaving a `with` block, and the death of the Python process that started it
+(the kernel signals the server: `PR_SET_PDEATHSIG`). Its output goes to a log file every error names.
+
+Requests send token ids to `/v1/completions` with `return_token_ids`; the drafted and accepted tokens are the
+differences of vLLM's own counters (`/metrics`) around a request, exact with one request in flight. vLLM caches
+prompt prefixes: the measurement loop's prefill (the prompt for one token, timed as a whole request) leaves the
+prompt cached, so each timed run is mostly vLLM's decode. Its methods (`contenders.contract`) are its plain
+decoding and its own speculation with each drafter of the grid that has a vLLM counterpart (`deploy.vllm_config`:
+ngram, suffix, a draft model, EAGLE-3): the study runs the speculative config `--export vllm` prints. vLLM's
+verification rounds a block's rows apart from single rows (in bf16 on an AVX-512 host, one of two prompts left
+its plain decoding after 76 tokens): its speculation equals its plain decoding only up to rounding, counted and
+never ranked with the lossless.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from draftlab.contenders import vllm_env
+from draftlab.contenders.contract import ContenderSource, Method, served_contender
+from draftlab.contenders.llama_server import die_with_parent, free_port
+from draftlab.decoding.metrics import GenerationStats
+from draftlab.deploy import Deployable, vllm_config
+from draftlab.engine import GenerationResult, check_room
+from draftlab.errors import DraftlabError
+from draftlab.measure import Contender, RunSettings
+from draftlab.models import resolve_directory
+
+START_TIMEOUT_S = 900.0  # a first start compiles the model (~100 s for a 135M model on 2 cores)
+REQUEST_TIMEOUT_S = 600.0
+STOP_GRACE_S = 20.0
+CONTEXT = 4096  # --max-model-len: the longest shipped prompt plus its answer fits
+KV_CACHE_GIB = 2  # VLLM_CPU_KVCACHE_SPACE: the KV cache of every slot together
+SERVED_NAME = "draftlab-target"  # --served-model-name: what requests name
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DRAFTED = "vllm:spec_decode_num_draft_tokens_total"
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+
+
+@dataclass(frozen=True)
+class VllmConfig:
+    """One vLLM configuration: what a start of `vllm serve` is given."""
+
+    model: Path  # a Hugging Face directory (draftlab's converted checkpoint for a GGUF source)
+    dtype: str  # draftlab's name of it: fp32, bf16 or fp16
+    speculative: str = ""  # --speculative-config, as JSON; '' for plain decoding
+    slots: int = 1  # --max-num-seqs: requests served at once
+    context: int = CONTEXT
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise DraftlabError(f"vLLM runs {', '.join(DTYPES)} here, not {self.dtype}")
+        if self.slots < 1 or self.context < 1:
+            raise DraftlabError("vLLM needs slots >= 1 and a context >= 1")
+
+    def flags(self) -> list[str]:
+        """`vllm serve`'s arguments for this configuration (the host and port come from `VllmServer`)."""
+        args = [str(self.model), "--dtype", DTYPES[self.dtype], "--max-model-len", str(self.context),
+                "--max-num-seqs", str(self.slots), "--served-model-name", SERVED_NAME]
+        return args + (["--speculative-config", self.speculative] if self.speculative else [])
+
+    def env(self) -> dict[str, str]:
+        """What the server's environment needs: the CPU platform and its KV cache."""
+        return {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB)}
+
+    def command(self) -> str:
+        """The command line a user deploys this configuration with (as the study ran it)."""
+        env = [f"{key}={value}" for key, value in self.env().items()]
+        flags = [f"'{word}'" if word.startswith("{") else word for word in self.flags()]
+        return " ".join([*env, "vllm", "serve", *flags, "--host", "127.0.0.1", "--port", "8000"])
+
+    def server(self, log_dir: Path) -> "VllmServer":
+        """A server of this configuration (not started)."""
+        return VllmServer(self, log_dir)
+
+
+@dataclass
+class VllmServer:
+    """One running `vllm serve` (a context manager: started on entry, stopped on exit)."""
+
+    config: VllmConfig
+    log_dir: Path  # where its log goes (vllm-PORT.log)
+    port: int = 0  # 0: a free port of 127.0.0.1, chosen at start
+    process: subprocess.Popen | None = field(default=None, repr=False)
+
+    @property
+    def log(self) -> Path:
+        return self.log_dir / f"vllm-{self.port}.log"
+
+    def __enter__(self) -> "VllmServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Start the server on a free loopback port, in a process group of its own, and wait until it answers; a
+        one-line error naming the cause and the log when it exits or does not answer in time."""
+        vllm_env.ensure()
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.port = self.port or free_port()
+        command = [str(vllm_env.vllm_command()), "serve", *self.config.flags(), "--host", "127.0.0.1",
+                   "--port", str(self.port)]
+        with open(self.log, "wb") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            preexec_fn=die_with_parent, start_new_session=True,
+                                            env={**os.environ, **self.config.env()})
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise DraftlabError(f"vllm serve exited at start (code {self.process.returncode}): "
+                                    f"{self._last_error()}; log: {self.log}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)
+        raise DraftlabError(f"vllm serve did not answer on 127.0.0.1:{self.port} within {START_TIMEOUT_S:.0f} s; "
+                            f"log: {self.log}")
+
+    def _last_error(self) -> str:
+        """The last line of its log that names an error (Python's exceptions end a traceback with one)."""
+        try:
+            lines = self.log.read_text(errors="replace").splitlines()
+        except OSError:
+            return "no log"
+        errors = [line for line in lines if "Error" in line or "error" in line]
+        return (errors or lines or ["no output"])[-1].strip()[:200]
+
+    def stop(self) -> None:
+        """Stop the server and its engine processes (SIGTERM to its group, SIGKILL after a grace) and reap it."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        group = os.getpgid(self.process.pid)
+        os.killpg(group, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(group, signal.SIGKILL)  # what is left of the group: the engine core, its workers
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+
+    def completion(self, prompt_ids: list[int], settings: RunSettings, max_tokens: int | None = None) -> dict:
+        """One `/v1/completions` request: the prompt as token ids, the loop's settings; vLLM's JSON answer."""
+        body = {"model": SERVED_NAME, "prompt": list(prompt_ids), "temperature": settings.temperature,
+                "max_tokens": max_tokens or settings.max_new_tokens, "top_p": settings.top_p, "seed": settings.seed,
+                "return_token_ids": True, "stream": False}
+        if settings.top_k > 0:
+            body["top_k"] = settings.top_k
+        return self._post("/v1/completions", body)
+
+    def counters(self) -> tuple[int, int]:
+        """vLLM's drafted and accepted token counters (0, 0 without speculation)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=30) as response:
+            text = response.read().decode()
+        values = {line.split("{")[0].split()[0]: float(line.split()[-1]) for line in text.splitlines()
+                  if line.startswith("vllm:spec_decode_num")}
+        return int(values.get(DRAFTED, 0)), int(values.get(ACCEPTED, 0))
+
+    def _post(self, path: str, body: dict) -> dict:
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            raise DraftlabError(f"vLLM refused the request ({exc.code}): "
+                                f"{exc.read().decode(errors='replace')[:200]}") from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+            raise DraftlabError(f"vLLM did not answer a request ({exc}); log: {self.log}") from None
+
+    def contender(self, context_length: int, reuse: bool = True) -> "VllmRun":
+        """This server as a contender of the measurement loop; `reuse`: the loop prefills each prompt first (vLLM
+        keeps it in its prefix cache)."""
+        return VllmRun(self, context_length, reuse)
+
+
+@dataclass(frozen=True)
+class VllmRun:
+    """A running vLLM as a contender of the measurement loop (`draftlab.measure.Contender`): it times only whole
+    requests; after `prefill` (the prompt for one token), a run starts from the prompt vLLM cached."""
+
+    server: VllmServer
+    context_length: int
+    reuse: bool = True
+    times_prefill = False
+
+    @property
+    def reuses_prefill(self) -> bool:
+        return self.reuse
+
+    @property
+    def prefill_key(self) -> str:
+        """One per server (each holds its own cache); '' without reuse."""
+        return f"vllm:{self.server.port}" if self.reuse else ""
+
+    def prefill(self, prompt_ids: list[int]) -> None:
+        self.server.completion(prompt_ids, RunSettings(max_new_tokens=1, temperature=0.0))
+
+    def run(self, prompt_ids: list[int], settings) -> GenerationResult:
+        """One request; a prompt that does not fit the context is refused as draftlab's engine refuses it."""
+        check_room(len(prompt_ids), settings.max_new_tokens, self.context_length)
+        drafted, accepted = self.server.counters()
+        answer = self.server.completion(prompt_ids, settings)
+        after = self.server.counters()
+        choice = answer["choices"][0]
+        tokens = [int(t) for t in choice.get("token_ids") or []]
+        drafted, accepted = after[0] - drafted, after[1] - accepted
+        stats = GenerationStats(prompt_tokens=len(prompt_ids), new_tokens=len(tokens), drafted=drafted,
+                                accepted=accepted, steps=max(len(tokens) - accepted, 0),
+                                stop_reason=str(choice.get("finish_reason", "")))
+        return GenerationResult(tokens, "", stats)
+
+    def forgetful(self) -> "VllmRun":
+        """Itself: a request reuses only the same prompt's cached prefix."""
+        return self
+
+
+def speculative_config(target: str, drafter: str, k: int) -> str:
+    """vLLM's --speculative-config of a drafter at K, as `--export vllm` writes it, a draft model by its local
+    directory ('' for plain decoding); a one-line error where vLLM has no counterpart."""
+    config = vllm_config(Deployable(target, drafter, k), model_path=lambda name: str(resolve_directory(name)))
+    return "" if config is None else json.dumps(config, separators=(",", ":"))
+
+
+def runs_in_vllm(drafter: str) -> bool:
+    """Whether vLLM has a counterpart of the drafter (a cell of its own speculation)."""
+    try:
+        vllm_config(Deployable("target", drafter, 1))
+    except DraftlabError:
+        return False
+    return True
+
+
+def missing() -> str:
+    """Why vLLM cannot run here ('' when it can): its environment is made first where it is missing."""
+    try:
+        vllm_env.ensure()
+    except DraftlabError as exc:
+        return str(exc)
+    return ""
+
+
+def _server(source: ContenderSource, cell, companions: tuple) -> Contender:
+    config = VllmConfig(resolve_directory(source.target.source), cell.dtype,
+                        speculative_config(cell.target, cell.drafter, cell.k), slots=cell.concurrency)
+    return served_contender(source, cell, companions, config)
+
+
+VLLM_AR = Method("vllm-ar", "vLLM", 2, "vLLM", plain=True, reference="ar", times_prefill=False, peer=True,
+                 torch_only=True, served=True, swept=False, chosen=False, build=_server, missing=missing)
+# vLLM's verification rounds a block's rows apart from single rows: equal to its plain decoding up to rounding only
+VLLM = Method("vllm", "vLLM's own speculation", 4, "vLLM", plain=False, reference="vllm-ar", lossless=False,
+              times_prefill=False, peer=True, torch_only=True, served=True, build=_server, takes=runs_in_vllm,
+              missing=missing)
+METHODS = (VLLM_AR, VLLM)  # a cell per drafter with a counterpart x K x concurrency level
