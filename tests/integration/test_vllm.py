@@ -39,7 +39,7 @@ def _decode(config: VllmConfig, prompts: list[list[int]], log_dir) -> tuple[list
         run = server.contender(CONTEXT)
         results = [run.run(ids, settings) for ids in prompts]
         group = [int(p) for p in os.listdir("/proc") if p.isdigit() and _group_of(int(p)) == server.process.pid]
-    return ([r.tokens for r in results], sum(r.stats.drafted for r in results), sum(r.stats.accepted for r in results),
+    return ([r.token_ids for r in results], sum(r.stats.drafted for r in results), sum(r.stats.accepted for r in results),
             group)
 
 

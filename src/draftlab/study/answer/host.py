@@ -55,14 +55,14 @@ def _group(s: CellSummary) -> tuple:
 
 
 def _reference(plains: list[CellSummary], per_prompt: dict[tuple, PromptPaces]) -> CellSummary:
-    """The plain decoding a model's cells are judged against: the one that decodes fastest, or llama-server's when
-    the fastest is not surely faster than it."""
+    """The plain decoding a model's cells are judged against: the one that decodes fastest, or the fastest served
+    one (llama-server's, vLLM's: what users deploy) when the fastest is not surely faster than it."""
     fastest = max(plains, key=pace)
-    served = [s for s in plains if method_of(s.method).served]
-    if served and served[0] is not fastest:
-        point, ratios = _paired(served[0], fastest, per_prompt)
+    served = max((s for s in plains if method_of(s.method).served), key=pace, default=None)
+    if served is not None and served is not fastest:
+        point, ratios = _paired(served, fastest, per_prompt)
         if interval(point, ratios)[1] >= 1.0:
-            return served[0]
+            return served
     return fastest
 
 

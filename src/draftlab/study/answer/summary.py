@@ -98,7 +98,7 @@ def engine_words(s: CellSummary) -> str:
     """The engine a cell ran on, in words."""
     method = method_of(s.method)
     if method.served:
-        return "llama-server"
+        return method.engine
     if method.engine == LLAMA.engine:
         return "llama.cpp (llama-cpp-python)"
     if engine_of_backend(s.backend).runs_gguf or s.target.startswith(LLAMACPP_TARGET) or s.drafter.startswith("llama.cpp"):
