@@ -7,6 +7,7 @@ import pytest
 
 from draftlab.study.answer.recommend import deploy_notes, recommend
 from draftlab.study.answer.report import ALL, Drift, summarize
+from tests.conftest import tiny_model_dir
 
 
 def row(method: str, tokens_per_s: float, at: float, prompt: str, drafter: str = "none", k: int = 0) -> dict:
@@ -99,3 +100,19 @@ def test_the_engine_is_the_one_that_answers_sooner_end_to_end_and_the_answer_say
     (use,) = recommend(summaries, Drift(8, 0.03, 0.02), output_tokens=1280)
     assert use.startswith("Use plain decoding on llama-server for m on this machine: no configuration beat it")
     assert "end to end, 1280-token outputs" in use
+
+
+def test_a_vllm_answer_deploys_the_command_the_study_served(tmp_path):
+    model = str(tiny_model_dir(tmp_path / "tiny"))
+    rows = []
+    for i in range(8):
+        p, jitter = f"p{i}", 1 + 0.01 * (i % 3)
+        rows += [_timed(model, "ar", p, 0.5, 20.0 * jitter, "fast"),
+                 _timed(model, "vllm-ar", p, 0.4, 40.0 * jitter, "fast")]
+    summaries = summarize(rows)
+    (use,) = recommend(summaries, Drift(8, 0.03, 0.02))
+    assert use == f"Use plain decoding on vLLM for {model}."  # only plain decodings ran
+    (note,) = deploy_notes(summaries, Drift(8, 0.03, 0.02), dtype_of=lambda s: "bf16")
+    assert note.startswith(f"Deploy {model} on vLLM, the answer, as the study served it")
+    assert note.endswith(f"vllm serve {model} --dtype bfloat16 --max-model-len 4096 --max-num-seqs 1 "
+                         "--served-model-name draftlab-target --host 127.0.0.1 --port 8000")

@@ -43,7 +43,7 @@ START_TIMEOUT_S = 900.0  # a first start compiles the model (~100 s for a 135M m
 REQUEST_TIMEOUT_S = 600.0
 STOP_GRACE_S = 20.0
 CONTEXT = 4096  # --max-model-len: the longest shipped prompt plus its answer fits
-KV_CACHE_GIB = 2  # VLLM_CPU_KVCACHE_SPACE: the KV cache of every slot together
+KV_CACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE: the KV cache of every slot together (~46k tokens of SmolLM2 in bf16)
 SERVED_NAME = "draftlab-target"  # --served-model-name: what requests name
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DRAFTED = "vllm:spec_decode_num_draft_tokens_total"
@@ -247,6 +247,11 @@ def speculative_config(target: str, drafter: str, k: int) -> str:
     directory ('' for plain decoding); a one-line error where vLLM has no counterpart."""
     config = vllm_config(Deployable(target, drafter, k), model_path=lambda name: str(resolve_directory(name)))
     return "" if config is None else json.dumps(config, separators=(",", ":"))
+
+
+def deploy_command(target: str, dtype: str, drafter: str, k: int) -> str:
+    """The `vllm serve` command of a cell, as the study ran it (one request at a time)."""
+    return VllmConfig(resolve_directory(target), dtype, speculative_config(target, drafter, k)).command()
 
 
 def runs_in_vllm(drafter: str) -> bool:

@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Callable
 
 from draftlab.deploy import Deployable
 from draftlab.study.run.race import model_of
 from draftlab.study.answer.report import ALL, CellSummary, Drift, engine_words, pace
 from draftlab.study.answer.summary import interval_words
 from draftlab.study.run.cells import LLAMACPP_TARGET
-from draftlab.contenders.methods import PLAIN, SPS, method_of
+from draftlab.contenders.methods import PLAIN, SPS, VLLM, method_of
+from draftlab.contenders.vllm import deploy_command as vllm_deploy_command
 from draftlab.backends.base import ROUNDING
 
 
@@ -160,13 +162,19 @@ def chosen(summaries: list[CellSummary], drift: Drift = Drift(0, 0.0), output_to
     return {key: pick for key, pick in picks.items() if pick is not None}
 
 
-def deploy_notes(summaries: list[CellSummary], drift: Drift = Drift(0, 0.0), output_tokens: int | None = None
-                 ) -> list[str]:
-    """A line per model whose answer (greedy) is not on llama-server: why the Deploy line, llama-server's own best
+def deploy_notes(summaries: list[CellSummary], drift: Drift = Drift(0, 0.0), output_tokens: int | None = None,
+                 dtype_of: Callable[[CellSummary], str] = lambda s: "fp32") -> list[str]:
+    """A line per model whose answer (greedy) is not on llama-server: the command of a vLLM answer, exactly as the
+    study served it (`dtype_of`: the dtype its records ran in), or why the Deploy line, llama-server's own best
     measured beside it, names another engine."""
     notes = []
     for (model, temperature), choice in sorted(chosen(summaries, drift, output_tokens).items()):
-        if temperature == 0 and not method_of(choice.method).served:
+        method = method_of(choice.method)
+        if temperature == 0 and method.engine == VLLM.engine:
+            command = vllm_deploy_command(choice.target, dtype_of(choice), choice.drafter, choice.k)
+            notes.append(f"Deploy {model} on vLLM, the answer, as the study served it (llama-server's best measured "
+                         f"beside it follows): {command}")
+        elif temperature == 0 and not method.served:
             notes.append(f"The answer for {model} runs on {engine_words(choice)}, draftlab's own loop or library, "
                          "which has no server of its own to deploy: the Deploy line below is llama-server's best "
                          "measured beside it.")

@@ -84,6 +84,11 @@ class StudyResults:
         """The summaries per concurrency (llama-server's cells under load among them)."""
         return load_summaries(self.rows)
 
+    def dtype_of(self, s: CellSummary) -> str:
+        """The dtype a summary's records ran in."""
+        return next((r["dtype"] for r in self.rows if (r["target"], r["method"], r["drafter"], r["k"])
+                     == (s.target, s.method, s.drafter, s.k)), "fp32")
+
     @cached_property
     def served(self) -> list[LoadSummary]:
         return [s for s in self.load_summaries if method_of(s.method).served]

@@ -48,14 +48,15 @@ def answer_section(r: StudyResults) -> Section:
 
 def deploy_section(r: StudyResults) -> Section | None:
     served = server_answer(r.load_summaries, r.drift.typical)
-    notes = deploy_notes(r.summaries, r.drift, r.inputs.output_tokens)
-    lines = (notes if any(line.startswith("Deploy ") for line in served) else []) + served
+    notes = deploy_notes(r.summaries, r.drift, r.inputs.output_tokens, r.dtype_of)
+    deploys = [line for line in notes if line.startswith("Deploy ")]  # a vLLM answer's own command
+    lines = (notes if any(line.startswith("Deploy ") for line in served) else deploys) + served
     return Section("Deploy", lines, h.paragraphs(lines, "answer")) if lines else None
 
 
 def concurrency_section(r: StudyResults) -> Section | None:
     text = format_load(r.load_summaries)
-    return Section("llama-server per concurrency", text.splitlines(), h.pre(text),
+    return Section("Served engines per concurrency", text.splitlines(), h.pre(text),
                    "Aggregate tok/s; identical: to the same server's plain decoding.") if text else None
 
 
