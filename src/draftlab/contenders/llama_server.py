@@ -18,22 +18,17 @@ speculative configuration is its own server start.
 
 from __future__ import annotations
 
-import ctypes
-import json
 import os
-import signal
-import socket
 import subprocess
-import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from draftlab.backends.gguf import EXACT_ENV, repack_keeps_rows
 from draftlab.files import assets
 from draftlab.engine import GenerationResult, check_room
 from draftlab.errors import DraftlabError
+from draftlab.contenders.served import ServedProcess, ServedRun
 from draftlab.decoding.metrics import GenerationStats
 from draftlab.deploy import SPEC_TYPES
 from draftlab.measure import RunSettings
@@ -41,11 +36,6 @@ from draftlab.measure import RunSettings
 SERVER_VERSION = "0.3.36"  # the llama-cpp-python release whose vendored llama.cpp it is built from
 BUILD_HINT = "build it with scripts/build-llama-cpp.sh (~7 minutes on 2 cores), or set DRAFTLAB_LLAMA_SERVER"
 START_TIMEOUT_S = 180.0  # loading a 1.5B model on 2 cores takes seconds; a stuck start is an error
-REQUEST_TIMEOUT_S = 600.0
-
-
-class ServerExited(DraftlabError):
-    """The server ended while a request was in flight (killed, crashed): nothing about the configuration."""
 
 
 def server_binary() -> Path:
@@ -136,79 +126,23 @@ class ServerConfig:
         return " ".join([*env, "llama-server", *self.flags(), "--host", "127.0.0.1", "--port", "8080"])
 
 
-_PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child only calls it
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """In the server's process before exec: the kernel sends it SIGTERM when the thread that started it ends (the
-    main thread: when the process dies, however it dies)."""
-    _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGTERM))
-
-
 def _message(line: str) -> str:
     """A log line without llama.cpp's time stamp and level."""
     return line.split(" E ", 1)[-1].strip()[:200]
 
 
-def free_port() -> int:
-    """A port of 127.0.0.1 that nothing listens on now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @dataclass
-class LlamaServer:
-    """One running llama-server (a context manager: started on entry, stopped on exit)."""
+class LlamaServer(ServedProcess):
+    """One running llama-server (a context manager: started on entry, stopped on exit; its log llama-server-PORT.log
+    in `log_dir`)."""
 
+    NAME: ClassVar[str] = "llama-server"
+    START_TIMEOUT_S: ClassVar[float] = START_TIMEOUT_S
     config: ServerConfig
-    log_dir: Path  # where its log goes (llama-server-PORT.log)
-    port: int = 0  # 0: a free port of 127.0.0.1, chosen at start
-    process: subprocess.Popen | None = field(default=None, repr=False)
-
-    @property
-    def log(self) -> Path:
-        return self.log_dir / f"llama-server-{self.port}.log"
-
-    def __enter__(self) -> "LlamaServer":
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     def start(self) -> None:
-        """Start the server on a free loopback port and wait until it answers; a one-line error naming the cause
-        and the log when it exits or does not answer in time."""
-        binary = server_binary()
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.port = self.port or free_port()
-        with open(self.log, "wb") as log:
-            self.process = subprocess.Popen([str(binary), *self.config.flags(), "--host", "127.0.0.1",
-                                             "--port", str(self.port)], stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, preexec_fn=die_with_parent,
-                                            env={**os.environ, **EXACT_ENV})
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
-
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise DraftlabError(self._start_failure())
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.2)
-        raise DraftlabError(f"llama-server did not answer on 127.0.0.1:{self.port} within {START_TIMEOUT_S:.0f} s; "
-                            f"log: {self.log}")
+        """Start the server on a free loopback port and wait until it answers (`ServedProcess.launch`)."""
+        self.launch([str(server_binary()), *self.config.flags()], EXACT_ENV)
 
     def _start_failure(self) -> str:
         """Why the server exited at start, in one line, with the fix where its log says the cause."""
@@ -248,27 +182,7 @@ class LlamaServer:
         body = {"prompt": list(prompt_ids), "n_predict": settings.max_new_tokens, "temperature": settings.temperature,
                 "top_k": settings.top_k, "top_p": settings.top_p, "min_p": 0.0, "repeat_penalty": 1.0,
                 "seed": settings.seed, "cache_prompt": cache_prompt, "return_tokens": True, "stream": False}
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
-                return json.loads(response.read())
-        except urllib.error.HTTPError as exc:
-            raise DraftlabError(f"llama-server refused the request ({exc.code}): "
-                                f"{exc.read().decode(errors='replace')[:200]}") from None
-        except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
-            if self.process is not None and self._exited():
-                raise ServerExited(f"llama-server exited during a request (code {self.process.returncode}); "
-                                   f"log: {self.log}") from None
-            raise DraftlabError(f"llama-server did not answer a request ({exc}); log: {self.log}") from None
-
-    def _exited(self, grace_s: float = 2.0) -> bool:
-        """Whether the process ended (waiting a moment: a killed server closes its sockets before it is reaped)."""
-        try:
-            self.process.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            return False
-        return True
+        return self.post("/completion", body)
 
     def contender(self, context_length: int, reuse: bool = True) -> "LlamaServerRun":
         """This server as a contender of the measurement loop; `reuse`: its requests start from the prompt's
@@ -277,25 +191,13 @@ class LlamaServer:
 
 
 @dataclass(frozen=True)
-class LlamaServerRun:
+class LlamaServerRun(ServedRun):
     """A running llama-server as a contender of the measurement loop (`draftlab.measure.Contender`): the prefill
     is the server's own prompt time; drafted and accepted tokens are its counters. With `reuse`, `prefill` sends
     the prompt for one token and each run then asks for `cache_prompt`: the server starts from the prompt its slot
     holds (it evaluates the prompt's last token again), as it does for its users' repeated prefixes."""
 
-    server: LlamaServer
-    context_length: int
-    reuse: bool = True
     times_prefill = True
-
-    @property
-    def reuses_prefill(self) -> bool:
-        return self.reuse
-
-    @property
-    def prefill_key(self) -> str:
-        """One per server (each holds its own cache); '' without reuse."""
-        return f"llama-server:{self.server.port}" if self.reuse else ""
 
     def prefill(self, prompt_ids: list[int]) -> None:
         self.server.completion(prompt_ids, RunSettings(max_new_tokens=1, temperature=0.0), cache_prompt=True)
@@ -312,8 +214,3 @@ class LlamaServerRun:
                                 prefill_s=float(timings.get("prompt_ms", 0.0)) / 1000,
                                 stop_reason=str(answer.get("stop_type", "")))
         return GenerationResult(tokens, "", stats)
-
-    def forgetful(self) -> "LlamaServerRun":
-        """Itself: a request reuses only the same prompt's prefill; ngram-mod's shared pool does learn across
-        requests, as it does where the server is deployed."""
-        return self

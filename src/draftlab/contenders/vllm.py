@@ -23,15 +23,15 @@ import json
 import os
 import signal
 import subprocess
-import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from draftlab.contenders import vllm_env
 from draftlab.contenders.contract import ContenderSource, Method, served_contender
-from draftlab.contenders.llama_server import die_with_parent, free_port
+from draftlab.contenders.served import ServedProcess, ServedRun
 from draftlab.decoding.metrics import GenerationStats
 from draftlab.deploy import Deployable, vllm_config
 from draftlab.engine import GenerationResult, check_room
@@ -40,7 +40,6 @@ from draftlab.measure import Contender, RunSettings
 from draftlab.models import resolve_directory
 
 START_TIMEOUT_S = 900.0  # a first start compiles the model (~100 s for a 135M model on 2 cores)
-REQUEST_TIMEOUT_S = 600.0
 STOP_GRACE_S = 20.0
 CONTEXT = 4096  # --max-model-len: the longest shipped prompt plus its answer fits
 KV_CACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE: the KV cache of every slot together (~46k tokens of SmolLM2 in bf16)
@@ -88,58 +87,22 @@ class VllmConfig:
 
 
 @dataclass
-class VllmServer:
-    """One running `vllm serve` (a context manager: started on entry, stopped on exit)."""
+class VllmServer(ServedProcess):
+    """One running `vllm serve` (a context manager: started on entry, stopped on exit; its log vllm-PORT.log in
+    `log_dir`)."""
 
+    NAME: ClassVar[str] = "vllm"
+    START_TIMEOUT_S: ClassVar[float] = START_TIMEOUT_S
     config: VllmConfig
-    log_dir: Path  # where its log goes (vllm-PORT.log)
-    port: int = 0  # 0: a free port of 127.0.0.1, chosen at start
-    process: subprocess.Popen | None = field(default=None, repr=False)
-
-    @property
-    def log(self) -> Path:
-        return self.log_dir / f"vllm-{self.port}.log"
-
-    def __enter__(self) -> "VllmServer":
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     def start(self) -> None:
-        """Start the server on a free loopback port, in a process group of its own, and wait until it answers; a
-        one-line error naming the cause and the log when it exits or does not answer in time."""
+        """Start the server on a free loopback port, in a process group of its own, and wait until it answers
+        (`ServedProcess.launch`); vLLM's environment is made first where it is missing."""
         vllm_env.ensure()
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.port = self.port or free_port()
-        command = [str(vllm_env.vllm_command()), "serve", *self.config.flags(), "--host", "127.0.0.1",
-                   "--port", str(self.port)]
-        with open(self.log, "wb") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            preexec_fn=die_with_parent, start_new_session=True,
-                                            env={**os.environ, **self.config.env()})
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
+        self.launch([str(vllm_env.vllm_command()), "serve", *self.config.flags()], self.config.env(), own_group=True)
 
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise DraftlabError(f"vllm serve exited at start (code {self.process.returncode}): "
-                                    f"{self._last_error()}; log: {self.log}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.5)
-        raise DraftlabError(f"vllm serve did not answer on 127.0.0.1:{self.port} within {START_TIMEOUT_S:.0f} s; "
-                            f"log: {self.log}")
+    def _start_failure(self) -> str:
+        return f"vllm serve exited at start (code {self.process.returncode}): {self._last_error()}; log: {self.log}"
 
     def _last_error(self) -> str:
         """The last line of its log that names an error (Python's exceptions end a traceback with one)."""
@@ -173,7 +136,7 @@ class VllmServer:
                 "return_token_ids": True, "stream": False}
         if settings.top_k > 0:
             body["top_k"] = settings.top_k
-        return self._post("/v1/completions", body)
+        return self.post("/v1/completions", body)
 
     def counters(self) -> tuple[int, int]:
         """vLLM's drafted and accepted token counters (0, 0 without speculation)."""
@@ -183,18 +146,6 @@ class VllmServer:
                   if line.startswith("vllm:spec_decode_num")}
         return int(values.get(DRAFTED, 0)), int(values.get(ACCEPTED, 0))
 
-    def _post(self, path: str, body: dict) -> dict:
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
-                return json.loads(response.read())
-        except urllib.error.HTTPError as exc:
-            raise DraftlabError(f"vLLM refused the request ({exc.code}): "
-                                f"{exc.read().decode(errors='replace')[:200]}") from None
-        except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
-            raise DraftlabError(f"vLLM did not answer a request ({exc}); log: {self.log}") from None
-
     def contender(self, context_length: int, reuse: bool = True) -> "VllmRun":
         """This server as a contender of the measurement loop; `reuse`: the loop prefills each prompt first (vLLM
         keeps it in its prefix cache)."""
@@ -202,23 +153,11 @@ class VllmServer:
 
 
 @dataclass(frozen=True)
-class VllmRun:
-    """A running vLLM as a contender of the measurement loop (`draftlab.measure.Contender`): it times only whole
-    requests; after `prefill` (the prompt for one token), a run starts from the prompt vLLM cached."""
+class VllmRun(ServedRun):
+    """A running vLLM as a contender of the measurement loop: it times only whole requests; after `prefill` (the
+    prompt for one token), a run starts from the prompt vLLM cached."""
 
-    server: VllmServer
-    context_length: int
-    reuse: bool = True
     times_prefill = False
-
-    @property
-    def reuses_prefill(self) -> bool:
-        return self.reuse
-
-    @property
-    def prefill_key(self) -> str:
-        """One per server (each holds its own cache); '' without reuse."""
-        return f"vllm:{self.server.port}" if self.reuse else ""
 
     def prefill(self, prompt_ids: list[int]) -> None:
         self.server.completion(prompt_ids, RunSettings(max_new_tokens=1, temperature=0.0))
@@ -236,10 +175,6 @@ class VllmRun:
                                 accepted=accepted, steps=max(len(tokens) - accepted, 0),
                                 stop_reason=str(choice.get("finish_reason", "")))
         return GenerationResult(tokens, "", stats)
-
-    def forgetful(self) -> "VllmRun":
-        """Itself: a request reuses only the same prompt's cached prefix."""
-        return self
 
 
 def speculative_config(target: str, drafter: str, k: int) -> str:

@@ -24,7 +24,7 @@ from draftlab.backends import LLAMA_SERVER, engine_of_backend
 from draftlab.backends.base import ROUNDING
 from draftlab.files.datasets import load_prompts
 from draftlab.errors import DraftlabError, NothingToMeasure
-from draftlab.contenders.llama_server import ServerExited
+from draftlab.contenders.served import ServerExited
 from draftlab.contenders.server_configs import ServerPool
 from draftlab.measure import EncodedPrompt, Listener, PrefillRecord, Rechecks, RunRecord, measure_prompt
 from draftlab.models import load_model

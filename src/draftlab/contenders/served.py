@@ -1,0 +1,155 @@
+"""What every server draftlab starts shares (llama-server's, vLLM's): a free port of 127.0.0.1 only, a log file, a
+start that waits until `/health` answers and stops the server when anything fails on the way, and the kernel's
+signal to the server when the Python process that started it dies (`PR_SET_PDEATHSIG`), so none is left behind."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from draftlab.errors import DraftlabError
+
+REQUEST_TIMEOUT_S = 600.0
+
+
+class ServerExited(DraftlabError):
+    """The server ended while a request was in flight (killed, crashed): nothing about the configuration."""
+
+
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child only calls it
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """In the server's process before exec: the kernel sends it SIGTERM when the thread that started it ends (the
+    main thread: when the process dies, however it dies)."""
+    _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+
+
+def free_port() -> int:
+    """A port of 127.0.0.1 that nothing listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@dataclass
+class ServedProcess:
+    """A server process as a context manager (started on entry, stopped on exit; its log NAME-PORT.log in
+    `log_dir`). Each server says how it starts (`launch`), why it exited at start and how it stops."""
+
+    NAME: ClassVar[str]  # its log's prefix and its name in errors
+    START_TIMEOUT_S: ClassVar[float]  # a start that has not answered by then is stuck
+    config: Any  # its configuration (each server's own type)
+    log_dir: Path
+    port: int = 0  # 0: a free port of 127.0.0.1, chosen at start
+    process: subprocess.Popen | None = field(default=None, repr=False)
+
+    @property
+    def log(self) -> Path:
+        return self.log_dir / f"{self.NAME}-{self.port}.log"
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def _start_failure(self) -> str: ...  # why it exited at start, in one line naming the log
+
+    def launch(self, command: list[str], env: dict[str, str], own_group: bool = False) -> None:
+        """Start `command` on a free loopback port (`own_group`: in a process group of its own, which `stop` then
+        signals whole) and wait until it answers; a one-line error naming the cause and the log when it exits or
+        does not answer in time (the server is stopped first)."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.port = self.port or free_port()
+        with open(self.log, "wb") as log:
+            self.process = subprocess.Popen([*command, "--host", "127.0.0.1", "--port", str(self.port)], stdout=log,
+                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            preexec_fn=die_with_parent, start_new_session=own_group,
+                                            env={**os.environ, **env})
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def post(self, path: str, body: dict) -> dict:
+        """One JSON request to the server and its JSON answer; a one-line error when it refuses it, does not answer,
+        or exited meanwhile (`ServerExited`)."""
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            raise DraftlabError(f"{self.NAME} refused the request ({exc.code}): "
+                                f"{exc.read().decode(errors='replace')[:200]}") from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
+            if self.process is not None and self._exited():
+                raise ServerExited(f"{self.NAME} exited during a request (code {self.process.returncode}); "
+                                   f"log: {self.log}") from None
+            raise DraftlabError(f"{self.NAME} did not answer a request ({exc}); log: {self.log}") from None
+
+    def _exited(self, grace_s: float = 2.0) -> bool:
+        """Whether the process ended (waiting a moment: a killed server closes its sockets before it is reaped)."""
+        try:
+            self.process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise DraftlabError(self._start_failure())
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.2)
+        raise DraftlabError(f"{self.NAME} did not answer on 127.0.0.1:{self.port} within "
+                            f"{self.START_TIMEOUT_S:.0f} s; log: {self.log}")
+
+
+@dataclass(frozen=True)
+class ServedRun:
+    """A running server as a contender of the measurement loop (`draftlab.measure.Contender`): each server holds its
+    own prompt cache; with `reuse`, a run starts from the prompt the loop's `prefill` left there (without: each
+    request prefills, as under load)."""
+
+    server: Any  # a started ServedProcess
+    context_length: int  # a prompt and its answer that do not fit are refused, as draftlab's engine refuses them
+    reuse: bool = True
+
+    @property
+    def reuses_prefill(self) -> bool:
+        return self.reuse
+
+    @property
+    def prefill_key(self) -> str:
+        """One per server; '' without reuse."""
+        return f"{self.server.NAME}:{self.server.port}" if self.reuse else ""
+
+    def forgetful(self) -> "ServedRun":
+        """Itself: a request reuses only the same prompt's cached prefix (a server's own drafter may learn across
+        requests, as it does where the server is deployed)."""
+        return self
