@@ -2,7 +2,7 @@
 checkpoint (the shipped GGUF de-quantized), greedy, on the quick study's prompts.
 
 The environment (3.4 GB) is made by `./run.sh --with vllm` or by the first study that races vLLM; without it these
-tests skip (CI does not make it), unless DRAFTLAB_REQUIRE_VLLM is set."""
+tests skip, unless DRAFTLAB_REQUIRE_VLLM is set. CI does not make it and leaves this file out (.ci/run)."""
 
 from __future__ import annotations
 
