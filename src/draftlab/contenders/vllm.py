@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import urllib.error
@@ -78,8 +79,7 @@ class VllmConfig:
     def command(self) -> str:
         """The command line a user deploys this configuration with (as the study ran it)."""
         env = [f"{key}={value}" for key, value in self.env().items()]
-        flags = [f"'{word}'" if word.startswith("{") else word for word in self.flags()]
-        return " ".join([*env, "vllm", "serve", *flags, "--host", "127.0.0.1", "--port", "8000"])
+        return " ".join([*env, shlex.join(["vllm", "serve", *self.flags(), "--host", "127.0.0.1", "--port", "8000"])])
 
     def server(self, log_dir: Path) -> "VllmServer":
         """A server of this configuration (not started)."""
