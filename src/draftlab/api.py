@@ -182,6 +182,9 @@ class SpeculativeDecoder:
         """Prefill the prompt into the prompt cache (`draftlab.measure.Contender`)."""
         self.engine.prefill(prompt_ids)
 
+    def take_prefill(self, prompt_ids: list[int]) -> None:
+        """Nothing: decoders of one key share the prompt cache that holds the prefill."""
+
     def run(self, prompt_ids: list[int], settings: RunSettings) -> GenerationResult:
         """One generation with the measurement loop's settings (`draftlab.measure.Contender`)."""
         return self.generate(prompt_ids, max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,

@@ -50,6 +50,37 @@ def test_plain_decoding_repeats_exactly_and_the_server_stops(binary, tmp_path):
     assert not alive(pid)  # stopped on leaving the block
 
 
+def test_servers_that_differ_only_in_speculation_prefill_a_prompt_once_bitwise(binary, tmp_path):
+    """One prefill of a prompt for a plain server and an n-gram server of the same file: the second loads the
+    first's slot file, which is byte for byte what its own prefill saves, and decodes from it as from its own."""
+    from draftlab.contenders.served import PrefillShare
+    from draftlab.measure.loop import prefill_once
+
+    model = gguf_path("smollm2-135m")
+    plain = ServerConfig(model, context=CONTEXT)
+    ngram = ServerConfig(model, spec_type="ngram-mod", context=CONTEXT, extra=("--spec-ngram-mod-n-max", "4"))
+    drafted = ServerConfig(model, spec_type="draft-simple", draft=model, context=CONTEXT)
+    assert plain.prefill_group() == ngram.prefill_group() != ""
+    assert drafted.prefill_group() == "" and ServerConfig(model, slots=2).prefill_group() == ""
+    assert plain.prefill_group() != ServerConfig(model, context=2 * CONTEXT).prefill_group()
+    prompt, settings = PROMPTS[1], RunSettings(32)
+    with LlamaServer(plain, tmp_path) as first, LlamaServer(ngram, tmp_path) as second:
+        share = PrefillShare(plain.prefill_group())
+        runs = [first.contender(CONTEXT, share=share), second.contender(CONTEXT, share=share)]
+        assert runs[0].prefill_key == runs[1].prefill_key
+        records = prefill_once(runs, prompt)
+        assert list(records) == [runs[0].prefill_key]  # one timed prefill for both
+        copied = second.completion(prompt.ids, settings, cache_prompt=True)
+        second.prefill(prompt.ids)
+        second.save_prompt("own.bin")
+        own = second.completion(prompt.ids, settings, cache_prompt=True)
+    saved = sorted((tmp_path / "slots").iterdir())
+    assert [f.name for f in saved] == [share.saved, "own.bin"] or [f.name for f in saved] == ["own.bin", share.saved]
+    assert (tmp_path / "slots" / share.saved).read_bytes() == (tmp_path / "slots" / "own.bin").read_bytes()
+    assert copied["tokens"] == own["tokens"] and len(own["tokens"]) == 32
+    assert copied["timings"]["prompt_n"] <= 1  # it started from the loaded slot, not a prefill of its own
+
+
 @pytest.mark.slow
 def test_a_speculative_type_runs_and_reports_its_counters(binary, tmp_path):
     config = ServerConfig(gguf_path("smollm2-135m"), spec_type="ngram-simple", draft_n_max=8, context=CONTEXT)

@@ -187,18 +187,26 @@ def test_bad_inputs_get_one_line_errors(tmp_path):
 
 @pytest.mark.slow
 def test_llama_cpp_pythons_own_generate_and_prompt_lookup(target, reference):
+    """Its plain decoding and its lookup run on one instance: one prefill of a prompt serves both, and the lookup
+    from it gives the plain decoding's tokens, as the lookup does from a prefill of its own."""
     from draftlab.contenders.llama_cpp_python import LlamaCppPeer
     from draftlab.measure import DECODE, EncodedPrompt, RunSettings, run_once
+    from draftlab.measure.loop import prefill_once
 
     peer = LlamaCppPeer(gguf_path("smollm2-135m"))
     ids = encode_prompt(target.tokenizer, PROMPTS[1])
-    greedy = SamplingConfig()
-    plain = peer.generate(ids, 40, eos_ids(target), greedy, 0)
-    run = run_once("lookup", peer.contender(eos_ids(target), k=3), EncodedPrompt("p", "", ids), RunSettings(40))
-    lookup = run.token_ids
-    assert 0 < len(plain) <= 40 and (len(plain) == 40 or plain[-1] in eos_ids(target)) and run.stats.wall_s > 0
-    assert run.seconds(DECODE) is None  # the library times no prefill apart
-    assert lookup == plain  # its lookup is lossless against its own plain decoding on this prompt
+    prompt, greedy, eos = EncodedPrompt("p", "", ids), SamplingConfig(), eos_ids(target)
+    plain = peer.generate(ids, 40, eos, greedy, 0)
+    alone = run_once("lookup", peer.contender(eos, k=3), prompt, RunSettings(40))
+    contenders = [peer.contender(eos, 0), peer.contender(eos, k=3)]
+    records = prefill_once(contenders, prompt)
+    assert list(records) == ["llama-cpp-python"]  # one prefill for both
+    shared = run_once("lookup", contenders[1], prompt, RunSettings(40), records["llama-cpp-python"].seconds)
+    after = run_once("plain", contenders[0], prompt, RunSettings(40), records["llama-cpp-python"].seconds)
+    assert 0 < len(plain) <= 40 and (len(plain) == 40 or plain[-1] in eos) and alone.stats.wall_s > 0
+    assert alone.seconds(DECODE) is None  # the library times no prefill apart
+    assert alone.token_ids == shared.token_ids == after.token_ids == plain  # lossless against its own plain decoding
+    assert shared.stats.prefill_s == records["llama-cpp-python"].seconds
 
 
 @pytest.mark.slow

@@ -125,6 +125,9 @@ class HFGenerate:
         """HF's prefill of the prompt, as `generate` computes it: one new token (timed by the loop)."""
         hf_generate(self.target, prompt_ids, GenerationConfig(1, eos_token_ids=self.eos))
 
+    def take_prefill(self, prompt_ids: list[int]) -> None:
+        """Nothing: `generate` keeps no cache between calls (each run prefills again)."""
+
     def run(self, prompt_ids: list[int], settings) -> GenerationResult:
         """One `generate` call with the loop's settings; a prompt that does not fit the context is refused as
         draftlab's engine refuses it (HF's would run past the context with a warning)."""

@@ -1,11 +1,15 @@
 """llama-cpp-python's own high-level API as a peer: its plain `generate`, and its prompt-lookup decoding.
 
 What a llama.cpp user runs without draftlab: `Llama(model_path=...)` with the library's default kernels
-(repacked weights), and `Llama(..., draft_model=LlamaPromptLookupDecoding(num_pred_tokens=K))`, its speculative
-decoding (which makes it compute logits for every row). Each instance's `prefill` evaluates a prompt but its
-last token from an empty cache; its `generate` then reuses that prefix (the library's prefix match rolls its cache
-back to it), as it reuses a repeated prompt for its users. Greedy runs of the lookup are compared with the plain `generate` of the
-same library, as AsG is compared with HF's own `generate`.
+(repacked weights), and its speculative decoding, `draft_model=LlamaPromptLookupDecoding(num_pred_tokens=K)`. Both
+run on one `Llama` instance: one model, one cache, so a prompt is prefilled once for both (one prefill key). Its
+`prefill` evaluates a prompt but its last token, asking for the last row's logits only, as plain decoding does; a
+`generate` then reuses that prefix (the library's prefix match rolls its cache back to it), as it reuses a repeated
+prompt for its users. Plain decoding runs with no draft model and logits for the last row; the lookup with its
+draft model and logits for every row of a block (what the library sets up for a draft model). Which rows return
+logits changes what is copied out, not the cache: a prompt's keys and values are stored before a last layer picks
+its output rows. Greedy runs of the lookup are compared with the plain `generate` of the same library, as AsG is
+compared with HF's own `generate`.
 """
 
 from __future__ import annotations
@@ -25,14 +29,14 @@ from draftlab.models import gguf_path
 
 
 class LlamaCppPeer:
-    """One GGUF in llama-cpp-python's `Llama`, plain and with prompt lookup (two instances, loaded on first use)."""
+    """One GGUF in one llama-cpp-python `Llama` (loaded on first use), set per call to decode plainly or with prompt
+    lookup."""
 
     def __init__(self, path: Path, max_ngram: int = 2) -> None:
         """`max_ngram`: the lookup's longest n-gram (llama-cpp-python's default, 2)."""
         self.path = Path(path)
         self.max_ngram = max_ngram
-        self._plain = None
-        self._lookup = None
+        self._llm = None
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, eos: Sequence[int], sampling: SamplingConfig,
                  seed: int, k: int = 0) -> list[int]:
@@ -48,10 +52,10 @@ class LlamaCppPeer:
                 break
         return tokens
 
-    def prefill(self, prompt_ids: Sequence[int], k: int = 0) -> None:
-        """The instance's cache emptied and filled with the prompt but its last token (what `generate` then reuses,
-        evaluating the last token as its first step)."""
-        llm = self._llama(k)
+    def prefill(self, prompt_ids: Sequence[int]) -> None:
+        """The cache emptied and filled with the prompt but its last token, as plain decoding evaluates it (what
+        `generate` then reuses, evaluating the last token as its first step, plainly or with the lookup)."""
+        llm = self._llama(0)
         llm.reset()
         if len(prompt_ids) > 1:
             llm.eval(list(prompt_ids[:-1]))
@@ -61,26 +65,33 @@ class LlamaCppPeer:
         return LlamaCppRun(self, eos, k)
 
     def _llama(self, k: int):
-        """The plain instance, or the lookup instance set to draft k tokens."""
-        llama_lib()  # draftlab's kernel settings before the library loads
-        from llama_cpp import Llama
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
+        """The instance, set to decode plainly (k=0) or with the lookup drafting k tokens."""
         if k < 0:
             raise DraftlabError(f"prompt lookup drafts k >= 1 tokens, got {k}")
-        common = dict(model_path=str(self.path), n_ctx=MAX_CONTEXT, n_threads=threads(), n_threads_batch=threads(),
-                      verbose=False)
-        if k == 0:
-            if self._plain is None:
-                self._plain = Llama(**common)
-            return self._plain
-        if self._lookup is None:
-            # With a draft model the library computes logits for every row, but sizes its score buffer from the
-            # `logits_all` argument (n_batch rows when False): say True, or any prompt longer than 512 tokens fails.
-            self._lookup = Llama(**common, logits_all=True,
-                                 draft_model=LlamaPromptLookupDecoding(self.max_ngram, k))
-        self._lookup.draft_model.num_pred_tokens = k
-        return self._lookup
+        llm = self._loaded()
+        llm.draft_model = self._lookup(k) if k else None
+        # Which rows return logits: every row of a block for the lookup, the last for plain decoding. The library
+        # fixes this at construction (`logits_all`, forced True by a draft model) and reads it at every `eval`;
+        # it has no public setter, so its attribute is set here (llama-cpp-python 0.3.36, pinned).
+        llm._logits_all = bool(k)
+        return llm
+
+    def _loaded(self):
+        """The one `Llama` of the file, with room for logits of every row (the lookup's; a prompt longer than
+        `n_batch` fails with less)."""
+        if self._llm is None:
+            llama_lib()  # draftlab's kernel settings before the library loads
+            from llama_cpp import Llama
+
+            self._llm = Llama(model_path=str(self.path), n_ctx=MAX_CONTEXT, n_threads=threads(),
+                              n_threads_batch=threads(), logits_all=True, verbose=False)
+        return self._llm
+
+    def _lookup(self, k: int):
+        """llama-cpp-python's prompt-lookup draft model, drafting k tokens a step."""
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        return LlamaPromptLookupDecoding(self.max_ngram, k)
 
 
 @dataclass(frozen=True)
@@ -95,13 +106,13 @@ class LlamaCppRun:
     times_prefill = False
     reuses_prefill = True
 
-    @property
-    def prefill_key(self) -> str:
-        """The plain instance's and the lookup instance's caches are apart."""
-        return "llama-cpp-python" + (" lookup" if self.k else "")
+    prefill_key = "llama-cpp-python"  # plain decoding and the lookup share one instance, so one cache
 
     def prefill(self, prompt_ids: list[int]) -> None:
-        self.peer.prefill(prompt_ids, self.k)
+        self.peer.prefill(prompt_ids)
+
+    def take_prefill(self, prompt_ids: list[int]) -> None:
+        """Nothing: the instance that holds the prefill is its own."""
 
     def run(self, prompt_ids: list[int], settings) -> GenerationResult:
         """One generation with the loop's settings (a prompt longer than the context refused as draftlab's engine

@@ -13,7 +13,9 @@ loop's prefill of the prompt (one request of one token: the prompt's prefill, ti
 is the server's decode; under load, `cache_prompt: false` (each request prefills); the response gives the output ids and the server's own counters (`timings`: prompt and
 decode milliseconds, drafted and accepted tokens). `LlamaServerRun` is a contender of the measurement loop
 (`draftlab.measure`). Per-request speculative settings are compiled out of this llama.cpp version, so each
-speculative configuration is its own server start.
+speculative configuration is its own server start; servers that differ only in their speculation share a prompt's
+prefill: one computes it, and the others load its slot (`/slots/0?action=save|restore`, a file of the prompt's
+tokens, keys and values: bitwise what their own prefill would hold, one build, file and context).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from draftlab.backends.gguf import EXACT_ENV, repack_keeps_rows
 from draftlab.files import assets
 from draftlab.engine import GenerationResult, check_room
 from draftlab.errors import DraftlabError
-from draftlab.contenders.served import ServedProcess, ServedRun
+from draftlab.contenders.served import PrefillShare, ServedProcess, ServedRun
 from draftlab.decoding.metrics import GenerationStats
 from draftlab.deploy import SPEC_TYPES
 from draftlab.measure import RunSettings
@@ -118,6 +120,18 @@ class ServerConfig:
         """A server of this configuration (not started)."""
         return LlamaServer(self, log_dir)
 
+    def prefill_group(self) -> str:
+        """What its prefill of a prompt is one computation with: the servers of the same build, file, threads and
+        context that differ only in their speculation ('' where it is its own: a draft model holds a cache the
+        slot file leaves out; several slots, which a copy would have to name)."""
+        if self.draft is not None or self.slots != 1:
+            return ""
+        args, kept = self.flags(), []
+        for i, arg in enumerate(args):
+            if not (arg.startswith("--spec") or (i and args[i - 1].startswith("--spec"))):
+                kept.append(arg)
+        return " ".join([*(f"{key}={value}" for key, value in self.env().items()), *kept])
+
     def command(self) -> str:
         """The command line a user deploys this configuration with (draftlab's build of llama-server: its kernels
         keep a verification block's rows exact, so the server's own speculation is greedy-identical to its plain
@@ -141,8 +155,15 @@ class LlamaServer(ServedProcess):
     config: ServerConfig
 
     def start(self) -> None:
-        """Start the server on a free loopback port and wait until it answers (`ServedProcess.launch`)."""
-        self.launch([str(server_binary()), *self.config.flags()], EXACT_ENV)
+        """Start the server on a free loopback port and wait until it answers (`ServedProcess.launch`), with a
+        directory for its slot files (`save_prompt`; a measurement aid, not part of its deployed command)."""
+        self.slot_dir.mkdir(parents=True, exist_ok=True)
+        self.launch([str(server_binary()), *self.config.flags(), "--slot-save-path", f"{self.slot_dir}/"], EXACT_ENV)
+
+    @property
+    def slot_dir(self) -> Path:
+        """Where the servers of one study write and read slot files: one directory beside their logs."""
+        return self.log_dir / "slots"
 
     def _start_failure(self) -> str:
         """Why the server exited at start, in one line, with the fix where its log says the cause."""
@@ -184,10 +205,24 @@ class LlamaServer(ServedProcess):
                 "seed": settings.seed, "cache_prompt": cache_prompt, "return_tokens": True, "stream": False}
         return self.post("/completion", body)
 
-    def contender(self, context_length: int, reuse: bool = True) -> "LlamaServerRun":
+    def prefill(self, prompt_ids: list[int]) -> None:
+        """The prompt's prefill: one request of one token, which its slot then holds (`cache_prompt`)."""
+        self.completion(prompt_ids, RunSettings(max_new_tokens=1, temperature=0.0), cache_prompt=True)
+
+    def save_prompt(self, name: str) -> None:
+        """Its slot's cache (the prompt and its keys and values) written to `name` in `slot_dir`."""
+        self.post("/slots/0?action=save", {"filename": name})
+
+    def load_prompt(self, name: str) -> None:
+        """Its slot made to hold what a server of the same build, file and context saved to `name`."""
+        self.post("/slots/0?action=restore", {"filename": name})
+
+    def contender(self, context_length: int, reuse: bool = True, share: PrefillShare | None = None
+                  ) -> "LlamaServerRun":
         """This server as a contender of the measurement loop; `reuse`: its requests start from the prompt's
-        prefill (`cache_prompt`; False under load, where each request prefills)."""
-        return LlamaServerRun(self, context_length, reuse)
+        prefill (`cache_prompt`; False under load, where each request prefills); `share`: the servers whose
+        prefill is one computation with its own (`ServerConfig.prefill_group`)."""
+        return LlamaServerRun(self, context_length, reuse, share)
 
 
 @dataclass(frozen=True)
@@ -198,9 +233,6 @@ class LlamaServerRun(ServedRun):
     holds (it evaluates the prompt's last token again), as it does for its users' repeated prefixes."""
 
     times_prefill = True
-
-    def prefill(self, prompt_ids: list[int]) -> None:
-        self.server.completion(prompt_ids, RunSettings(max_new_tokens=1, temperature=0.0), cache_prompt=True)
 
     def run(self, prompt_ids: list[int], settings) -> GenerationResult:
         """One request; a prompt that does not fit a slot's context is refused as draftlab's engine refuses it."""

@@ -5,6 +5,7 @@ signal to the server when the Python process that started it dies (`PR_SET_PDEAT
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import json
 import os
 import signal
@@ -70,7 +71,17 @@ class ServedProcess:
 
     def stop(self) -> None: ...
 
+    def prefill(self, prompt_ids: list[int]) -> None: ...  # the prompt's prefill: one request of one token
+
     def _start_failure(self) -> str: ...  # why it exited at start, in one line naming the log
+
+    def save_prompt(self, name: str) -> None:
+        """Write what its one slot holds (the prompt's cache) to the file `name` of its save directory."""
+        raise DraftlabError(f"{self.NAME} cannot copy a prompt's cache")
+
+    def load_prompt(self, name: str) -> None:
+        """Make its one slot hold what `save_prompt` wrote to `name` (another server of its `PrefillShare`)."""
+        raise DraftlabError(f"{self.NAME} cannot copy a prompt's cache")
 
     def launch(self, command: list[str], env: dict[str, str], own_group: bool = False) -> None:
         """Start `command` on a free loopback port (`own_group`: in a process group of its own, which `stop` then
@@ -130,6 +141,32 @@ class ServedProcess:
                             f"{self.START_TIMEOUT_S:.0f} s; log: {self.log}")
 
 
+@dataclass
+class PrefillShare:
+    """Servers of one build, file and context that differ only in their speculation (`group`): their prefill of a
+    prompt is one computation. The server that prefilled the prompt last (`donor`) saves its slot once, and every
+    other server of the group loads that file instead of computing the prefill again."""
+
+    group: str
+    donor: Any = None  # the started server whose slot holds `prompt`
+    prompt: tuple[int, ...] = ()
+    saved: str = ""  # the file the donor wrote for `prompt` ('' not yet)
+
+    def hold(self, server: Any, prompt_ids: list[int]) -> None:
+        """`server` has just prefilled the prompt: the others copy it from there."""
+        self.donor, self.prompt, self.saved = server, tuple(prompt_ids), ""
+
+    def copy_to(self, server: Any, prompt_ids: list[int]) -> None:
+        """`server`'s slot made to hold the donor's prefill of the prompt (saved on the first copy)."""
+        if self.donor is None or tuple(prompt_ids) != self.prompt:
+            raise DraftlabError("no server of this group holds the prompt's prefill")
+        if not self.saved:
+            digest = hashlib.sha256(json.dumps(self.prompt).encode()).hexdigest()[:16]
+            self.donor.save_prompt(f"prefill-{digest}.bin")
+            self.saved = f"prefill-{digest}.bin"
+        server.load_prompt(self.saved)
+
+
 @dataclass(frozen=True)
 class ServedRun:
     """A running server as a contender of the measurement loop (`draftlab.measure.Contender`): each server holds its
@@ -139,6 +176,7 @@ class ServedRun:
     server: Any  # a started ServedProcess
     context_length: int  # a prompt and its answer that do not fit are refused, as draftlab's engine refuses them
     reuse: bool = True
+    share: PrefillShare | None = None  # the servers its prefill is one computation with (None: its own)
 
     @property
     def reuses_prefill(self) -> bool:
@@ -146,8 +184,20 @@ class ServedRun:
 
     @property
     def prefill_key(self) -> str:
-        """One per server; '' without reuse."""
-        return f"{self.server.NAME}:{self.server.port}" if self.reuse else ""
+        """One per group of servers that share a prefill, else one per server; '' without reuse."""
+        if not self.reuse:
+            return ""
+        return f"{self.server.NAME} {self.share.group}" if self.share else f"{self.server.NAME}:{self.server.port}"
+
+    def prefill(self, prompt_ids: list[int]) -> None:
+        """The server's prefill of the prompt (one request of one token), which the others of its share copy."""
+        self.server.prefill(prompt_ids)
+        if self.share:
+            self.share.hold(self.server, prompt_ids)
+
+    def take_prefill(self, prompt_ids: list[int]) -> None:
+        """Its slot made to hold the prefill another server of its share computed (a copy of the cache)."""
+        self.share.copy_to(self.server, prompt_ids)
 
     def forgetful(self) -> "ServedRun":
         """Itself: a request reuses only the same prompt's cached prefix (a server's own drafter may learn across

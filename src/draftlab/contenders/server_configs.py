@@ -12,7 +12,8 @@ for `ngram-mod` (with its `-n-min` at three quarters of it, the ratio of the ser
 
 `ServerPool` starts each configuration's server the first time a cell needs it, keeps it for the study's other
 prompts (per-request speculative settings are compiled out of this llama.cpp: a configuration is a server start)
-and stops them all when the study ends, however it ends.
+and stops them all when the study ends, however it ends. Servers that differ only in their n-gram speculation
+prefill a prompt once: one computes it, the others load its slot file (`PrefillShare`).
 
 Its `METHODS` in a study (`contenders.contract`): llama-server's plain decoding and its own speculation.
 """
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from draftlab.contenders.contract import ContenderSource, Method, served_contender
+from draftlab.contenders.served import PrefillShare
 from draftlab.errors import DraftlabError
 from draftlab.contenders.llama_server import ServerConfig, server_binary
 from draftlab.deploy import SPEC_TYPES, length_flags
@@ -120,21 +122,23 @@ class ServerPool:
     by `stop_all`. A configuration makes its own server: `config.server(log_dir)`."""
 
     log_dir: Path
-    running: dict = field(default_factory=dict)  # configuration -> its running server
+    running: dict = field(default_factory=dict)  # configuration -> (its running server, its PrefillShare or None)
+    shares: dict = field(default_factory=dict)  # prefill group -> its PrefillShare
 
     def contender(self, config, reuse: bool = True) -> Contender:
         """The contender of a configuration's server, started if it is not running yet; `reuse`: its requests start
-        from the prompt's prefill."""
-        server = self.running.get(config)
-        if server is None:
+        from the prompt's prefill, which the servers of one prefill group compute once (`PrefillShare`)."""
+        if config not in self.running:
             server = config.server(self.log_dir)
             server.start()
-            self.running[config] = server
-        return server.contender(CONTEXT_PER_SLOT, reuse)
+            group = config.prefill_group()  # (reads the model's file: once a server)
+            self.running[config] = server, self.shares.setdefault(group, PrefillShare(group)) if group else None
+        server, share = self.running[config]
+        return server.contender(CONTEXT_PER_SLOT, reuse, share)
 
     def stop_all(self) -> None:
         """Stop every server this pool started."""
-        for server in self.running.values():
+        for server, _ in self.running.values():
             server.stop()
         self.running.clear()
 

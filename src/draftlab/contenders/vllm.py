@@ -32,7 +32,7 @@ from typing import ClassVar
 
 from draftlab.contenders import vllm_env
 from draftlab.contenders.contract import ContenderSource, Method, served_contender
-from draftlab.contenders.served import ServedProcess, ServedRun
+from draftlab.contenders.served import PrefillShare, ServedProcess, ServedRun
 from draftlab.decoding.metrics import GenerationStats
 from draftlab.deploy import Deployable, vllm_config
 from draftlab.engine import GenerationResult, check_room
@@ -80,6 +80,10 @@ class VllmConfig:
         """The command line a user deploys this configuration with (as the study ran it)."""
         env = [f"{key}={value}" for key, value in self.env().items()]
         return " ".join([*env, shlex.join(["vllm", "serve", *self.flags(), "--host", "127.0.0.1", "--port", "8000"])])
+
+    def prefill_group(self) -> str:
+        """'': each vLLM server prefills for itself (vLLM copies no prompt cache between servers)."""
+        return ""
 
     def server(self, log_dir: Path) -> "VllmServer":
         """A server of this configuration (not started)."""
@@ -146,10 +150,14 @@ class VllmServer(ServedProcess):
                   if line.startswith("vllm:spec_decode_num")}
         return int(values.get(DRAFTED, 0)), int(values.get(ACCEPTED, 0))
 
-    def contender(self, context_length: int, reuse: bool = True) -> "VllmRun":
+    def prefill(self, prompt_ids: list[int]) -> None:
+        """The prompt's prefill: one request of one token (vLLM keeps the prompt in its prefix cache)."""
+        self.completion(prompt_ids, RunSettings(max_new_tokens=1, temperature=0.0))
+
+    def contender(self, context_length: int, reuse: bool = True, share: PrefillShare | None = None) -> "VllmRun":
         """This server as a contender of the measurement loop; `reuse`: the loop prefills each prompt first (vLLM
-        keeps it in its prefix cache)."""
-        return VllmRun(self, context_length, reuse)
+        keeps it in its prefix cache); `share`: always None (`VllmConfig.prefill_group`)."""
+        return VllmRun(self, context_length, reuse, share)
 
 
 @dataclass(frozen=True)
@@ -158,9 +166,6 @@ class VllmRun(ServedRun):
     prompt for one token), a run starts from the prompt vLLM cached."""
 
     times_prefill = False
-
-    def prefill(self, prompt_ids: list[int]) -> None:
-        self.server.completion(prompt_ids, RunSettings(max_new_tokens=1, temperature=0.0))
 
     def run(self, prompt_ids: list[int], settings) -> GenerationResult:
         """One request; a prompt that does not fit the context is refused as draftlab's engine refuses it."""

@@ -7,10 +7,11 @@ contender alike), after untimed warm-up runs that teach drafters nothing; with a
 on the same prompt every few contenders, which measures the machine's drift. `run_once` is the loop's single timed
 call; the sweep, which stores and resumes per (cell, prompt), calls `measure_prompt` for each prompt.
 
-Prefill once per engine and prompt: contenders that share a prompt's prefill share a `prefill_key` (draftlab's
-decoders of one backend, one llama-cpp-python instance, one llama-server); `measure_prompt` prefills the prompt
-once per key, timed apart (`PrefillRecord`), and each contender's run then decodes from it: its timed run is its
-decode. A contender that cannot start from a prefill (HF `generate`) says so (`reuses_prefill` False): its
+Prefill once per kernel set, file and prompt: contenders whose prefill of a prompt is one computation share a
+`prefill_key` (draftlab's decoders of one backend, llama-cpp-python's plain decoding and lookup on one instance,
+llama-servers of one build, file and context that differ only in their speculation); `measure_prompt` prefills the
+prompt once per key, timed apart (`PrefillRecord`), every other contender of the key takes it untimed (a shared
+cache, or a copy of the cache), and each contender's run then decodes from it: its timed run is its decode. A contender that cannot start from a prefill (HF `generate`) says so (`reuses_prefill` False): its
 run prefills again, and the loop takes its key's prefill, timed apart, off its run.
 
 Each run gives one `RunRecord`: output ids, the engine's statistics, the total time and, where the engine

@@ -34,6 +34,9 @@ class InFlight:
     def prefill(self, prompt_ids: list[int]) -> None:
         """Nothing: each request prefills under load."""
 
+    def take_prefill(self, prompt_ids: list[int]) -> None:
+        """Nothing (its key is '': never shared)."""
+
     def run(self, prompt_ids: list[int], settings: RunSettings) -> GenerationResult:
         timed = _in_flight(self.contender, [prompt_ids, *(c.ids for c in self.companions)], settings)
         own = timed[0][0]

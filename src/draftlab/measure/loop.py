@@ -49,9 +49,11 @@ class Contender(Protocol):
     `times_prefill`: whether the returned statistics separate the prefill (draftlab's engine) or only the total is
     known (a peer library's `generate`). `forgetful`: the same contender for warm-up runs, teaching a drafter that
     learns across requests nothing about the prompts about to be timed. `prefill_key`: contenders with the same
-    key share a prompt's prefill ('': none; each run prefills and nothing is timed apart); `prefill` computes it
-    (the loop times it, once per key and prompt); `reuses_prefill`: whether a run then starts from it (else the
-    run prefills again, and the loop takes the timed prefill off it)."""
+    key share a prompt's prefill, one computation of the same kernels on the same file ('': none; each run
+    prefills and nothing is timed apart); `prefill` computes it (the loop times it, once per key and prompt);
+    `take_prefill` then makes the cache of every other contender of the key hold it, untimed (nothing where they
+    share one cache; a copy where each holds its own, bitwise what its own prefill would hold); `reuses_prefill`:
+    whether a run then starts from it (else the run prefills again, and the loop takes the timed prefill off it)."""
 
     times_prefill: bool
     reuses_prefill: bool
@@ -60,6 +62,8 @@ class Contender(Protocol):
     def run(self, prompt_ids: list[int], settings: RunSettings) -> GenerationResult: ...
 
     def prefill(self, prompt_ids: list[int]) -> None: ...
+
+    def take_prefill(self, prompt_ids: list[int]) -> None: ...
 
     def forgetful(self) -> "Contender": ...
 
@@ -120,11 +124,15 @@ def run_once(key: Hashable, contender: Contender, prompt: EncodedPrompt, setting
 
 
 def prefill_once(contenders: Sequence[Contender], prompt: EncodedPrompt) -> dict[str, PrefillRecord]:
-    """The prompt prefilled once per prefill key of the contenders, each timed, by key. A contender whose prefill
-    fails is left to its run, which prefills itself and reports the error as its own."""
+    """The prompt prefilled once per prefill key of the contenders, each timed, by key; every other contender of a
+    key then takes that prefill (untimed). A contender whose prefill fails, or that cannot take one, is left to its
+    run, which prefills itself and reports the error as its own."""
     records: dict[str, PrefillRecord] = {}
     for contender in contenders:
-        if not contender.prefill_key or contender.prefill_key in records:
+        if not contender.prefill_key:
+            continue
+        if contender.prefill_key in records:
+            _take(contender, prompt)
             continue
         start = time.perf_counter()
         try:
@@ -134,6 +142,14 @@ def prefill_once(contenders: Sequence[Contender], prompt: EncodedPrompt) -> dict
         records[contender.prefill_key] = PrefillRecord(contender.prefill_key, prompt.id, len(prompt.ids),
                                                        time.perf_counter() - start, time.time())
     return records
+
+
+def _take(contender: Contender, prompt: EncodedPrompt) -> None:
+    """The contender's cache made to hold its key's prefill of the prompt; on failure its run prefills itself."""
+    try:
+        contender.take_prefill(prompt.ids)
+    except Exception:  # noqa: BLE001 (the run says what it was)
+        pass
 
 
 def pilot(contenders: Mapping[Hashable, Contender], prompt: EncodedPrompt, settings: Mapping[Hashable, RunSettings]

@@ -60,7 +60,7 @@ class Plan:
     budget_s: float  # the budget's seconds left when planned (0: no budget)
     costs: tuple[float, ...] = ()  # each planned prompt's estimate, in the order they run
     budget_drops: dict[str, str] = field(default_factory=dict)  # cell key -> reason: cells the budget could not hold
-    prefills: int = 0  # engine instances that prefill each prompt apart (cells of one instance share its prefill)
+    prefills: int = 0  # prefills of each prompt: one per prefill key (kernel set and file), which its cells share
 
     def line(self) -> str:
         """The plan in one line, with the host it was timed on."""
@@ -73,8 +73,10 @@ class Plan:
                 f"over the {self.budget_s / 60:.1f} min left in the budget (the fewest prompts the race needs)")
         budget = f", about {self.estimate_s / 60:.1f} min {fits}" if self.budget_s else \
             f", about {self.estimate_s / 60:.1f} min (no budget)"
-        shared = (f"; {self.prefills} prefill(s) a prompt (one per engine instance: llama-cpp-python's lookup and each "
-                  "llama-server configuration hold a cache of their own)" if self.prefills > 1 else "")
+        shared = (f"; {self.prefills} prefill(s) a prompt, one per kernel set and file (llama-cpp-python's plain "
+                  "decoding and lookup share an instance; llama-servers that differ only in n-gram speculation copy "
+                  "one slot; draftlab's routes, llama-cpp-python, llama-server and a draft model's server run other "
+                  "kernels or processes, so each prefills apart)" if self.prefills > 1 else "")
         return (f"plan: {self.prompts} of {self.of} prompts x {self.cells} cells x {self.tokens} tokens{race}{drops}"
                 f"{budget}{shared}; host timed on its CPU ({flags})")
 
