@@ -74,9 +74,9 @@ def test_servers_that_differ_only_in_speculation_prefill_a_prompt_once_bitwise(b
         second.prefill(prompt.ids)
         second.save_prompt("own.bin")
         own = second.completion(prompt.ids, settings, cache_prompt=True)
-    saved = sorted((tmp_path / "slots").iterdir())
-    assert [f.name for f in saved] == [share.saved, "own.bin"] or [f.name for f in saved] == ["own.bin", share.saved]
-    assert (tmp_path / "slots" / share.saved).read_bytes() == (tmp_path / "slots" / "own.bin").read_bytes()
+    shared = f"prefill-{share.name}.bin"
+    assert sorted(f.name for f in (tmp_path / "slots").iterdir()) == sorted([shared, "own.bin"])
+    assert (tmp_path / "slots" / shared).read_bytes() == (tmp_path / "slots" / "own.bin").read_bytes()
     assert copied["tokens"] == own["tokens"] and len(own["tokens"]) == 32
     assert copied["timings"]["prompt_n"] <= 1  # it started from the loaded slot, not a prefill of its own
 

@@ -6,13 +6,19 @@ tests skip, unless DRAFTLAB_REQUIRE_VLLM is set. CI does not make it and leaves 
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
 
 import pytest
 
 from draftlab.api import prompt_ids
 from draftlab.contenders import vllm_env
-from draftlab.contenders.vllm import CONTEXT, VllmConfig, VllmServer, speculative_config
+from draftlab.contenders.vllm import CONTEXT, SERVED_NAME, VllmConfig, VllmServer, deploy_command, speculative_config
 from draftlab.files.datasets import load_prompts
 from draftlab.measure import RunSettings
 from draftlab.models import load_model, resolve_directory
@@ -69,6 +75,55 @@ def test_vllm_serves_the_checkpoint_and_its_ngram_speculation_keeps_its_plain_ou
     assert not any(alive(pid) for pid in group)
     differing = [i for i, (a, b) in enumerate(zip(plain, speculative)) if a != b]
     assert not differing, f"vLLM's ngram speculation left its plain decoding on prompts {differing}"
+
+    # the Deploy line of a vLLM answer, run as printed (by a shell, with the environment's `vllm` first on PATH),
+    # serves the configuration the study measured: the same greedy tokens
+    command = deploy_command("smollm2-135m", "fp32", "ngram", 3)
+    assert command.startswith("VLLM_TARGET_DEVICE=cpu ") and f"--speculative-config '{spec}'" in command
+    assert _serve_as_printed(command, prompts, tmp_path / "printed.log") == speculative
+
+
+def _serve_as_printed(command: str, prompts: list[list[int]], log) -> list[list[int]]:
+    """Each prompt's greedy tokens from the command run by bash as printed (its port, 8000, must be free); the
+    server's whole process group stopped after."""
+    port = int(command.rsplit("--port", 1)[1].split()[0])
+    with socket.socket() as probe:
+        if probe.connect_ex(("127.0.0.1", port)) == 0:
+            pytest.skip(f"port {port}, which the printed command names, is taken here")
+    env = {**os.environ, "PATH": f"{vllm_env.vllm_command().parent}:{os.environ['PATH']}"}
+    with open(log, "wb") as out:
+        process = subprocess.Popen(["bash", "-c", command], stdout=out, stderr=subprocess.STDOUT, env=env,
+                                   start_new_session=True)
+    try:
+        _wait_health(port, process)
+        answers = [_post(port, {"model": SERVED_NAME, "prompt": ids, "max_tokens": TOKENS, "temperature": 0.0,
+                                "return_token_ids": True}) for ids in prompts]
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # bash, vLLM's API server and its engine core
+        except ProcessLookupError:
+            pass
+        process.wait()
+    return [[int(t) for t in a["choices"][0]["token_ids"]] for a in answers]
+
+
+def _wait_health(port: int, process: subprocess.Popen, timeout_s: float = 400.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert process.poll() is None, "the printed vLLM command exited at start"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(1)
+    pytest.fail(f"the printed vLLM command did not answer on port {port} within {timeout_s:.0f} s")
+
+
+def _post(port: int, body: dict) -> dict:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return json.loads(response.read())
 
 
 def _tensor(ids: list[int]):

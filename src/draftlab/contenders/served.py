@@ -144,27 +144,32 @@ class ServedProcess:
 @dataclass
 class PrefillShare:
     """Servers of one build, file and context that differ only in their speculation (`group`): their prefill of a
-    prompt is one computation. The server that prefilled the prompt last (`donor`) saves its slot once, and every
-    other server of the group loads that file instead of computing the prefill again."""
+    prompt is one computation. The server that prefilled the prompt last (`donor`) saves its slot once, to the
+    group's one file (each prompt's replaces the last's), and every other server of the group loads that file
+    instead of computing the prefill again."""
 
     group: str
     donor: Any = None  # the started server whose slot holds `prompt`
     prompt: tuple[int, ...] = ()
-    saved: str = ""  # the file the donor wrote for `prompt` ('' not yet)
+    saved: bool = False  # whether the donor wrote `prompt`'s file yet
+
+    @property
+    def name(self) -> str:
+        """The group in short: its prefill key's tail and its file's name."""
+        return hashlib.sha256(self.group.encode()).hexdigest()[:12]
 
     def hold(self, server: Any, prompt_ids: list[int]) -> None:
         """`server` has just prefilled the prompt: the others copy it from there."""
-        self.donor, self.prompt, self.saved = server, tuple(prompt_ids), ""
+        self.donor, self.prompt, self.saved = server, tuple(prompt_ids), False
 
     def copy_to(self, server: Any, prompt_ids: list[int]) -> None:
         """`server`'s slot made to hold the donor's prefill of the prompt (saved on the first copy)."""
         if self.donor is None or tuple(prompt_ids) != self.prompt:
             raise DraftlabError("no server of this group holds the prompt's prefill")
         if not self.saved:
-            digest = hashlib.sha256(json.dumps(self.prompt).encode()).hexdigest()[:16]
-            self.donor.save_prompt(f"prefill-{digest}.bin")
-            self.saved = f"prefill-{digest}.bin"
-        server.load_prompt(self.saved)
+            self.donor.save_prompt(f"prefill-{self.name}.bin")
+            self.saved = True
+        server.load_prompt(f"prefill-{self.name}.bin")
 
 
 @dataclass(frozen=True)
@@ -187,7 +192,7 @@ class ServedRun:
         """One per group of servers that share a prefill, else one per server; '' without reuse."""
         if not self.reuse:
             return ""
-        return f"{self.server.NAME} {self.share.group}" if self.share else f"{self.server.NAME}:{self.server.port}"
+        return f"{self.server.NAME} {self.share.name}" if self.share else f"{self.server.NAME}:{self.server.port}"
 
     def prefill(self, prompt_ids: list[int]) -> None:
         """The server's prefill of the prompt (one request of one token), which the others of its share copy."""

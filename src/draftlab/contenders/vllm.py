@@ -24,6 +24,7 @@ import os
 import shlex
 import signal
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -132,6 +133,7 @@ class VllmServer(ServedProcess):
         except ProcessLookupError:
             pass
         self.process.wait()
+        _wait_gone(group)
 
     def completion(self, prompt_ids: list[int], settings: RunSettings, max_tokens: int | None = None) -> dict:
         """One `/v1/completions` request: the prompt as token ids, the loop's settings; vLLM's JSON answer."""
@@ -158,6 +160,26 @@ class VllmServer(ServedProcess):
         """This server as a contender of the measurement loop; `reuse`: the loop prefills each prompt first (vLLM
         keeps it in its prefix cache); `share`: always None (`VllmConfig.prefill_group`)."""
         return VllmRun(self, context_length, reuse, share)
+
+
+def _wait_gone(group: int, timeout_s: float = STOP_GRACE_S) -> None:
+    """Until no live process of the group is left (a killed process takes a moment to exit; a zombie is dead)."""
+    deadline = time.monotonic() + timeout_s
+    while _group_alive(group) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _group_alive(group: int) -> bool:
+    """Whether a process of the group runs (Linux's /proc: state and process group follow the command's name)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                state, _, pgrp = stat.read().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if int(pgrp) == group and state != "Z":
+            return True
+    return False
 
 
 @dataclass(frozen=True)

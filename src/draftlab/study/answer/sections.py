@@ -57,7 +57,9 @@ def deploy_section(r: StudyResults) -> Section | None:
 def concurrency_section(r: StudyResults) -> Section | None:
     text = format_load(r.load_summaries)
     return Section("Served engines per concurrency", text.splitlines(), h.pre(text),
-                   "Aggregate tok/s; identical: to the same server's plain decoding.") if text else None
+                   "Aggregate tok/s; identical: to the same server's plain decoding; = draftlab: to draftlab's plain "
+                   "decoding of the target (greedy); x: over the same server's plain decoding at that level, paired "
+                   "per prompt.") if text else None
 
 
 def weight_types_section(r: StudyResults) -> Section | None:

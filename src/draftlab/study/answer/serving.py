@@ -20,8 +20,10 @@ from draftlab.deploy import Deployable, per_batch_size
 from draftlab.contenders.llama_server import ServerConfig
 from draftlab.contenders.server_configs import spec_config
 from draftlab.study.run.cells import LLAMACPP_TARGET
-from draftlab.contenders.methods import PLAIN, SERVER, SERVER_AR, method_of
+from draftlab.contenders.methods import PLAIN, SERVER, SERVER_AR, is_baseline, method_of
+from draftlab.perf.baselines import interval
 from draftlab.study.answer.report import ALL
+from draftlab.study.answer.summary import interval_words
 from draftlab.models import gguf_path
 from draftlab.study.answer.plots import Labels, finish, plt, slug
 
@@ -43,6 +45,8 @@ class LoadSummary:
     identical: int | None  # outputs equal to plain decoding on the same engine (greedy only)
     drafted: int
     accepted: int
+    rates: tuple[tuple[str, float], ...] = ()  # (prompt id, its window's aggregate tokens/s), for paired intervals
+    as_reference: int | None = None  # greedy outputs equal to draftlab's plain decoding of the target (None: unknown)
 
     @property
     def exact(self) -> bool:
@@ -69,6 +73,8 @@ def load_summaries(rows: list[dict]) -> list[LoadSummary]:
         config = (r["target"], r["temperature"], r.get("concurrency") or 1, r["method"], r["drafter"], r["k"])
         groups[(r["dataset"], *config)].append(r)
         groups[(ALL, *config)].append(r)
+    reference = {(r["target"], r["temperature"], r.get("prompt_id")): r.get("output_sha") for r in rows
+                 if is_baseline(r["method"]) and (r.get("concurrency") or 1) == 1 and r.get("output_sha")}
     out = []
     for (dataset, target, temperature, concurrency, method, drafter, k), group in groups.items():
         wall = sum(r["wall_s"] for r in group)
@@ -78,8 +84,40 @@ def load_summaries(rows: list[dict]) -> list[LoadSummary]:
                                tokens / wall if wall else 0.0,
                                statistics.mean(r.get("latency_s") or r["wall_s"] for r in group),
                                sum(known) if known else None, sum(r["drafted"] for r in group),
-                               sum(r["accepted"] for r in group)))
+                               sum(r["accepted"] for r in group), tuple(_rates(group)), _as_reference(group, reference)))
     return out
+
+
+def _as_reference(group: list[dict], reference: dict[tuple, str]) -> int | None:
+    """How many greedy outputs of the group equal draftlab's plain decoding of the same target and prompt (None:
+    sampled, or no such output recorded)."""
+    pairs = [(r.get("output_sha"), reference.get((r["target"], r["temperature"], r.get("prompt_id")))) for r in group
+             if r["temperature"] == 0]
+    known = [ours == theirs for ours, theirs in pairs if theirs is not None]
+    return sum(known) if known else None
+
+
+def _rates(group: list[dict]) -> list[tuple[str, float]]:
+    """Each prompt's aggregate tokens/s: its window's new tokens over the window's wall time."""
+    return [(r.get("prompt_id", ""), (r.get("window_tokens") or r["new_tokens"]) / r["wall_s"]) for r in group
+            if r["wall_s"]]
+
+
+def own_plain_gain(s: LoadSummary, summaries: list[LoadSummary]) -> tuple[float, float, float, int] | None:
+    """A served configuration over its own server's plain decoding at the same level and workload: (speedup of
+    aggregate tokens/s, its paired 95% interval, the prompts paired); None for a plain one, or without it."""
+    method = method_of(s.method)
+    if method.plain:
+        return None
+    plain = next((p for p in summaries if p.method == method.reference and p.tokens_per_s
+                  and (p.target, p.dataset, p.temperature, p.concurrency)
+                  == (s.target, s.dataset, s.temperature, s.concurrency)), None)
+    if plain is None:
+        return None
+    theirs = dict(plain.rates)
+    ratios = [rate / theirs[prompt] for prompt, rate in s.rates if theirs.get(prompt)]
+    point = s.tokens_per_s / plain.tokens_per_s
+    return (point, *interval(point, ratios), len(ratios))
 
 
 @dataclass(frozen=True)
@@ -270,16 +308,27 @@ def draw_load(summaries: list[LoadSummary], out: Path) -> list[tuple[str, str]]:
 
 
 def format_load(summaries: list[LoadSummary]) -> str:
-    """The llama-server configurations per concurrency as a table (workload 'all'); '' when none ran."""
+    """The served configurations (llama-server's, vLLM's) per concurrency as a table (workload 'all'), each
+    speculative one with its speedup over its own server's plain decoding at that level and the paired interval;
+    '' when none ran."""
     rows = sorted((s for s in summaries if s.dataset == ALL and method_of(s.method).served),
                   key=lambda s: (s.target, s.temperature, s.concurrency, s.method != SERVER_AR.name, -s.tokens_per_s))
     if not rows:
         return ""
     lines = [f"{'target':<28}{'c':>3}  {'configuration':<44}{'tok/s':>8}{'latency s':>11}{'identical':>11}"
-             f"{'accepted':>10}"]
+             f"{'accepted':>10}{'= draftlab':>12}  its plain decoding: x (95%)"]
     for s in rows:
         same = f"{s.identical}/{s.prompts}" if s.identical is not None else "-"
         rate = f"{s.accepted / s.drafted:.0%}" if s.drafted else "-"
+        draftlab = f"{s.as_reference}/{s.prompts}" if s.as_reference is not None else "-"
         lines.append(f"{s.target:<28}{s.concurrency:>3}  {s.name:<44}{s.tokens_per_s:>8.1f}{s.latency_s:>11.2f}"
-                     f"{same:>11}{rate:>10}")
+                     f"{same:>11}{rate:>10}{draftlab:>12}  {_gain_words(own_plain_gain(s, summaries))}")
     return "\n".join(lines)
+
+
+def _gain_words(gain: tuple[float, float, float, int] | None) -> str:
+    """'1.30x (1.12-1.50)', with the interval's words for too few prompts; '-' without a gain."""
+    if gain is None:
+        return "-"
+    point, low, high, prompts = gain
+    return f"{point:.2f}x ({interval_words(low, high, prompts)})"
