@@ -50,6 +50,7 @@ def test_plain_decoding_repeats_exactly_and_the_server_stops(binary, tmp_path):
     assert not alive(pid)  # stopped on leaving the block
 
 
+@pytest.mark.slow
 def test_servers_that_differ_only_in_speculation_prefill_a_prompt_once_bitwise(binary, tmp_path):
     """One prefill of a prompt for a plain server and an n-gram server of the same file: the second loads the
     first's slot file, which is byte for byte what its own prefill saves, and decodes from it as from its own."""
