@@ -62,7 +62,18 @@ def llama_lib():
 
 
 def tensor_types(path: Path) -> frozenset[str]:
-    """The weight types of a GGUF's tensors ('Q4_0', 'F32', ...), read from its header."""
+    """The weight types of a GGUF's tensors ('Q4_0', 'F32', ...), read from its header (once per version of the
+    file: reading a header with a large vocabulary takes seconds)."""
+    try:
+        stat = Path(path).stat()
+    except OSError as exc:
+        raise DraftlabError(f"cannot read the tensors of GGUF {path}: {exc}") from exc
+    return _tensor_types(str(Path(path).resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+@lru_cache(maxsize=64)
+def _tensor_types(path: str, _mtime_ns: int, _size: int) -> frozenset[str]:
+    """`tensor_types` of one version of a file (its modification time and size are part of the cache key)."""
     from gguf import GGUFReader
 
     try:
