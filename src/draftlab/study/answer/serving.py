@@ -84,7 +84,8 @@ def load_summaries(rows: list[dict]) -> list[LoadSummary]:
                                tokens / wall if wall else 0.0,
                                statistics.mean(r.get("latency_s") or r["wall_s"] for r in group),
                                sum(known) if known else None, sum(r["drafted"] for r in group),
-                               sum(r["accepted"] for r in group), tuple(_rates(group)), _as_reference(group, reference)))
+                               sum(r["accepted"] for r in group), tuple(_rates(group)),
+                               _as_reference(group, reference)))
     return out
 
 
@@ -312,7 +313,8 @@ def format_load(summaries: list[LoadSummary]) -> str:
     speculative one with its speedup over its own server's plain decoding at that level and the paired interval;
     '' when none ran."""
     rows = sorted((s for s in summaries if s.dataset == ALL and method_of(s.method).served),
-                  key=lambda s: (s.target, s.temperature, s.concurrency, s.method != SERVER_AR.name, -s.tokens_per_s))
+                  key=lambda s: (s.target, s.temperature, s.concurrency, not method_of(s.method).plain,
+                                 -s.tokens_per_s))
     if not rows:
         return ""
     lines = [f"{'target':<28}{'c':>3}  {'configuration':<44}{'tok/s':>8}{'latency s':>11}{'identical':>11}"
