@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from draftlab.drafters import eagle3_checkpoint
 from draftlab.drafters.anchored import AnchoredDrafter
-from draftlab.drafters.eagle3 import new_eagle3_draft
+from draftlab.drafters.eagle3 import new_eagle3_draft, save_eagle3_draft
 from draftlab.errors import DraftlabError
 from draftlab.registry import build_drafter
 from tests.conftest import tiny_llama
@@ -90,3 +90,24 @@ def test_foreign_checkpoints_are_refused_with_one_line(tiny_target, draft, tmp_p
         eagle3_checkpoint.read_checkpoint(out, tiny_target)
     (out / "config.json").write_text("{not json")
     assert not eagle3_checkpoint.is_checkpoint(out)
+
+
+def test_a_draft_directory_gets_its_engines_checkpoint_once_in_the_cache(tiny_target, draft, tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTLAB_CACHE", str(tmp_path / "cache"))
+    directory = save_eagle3_draft(draft, tmp_path / "draft", tiny_target.name)
+    where = eagle3_checkpoint.engines_checkpoint(directory)
+    assert where.parent == tmp_path / "cache" / "eagle3-checkpoints" and not where.exists()
+    out = eagle3_checkpoint.ensure_engines_checkpoint(directory, tiny_target)
+    assert out == where and eagle3_checkpoint.is_checkpoint(out)
+    again = eagle3_checkpoint.read_checkpoint(out, tiny_target)
+    assert run(tiny_target, AnchoredDrafter(again, "eagle3"), 3, PROMPTS[0]).token_ids == run(
+        tiny_target, AnchoredDrafter(draft, "eagle3"), 3, PROMPTS[0]).token_ids
+    written = (out / "model.safetensors").stat().st_mtime_ns
+    assert eagle3_checkpoint.ensure_engines_checkpoint(directory, tiny_target) == out  # once: not written again
+    assert (out / "model.safetensors").stat().st_mtime_ns == written
+    # another draft has another place; a directory holding its own checkpoint (`design eagle3`) gives that one
+    draft.layer.fc.weight.data += 1
+    other = save_eagle3_draft(draft, tmp_path / "other", tiny_target.name)
+    assert eagle3_checkpoint.engines_checkpoint(other) != where
+    own = eagle3_checkpoint.write_checkpoint(draft, tiny_target, other / eagle3_checkpoint.CHECKPOINT_DIR)
+    assert eagle3_checkpoint.engines_checkpoint(other) == own == eagle3_checkpoint.engines_checkpoint(own)

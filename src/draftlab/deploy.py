@@ -95,9 +95,12 @@ def hf_model(source: str) -> str:
     return HF_REPOS.get(source, source)
 
 
-def vllm_config(choice: Deployable, model_path: Callable[[str], str] = hf_model) -> dict | None:
+def vllm_config(choice: Deployable, model_path: Callable[[str], str] = hf_model,
+                eagle3_path: Callable[[str, str], str] = lambda draft, target: eagle3_files(draft, target)[0]
+                ) -> dict | None:
     """vLLM's `speculative_config` for the choice (None: plain decoding); `model_path`: how vLLM finds a draft
-    model by its name (the hub id of an embedded one; a study gives its local directory)."""
+    model by its name (the hub id of an embedded one; a study gives its local directory); `eagle3_path`: where an
+    EAGLE-3 draft's engines' checkpoint lies, by (draft directory, '' for the shipped one; target)."""
     kind, arg = _draft_kind(choice.draft, VLLM.name)
     if kind == "none":
         return None
@@ -110,7 +113,7 @@ def vllm_config(choice: Deployable, model_path: Callable[[str], str] = hf_model)
     elif kind == "model":
         config = {"method": "draft_model", "model": model_path(arg), "num_speculative_tokens": choice.k or 4}
     elif kind == "eagle3":
-        config = {"method": "eagle3", "model": eagle3_files(arg, choice.target)[0],
+        config = {"method": "eagle3", "model": eagle3_path(arg, choice.target),
                   "num_speculative_tokens": choice.k or 3}
     else:
         raise _no_counterpart(choice.draft, "vLLM", kind, arg)

@@ -112,7 +112,7 @@ def test_a_vllm_answer_deploys_the_command_the_study_served(tmp_path):
     summaries = summarize(rows)
     (use,) = recommend(summaries, Drift(8, 0.03, 0.02))
     assert use == f"Use plain decoding on vLLM for {model}."  # only plain decodings ran
-    (note,) = deploy_notes(summaries, Drift(8, 0.03, 0.02), dtype_of=lambda s: "bf16")
+    (note,) = deploy_notes(summaries, Drift(8, 0.03, 0.02), served_as=lambda s: ("bf16", 1))
     assert note.startswith(f"Deploy {model} on vLLM, the answer, as the study served it")
     assert note.endswith(f"vllm serve {model} --dtype bfloat16 --max-model-len 4096 --max-num-seqs 1 "
                          "--served-model-name draftlab-target --host 127.0.0.1 --port 8000")

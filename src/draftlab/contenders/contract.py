@@ -26,6 +26,8 @@ class Servers(Protocol):
     """Where served engines' cells get their servers: started on first use (`config.server(log_dir)`), stopped by
     the sweep however it ends (`contenders.server_configs.ServerPool`)."""
 
+    most_in_flight: int  # the most requests a cell sends at once
+
     def contender(self, config: Any, reuse: bool = True) -> Contender: ...  # the server of a configuration
 
 

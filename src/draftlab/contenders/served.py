@@ -125,6 +125,13 @@ class ServedProcess:
             return False
         return True
 
+    def memory_gib(self) -> float:
+        """What the server's processes hold in memory now, its share of what they share counted once (their
+        proportional set sizes, Linux's /proc); 0 once it stopped."""
+        if self.process is None or self.process.poll() is not None:
+            return 0.0
+        return sum(_pss_kib(pid) for pid in _tree(self.process.pid)) / 2**20
+
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.START_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -139,6 +146,40 @@ class ServedProcess:
             time.sleep(0.2)
         raise DraftlabError(f"{self.NAME} did not answer on 127.0.0.1:{self.port} within "
                             f"{self.START_TIMEOUT_S:.0f} s; log: {self.log}")
+
+
+def available_gib() -> float:
+    """The memory the host can still give without swapping (MemAvailable of /proc/meminfo)."""
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    raise DraftlabError("/proc/meminfo says no MemAvailable")
+
+
+def _tree(root: int) -> list[int]:
+    """A process and all its descendants (/proc/PID/stat's parent ids)."""
+    parents = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                parents[int(pid)] = int(stat.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    tree, frontier = [root], [root]
+    while frontier:
+        frontier = [pid for pid, parent in parents.items() if parent in frontier]
+        tree += frontier
+    return tree
+
+
+def _pss_kib(pid: int) -> int:
+    """A process's proportional set size in KiB (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as rollup:
+            return next((int(line.split()[1]) for line in rollup if line.startswith("Pss:")), 0)
+    except (OSError, ValueError):
+        return 0
 
 
 @dataclass

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from draftlab.contenders.contract import ContenderSource, Method, served_contender
-from draftlab.contenders.served import PrefillShare
+from draftlab.contenders.served import PrefillShare, available_gib
 from draftlab.errors import DraftlabError
 from draftlab.contenders.llama_server import ServerConfig, server_binary
 from draftlab.deploy import SPEC_TYPES, length_flags
@@ -116,12 +116,17 @@ def draft_gguf(spec_type: str, draft: str) -> Path:
     return gguf
 
 
+MEMORY_MARGIN_GIB = 1.5  # what a server start leaves the host: the study's own process grows as it runs
+
+
 @dataclass
 class ServerPool:
     """The study's running servers (llama-server's, vLLM's), one per configuration, started on first use and stopped
-    by `stop_all`. A configuration makes its own server: `config.server(log_dir)`."""
+    by `stop_all`. A configuration makes its own server: `config.server(log_dir)`. A start that would not fit in
+    the host's memory is refused with one line, judged by what the largest running server of its kind holds."""
 
     log_dir: Path
+    most_in_flight: int = 1  # the most requests any cell sends at once (a vLLM server serves every level)
     running: dict = field(default_factory=dict)  # configuration -> (its running server, its PrefillShare or None)
     shares: dict = field(default_factory=dict)  # prefill group -> its PrefillShare
 
@@ -130,11 +135,24 @@ class ServerPool:
         from the prompt's prefill, which the servers of one prefill group compute once (`PrefillShare`)."""
         if config not in self.running:
             server = config.server(self.log_dir)
+            self._make_sure_it_fits(server)
             server.start()
             group = config.prefill_group()  # (reads the model's file: once a server)
             self.running[config] = server, self.shares.setdefault(group, PrefillShare(group)) if group else None
         server, share = self.running[config]
         return server.contender(CONTEXT_PER_SLOT, reuse, share)
+
+    def _make_sure_it_fits(self, server) -> None:
+        """Refuse to start another server of a kind whose largest running one would not fit in what the host has
+        left (the first of a kind always starts: nothing measured it yet)."""
+        sizes = [running.memory_gib() for running, _ in self.running.values() if running.NAME == server.NAME]
+        if not sizes:
+            return
+        need, free = max(sizes), available_gib()
+        if free < need + MEMORY_MARGIN_GIB:
+            raise DraftlabError(f"no room for another {server.NAME} server: {free:.1f} GiB of memory left, one "
+                                f"holds {need:.1f} GiB here and {len(sizes)} run; fewer drafters, K values or "
+                                "concurrency levels of it fit")
 
     def stop_all(self) -> None:
         """Stop every server this pool started."""

@@ -36,10 +36,12 @@ from draftlab.contenders.contract import ContenderSource, Method, served_contend
 from draftlab.contenders.served import PrefillShare, ServedProcess, ServedRun
 from draftlab.decoding.metrics import GenerationStats
 from draftlab.deploy import Deployable, vllm_config
+from draftlab.drafters.eagle3_checkpoint import engines_checkpoint, ensure_engines_checkpoint
+from draftlab.drafters.shipped import shipped_draft
 from draftlab.engine import GenerationResult, check_room
 from draftlab.errors import DraftlabError
 from draftlab.measure import Contender, RunSettings
-from draftlab.models import resolve_directory
+from draftlab.models import LoadedModel, resolve_directory
 
 START_TIMEOUT_S = 900.0  # a first start compiles the model (~100 s for a 135M model on 2 cores)
 STOP_GRACE_S = 20.0
@@ -204,16 +206,22 @@ class VllmRun(ServedRun):
         return GenerationResult(tokens, "", stats)
 
 
-def speculative_config(target: str, drafter: str, k: int) -> str:
+def speculative_config(target: str, drafter: str, k: int, loaded: LoadedModel | None = None) -> str:
     """vLLM's --speculative-config of a drafter at K, as `--export vllm` writes it, a draft model by its local
-    directory ('' for plain decoding); a one-line error where vLLM has no counterpart."""
-    config = vllm_config(Deployable(target, drafter, k), model_path=lambda name: str(resolve_directory(name)))
+    directory and an EAGLE-3 draft by its engines' checkpoint, written once where `loaded` (the target) is given
+    ('' for plain decoding); a one-line error where vLLM has no counterpart."""
+    def eagle3_path(draft: str, name: str) -> str:
+        directory = Path(draft).expanduser() if draft else shipped_draft(name, "eagle3")
+        return str(ensure_engines_checkpoint(directory, loaded) if loaded else engines_checkpoint(directory))
+
+    config = vllm_config(Deployable(target, drafter, k), model_path=lambda name: str(resolve_directory(name)),
+                         eagle3_path=eagle3_path)
     return "" if config is None else json.dumps(config, separators=(",", ":"))
 
 
-def deploy_command(target: str, dtype: str, drafter: str, k: int) -> str:
-    """The `vllm serve` command of a cell, as the study ran it (one request at a time)."""
-    return VllmConfig(resolve_directory(target), dtype, speculative_config(target, drafter, k)).command()
+def deploy_command(target: str, dtype: str, drafter: str, k: int, slots: int = 1) -> str:
+    """The `vllm serve` command of a cell, as the study ran it (`slots`: its most requests at once)."""
+    return VllmConfig(resolve_directory(target), dtype, speculative_config(target, drafter, k), slots).command()
 
 
 def runs_in_vllm(drafter: str) -> bool:
@@ -235,8 +243,11 @@ def missing() -> str:
 
 
 def _server(source: ContenderSource, cell, companions: tuple) -> Contender:
+    """The cell's server: one per configuration, serving every concurrency level of the study (vLLM batches the
+    requests in flight, whatever its --max-num-seqs allows)."""
+    slots = source.servers.most_in_flight if source.servers else cell.concurrency
     config = VllmConfig(resolve_directory(source.target.source), cell.dtype,
-                        speculative_config(cell.target, cell.drafter, cell.k), slots=cell.concurrency)
+                        speculative_config(cell.target, cell.drafter, cell.k, source.target), slots=slots)
     return served_contender(source, cell, companions, config)
 
 

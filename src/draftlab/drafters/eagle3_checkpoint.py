@@ -17,13 +17,18 @@ torch backend (`--drafter model:DIR`). GGUF: `draftlab.design.eagle3_gguf`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 import torch
 
-from draftlab.drafters.eagle3 import Eagle3Draft, Eagle3Layer, Eagle3Shape, _assemble, default_aux_layers
+from draftlab.drafters.eagle3 import (
+    Eagle3Draft, Eagle3Layer, Eagle3Shape, _assemble, default_aux_layers, load_eagle3_draft,
+)
+from draftlab.drafters.files import RECORD, WEIGHTS as LAYER_WEIGHTS
 from draftlab.errors import DraftlabError
+from draftlab.files.assets import cache_dir, sha256_file
 from draftlab.models import LoadedModel
 from draftlab.files.safeio import write_atomic
 
@@ -114,6 +119,28 @@ def engine_files(directory: Path) -> tuple[Path, Path]:
     if is_checkpoint(directory):
         return directory, directory.parent / GGUF
     return directory / CHECKPOINT_DIR, directory / GGUF
+
+
+def engines_checkpoint(directory: Path) -> Path:
+    """Where an EAGLE-3 draft's engines' checkpoint lies: an engines' checkpoint is itself; a draft directory's is the
+    one `draftlab design eagle3` wrote into it, else one in the cache, keyed by the draft's files
+    (`ensure_engines_checkpoint` writes it)."""
+    own = engine_files(directory)[0]
+    if is_checkpoint(own):
+        return own
+    digest = hashlib.sha256()
+    for name in (RECORD, LAYER_WEIGHTS):
+        digest.update(sha256_file(directory / name).encode())
+    return cache_dir() / "eagle3-checkpoints" / digest.hexdigest()[:16]
+
+
+def ensure_engines_checkpoint(directory: Path, target: LoadedModel) -> Path:
+    """The engines' checkpoint of an EAGLE-3 draft (`engines_checkpoint`), written once from draftlab's draft
+    directory where there is none yet (its config last: a checkpoint with a config is whole)."""
+    path = engines_checkpoint(directory)
+    if not is_checkpoint(path):
+        write_checkpoint(load_eagle3_draft(directory, target), target, path)
+    return path
 
 
 def is_checkpoint(path: str | Path) -> bool:

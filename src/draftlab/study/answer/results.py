@@ -84,10 +84,12 @@ class StudyResults:
         """The summaries per concurrency (llama-server's cells under load among them)."""
         return load_summaries(self.rows)
 
-    def dtype_of(self, s: CellSummary) -> str:
-        """The dtype a summary's records ran in."""
-        return next((r["dtype"] for r in self.rows if (r["target"], r["method"], r["drafter"], r["k"])
-                     == (s.target, s.method, s.drafter, s.k)), "fp32")
+    def served_as(self, s: CellSummary) -> tuple[str, int]:
+        """The dtype a summary's records ran in, and the most requests at once of the study (a vLLM server serves
+        every level: `contenders.vllm`)."""
+        dtype = next((r["dtype"] for r in self.rows if (r["target"], r["method"], r["drafter"], r["k"])
+                      == (s.target, s.method, s.drafter, s.k)), "fp32")
+        return dtype, max((r.get("concurrency") or 1) for r in self.rows)
 
     @cached_property
     def served(self) -> list[LoadSummary]:

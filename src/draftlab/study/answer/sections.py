@@ -48,7 +48,7 @@ def answer_section(r: StudyResults) -> Section:
 
 def deploy_section(r: StudyResults) -> Section | None:
     served = server_answer(r.load_summaries, r.drift.typical)
-    notes = deploy_notes(r.summaries, r.drift, r.inputs.output_tokens, r.dtype_of)
+    notes = deploy_notes(r.summaries, r.drift, r.inputs.output_tokens, r.served_as)
     deploys = [line for line in notes if line.startswith("Deploy ")]  # a vLLM answer's own command
     lines = (notes if any(line.startswith("Deploy ") for line in served) else deploys) + served
     return Section("Deploy", lines, h.paragraphs(lines, "answer")) if lines else None

@@ -1,0 +1,77 @@
+"""The study's server pool: a server start that would not fit in the host's memory is refused with one line, judged
+by what the largest running server of its kind holds; servers are real processes (a tiny HTTP server that answers
+`/health`), the host's free memory is what the test says it is."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+
+from draftlab.contenders import server_configs
+from draftlab.contenders.served import ServedProcess, ServedRun, available_gib
+from draftlab.errors import DraftlabError
+
+HEALTHY = """
+import http.server, sys
+port = int(sys.argv[sys.argv.index('--port') + 1])
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(('127.0.0.1', port), Health).serve_forever()
+"""
+
+
+@dataclass
+class TinyServer(ServedProcess):
+    NAME: ClassVar[str] = "tiny"
+    START_TIMEOUT_S: ClassVar[float] = 30.0
+
+    def start(self) -> None:
+        self.launch([sys.executable, "-c", HEALTHY], {})
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait()
+
+    def contender(self, context_length: int, reuse: bool = True, share=None) -> ServedRun:
+        return ServedRun(self, context_length, reuse, share)
+
+
+@dataclass(frozen=True)
+class TinyConfig:
+    name: str
+
+    def server(self, log_dir: Path) -> TinyServer:
+        return TinyServer(self, log_dir)
+
+    def prefill_group(self) -> str:
+        return ""
+
+
+def test_a_server_that_would_not_fit_is_refused_with_one_line(tmp_path, monkeypatch):
+    pool = server_configs.ServerPool(tmp_path, most_in_flight=4)
+    try:
+        first = pool.contender(TinyConfig("a"))
+        held = first.server.memory_gib()
+        assert 0 < held < available_gib()  # a real process's share of memory, counted from /proc
+        # the first of a kind always starts; the next one fits where the host has what the first holds, and more
+        monkeypatch.setattr(server_configs, "available_gib", lambda: held + server_configs.MEMORY_MARGIN_GIB + 1)
+        pool.contender(TinyConfig("b"))
+        monkeypatch.setattr(server_configs, "available_gib", lambda: held + server_configs.MEMORY_MARGIN_GIB / 2)
+        with pytest.raises(DraftlabError, match=r"no room for another tiny server: .* GiB of memory left, one holds "
+                                                r".* GiB here and 2 run; fewer drafters, K values or concurrency"):
+            pool.contender(TinyConfig("c"))
+        assert len(pool.running) == 2
+        pool.contender(TinyConfig("a"))  # a running configuration is no new start
+    finally:
+        servers = [server for server, _ in pool.running.values()]
+        pool.stop_all()
+    assert all(server.process.poll() is not None for server in servers)
+    assert all(server.memory_gib() == 0 for server in servers)
