@@ -111,3 +111,5 @@ def test_a_draft_directory_gets_its_engines_checkpoint_once_in_the_cache(tiny_ta
     assert eagle3_checkpoint.engines_checkpoint(other) != where
     own = eagle3_checkpoint.write_checkpoint(draft, tiny_target, other / eagle3_checkpoint.CHECKPOINT_DIR)
     assert eagle3_checkpoint.engines_checkpoint(other) == own == eagle3_checkpoint.engines_checkpoint(own)
+    with pytest.raises(DraftlabError, match="neither an EAGLE-3 checkpoint nor an EAGLE-3 draft of draftlab's"):
+        eagle3_checkpoint.engines_checkpoint(tmp_path / "nothing")

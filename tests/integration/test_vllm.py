@@ -83,6 +83,22 @@ def test_vllm_serves_the_checkpoint_and_its_ngram_speculation_keeps_its_plain_ou
     assert _serve_as_printed(command, prompts, tmp_path / "printed.log") == speculative
 
 
+def test_vllm_runs_suffix_and_eagle3_with_draftlabs_shipped_draft(quick_prompts, tmp_path, monkeypatch):
+    """vLLM's own suffix decoding and EAGLE-3 with the draft draftlab ships, handed over as the engines' checkpoint
+    the study writes into the cache; a server of 4 slots serves one request as a server of one does. fp32."""
+    target, prompts = quick_prompts
+    model, prompts = resolve_directory("smollm2-135m"), prompts[:3]
+    monkeypatch.setenv("DRAFTLAB_CACHE", str(tmp_path / "cache"))  # the checkpoint written here, not found
+    plain, _, _, _ = _decode(VllmConfig(model, "fp32", slots=4), prompts, tmp_path)
+    eagle3 = speculative_config("smollm2-135m", "eagle3", 3, target)
+    assert str(tmp_path / "cache" / "eagle3-checkpoints") in eagle3
+    for spec in (eagle3, speculative_config("smollm2-135m", "suffix", 3)):
+        tokens, drafted, accepted, group = _decode(VllmConfig(model, "fp32", spec), prompts, tmp_path)
+        assert drafted > 0 and 0 < accepted <= drafted, spec
+        assert not any(alive(pid) for pid in group)
+        assert tokens == plain, f"{spec} left vLLM's plain decoding (fp32)"
+
+
 def _serve_as_printed(command: str, prompts: list[list[int]], log) -> list[list[int]]:
     """Each prompt's greedy tokens from the command run by bash as printed (its port, 8000, must be free); the
     server's whole process group stopped after."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from draftlab.contenders.vllm import deploy_command
 from draftlab.study.answer.recommend import deploy_notes, recommend
 from draftlab.study.answer.report import ALL, Drift, summarize
 from tests.conftest import tiny_model_dir
@@ -112,7 +113,11 @@ def test_a_vllm_answer_deploys_the_command_the_study_served(tmp_path):
     summaries = summarize(rows)
     (use,) = recommend(summaries, Drift(8, 0.03, 0.02))
     assert use == f"Use plain decoding on vLLM for {model}."  # only plain decodings ran
-    (note,) = deploy_notes(summaries, Drift(8, 0.03, 0.02), served_as=lambda s: ("bf16", 1))
+    (note,) = deploy_notes(summaries, Drift(8, 0.03, 0.02), served_as=lambda s: ("bf16", 4))
     assert note.startswith(f"Deploy {model} on vLLM, the answer, as the study served it")
-    assert note.endswith(f"vllm serve {model} --dtype bfloat16 --max-model-len 4096 --max-num-seqs 1 "
+    # its server served every level of the study, up to 4 requests at once
+    assert note.endswith(f"vllm serve {model} --dtype bfloat16 --max-model-len 4096 --max-num-seqs 4 "
                          "--served-model-name draftlab-target --host 127.0.0.1 --port 8000")
+    # suffix decoding, whose cache keeps every answer, had a server of its own per level: one request at a time
+    assert "--max-num-seqs 4 " in deploy_command(model, "bf16", "ngram", 3, most_in_flight=4)
+    assert "--max-num-seqs 1 " in deploy_command(model, "bf16", "suffix", 3, most_in_flight=4)

@@ -50,3 +50,14 @@ def test_too_few_prompts_give_no_interval_and_another_level_has_no_plain_to_pair
     assert "3 prompts: too few for an interval" in alone
     crowded = next(line for line in text.splitlines() if "ngram" in line and "  2  " in line)
     assert crowded.rstrip().endswith("-")  # vLLM's plain decoding did not run at concurrency 2
+
+
+def test_one_request_at_a_time_without_llama_server_says_nothing_of_it():
+    from draftlab.study.answer.serving import server_answer
+
+    rows = study_rows(8) + [row(m, p, w / 1.5, f"ref{p}", d, k, concurrency=2, identical=1 if m == "vllm" else None)
+                            for m, d, k, w in (("vllm-ar", "none", 0, 4.0), ("vllm", "ngram", 3, 3.0))
+                            for p in range(8)]
+    sentences = server_answer(load_summaries(rows))
+    assert not any("llama-server" in s for s in sentences)
+    assert any(s.startswith(f"Fastest for {TARGET} with 2 request(s) in flight: vLLM") for s in sentences)

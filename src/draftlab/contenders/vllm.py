@@ -37,6 +37,7 @@ from draftlab.contenders.served import PrefillShare, ServedProcess, ServedRun
 from draftlab.decoding.metrics import GenerationStats
 from draftlab.deploy import Deployable, vllm_config
 from draftlab.drafters.eagle3_checkpoint import engines_checkpoint, ensure_engines_checkpoint
+from draftlab.drafters.kinds import learns_across_requests
 from draftlab.drafters.shipped import shipped_draft
 from draftlab.engine import GenerationResult, check_room
 from draftlab.errors import DraftlabError
@@ -219,9 +220,18 @@ def speculative_config(target: str, drafter: str, k: int, loaded: LoadedModel | 
     return "" if config is None else json.dumps(config, separators=(",", ":"))
 
 
-def deploy_command(target: str, dtype: str, drafter: str, k: int, slots: int = 1) -> str:
-    """The `vllm serve` command of a cell, as the study ran it (`slots`: its most requests at once)."""
+def deploy_command(target: str, dtype: str, drafter: str, k: int, most_in_flight: int = 1) -> str:
+    """The `vllm serve` command of a cell alone (one request at a time), as the study ran it (`most_in_flight`: the
+    study's highest concurrency level)."""
+    slots = server_slots(drafter, 1, most_in_flight)
     return VllmConfig(resolve_directory(target), dtype, speculative_config(target, drafter, k), slots).command()
+
+
+def server_slots(drafter: str, concurrency: int, most_in_flight: int) -> int:
+    """The --max-num-seqs of a cell's server: one server per configuration serves every level of the study
+    (`most_in_flight`: the highest); suffix decoding, whose cache keeps every answer it served, gets one server per
+    level, so that no level decodes a prompt whose answer another level taught it."""
+    return concurrency if learns_across_requests(drafter) else most_in_flight
 
 
 def runs_in_vllm(drafter: str) -> bool:
@@ -243,9 +253,8 @@ def missing() -> str:
 
 
 def _server(source: ContenderSource, cell, companions: tuple) -> Contender:
-    """The cell's server: one per configuration, serving every concurrency level of the study (vLLM batches the
-    requests in flight, whatever its --max-num-seqs allows)."""
-    slots = source.servers.most_in_flight if source.servers else cell.concurrency
+    """The cell's server (`server_slots`: which levels it serves; vLLM batches whatever is in flight)."""
+    slots = server_slots(cell.drafter, cell.concurrency, source.servers.most_in_flight if source.servers else 1)
     config = VllmConfig(resolve_directory(source.target.source), cell.dtype,
                         speculative_config(cell.target, cell.drafter, cell.k, source.target), slots=slots)
     return served_contender(source, cell, companions, config)

@@ -128,9 +128,13 @@ def engines_checkpoint(directory: Path) -> Path:
     own = engine_files(directory)[0]
     if is_checkpoint(own):
         return own
+    files = [directory / RECORD, directory / LAYER_WEIGHTS]
+    if not all(f.is_file() for f in files):
+        raise DraftlabError(f"{directory} is neither an EAGLE-3 checkpoint nor an EAGLE-3 draft of draftlab's "
+                            f"(no {RECORD} and {LAYER_WEIGHTS})")
     digest = hashlib.sha256()
-    for name in (RECORD, LAYER_WEIGHTS):
-        digest.update(sha256_file(directory / name).encode())
+    for f in files:
+        digest.update(sha256_file(f).encode())
     return cache_dir() / "eagle3-checkpoints" / digest.hexdigest()[:16]
 
 

@@ -165,15 +165,14 @@ def chosen(summaries: list[CellSummary], drift: Drift = Drift(0, 0.0), output_to
 def deploy_notes(summaries: list[CellSummary], drift: Drift = Drift(0, 0.0), output_tokens: int | None = None,
                  served_as: Callable[[CellSummary], tuple[str, int]] = lambda s: ("fp32", 1)) -> list[str]:
     """A line per model whose answer (greedy) is not on llama-server: the command of a vLLM answer, exactly as the
-    study served it (`served_as`: the dtype its records ran in and its server's most requests at once), or why the
-    Deploy line, llama-server's own best
-    measured beside it, names another engine."""
+    study served it (`served_as`: the dtype its records ran in and the study's most requests at once), or why the
+    Deploy line, llama-server's own best measured beside it, names another engine."""
     notes = []
     for (model, temperature), choice in sorted(chosen(summaries, drift, output_tokens).items()):
         method = method_of(choice.method)
         if temperature == 0 and method.engine == VLLM.engine:
-            dtype, slots = served_as(choice)
-            command = vllm_deploy_command(choice.target, dtype, choice.drafter, choice.k, slots)
+            dtype, most_in_flight = served_as(choice)
+            command = vllm_deploy_command(choice.target, dtype, choice.drafter, choice.k, most_in_flight)
             notes.append(f"Deploy {model} on vLLM, the answer, as the study served it (llama-server's best measured "
                          f"beside it follows): {command}")
         elif temperature == 0 and not method.served:

@@ -210,8 +210,8 @@ def server_sentences(answers: list[LevelAnswer], model_file, margin: float = 0.0
         model = target.removeprefix(LLAMACPP_TARGET)
         workloads = sorted({a.dataset for a in levels} - {ALL})
         for answer in sorted(levels, key=lambda a: (a.dataset, a.concurrency)):
-            if answer.dataset != ALL:
-                sentences.append(_level_sentence(model, answer, workloads))
+            if answer.dataset != ALL and (answer.concurrency > 1 or answer.server_plain is not None):
+                sentences.append(_level_sentence(model, answer, workloads))  # one request: llama-server's own
         overall = [a for a in levels if a.dataset == ALL] or levels
         choice = deploy_choice(overall, margin)
         if choice is None:
