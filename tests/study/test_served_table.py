@@ -4,7 +4,7 @@ decoding of the target."""
 
 from __future__ import annotations
 
-from draftlab.study.answer.serving import format_load, load_summaries, own_plain_gain
+from draftlab.study.answer.serving import format_load, load_summaries, own_plain_gain, server_answer
 
 TARGET = "smollm2-135m"
 
@@ -53,8 +53,6 @@ def test_too_few_prompts_give_no_interval_and_another_level_has_no_plain_to_pair
 
 
 def test_one_request_at_a_time_without_llama_server_says_nothing_of_it():
-    from draftlab.study.answer.serving import server_answer
-
     rows = study_rows(8) + [row(m, p, w / 1.5, f"ref{p}", d, k, concurrency=2, identical=1 if m == "vllm" else None)
                             for m, d, k, w in (("vllm-ar", "none", 0, 4.0), ("vllm", "ngram", 3, 3.0))
                             for p in range(8)]

@@ -231,7 +231,7 @@ def server_slots(drafter: str, concurrency: int, most_in_flight: int) -> int:
     """The --max-num-seqs of a cell's server: one server per configuration serves every level of the study
     (`most_in_flight`: the highest); suffix decoding, whose cache keeps every answer it served, gets one server per
     level, so that no level decodes a prompt whose answer another level taught it."""
-    return concurrency if learns_across_requests(drafter) else most_in_flight
+    return concurrency if learns_across_requests(drafter) else max(most_in_flight, concurrency)
 
 
 def runs_in_vllm(drafter: str) -> bool:
