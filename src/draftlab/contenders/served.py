@@ -16,7 +16,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterator
 
 from draftlab.errors import DraftlabError
 
@@ -157,15 +157,21 @@ def available_gib() -> float:
     raise DraftlabError("/proc/meminfo says no MemAvailable")
 
 
-def _tree(root: int) -> list[int]:
-    """A process and all its descendants (/proc/PID/stat's parent ids)."""
-    parents = {}
+def processes() -> Iterator[tuple[int, str, int, int]]:
+    """Every process now: (pid, state, parent's pid, process group), from Linux's /proc/PID/stat (whose fields follow
+    the command's name in parentheses); one that ends meanwhile is passed over."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/stat") as stat:
-                parents[int(pid)] = int(stat.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
+                state, parent, group = stat.read().rsplit(")", 1)[1].split()[:3]
+            yield int(pid), state, int(parent), int(group)
+        except (OSError, ValueError):
             continue
+
+
+def _tree(root: int) -> list[int]:
+    """A process and all its descendants."""
+    parents = {pid: parent for pid, _, parent, _ in processes()}
     tree, frontier = [root], [root]
     while frontier:
         frontier = [pid for pid, parent in parents.items() if parent in frontier]

@@ -33,7 +33,7 @@ from typing import ClassVar
 
 from draftlab.contenders import vllm_env
 from draftlab.contenders.contract import ContenderSource, Method, served_contender
-from draftlab.contenders.served import PrefillShare, ServedProcess, ServedRun
+from draftlab.contenders.served import PrefillShare, ServedProcess, ServedRun, processes
 from draftlab.decoding.metrics import GenerationStats
 from draftlab.deploy import Deployable, vllm_config
 from draftlab.drafters.eagle3_checkpoint import engines_checkpoint, ensure_engines_checkpoint
@@ -173,16 +173,8 @@ def _wait_gone(group: int, timeout_s: float = STOP_GRACE_S) -> None:
 
 
 def _group_alive(group: int) -> bool:
-    """Whether a process of the group runs (Linux's /proc: state and process group follow the command's name)."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                state, _, pgrp = stat.read().rsplit(")", 1)[1].split()[:3]
-        except (OSError, ValueError):
-            continue
-        if int(pgrp) == group and state != "Z":
-            return True
-    return False
+    """Whether a process of the group runs (a zombie is dead)."""
+    return any(pgrp == group and state != "Z" for _, state, _, pgrp in processes())
 
 
 @dataclass(frozen=True)
