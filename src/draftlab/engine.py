@@ -32,7 +32,7 @@ from draftlab.errors import DraftlabError
 from draftlab.decoding.metrics import GenerationStats
 from draftlab.decoding.policy import DraftLengthPolicy, FixedK, with_confidence_stop
 from draftlab.decoding.sampling import SamplingConfig
-from draftlab.decoding.step import Block, Proposal
+from draftlab.decoding.step import Block, Proposal, Scores
 from draftlab.decoding.verify import Verifier, verify
 
 
@@ -114,6 +114,35 @@ class StopCriteria:
         return ""
 
 
+@dataclass(frozen=True)
+class Plan:
+    """One step's draft: the block the target scores (root and proposal) and the proposal itself."""
+
+    block: Block
+    proposal: Proposal
+
+
+@dataclass
+class Generation:
+    """One generation's state between steps (`SpeculativeEngine.start`): every committed token, the new ones, the
+    statistics, the stop criteria and the sampling generator."""
+
+    tokens: list[int]  # the prompt and every committed token
+    config: GenerationConfig
+    stats: GenerationStats
+    watch: Stopwatch
+    generator: torch.Generator
+    stop: StopCriteria
+    on_tokens: Callable[[list[int]], None] | None = None
+    new: list[int] = field(default_factory=list)
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def done(self) -> bool:
+        """Whether a stop condition fired."""
+        return bool(self.stats.stop_reason)
+
+
 class SpeculativeEngine:
     """Lossless speculative decoding over a target backend."""
 
@@ -138,7 +167,6 @@ class SpeculativeEngine:
         self.policy = with_confidence_stop(policy or FixedK(1), self.drafter.confidence_stop())
         self.context_length = context_length
         self.decode = decode
-        self._prompt_len = 0
         self.reads_hidden = self.drafter.reads_target_hidden
         self.taps = self.drafter.target_taps  # the target layers whose inputs it reads; (): the final hidden states
         if self.reads_hidden and not target.provides_hidden:
@@ -153,32 +181,58 @@ class SpeculativeEngine:
         config: GenerationConfig,
         on_tokens: Callable[[list[int]], None] | None = None,
     ) -> GenerationResult:
-        """Generate from `prompt_ids`; `on_tokens` sees each step's committed tokens."""
+        """Generate from `prompt_ids`; `on_tokens` sees each step's committed tokens. The step is `plan` (draft),
+        the target's score of the block, `settle` (verify, keep, commit): `draftlab.serving` runs the same three
+        for several generations at once, scoring their blocks in one pass."""
+        run = self.start(prompt_ids, config, on_tokens)
+        while not run.done:
+            plan = self.plan(run)
+            with run.watch.time("target"):
+                scores = self.target.score_block(plan.block, self.reads_hidden, taps=self.taps)  # logits [n, V]
+            self.settle(run, plan, scores)
+        return self.finish(run)
+
+    def start(self, prompt_ids: Sequence[int], config: GenerationConfig,
+              on_tokens: Callable[[list[int]], None] | None = None) -> "Generation":
+        """A generation from `prompt_ids`, its prompt prefilled: what `plan` and `settle` advance a step at a time."""
         tokens = self._check_prompt(prompt_ids, config)
-        self._prompt_len = len(tokens)
         stats = GenerationStats(prompt_tokens=len(tokens), cache_held=self.drafter.held())
-        watch = Stopwatch(self.target.synchronize)
-        generator = torch.Generator().manual_seed(config.seed)
-        stop = StopCriteria(config, self.decode)
-        start = time.perf_counter()
-        self._prefill(tokens, watch)
-        new: list[int] = []
-        while not stats.stop_reason:
-            committed, levels, num_accepted = self._step(tokens, config, generator, watch)
-            kept, stats.stop_reason = self._commit(committed, new, stop)
-            # A stop inside the block drops what follows it: count only accepted tokens that were kept.
-            stats.record_step(levels, min(num_accepted, len(kept)))
-            tokens.extend(kept)
-            if on_tokens is not None:
-                on_tokens(kept)
-        self.drafter.finish(tokens)
-        stats.wall_s = time.perf_counter() - start
-        stats.new_tokens = len(new)
-        stats.prefill_s = watch.seconds.get("prefill", 0.0)
-        stats.draft_s = watch.seconds.get("draft", 0.0)
-        stats.target_s = watch.seconds.get("target", 0.0)
-        text = self.decode(new) if self.decode is not None else ""
-        return GenerationResult(new, text, stats)
+        run = Generation(tokens, config, stats, Stopwatch(self.target.synchronize),
+                         torch.Generator().manual_seed(config.seed), StopCriteria(config, self.decode), on_tokens)
+        self._prefill(tokens, run.watch)
+        return run
+
+    def plan(self, run: "Generation") -> "Plan":
+        """The step's draft: the block the target scores next (the last committed token and the proposal)."""
+        budget = min(self.policy.next_k(), self._room(run))
+        with run.watch.time("draft"):
+            proposal = (self.drafter.propose(run.tokens, budget, run.config.sampling, run.generator) if budget > 0
+                        else Proposal([]))
+        proposal = proposal.within(budget)  # K is the depth: a chain's length, a tree's levels
+        return Plan(Block.of(run.tokens[-1], proposal), proposal)
+
+    def settle(self, run: "Generation", plan: "Plan", scores: Scores) -> list[int]:
+        """Verify the scored block, keep its accepted rows, commit its tokens up to a stop; the tokens kept."""
+        committed, levels, num_accepted = self._verify(plan, scores, run.config, run.generator, run.watch)
+        kept, run.stats.stop_reason = self._commit(committed, run.new, run.stop)
+        # A stop inside the block drops what follows it: count only accepted tokens that were kept.
+        run.stats.record_step(levels, min(num_accepted, len(kept)))
+        run.tokens.extend(kept)
+        if run.on_tokens is not None:
+            run.on_tokens(kept)
+        return kept
+
+    def finish(self, run: "Generation") -> GenerationResult:
+        """The generation's result; the drafter hears the whole sequence (what it learns across requests)."""
+        self.drafter.finish(run.tokens)
+        stats = run.stats
+        stats.wall_s = time.perf_counter() - run.started
+        stats.new_tokens = len(run.new)
+        stats.prefill_s = run.watch.seconds.get("prefill", 0.0)
+        stats.draft_s = run.watch.seconds.get("draft", 0.0)
+        stats.target_s = run.watch.seconds.get("target", 0.0)
+        text = self.decode(run.new) if self.decode is not None else ""
+        return GenerationResult(run.new, text, stats)
 
     def next_token_logits(self, prompt_ids: Sequence[int]) -> torch.Tensor:
         """The target's logits [V] for the token after the prompt, computed exactly as a generation's first step
@@ -196,15 +250,10 @@ class SpeculativeEngine:
         shares the cache) starts from it; the measurement loop times this once per prompt."""
         self._prefill(list(prompt_ids), Stopwatch(self.target.synchronize))
 
-    def _step(self, tokens, config, generator, watch) -> tuple[list[int], list[int], int]:
-        """One draft-verify step: the tokens it commits (accepted + recovered/bonus), drafted tokens per level, accepted count."""
-        budget = min(self.policy.next_k(), self._room(tokens, config))
-        with watch.time("draft"):
-            proposal = self.drafter.propose(tokens, budget, config.sampling, generator) if budget > 0 else Proposal([])
-        proposal = proposal.within(budget)  # K is the depth: a chain's length, a tree's levels
-        block = Block.of(tokens[-1], proposal)
-        with watch.time("target"):
-            scores = self.target.score_block(block, self.reads_hidden, taps=self.taps)  # logits [n, V], hidden [n, D']
+    def _verify(self, plan: "Plan", scores: Scores, config, generator, watch) -> tuple[list[int], list[int], int]:
+        """Verify a scored block and keep its accepted rows: the tokens it commits (accepted + recovered/bonus),
+        drafted tokens per level, accepted count."""
+        block, proposal = plan.block, plan.proposal
         verdict = self.verifier(block, proposal.draft_probs, scores.logits, config.sampling, generator)
         kept = verdict.kept_rows()
         if config.sampling.greedy and not block.is_chain and not set(kept) <= self.target.exact_rows(block):
@@ -228,10 +277,10 @@ class SpeculativeEngine:
         scores = self.target.score_block(path, self.reads_hidden, taps=self.taps)  # logits [m, V]
         return path, proposal, scores, self.verifier(path, None, scores.logits, config.sampling, generator)
 
-    def _room(self, tokens, config) -> int:
+    def _room(self, run: "Generation") -> int:
         """Deepest draft worth proposing: a step commits at most depth + 1 tokens."""
-        generated = len(tokens) - self._prompt_len
-        return max(0, min(config.max_new_tokens - generated, self.context_length - len(tokens)) - 1)
+        room = min(run.config.max_new_tokens - len(run.new), self.context_length - len(run.tokens))
+        return max(0, room - 1)
 
     def _prefill(self, tokens: list[int], watch: Stopwatch) -> None:
         """Fill the target cache with every prompt token but the last (or roll it back to them, when the prompt

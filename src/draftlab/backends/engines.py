@@ -51,8 +51,10 @@ LLAMA_SERVER = Engine("llama-server", "llama-server", "", runs_gguf=True, torch_
 VLLM = Engine("vllm", "vLLM", "", runs_gguf=False, torch_drafts=True, numerics=(), served=True,
               methods_from="draftlab.contenders.vllm")  # in its own environment, made on demand
 SGLANG = Engine("sglang", "SGLang", "", runs_gguf=False, torch_drafts=True, numerics=(), served=True)
+DRAFTLAB_SERVE = Engine("draftlab-serve", "draftlab serve", "", runs_gguf=True, torch_drafts=False, numerics=(),
+                        served=True, methods_from="draftlab.contenders.draftlab_serve")  # draftlab's own server
 SERVED = (VLLM, SGLANG, LLAMA_SERVER)  # the servers a study's answer is exported to (llama-server is also raced)
-ENGINES = (*IN_PROCESS, HF_GENERATE, LLAMA_CPP_PYTHON, *SERVED)  # every engine draftlab knows
+ENGINES = (*IN_PROCESS, HF_GENERATE, LLAMA_CPP_PYTHON, *SERVED, DRAFTLAB_SERVE)  # every engine draftlab knows
 
 
 def engine_named(name: str) -> Engine:

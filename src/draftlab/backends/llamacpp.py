@@ -63,7 +63,7 @@ class LlamaCppBackend:
             warnings.warn("this llama.cpp build has llamafile's sgemm gated to 2+ rows: rows of a block round "
                           "differently from single rows, so greedy speculative output may differ from plain decoding; "
                           f"reinstall with {INSTALL_HINT.removeprefix('install it with ')}", stacklevel=2)
-        self.numerics = model.kernels() + ("" if self.batch_invariant else f" ({ROUNDING})")
+        self.numerics = self.numerics_of(model)
         self.n_ctx = min(model.n_ctx_train, MAX_CONTEXT)
         self._ctx = self._new_context(flash_attention)
         self._memory = self.lib.llama_get_memory(self._ctx)
@@ -72,6 +72,16 @@ class LlamaCppBackend:
         self._remember([], [], None)
         self._fast_prefill = fast_prefill and not model.repack
         self._prefiller: LlamaCppBackend | None = None
+
+    @staticmethod
+    def numerics_of(model: LlamaCppModel) -> str:
+        """What a model's products are, for the records (and that they round apart where its rows are not exact)."""
+        return model.kernels() + ("" if model.rows_exact else f" ({ROUNDING})")
+
+    @property
+    def context(self):
+        """The llama_context (a `LlamaCppBatch` copies a prefilled cache out of it)."""
+        return self._ctx
 
     @property
     def cache_len(self) -> int:

@@ -1,4 +1,5 @@
-"""`draftlab serve-check`: a llama-server command re-measured on the user's prompts against its plain decoding."""
+"""`draftlab serve`: the answer as an OpenAI-compatible server on draftlab's exact engine; `draftlab serve-check`: a
+llama-server command re-measured on the user's prompts against its plain decoding."""
 
 from __future__ import annotations
 
@@ -10,8 +11,30 @@ from pathlib import Path
 from draftlab.engine import GenerationConfig
 
 
+SERVE_TARGET = "smollm2-135m@Q4_0_PURE"  # the embedded target in the type the exact kernels run fastest
+GRACE_S = 120  # after SIGTERM, how long requests in flight may take to finish
+
+
 def add_serve_commands(sub) -> None:
-    """The serve-check subcommand."""
+    """The serve and serve-check subcommands."""
+    serve = sub.add_parser("serve", help="serve a target over the OpenAI API on draftlab's exact speculative engine")
+    serve.add_argument("--target", default=SERVE_TARGET, help="short name (NAME@TYPE for a derived GGUF) or .gguf file")
+    serve.add_argument("--drafter", default="none", help="none (plain decoding), ngram, ngram:MIN-MAX or suffix[:OPTIONS]")
+    serve.add_argument("--k", type=int, default=None, help="draft tokens per step (default 4 with a drafter)")
+    serve.add_argument("--k-per-load", default=None, metavar="ROWS",
+                       help="K by requests in flight, rows LO-HI:K from 1 on, e.g. 1-2:6,3-4:3,5-8:0 (0: plain decoding)")
+    serve.add_argument("--numerics", default="exact", help="exact (every output as the request alone) or repack")
+    serve.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: the cores here)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1 only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default="", help="require Authorization: Bearer KEY on /v1 routes")
+    serve.add_argument("--max-in-flight", type=int, default=4, help="requests decoded at once (slots)")
+    serve.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond those; more get a 429")
+    serve.add_argument("--context", type=int, default=None, help="KV cells per slot (default: the model's, <= 8192)")
+    serve.add_argument("--served-model-name", default="", help="the model's name in the API (default: --target)")
+    serve.add_argument("--suffix-cache", default="", metavar="DIR",
+                       help="keep suffix decoding's cache of answers in DIR across restarts")
+    serve.set_defaults(run=cmd_serve)
     check = sub.add_parser("serve-check", help="re-measure a llama-server command against its own plain decoding")
     check.add_argument("server_command", metavar="COMMAND",
                        help="the llama-server command line, quoted: 'llama-server -m MODEL.gguf --spec-type ngram-mod' "
@@ -28,6 +51,38 @@ def add_serve_commands(sub) -> None:
     check.add_argument("--log-dir", default=None, help="where the servers' logs go (default: a temporary directory)")
     check.add_argument("--json", action="store_true", help="end stdout with one JSON object")
     check.set_defaults(run=cmd_serve_check)
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    """Load, then serve until SIGINT/SIGTERM (uvicorn drains what is in flight first)."""
+    import uvicorn
+
+    from draftlab.serving.app import create_app
+    from draftlab.serving.build import ServeSettings, build_served
+
+    settings = ServeSettings(args.target, args.drafter, _serve_ks(args), args.max_in_flight, args.max_queue,
+                             args.context, args.numerics, args.served_model_name, args.api_key, args.suffix_cache,
+                             args.threads)
+    served = build_served(settings)
+    print(f"draftlab serve: {settings.target} with {settings.drafter}, K per requests in flight {settings.ks.text()}, "
+          f"{settings.slots} slots, on http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(create_app(served), host=args.host, port=args.port, log_level="warning",
+                timeout_graceful_shutdown=GRACE_S)
+
+
+def _serve_ks(args: argparse.Namespace):
+    """--k-per-load, else --k for every load (plain decoding without a drafter)."""
+    from draftlab.drafters.kinds import is_plain_drafter
+    from draftlab.errors import DraftlabError
+    from draftlab.serving.scheduler import LoadK
+
+    if args.k_per_load:
+        if args.k is not None:
+            raise DraftlabError("give --k or --k-per-load, not both")
+        return LoadK.parse(args.k_per_load)
+    if args.k is not None and args.k < 0:
+        raise DraftlabError(f"--k must be >= 0, got {args.k}")
+    return LoadK.fixed(0 if is_plain_drafter(args.drafter) else (4 if args.k is None else args.k))
 
 
 def cmd_serve_check(args: argparse.Namespace) -> None:

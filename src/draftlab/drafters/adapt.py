@@ -330,6 +330,10 @@ class AdaptingDrafter:
         self.learner.module(source.draft).load_state_dict(self._base)
         return AdaptingDrafter(inner, source, self.settings, self.target_name, self.base)
 
+    def beside(self) -> "AdaptingDrafter":
+        """Refused: its weights learn from one sequence's hidden states at a time."""
+        return self.inner.beside()
+
     def state(self) -> dict:
         """What this drafter learned, for `torch.save` (a sweep cell's checkpoint)."""
         return {"learner": self.learner.state(), "requests": list(self.requests)}

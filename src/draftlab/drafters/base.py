@@ -97,6 +97,11 @@ class Drafter(Protocol):
         """An independent drafter that starts from what this one was built with (a sweep cell's own)."""
         ...
 
+    def beside(self) -> "Drafter":
+        """A drafter for one more sequence decoded at the same time (`draftlab serve`'s requests in flight), sharing
+        what this one learns across requests; a one-line error for a drafter that decodes one sequence at a time."""
+        ...
+
     def state(self) -> dict | None:
         """What it learned across requests (tensors, numbers, lists), for `draftlab.files.safeio.save_tensors`; None:
         nothing."""
@@ -142,6 +147,11 @@ class PerRequest:
         """Itself: nothing it keeps could differ between cells."""
         return self
 
+    def beside(self) -> "PerRequest":
+        """Refused: it holds one sequence's state (a draft model's cache, hidden states) and decodes one at a time."""
+        raise DraftlabError(f"drafter {self.name} decodes one sequence at a time; draftlab serve runs plain decoding, "
+                            "ngram and suffix drafts")
+
     def state(self) -> dict | None:
         """Nothing learned."""
         return None
@@ -178,6 +188,10 @@ class NoDrafter(BlindDrafter):
     def propose(self, context, k, sampling, generator) -> Proposal:
         """An empty proposal."""
         return Proposal([])
+
+    def beside(self) -> "NoDrafter":
+        """Itself: it keeps nothing."""
+        return self
 
 
 def draft_chain(

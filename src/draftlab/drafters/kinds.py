@@ -27,3 +27,15 @@ def is_lookup(spec: str) -> bool:
 def learns_across_requests(spec: str) -> bool:
     """Whether a drafter spec is suffix decoding, whose cache holds the cell's earlier responses."""
     return spec.partition(":")[0] == "suffix"
+
+
+def serves_batched(spec: str) -> bool:
+    """Whether a drafter spec's drafts serve several sequences at once (`Drafter.beside`): plain decoding, n-gram
+    lookup and suffix decoding's chains, what `draftlab serve` runs."""
+    return is_plain_drafter(spec) or is_lookup(spec) or (learns_across_requests(spec) and "tree" not in spec)
+
+
+def with_suffix_store(spec: str, directory: str) -> str:
+    """Suffix decoding's spec keeping its cache in `directory` (its options kept)."""
+    options = spec.partition(":")[2]
+    return f"suffix:{options + ',' if options else ''}cache={directory}"

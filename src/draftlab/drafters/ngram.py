@@ -24,6 +24,10 @@ class NGramDrafter(BlindDrafter):
     def begin(self, prompt_ids: Sequence[int]) -> None:
         """Stateless: the context is searched afresh each step."""
 
+    def beside(self) -> "NGramDrafter":
+        """Itself: it keeps no state between steps."""
+        return self
+
     def propose(self, context, k, sampling, generator) -> Proposal:
         """The k tokens that followed the latest earlier occurrence of the longest matching suffix."""
         tokens = np.asarray(context, dtype=np.int64)  # [L]

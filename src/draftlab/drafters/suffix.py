@@ -305,6 +305,13 @@ class SuffixDrafter(BlindDrafter):
         return SuffixDrafter(self.options, SuffixCache(self.options.depth, self.options.responses),
                              self.tokenizer_id)
 
+    def beside(self) -> "SuffixDrafter":
+        """A drafter of another request in flight over the same cache: every request learns from the others'
+        answers (the cache's trees hold one active request per drafter). Chains only: a server scores no trees."""
+        if self.options.tree:
+            raise DraftlabError("draftlab serve scores chains: use suffix (not suffix:tree)")
+        return SuffixDrafter(self.options, self.cache, self.tokenizer_id)
+
     def state(self) -> dict:
         """The responses the cache holds, oldest first."""
         return {"responses": self.cache.held_responses()}

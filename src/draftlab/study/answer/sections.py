@@ -19,6 +19,7 @@ from draftlab.study.answer.learning import format_learning, learning_rows
 from draftlab.study.answer.recommend import (deploy_notes, engine_answer, fastest_lossless, left_out_notes,
                                              numerics_notes, recommend)
 from draftlab.study.answer.results import StudyResults
+from draftlab.study.answer.serve_deploy import serve_sentences
 from draftlab.study.answer.serving import format_load, server_answer, server_deployables
 from draftlab.study.answer.tables import format_lossy, format_optimal, lossy_cells
 from draftlab.study.answer.weight_types import file_bytes, format_weight_types, weight_type_rows, weight_type_sentences
@@ -47,7 +48,7 @@ def answer_section(r: StudyResults) -> Section:
 
 
 def deploy_section(r: StudyResults) -> Section | None:
-    served = server_answer(r.load_summaries, r.drift.typical)
+    served = serve_sentences(r.load_summaries, r.drift.typical) + server_answer(r.load_summaries, r.drift.typical)
     notes = deploy_notes(r.summaries, r.drift, r.inputs.output_tokens, r.served_as)
     deploys = [line for line in notes if line.startswith("Deploy ")]  # a vLLM answer's own command
     lines = (notes if any(line.startswith("Deploy ") for line in served) else deploys) + served

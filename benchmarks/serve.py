@@ -1,0 +1,161 @@
+"""draftlab serve against llama-server, both started here on 127.0.0.1, at 1, 2 and 4 requests in flight, in one run.
+
+Servers, one at a time (none runs beside another): llama-server's plain decoding and its own speculation (each type at
+the pick's length), draftlab serve's plain decoding and its pick (a drafter and K per requests in flight). Each serves
+the same prompt sets in windows of c requests at once (every request prefills), greedy. Per server, level and set:
+aggregate tokens/s (every request's tokens over the windows' wall time), mean latency per request, and how many
+outputs equal draftlab's plain decoding (`draftlab generate`, in this process). The host's CPU flags are printed
+with the figures; the last line is one JSON document.
+
+`--soak S`: then 16 clients send requests to draftlab serve's pick for S seconds (each at most 64 tokens, at most
+--soak-requests in all), counting answers, 429s, other errors and requests lost, and the server's memory before
+and after.
+
+    python benchmarks/serve.py                                   # SmolLM2 pure Q4_0, suffix K=6, quick + code edits
+    python benchmarks/serve.py --pick suffix --k-per-load 1-2:6,3-4:4 --soak 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from draftlab.api import SpeculativeDecoder, prompt_ids
+from draftlab.backends.routes import cpu_flags
+from draftlab.study.run.budget import HOST_FLAGS
+from draftlab.contenders.draftlab_serve import DraftlabServer, ServeConfig
+from draftlab.contenders.llama_server import LlamaServer
+from draftlab.contenders.server_configs import spec_config
+from draftlab.errors import DraftlabError
+from draftlab.files.datasets import load_prompts
+from draftlab.measure import RunSettings
+from draftlab.models import gguf_path
+
+CONTEXT = 4096  # per slot
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="smollm2-135m@Q4_0_PURE")
+    parser.add_argument("--datasets", default="heldout,code-edit")
+    parser.add_argument("--limit", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--levels", default="1,2,4")
+    parser.add_argument("--pick", default="suffix", help="draftlab serve's drafter")
+    parser.add_argument("--k-per-load", default="1-4:6", help="its K per requests in flight")
+    parser.add_argument("--server-types", default="ngram-simple,ngram-mod", help="llama-server's own, at the pick's K")
+    parser.add_argument("--soak", type=float, default=0.0, metavar="SECONDS")
+    parser.add_argument("--soak-requests", type=int, default=2000)
+    args = parser.parse_args()
+
+    levels = [int(c) for c in args.levels.split(",")]
+    slots = max(levels)
+    k = int(args.k_per_load.split(",")[0].split(":")[1])
+    reference = SpeculativeDecoder.from_names(args.target, drafter="none", k=1, backend="llamacpp")
+    sets = {name: [prompt_ids(reference.target.tokenizer, p) for p in load_prompts(name, args.limit)]
+            for name in args.datasets.split(",")}
+    plain = {name: [reference.generate(ids, max_new_tokens=args.max_new_tokens, temperature=0).token_ids
+                    for ids in prompts] for name, prompts in sets.items()}
+    model = gguf_path(args.target)
+    servers = {"llama-server plain": lambda logs: LlamaServer(spec_config(model, "none", 0, slots), logs)}
+    for spec_type in filter(None, args.server_types.split(",")):
+        servers[f"llama-server {spec_type} K={k}"] = (
+            lambda logs, t=spec_type: LlamaServer(spec_config(model, t, k, slots), logs))
+    servers["draftlab serve plain"] = lambda logs: DraftlabServer(
+        ServeConfig(args.target, "none", "1:0", slots, CONTEXT), logs)
+    servers[f"draftlab serve {args.pick} {args.k_per_load}"] = lambda logs: DraftlabServer(
+        ServeConfig(args.target, args.pick, args.k_per_load, slots, CONTEXT), logs)
+    settings = RunSettings(args.max_new_tokens, temperature=0.0)
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for name, make in servers.items():
+            with make(Path(scratch)) as server:
+                run = server.contender(CONTEXT, reuse=False)
+                run.run(sets[next(iter(sets))][0], RunSettings(8, temperature=0.0))  # warm-up
+                for dataset, prompts in sets.items():
+                    for level in levels:
+                        rows.append({"server": name, "dataset": dataset, "level": level,
+                                     **_windows(run, prompts, plain[dataset], level, settings)})
+                        print(_row(rows[-1]), flush=True)
+        soak = _soak(servers, sets, args, Path(scratch)) if args.soak else None
+    print(_table(rows))
+    flags = " ".join(sorted(cpu_flags() & set(HOST_FLAGS)))
+    print(f"soak: {soak}" if soak else "soak: not run")
+    print(f"host CPU flags: {flags}")
+    print(json.dumps({"target": args.target, "flags": flags, "rows": rows, "soak": soak}))
+
+
+def _windows(run, prompts: list[list[int]], plain: list[list[int]], level: int, settings: RunSettings) -> dict:
+    """The prompts in windows of `level` requests at once: aggregate tok/s, latency, outputs equal to plain."""
+    tokens, wall, latencies, identical = 0, 0.0, [], 0
+    with ThreadPoolExecutor(level) as pool:
+        for start in range(0, len(prompts), level):
+            window = list(range(start, min(start + level, len(prompts))))
+            began = time.perf_counter()
+            futures = [pool.submit(_timed, run, prompts[i], settings) for i in window]
+            results = [f.result() for f in futures]
+            wall += time.perf_counter() - began
+            for i, (result, seconds) in zip(window, results):
+                tokens += len(result.token_ids)
+                latencies.append(seconds)
+                identical += result.token_ids == plain[i]
+    return {"tokens_per_s": tokens / wall, "latency_s": statistics.mean(latencies), "identical": identical,
+            "prompts": len(prompts)}
+
+
+def _timed(run, ids: list[int], settings: RunSettings):
+    began = time.perf_counter()
+    result = run.run(ids, settings)
+    return result, time.perf_counter() - began
+
+
+def _soak(servers, sets, args, logs: Path) -> dict:
+    """16 clients against draftlab serve's pick for `--soak` seconds: answers, 429s, errors, lost, memory."""
+    name = list(servers)[-1]
+    prompts = [ids for prompts in sets.values() for ids in prompts]
+    counts = {"ok": 0, "429": 0, "error": 0, "lost": 0}
+    deadline = time.monotonic() + args.soak
+    sent = iter(range(args.soak_requests))
+    with servers[name](logs) as server:
+        before = server.memory_gib()
+
+        def client(seed: int) -> None:
+            for n in sent:
+                if time.monotonic() > deadline:
+                    return
+                try:
+                    answer = server.completion(prompts[(seed + n) % len(prompts)], RunSettings(64, temperature=0.7,
+                                                                                               seed=n))
+                    counts["ok" if answer["choices"][0]["token_ids"] else "lost"] += 1
+                except DraftlabError as exc:
+                    counts["429" if "(429)" in str(exc) else "error"] += 1
+
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(client, range(16)))
+        after = server.memory_gib()
+    return {"server": name, "seconds": args.soak, **counts, "memory_gib_before": round(before, 3),
+            "memory_gib_after": round(after, 3)}
+
+
+def _row(row: dict) -> str:
+    return (f"{row['server']:<40}{row['dataset']:<10}{row['level']:>3}{row['tokens_per_s']:>9.1f}"
+            f"{row['latency_s']:>9.2f}{row['identical']:>4}/{row['prompts']}")
+
+
+def _table(rows: list[dict]) -> str:
+    """Each row, and its aggregate tok/s over llama-server's plain decoding at the same set and level."""
+    base = {(r["dataset"], r["level"]): r["tokens_per_s"] for r in rows if r["server"] == "llama-server plain"}
+    lines = [f"{'server':<40}{'set':<10}{'c':>3}{'tok/s':>9}{'lat s':>9}{'same':>6}  x llama-server plain"]
+    for r in sorted(rows, key=lambda r: (r["dataset"], r["level"], -r["tokens_per_s"])):
+        ratio = r["tokens_per_s"] / base[(r["dataset"], r["level"])] if (r["dataset"], r["level"]) in base else 0
+        lines.append(f"{_row(r)}  {ratio:.2f}x")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""`draftlab serve`'s HTTP side: FastAPI routes over the scheduler (uvicorn serves them, as vLLM's and
+llama-cpp-python's servers do).
+
+`POST /v1/completions` and `/v1/chat/completions` (whole answers, or server-sent events with `stream: true`),
+`GET /v1/models`, `/health`, `/metrics`. Each request becomes a scheduler `Job`; its tokens come back through an
+asyncio queue fed from the scheduler's thread. Every error is one JSON body (`protocol.ApiError`); a full queue
+answers 429; a client that goes away mid-answer frees its slot at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from draftlab.decoding.sampling import SamplingConfig
+from draftlab.engine import GenerationConfig, GenerationResult
+from draftlab.errors import DraftlabError
+from draftlab.serving.metrics import ServeMetrics
+from draftlab.serving.protocol import (
+    FINISH, ApiError, CompletionRequest, TextStream, answer, chunk, parse_request, usage_chunk,
+)
+from draftlab.serving.scheduler import Busy, Job, Scheduler
+
+POLL_S = 0.5  # how often a whole answer's wait looks whether its client went away
+
+
+@dataclass
+class Served:
+    """What the routes serve: the model's name, its tokenizer's two directions, its limits, the scheduler."""
+
+    model: str
+    encode_text: Callable[[str], list[int]]
+    encode_chat: Callable[[tuple[dict, ...]], list[int]]
+    decode: Callable[[list[int]], str]
+    vocab_size: int
+    context_length: int
+    eos_ids: tuple[int, ...]
+    scheduler: Scheduler
+    metrics: ServeMetrics
+    api_key: str = ""
+
+
+def create_app(served: Served) -> FastAPI:
+    """The ASGI app; the scheduler starts with it and drains when it shuts down."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        served.scheduler.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(served.scheduler.stop)
+
+    app = FastAPI(title="draftlab serve", lifespan=lifespan)
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        _authorize(request, served)
+        return {"object": "list", "data": [{"id": served.model, "object": "model", "created": 0,
+                                            "owned_by": "draftlab", "max_model_len": served.context_length}]}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(served.metrics.text(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _complete(request, served, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _complete(request, served, chat=True)
+
+    return app
+
+
+async def _complete(request: Request, served: Served, chat: bool):
+    """Check, tokenize and queue a request; its whole answer or its stream."""
+    _authorize(request, served)
+    parsed = parse_request(await request.body(), chat)
+    if parsed.model and parsed.model != served.model:
+        raise ApiError(f"the model {parsed.model!r} does not exist here; this server serves {served.model!r}",
+                       status=404, kind="NotFoundError", param="model")
+    prompt = _prompt_ids(parsed, served)
+    config = _config(parsed, len(prompt), served)
+    events: asyncio.Queue = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+    job = Job(prompt, config, lambda kind, value: loop.call_soon_threadsafe(events.put_nowait, (kind, value)))
+    try:
+        served.scheduler.submit(job)
+    except Busy as exc:
+        served.metrics.finished("rejected")
+        raise ApiError(str(exc), status=429, kind="rate_limit_error") from None
+    except DraftlabError as exc:
+        raise ApiError(str(exc), status=503, kind="service_unavailable") from None
+    text = TextStream(served.decode, config.stop_strings)
+    if parsed.stream:
+        return StreamingResponse(_stream(parsed, served, job, events, text, len(prompt)),
+                                 media_type="text/event-stream")
+    return await _whole(request, parsed, served, job, events, text, len(prompt))
+
+
+def _authorize(request: Request, served: Served) -> None:
+    if served.api_key and request.headers.get("authorization", "") != f"Bearer {served.api_key}":
+        raise ApiError("a valid API key is needed (Authorization: Bearer KEY)", status=401,
+                       kind="authentication_error")
+
+
+def _prompt_ids(parsed: CompletionRequest, served: Served) -> list[int]:
+    """The prompt's token ids (the chat template for messages); ids outside the vocabulary refused."""
+    if parsed.chat:
+        return served.encode_chat(parsed.messages)
+    if isinstance(parsed.prompt, str):
+        return served.encode_text(parsed.prompt)
+    outside = [t for t in parsed.prompt if t >= served.vocab_size]
+    if outside:
+        raise ApiError(f"prompt token id {outside[0]} is not in the vocabulary (0..{served.vocab_size - 1})",
+                       param="prompt")
+    return list(parsed.prompt)
+
+
+def _config(parsed: CompletionRequest, prompt_tokens: int, served: Served) -> GenerationConfig:
+    """The engine's settings; a prompt and max_tokens past the context refused (as vLLM refuses them)."""
+    room = served.context_length - prompt_tokens
+    if room < 1:
+        raise ApiError(f"the prompt has {prompt_tokens} tokens; this model's context holds {served.context_length}",
+                       param="prompt")
+    max_tokens = parsed.max_tokens or room
+    if max_tokens > room:
+        raise ApiError(f"the prompt ({prompt_tokens} tokens) and max_tokens ({max_tokens}) pass this model's context "
+                       f"of {served.context_length} tokens; ask for at most {room}", param="max_tokens")
+    seed = parsed.seed if parsed.seed is not None else random.randrange(2**31)
+    return GenerationConfig(max_new_tokens=max_tokens, sampling=SamplingConfig(parsed.temperature, 0, parsed.top_p),
+                            seed=seed, stop_strings=parsed.stop, eos_token_ids=served.eos_ids)
+
+
+async def _whole(request: Request, parsed: CompletionRequest, served: Served, job: Job, events: asyncio.Queue,
+                 text: TextStream, prompt_tokens: int) -> JSONResponse:
+    """Wait for the answer (cancelling the job if the client goes away meanwhile)."""
+    ids: list[int] = []
+    try:
+        while True:
+            try:
+                kind, value = await asyncio.wait_for(events.get(), POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    job.cancelled = True
+                    return JSONResponse({}, status_code=499)
+                continue
+            if kind == "tokens":
+                ids.extend(value)
+            elif kind == "error":
+                raise ApiError(value, status=500, kind="server_error")
+            else:
+                return JSONResponse(_whole_answer(parsed, served, text, ids, value, prompt_tokens))
+    except asyncio.CancelledError:
+        job.cancelled = True
+        raise
+
+
+def _whole_answer(parsed: CompletionRequest, served: Served, text: TextStream, ids: list[int],
+                  result: GenerationResult, prompt_tokens: int) -> dict:
+    text.push(ids)
+    stats = result.stats
+    extra = {"drafted": stats.drafted, "accepted": stats.accepted, "steps": stats.steps}
+    return answer(parsed, served.model, text.text, ids, FINISH.get(stats.stop_reason, "stop"), prompt_tokens, extra)
+
+
+async def _stream(parsed: CompletionRequest, served: Served, job: Job, events: asyncio.Queue, text: TextStream,
+                  prompt_tokens: int) -> AsyncIterator[str]:
+    """Server-sent events: a chunk per step that settles text, the finish, the usage if asked, then [DONE]; a client
+    that goes away cancels the job."""
+    count, first = 0, True
+    try:
+        while True:
+            kind, value = await events.get()
+            if kind == "tokens":
+                count += len(value)
+                delta = text.push(value)
+                if delta or first:
+                    yield _event(chunk(parsed, served.model, delta, None, value, first))
+                    first = False
+                continue
+            if kind == "error":
+                yield _event(ApiError(value, status=500, kind="server_error").body())
+                break
+            tail = text.close()
+            yield _event(chunk(parsed, served.model, tail, FINISH.get(value.stats.stop_reason, "stop"), []))
+            if parsed.include_usage:
+                yield _event(usage_chunk(parsed, served.model, prompt_tokens, count))
+            break
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancelled = True  # a no-op once it ended; else the client went away
+
+
+def _event(data: dict) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return JSONResponse(ApiError(str(exc)).body(), status_code=400)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    kind = "NotFoundError" if exc.status_code == 404 else "invalid_request_error"
+    return JSONResponse(ApiError(str(exc.detail), status=exc.status_code, kind=kind).body(),
+                        status_code=exc.status_code)

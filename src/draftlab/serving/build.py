@@ -1,0 +1,89 @@
+"""A `draftlab serve` from its settings: the target's GGUF on llama.cpp's exact kernels, a slot per request in
+flight, an engine per slot (the drafter `draftlab generate` builds, beside the others), the scheduler and the app."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from draftlab.api import eos_ids
+from draftlab.backends import LLAMACPP
+from draftlab.backends.llamacpp_batch import LlamaCppBatch, SlotView
+from draftlab.drafters.kinds import learns_across_requests, with_suffix_store
+from draftlab.engine import SpeculativeEngine
+from draftlab.errors import DraftlabError
+from draftlab.models import load_model
+from draftlab.registry import build_drafter
+from draftlab.serving.app import Served
+from draftlab.serving.metrics import ServeMetrics
+from draftlab.serving.protocol import ApiError
+from draftlab.serving.scheduler import LoadK, LoadPolicy, Scheduler
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """What `draftlab serve` is started with."""
+
+    target: str  # a short name, a GGUF file (a short name's pure Q4_0: NAME@Q4_0_PURE)
+    drafter: str = "none"
+    ks: LoadK = LoadK.fixed(0)  # K per requests in flight (0: plain decoding)
+    slots: int = 4  # requests decoded at once
+    max_waiting: int = 64  # requests queued beyond the slots before a 429
+    context: int | None = None  # KV cells per slot (None: the model's, at most 8192)
+    numerics: str = "exact"  # exact (rows as alone) or repack (llama.cpp's own kernels: rows round apart)
+    name: str = ""  # the model's name in the API (default: the target as given)
+    api_key: str = ""
+    suffix_cache: str = ""  # a directory suffix decoding's cache is kept in across restarts
+    threads: int | None = None  # llama.cpp's threads for the batch (None: the cores this process may use)
+
+    def __post_init__(self) -> None:
+        if self.slots < 1 or self.max_waiting < 0:
+            raise DraftlabError("draftlab serve needs --max-in-flight >= 1 and --max-queue >= 0")
+        if self.numerics not in ("exact", "repack"):
+            raise DraftlabError(f"draftlab serve's --numerics is exact or repack, not {self.numerics!r}")
+
+    @property
+    def drafter_spec(self) -> str:
+        """The drafter's spec, with the suffix cache's directory where one is given."""
+        if not self.suffix_cache:
+            return self.drafter
+        if not learns_across_requests(self.drafter):
+            raise DraftlabError("--suffix-cache keeps suffix decoding's cache; use it with --drafter suffix")
+        return with_suffix_store(self.drafter, self.suffix_cache)
+
+
+def build_served(settings: ServeSettings) -> Served:
+    """Load the target and build everything the app serves (the scheduler not yet started)."""
+    loaded = load_model(settings.target, backend=LLAMACPP.backend,
+                        repack=True if settings.numerics == "repack" else None)
+    drafter = build_drafter(settings.drafter_spec, loaded, LLAMACPP.backend).drafter
+    batch = LlamaCppBatch(loaded.model, settings.slots, settings.context, settings.threads)
+    metrics = ServeMetrics(k_rows=settings.ks.text())
+    context = min(loaded.context_length, batch.n_ctx)
+    tokenizer = loaded.tokenizer
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    engines: list[SpeculativeEngine] = []
+    scheduler = Scheduler(batch, engines, settings.max_waiting, metrics)
+    for slot in range(settings.slots):
+        policy = LoadPolicy(settings.ks, lambda: scheduler.in_flight)
+        engines.append(SpeculativeEngine(SlotView(batch, slot), drafter.beside(), policy, context_length=context,
+                                         decode=decode))
+    return Served(model=settings.name or settings.target, encode_text=lambda text: _encode(tokenizer, text),
+                  encode_chat=lambda messages: _chat(tokenizer, messages), decode=decode,
+                  vocab_size=loaded.vocab_size, context_length=context, eos_ids=eos_ids(loaded),
+                  scheduler=scheduler, metrics=metrics, api_key=settings.api_key)
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    """A completion's prompt as the tokenizer encodes it (its own special tokens, as llama-server and vLLM add them)."""
+    return list(tokenizer(text)["input_ids"])
+
+
+def _chat(tokenizer, messages: tuple[dict, ...]) -> list[int]:
+    """Chat turns through the model's own chat template, ready for the assistant's answer."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ApiError("this model has no chat template; use /v1/completions")
+    encoded = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)

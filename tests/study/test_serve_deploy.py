@@ -1,0 +1,34 @@
+"""The Deploy line as a `draftlab serve` command where draftlab's server beats llama-server alone, with K per load."""
+
+from __future__ import annotations
+
+from draftlab.study.answer.report import ALL
+from draftlab.study.answer.serve_deploy import serve_sentences
+from draftlab.study.answer.serving import LoadSummary
+
+TARGET = "llamacpp:smollm2-135m@Q4_0_PURE"
+
+
+def cell(method: str, concurrency: int, tokens_per_s: float, drafter: str = "none", k: int = 0,
+         as_reference: int | None = 8) -> LoadSummary:
+    return LoadSummary(TARGET, ALL, 0.0, concurrency, method, drafter, k, 8, tokens_per_s, 1.0, None, 0, 0,
+                       as_reference=as_reference)
+
+
+def test_draftlab_serve_wins_alone_and_k_follows_the_load():
+    cells = [cell("server-ar", 1, 150), cell("server", 1, 170, "ngram-simple", 16), cell("server-ar", 4, 300),
+             cell("serve-ar", 1, 140), cell("serve", 1, 210, "suffix", 6), cell("serve", 1, 190, "suffix", 3),
+             cell("serve-ar", 2, 220), cell("serve", 2, 260, "suffix", 3), cell("serve", 2, 250, "suffix", 6),
+             cell("serve-ar", 4, 330), cell("serve", 4, 320, "suffix", 6)]
+    [line] = serve_sentences(cells, margin=0.05)
+    assert line.startswith("Deploy smollm2-135m@Q4_0_PURE on draftlab serve (exact")
+    assert "1.24x" in line and "--drafter suffix --k-per-load 1:6,2:3,3-64:0 --max-in-flight 4" in line
+
+
+def test_no_line_where_llama_server_is_as_fast_or_an_output_differed():
+    close = [cell("server-ar", 1, 150), cell("serve-ar", 1, 150), cell("serve", 1, 155, "suffix", 6)]
+    assert serve_sentences(close, margin=0.05) == []
+    differed = [cell("server-ar", 1, 150), cell("serve-ar", 1, 140), cell("serve", 1, 250, "suffix", 6, as_reference=7)]
+    assert serve_sentences(differed, margin=0.05) == []  # its only win left plain decoding once: not exact here
+    alone = [cell("serve-ar", 1, 140), cell("serve", 1, 250, "suffix", 6)]
+    assert serve_sentences(alone) == []  # no llama-server measured: nothing to beat
