@@ -32,3 +32,16 @@ def test_no_line_where_llama_server_is_as_fast_or_an_output_differed():
     assert serve_sentences(differed, margin=0.05) == []  # its only win left plain decoding once: not exact here
     alone = [cell("serve-ar", 1, 140), cell("serve", 1, 250, "suffix", 6)]
     assert serve_sentences(alone) == []  # no llama-server measured: nothing to beat
+
+
+def test_llama_servers_dropped_by_the_race_still_give_a_deploy_line():
+    from pathlib import Path
+
+    from draftlab.study.answer.serving import level_answers, server_sentences
+
+    cells = [cell("ar", 1, 140), cell("sps", 1, 160, "ngram", 2),  # draftlab's cells ran all 8 prompts
+             *(LoadSummary(TARGET, ALL, 0.0, 1, method, drafter, k, 5, rate, 1.0, 5 if k else None, 0, 0)
+               for method, drafter, k, rate in (("server-ar", "none", 0, 150), ("server", "ngram-simple", 16, 180)))]
+    lines = server_sentences(level_answers(cells), lambda target: Path("model.gguf"), margin=0.05)
+    assert any(line.startswith("Deploy smollm2-135m@Q4_0_PURE on llama-server") and "--spec-type ngram-simple" in line
+               for line in lines), lines

@@ -107,9 +107,10 @@ class DraftlabServer(ServedProcess):
 
 @dataclass(frozen=True)
 class DraftlabServeRun(ServedRun):
-    """A running `draftlab serve` as a contender: whole requests, each prefilling its prompt."""
+    """A running `draftlab serve` as a contender: whole requests, each prefilling its prompt; the prefill is the
+    seconds the server says its prefill took (`draftlab.prefill_s` of the answer)."""
 
-    times_prefill = False
+    times_prefill = True
 
     def run(self, prompt_ids: list[int], settings) -> GenerationResult:
         check_room(len(prompt_ids), settings.max_new_tokens, self.context_length)
@@ -118,7 +119,8 @@ class DraftlabServeRun(ServedRun):
         tokens = [int(t) for t in choice.get("token_ids") or []]
         stats = GenerationStats(prompt_tokens=len(prompt_ids), new_tokens=len(tokens),
                                 drafted=int(extra.get("drafted", 0)), accepted=int(extra.get("accepted", 0)),
-                                steps=int(extra.get("steps", 0)), stop_reason=str(choice.get("finish_reason", "")))
+                                steps=int(extra.get("steps", 0)), prefill_s=float(extra.get("prefill_s", 0.0)),
+                                stop_reason=str(choice.get("finish_reason", "")))
         return GenerationResult(tokens, "", stats)
 
 

@@ -178,7 +178,8 @@ def _whole_answer(parsed: CompletionRequest, served: Served, text: TextStream, i
                   result: GenerationResult, prompt_tokens: int) -> dict:
     text.push(ids)
     stats = result.stats
-    extra = {"drafted": stats.drafted, "accepted": stats.accepted, "steps": stats.steps}
+    extra = {"drafted": stats.drafted, "accepted": stats.accepted, "steps": stats.steps,
+             "prefill_s": round(stats.prefill_s, 6)}
     return answer(parsed, served.model, text.text, ids, FINISH.get(stats.stop_reason, "stop"), prompt_tokens, extra)
 
 

@@ -149,20 +149,24 @@ class LevelAnswer:
 
 
 def level_answers(summaries: list[LoadSummary]) -> list[LevelAnswer]:
-    """Per (target, workload, temperature, concurrency) where llama-server ran, on configurations that ran every
-    prompt of the level."""
+    """Per (target, workload, temperature, concurrency) where llama-server ran: the fastest configurations among
+    those that ran every prompt of the level; the servers' among the servers that ran the most prompts (the race may
+    drop a server's cells after a few prompts: the Deploy line still answers from what they measured)."""
     levels: dict[tuple, list[LoadSummary]] = defaultdict(list)
     for s in summaries:
         levels[(s.target, s.dataset, s.temperature, s.concurrency)].append(s)
     out = []
     for key, cells in sorted(levels.items()):
-        most = max(s.prompts for s in cells)
-        cells = [s for s in cells if s.prompts == most and s.tokens_per_s > 0]
-        servers = [s for s in cells if method_of(s.method).served]
+        servers = [s for s in cells if method_of(s.method).served and s.tokens_per_s > 0]
         if not servers:
             continue
-        plain = [s for s in servers if s.method == SERVER_AR.name]
-        types = sorted((s for s in servers if s.method == SERVER.name), key=lambda s: -s.tokens_per_s)
+        most = max(s.prompts for s in cells)
+        cells = [s for s in cells if s.prompts == most and s.tokens_per_s > 0] or servers
+        llama = [s for s in servers if s.method in (SERVER_AR.name, SERVER.name)]
+        most_served = max((s.prompts for s in llama), default=0)
+        plain = [s for s in llama if s.method == SERVER_AR.name and s.prompts == most_served]
+        types = sorted((s for s in llama if s.method == SERVER.name and s.prompts == most_served),
+                       key=lambda s: -s.tokens_per_s)
         out.append(LevelAnswer(*key, max(cells, key=lambda s: s.tokens_per_s),
                                max((s for s in cells if s.exact), key=lambda s: s.tokens_per_s, default=None),
                                plain[0] if plain else None, tuple(types)))
