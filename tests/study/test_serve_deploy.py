@@ -45,3 +45,26 @@ def test_llama_servers_dropped_by_the_race_still_give_a_deploy_line():
     lines = server_sentences(level_answers(cells), lambda target: Path("model.gguf"), margin=0.05)
     assert any(line.startswith("Deploy smollm2-135m@Q4_0_PURE on llama-server") and "--spec-type ngram-simple" in line
                for line in lines), lines
+
+
+def test_serve_from_a_study_takes_its_fastest_exact_llama_cpp_answer_or_its_raced_server(tmp_path):
+    from draftlab.study.answer.results import StudyResults
+    from draftlab.study.answer.serve_deploy import serve_answer
+
+    def row(method: str, rate: float, prompt: str, drafter: str = "none", k: int = 0, concurrency: int = 1) -> dict:
+        return {"target": TARGET, "dataset": "d", "temperature": 0.0, "prompt_id": prompt, "method": method,
+                "drafter": drafter, "k": k, "new_tokens": 100, "wall_s": 100 / rate, "steps": 50, "drafted": 60,
+                "accepted": 50, "prefill_s": 0.0, "draft_s": 0.0, "target_s": 0.0, "overhead_s": 0.0,
+                "accepted_per_step": [], "drafted_per_step": [], "identical": 1, "finished_at": 0.0,
+                "backend": "llamacpp", "concurrency": concurrency, "output_sha": prompt}
+
+    prompts = [f"p{i}" for i in range(6)]
+    rows = [r for i, p in enumerate(prompts) for r in (row("ar", 10.0, p), row("sps", 14.0 + i % 2, p, "suffix", 6))]
+    results = StudyResults(tmp_path / "study.sqlite", rows, {}, [], [], [], None)
+    answer = serve_answer(results)
+    assert (answer.target, answer.drafter, answer.k_per_load) == ("smollm2-135m@Q4_0_PURE", "suffix", "1:6")
+    rows += [r for p in prompts for r in (row("serve-ar", 12.0, p), row("serve", 15.0, p, "ngram", 3),
+                                          row("serve-ar", 20.0, p, concurrency=2),
+                                          row("serve", 19.0, p, "ngram", 3, concurrency=2))]
+    raced = serve_answer(StudyResults(tmp_path / "study.sqlite", rows, {}, [], [], [], None))
+    assert (raced.drafter, raced.k_per_load, raced.slots) == ("ngram", "1:3,2-64:0", 2)

@@ -18,8 +18,12 @@ GRACE_S = 120  # after SIGTERM, how long requests in flight may take to finish
 def add_serve_commands(sub) -> None:
     """The serve and serve-check subcommands."""
     serve = sub.add_parser("serve", help="serve a target over the OpenAI API on draftlab's exact speculative engine")
-    serve.add_argument("--target", default=SERVE_TARGET, help="short name (NAME@TYPE for a derived GGUF) or .gguf file")
-    serve.add_argument("--drafter", default="none", help="none (plain decoding), ngram, ngram:MIN-MAX or suffix[:OPTIONS]")
+    serve.add_argument("--from", dest="from_study", default=None, metavar="DIR",
+                       help="serve a study's answer (its directory): target, drafter and K per load as it measured")
+    serve.add_argument("--target", default=None,
+                       help=f"short name (NAME@TYPE for a derived GGUF) or .gguf file (default {SERVE_TARGET})")
+    serve.add_argument("--drafter", default=None, help="none (plain decoding; the default), ngram, ngram:MIN-MAX or "
+                                                      "suffix[:OPTIONS]")
     serve.add_argument("--k", type=int, default=None, help="draft tokens per step (default 4 with a drafter)")
     serve.add_argument("--k-per-load", default=None, metavar="ROWS",
                        help="K by requests in flight, rows LO-HI:K from 1 on, e.g. 1-2:6,3-4:3,5-8:0 (0: plain decoding)")
@@ -60,9 +64,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from draftlab.serving.app import create_app
     from draftlab.serving.build import ServeSettings, build_served
 
-    settings = ServeSettings(args.target, args.drafter, _serve_ks(args), args.max_in_flight, args.max_queue,
-                             args.context, args.numerics, args.served_model_name, args.api_key, args.suffix_cache,
-                             args.threads)
+    target, drafter, ks = _what_to_serve(args)
+    settings = ServeSettings(target, drafter, ks, args.max_in_flight, args.max_queue, args.context, args.numerics,
+                             args.served_model_name, args.api_key, args.suffix_cache, args.threads)
     served = build_served(settings)
     print(f"draftlab serve: {settings.target} with {settings.drafter}, K per requests in flight {settings.ks.text()}, "
           f"{settings.slots} slots, on http://{args.host}:{args.port}/v1", flush=True)
@@ -70,7 +74,24 @@ def cmd_serve(args: argparse.Namespace) -> None:
                 timeout_graceful_shutdown=GRACE_S)
 
 
-def _serve_ks(args: argparse.Namespace):
+def _what_to_serve(args: argparse.Namespace):
+    """(target, drafter, K per load): a study's answer with --from, else the flags."""
+    from draftlab.errors import DraftlabError
+    from draftlab.serving.scheduler import LoadK
+
+    if args.from_study is None:
+        drafter = args.drafter or "none"
+        return args.target or SERVE_TARGET, drafter, _serve_ks(args, drafter)
+    if args.drafter is not None or args.k is not None or args.k_per_load is not None:
+        raise DraftlabError("--from serves the study's drafter and K; leave --drafter, --k and --k-per-load out")
+    from draftlab.study.answer.serve_deploy import serve_from_study
+
+    config = serve_from_study(args.from_study, args.target)
+    print(f"draftlab serve: the answer of {args.from_study}: {config.command()}", flush=True)
+    return config.target, config.drafter, LoadK.parse(config.k_per_load)
+
+
+def _serve_ks(args: argparse.Namespace, drafter: str):
     """--k-per-load, else --k for every load (plain decoding without a drafter)."""
     from draftlab.drafters.kinds import is_plain_drafter
     from draftlab.errors import DraftlabError
@@ -82,7 +103,7 @@ def _serve_ks(args: argparse.Namespace):
         return LoadK.parse(args.k_per_load)
     if args.k is not None and args.k < 0:
         raise DraftlabError(f"--k must be >= 0, got {args.k}")
-    return LoadK.fixed(0 if is_plain_drafter(args.drafter) else (4 if args.k is None else args.k))
+    return LoadK.fixed(0 if is_plain_drafter(drafter) else (4 if args.k is None else args.k))
 
 
 def cmd_serve_check(args: argparse.Namespace) -> None:

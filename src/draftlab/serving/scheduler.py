@@ -151,9 +151,13 @@ class Scheduler:
                     self._lock.wait()
                 if self._stopping and not self._active and not self._waiting:
                     return
-            self._admit()
-            if self._active:
-                self._step()
+            try:
+                self._admit()
+                if self._active:
+                    self._step()
+            except Exception as exc:  # a fault of one step: its requests end with it, the server goes on
+                for slot in list(self._active):
+                    self._retire(slot, error=f"the step failed: {type(exc).__name__}: {exc}")
 
     def _admit(self) -> None:
         """Move waiting jobs into free slots (lowest first), prefilling each; a job that cannot start says why."""

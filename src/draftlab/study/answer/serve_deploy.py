@@ -10,9 +10,12 @@ else 0 (plain decoding), in `--k-per-load` rows.
 from __future__ import annotations
 
 from collections import defaultdict
+from pathlib import Path
 
 from draftlab.contenders.draftlab_serve import SERVE, SERVE_AR, ServeConfig
 from draftlab.contenders.methods import method_of
+from draftlab.drafters.kinds import serves_batched
+from draftlab.errors import DraftlabError
 from draftlab.study.answer.report import ALL
 from draftlab.study.answer.serving import LoadSummary
 from draftlab.study.run.cells import LLAMACPP_TARGET
@@ -20,35 +23,62 @@ from draftlab.study.run.cells import LLAMACPP_TARGET
 
 def serve_sentences(summaries: list[LoadSummary], margin: float = 0.0) -> list[str]:
     """Per target where draftlab serve ran and beat llama-server alone: one Deploy line."""
-    by_target: dict[tuple, list[LoadSummary]] = defaultdict(list)
-    for s in summaries:
-        if s.dataset == ALL:
-            by_target[(s.target, s.temperature)].append(s)
     lines = []
-    for (target, _), cells in sorted(by_target.items()):
-        most = max(s.prompts for s in cells)
-        cells = [s for s in cells if s.prompts == most and s.tokens_per_s > 0]
+    for (target, _), cells in sorted(_complete_cells(summaries).items()):
         line = _deploy_line(target.removeprefix(LLAMACPP_TARGET), cells, margin)
         if line:
             lines.append(line)
     return lines
 
 
+def serve_configs(summaries: list[LoadSummary], margin: float = 0.0) -> dict[str, ServeConfig]:
+    """Per target's model (`NAME@TYPE`) where draftlab serve ran: its fastest exact configuration alone, with K per
+    requests in flight (whether or not it beat llama-server)."""
+    found = {}
+    for (target, _), cells in sorted(_complete_cells(summaries).items()):
+        best = _best_alone(cells)
+        if best is not None:
+            found[target.removeprefix(LLAMACPP_TARGET)] = _config(target.removeprefix(LLAMACPP_TARGET), best, cells,
+                                                                  margin)
+    return found
+
+
+def _complete_cells(summaries: list[LoadSummary]) -> dict[tuple, list[LoadSummary]]:
+    """Over all the study's prompts, per (target, temperature): the cells that ran the most prompts."""
+    by_target: dict[tuple, list[LoadSummary]] = defaultdict(list)
+    for s in summaries:
+        if s.dataset == ALL:
+            by_target[(s.target, s.temperature)].append(s)
+    out = {}
+    for key, cells in by_target.items():
+        most = max(s.prompts for s in cells)
+        out[key] = [s for s in cells if s.prompts == most and s.tokens_per_s > 0]
+    return out
+
+
+def _best_alone(cells: list[LoadSummary]) -> LoadSummary | None:
+    return max((s for s in cells if s.concurrency == 1 and _exact_serve(s)), key=lambda s: s.tokens_per_s,
+               default=None)
+
+
+def _config(model: str, best: LoadSummary, cells: list[LoadSummary], margin: float) -> ServeConfig:
+    levels = sorted({s.concurrency for s in cells if s.method == SERVE_AR.name}) or [1]
+    return ServeConfig(model, best.drafter if best.method == SERVE.name else "none",
+                       _k_per_load(best, cells, margin), slots=max(levels))
+
+
 def _deploy_line(model: str, cells: list[LoadSummary], margin: float) -> str:
-    alone = [s for s in cells if s.concurrency == 1]
-    ours = [s for s in alone if _exact_serve(s)]
-    rivals = [s for s in alone if method_of(s.method).served and s.method not in (SERVE.name, SERVE_AR.name)]
-    if not ours or not rivals:
+    best = _best_alone(cells)
+    rivals = [s for s in cells if s.concurrency == 1 and method_of(s.method).served
+              and s.method not in (SERVE.name, SERVE_AR.name)]
+    if best is None or not rivals:
         return ""
-    best, rival = max(ours, key=lambda s: s.tokens_per_s), max(rivals, key=lambda s: s.tokens_per_s)
+    rival = max(rivals, key=lambda s: s.tokens_per_s)
     if best.tokens_per_s <= rival.tokens_per_s * (1 + margin):
         return ""
-    rows = _k_per_load(best, cells, margin)
-    levels = sorted({s.concurrency for s in cells if s.method == SERVE_AR.name})
-    config = ServeConfig(model, best.drafter if best.method == SERVE.name else "none", rows, slots=max(levels))
     return (f"Deploy {model} on draftlab serve (exact: every output as draftlab's plain decoding, at every load; "
             f"{best.name} {best.tokens_per_s:.1f} tok/s alone, {best.tokens_per_s / rival.tokens_per_s:.2f}x "
-            f"{rival.name}'s {rival.tokens_per_s:.1f}) with: {config.command()}")
+            f"{rival.name}'s {rival.tokens_per_s:.1f}) with: {_config(model, best, cells, margin).command()}")
 
 
 def _exact_serve(s: LoadSummary) -> bool:
@@ -80,3 +110,31 @@ def _k_per_load(best: LoadSummary, cells: list[LoadSummary], margin: float) -> s
             rows.append([low, high, k])
         low = high + 1
     return ",".join(f"{lo}-{hi}:{k}" if hi > lo else f"{lo}:{k}" for lo, hi, k in rows)
+
+
+def serve_from_study(directory: str | Path, target: str | None = None) -> ServeConfig:
+    """What `draftlab serve --from DIR` serves: the study's draftlab serve answer where it raced one, else its fastest
+    exact configuration on a llama.cpp target that the server runs (ngram, suffix; K for every load), else plain
+    decoding there; `target` picks among the study's models."""
+    from draftlab.study.answer.results import StudyResults
+
+    return serve_answer(StudyResults.load(Path(directory) / "study.sqlite"), target, f"the study in {directory}")
+
+
+def serve_answer(results, target: str | None = None, where: str = "the study") -> ServeConfig:
+    """`serve_from_study` of a study's loaded results (`StudyResults`)."""
+    from draftlab.study.answer.recommend import fastest_lossless
+
+    raced = serve_configs(results.load_summaries, results.drift.typical)
+    on_llamacpp = [s for s in results.summaries if s.target.startswith(LLAMACPP_TARGET)]
+    answers = {**{d.target: ServeConfig(d.target, d.draft if serves_batched(d.draft) else "none",
+                                        f"1:{d.k if serves_batched(d.draft) else 0}")
+                  for d in fastest_lossless(on_llamacpp)}, **raced}
+    if not answers:
+        raise DraftlabError(f"{where} ran no llama.cpp target: draftlab serve runs GGUF targets "
+                            "(study one with --targets llamacpp:NAME)")
+    if target is None:
+        return next(iter(answers.values()))
+    if target not in answers:
+        raise DraftlabError(f"{where} has no answer for {target}; it has {', '.join(answers)}")
+    return answers[target]

@@ -166,8 +166,9 @@ PRESETS = {
     # on x86 every product of a step then runs the repacked Q4_0 kernels, exact at every block size with draftlab's
     # build, at the stock step's price and with GEMM prefill (Q4_1 has neither; docs/backends.md).
     "quick": SweepConfig(targets=("smollm2-135m", f"{LLAMACPP_TARGET}smollm2-135m@Q4_0_PURE"),
-                         drafters=("designed", "merged:ngram/tree:1:designed", "ngram"),
-                         methods=("sps", "asg", "lcp"), ks=(1, 2, 3), datasets=("heldout",), limit=8, race_after=2,
+                         drafters=("designed", "merged:ngram/tree:1:designed", "ngram", "suffix"),
+                         methods=("sps", "asg", "lcp", "serve"), ks=(1, 2, 3, 6), datasets=("heldout",), limit=8,
+                         race_after=2,
                          max_new_tokens=128, baseline_every=2, budget_s=480.0,
                          servers=("ngram-mod", "ngram-simple:16")),
     # The seeds' study on a second family (the Qwen2.5-Coder pair, ~1.6 GB of downloads): the 0.5B stand-alone
