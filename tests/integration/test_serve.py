@@ -1,6 +1,7 @@
 """`draftlab serve` on the real SmolLM2 (pure Q4_0 on the exact kernels): each request in flight decodes bitwise as
-it does alone, K changing with the load; then a started server driven by the official `openai` client, bad inputs,
-a full queue, a client that goes away, and SIGTERM with requests in flight."""
+it does alone, K changing with the load; then a started server driven by the official `openai` client (the README's
+test command's smoke test of the engine), bad inputs, a full queue, a client that goes away, and SIGTERM with
+requests in flight (the slow tier)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from draftlab.files.datasets import load_prompts
 from draftlab.models import gguf_path, load_model
 from draftlab.serving.build import ServeSettings, build_served
 from draftlab.serving.scheduler import Job, LoadK
+from tests.tiers import exhaustive
 
 pytestmark = pytest.mark.integration
 TARGET = "smollm2-135m@Q4_0_PURE"
@@ -67,7 +69,8 @@ def serve_jobs(served, jobs: list[tuple[list[int], int, float]]) -> list[list[in
     return answers
 
 
-@pytest.mark.parametrize("drafter, ks", [("ngram", "1:4,2-3:2,4:0"), ("suffix", "1-2:6,3-4:3")])
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter, ks", [("ngram", "1:4,2-3:2,4:0"), exhaustive("suffix", "1-2:6,3-4:3")])
 def test_each_request_decodes_as_alone_whatever_is_in_flight(prompts, plain, drafter, ks):
     served = build_served(ServeSettings(TARGET, drafter, LoadK.parse(ks), slots=4, context=2048))
     served.scheduler.start()
@@ -131,6 +134,7 @@ def test_the_openai_client_gets_completions_chats_and_streams(server, target, pr
     assert sampled.usage.completion_tokens == 16 and sampled.choices[0].finish_reason == "length"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("body, status", [
     (b"{oops", 400), (b'{"model": "gpt-5", "prompt": "hi"}', 404), (b'{"prompt": "hi", "max_tokens": 0}', 400),
     (b'{"prompt": "hi", "max_tokens": -1}', 400), (b'{"prompt": "hi", "max_tokens": 100000000}', 400),
@@ -144,6 +148,7 @@ def test_each_bad_input_is_one_json_error_and_the_next_request_is_served(server,
     assert code == 200 and answer["usage"]["completion_tokens"] == 2
 
 
+@pytest.mark.slow
 def test_a_full_queue_answers_429_and_a_client_gone_frees_its_slot(tmp_path, prompts):
     with DraftlabServer(ServeConfig(TARGET, "none", "1:0", slots=1, context=2048, queue=1), tmp_path) as server:
         gone = urllib.request.urlopen(urllib.request.Request(  # a stream its client drops after the first event
@@ -167,6 +172,7 @@ def test_a_full_queue_answers_429_and_a_client_gone_frees_its_slot(tmp_path, pro
         assert 'outcome="cancelled"} 1' in metrics and 'outcome="rejected"} 2' in metrics
 
 
+@pytest.mark.slow
 def test_sigterm_drains_what_is_in_flight(tmp_path, prompts):
     server = DraftlabServer(ServeConfig(TARGET, "ngram", "1:3", slots=2, context=2048), tmp_path)
     server.start()
