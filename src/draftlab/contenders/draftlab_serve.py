@@ -25,6 +25,7 @@ from draftlab.drafters.kinds import is_plain_drafter, learns_across_requests, se
 from draftlab.engine import GenerationResult, check_room
 from draftlab.errors import DraftlabError
 from draftlab.measure import Contender, RunSettings
+from draftlab.models import gguf_path
 
 START_TIMEOUT_S = 180.0  # loading a GGUF and its repacked twin takes seconds
 STOP_GRACE_S = 30.0
@@ -41,12 +42,13 @@ class ServeConfig:
     slots: int = 1  # --max-in-flight
     context: int = 4096  # --context: KV cells per slot
     queue: int = 64  # --max-queue: requests waiting beyond the slots before a 429
+    name: str = SERVED_NAME  # --served-model-name ('': the target as given, what a deployed server answers to)
 
     def flags(self) -> list[str]:
         """`draftlab serve`'s arguments (the host and port come from `launch`)."""
-        return ["--target", self.target, "--drafter", self.drafter, "--k-per-load", self.k_per_load,
-                "--max-in-flight", str(self.slots), "--max-queue", str(self.queue), "--context", str(self.context),
-                "--served-model-name", SERVED_NAME]
+        flags = ["--target", self.target, "--drafter", self.drafter, "--k-per-load", self.k_per_load,
+                 "--max-in-flight", str(self.slots), "--max-queue", str(self.queue), "--context", str(self.context)]
+        return flags + (["--served-model-name", self.name] if self.name else [])
 
     def command(self) -> str:
         """The command a user deploys this configuration with (as the study ran it)."""
@@ -136,8 +138,6 @@ def server_slots(drafter: str, concurrency: int, most_in_flight: int) -> int:
 
 
 def _server(source: ContenderSource, cell, companions: tuple) -> Contender:
-    from draftlab.models import gguf_path
-
     slots = server_slots(cell.drafter, cell.concurrency, source.servers.most_in_flight if source.servers else 1)
     config = ServeConfig(str(gguf_path(source.target.source)), cell.drafter, f"1:{cell.k}", slots)
     return served_contender(source, cell, companions, config)

@@ -64,7 +64,7 @@ def _best_alone(cells: list[LoadSummary]) -> LoadSummary | None:
 def _config(model: str, best: LoadSummary, cells: list[LoadSummary], margin: float) -> ServeConfig:
     levels = sorted({s.concurrency for s in cells if s.method == SERVE_AR.name}) or [1]
     return ServeConfig(model, best.drafter if best.method == SERVE.name else "none",
-                       _k_per_load(best, cells, margin), slots=max(levels))
+                       _k_per_load(best, cells, margin), slots=max(levels), name="")
 
 
 def _deploy_line(model: str, cells: list[LoadSummary], margin: float) -> str:
@@ -128,7 +128,7 @@ def serve_answer(results, target: str | None = None, where: str = "the study") -
     raced = serve_configs(results.load_summaries, results.drift.typical)
     on_llamacpp = [s for s in results.summaries if s.target.startswith(LLAMACPP_TARGET)]
     answers = {**{d.target: ServeConfig(d.target, d.draft if serves_batched(d.draft) else "none",
-                                        f"1:{d.k if serves_batched(d.draft) else 0}")
+                                        f"1:{d.k if serves_batched(d.draft) else 0}", name="")
                   for d in fastest_lossless(on_llamacpp)}, **raced}
     if not answers:
         raise DraftlabError(f"{where} ran no llama.cpp target: draftlab serve runs GGUF targets "
