@@ -100,8 +100,7 @@ async def _complete(request: Request, served: Served, chat: bool):
     prompt = _prompt_ids(parsed, served)
     config = _config(parsed, len(prompt), served)
     events: asyncio.Queue = asyncio.Queue()
-    loop = asyncio.get_running_loop()
-    job = Job(prompt, config, lambda kind, value: loop.call_soon_threadsafe(events.put_nowait, (kind, value)))
+    job = Job(prompt, config, _emitter(asyncio.get_running_loop(), events))
     try:
         served.scheduler.submit(job)
     except Busy as exc:
@@ -114,6 +113,17 @@ async def _complete(request: Request, served: Served, chat: bool):
         return StreamingResponse(_stream(parsed, served, job, events, text, len(prompt)),
                                  media_type="text/event-stream")
     return await _whole(request, parsed, served, job, events, text, len(prompt))
+
+
+def _emitter(loop: asyncio.AbstractEventLoop, events: asyncio.Queue) -> Callable[[str, object], None]:
+    """A job's `emit`, called on the scheduler's thread: the event goes to the request's queue (dropped once the
+    event loop closed, at the end of a shutdown that outlasted its grace)."""
+    def emit(kind: str, value) -> None:
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, (kind, value))
+        except RuntimeError:
+            pass
+    return emit
 
 
 def _authorize(request: Request, served: Served) -> None:

@@ -177,13 +177,15 @@ class Scheduler:
     def _start(self, job: Job) -> None:
         """Prefill a job's prompt into the lowest free slot (a cancelled or failing job says why instead)."""
         if job.cancelled:
+            self.metrics.finished("cancelled")
             job.emit("error", "cancelled")
             return
         slot = min(set(range(len(self.engines))) - set(self._active))
         try:
             run = self.engines[slot].start(job.prompt, job.config)
-        except DraftlabError as exc:
-            job.emit("error", str(exc))
+        except Exception as exc:  # a prompt it cannot prefill (or a fault of the prefill): this job alone ends
+            self.metrics.finished("error")
+            job.emit("error", str(exc) if isinstance(exc, DraftlabError) else f"{type(exc).__name__}: {exc}")
             return
         self._active[slot] = _Active(job, run, time.perf_counter())
         self.metrics.admitted(len(job.prompt), time.perf_counter() - job.submitted)
