@@ -266,15 +266,21 @@ class LlamaCppBackend:
         return torch.from_numpy(np.ctypeslib.as_array(pointer, shape=(rows, self.vocab_size)).copy())
 
     def __del__(self) -> None:
-        lib = getattr(self, "lib", None)
-        if lib is None:
-            return
-        if getattr(self, "_batch", None) is not None:
-            lib.llama_batch_free(self._batch)
-            self._batch = None
-        if getattr(self, "_ctx", None):
-            lib.llama_free(self._ctx)
-            self._ctx = None
+        free_native(self)
+
+
+def free_native(owner) -> None:
+    """Free what a llama.cpp backend holds natively (its batch, then its context), once; an object whose
+    constructor failed half way holds some of them or none."""
+    lib = getattr(owner, "lib", None)
+    if lib is None:
+        return
+    if getattr(owner, "_batch", None) is not None:
+        lib.llama_batch_free(owner._batch)
+        owner._batch = None
+    if getattr(owner, "_ctx", None):
+        lib.llama_free(owner._ctx)
+        owner._ctx = None
 
 
 def dfs_order(parents: tuple[int, ...], children: tuple[tuple[int, ...], ...]) -> list[int]:

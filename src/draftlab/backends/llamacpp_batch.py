@@ -28,7 +28,7 @@ import torch
 
 from draftlab.backends.gguf import LlamaCppModel, llama_lib
 from draftlab.backends.gguf import threads as default_threads
-from draftlab.backends.llamacpp import MAX_BATCH, MAX_CONTEXT, LlamaCppBackend
+from draftlab.backends.llamacpp import MAX_BATCH, MAX_CONTEXT, LlamaCppBackend, free_native
 from draftlab.decoding.step import Block, Scores
 from draftlab.errors import DraftlabError
 
@@ -157,15 +157,7 @@ class LlamaCppBatch:
         return ctx
 
     def __del__(self) -> None:
-        lib = getattr(self, "lib", None)
-        if lib is None:
-            return
-        if getattr(self, "_batch", None) is not None:
-            lib.llama_batch_free(self._batch)
-            self._batch = None
-        if getattr(self, "_ctx", None):
-            lib.llama_free(self._ctx)
-            self._ctx = None
+        free_native(self)
 
 
 class SlotView:
