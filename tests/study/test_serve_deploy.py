@@ -23,6 +23,10 @@ def test_draftlab_serve_wins_alone_and_k_follows_the_load():
     [line] = serve_sentences(cells, margin=0.05)
     assert line.startswith("Deploy smollm2-135m@Q4_0_PURE on draftlab serve (exact")
     assert "1.24x" in line and "--drafter suffix --k-per-load 1:6,2:3,3-64:0 --max-in-flight 4" in line
+    from draftlab.study.answer.serve_deploy import serve_configs
+
+    [unsure] = serve_configs(cells, margin=0.6).values()  # no level pays by more than the drift: plain decoding
+    assert (unsure.drafter, unsure.k_per_load) == ("none", "1:0")
 
 
 def test_no_line_where_llama_server_is_as_fast_or_an_output_differed():

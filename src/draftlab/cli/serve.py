@@ -87,7 +87,8 @@ def _what_to_serve(args: argparse.Namespace):
     from draftlab.study.answer.serve_deploy import serve_from_study
 
     config = serve_from_study(args.from_study, args.target)
-    print(f"draftlab serve: the answer of {args.from_study}: {config.command()}", flush=True)
+    print(f"draftlab serve: the answer of {args.from_study}: {config.target} with {config.drafter}, K per requests in "
+          f"flight {config.k_per_load}", flush=True)
     return config.target, config.drafter, LoadK.parse(config.k_per_load)
 
 

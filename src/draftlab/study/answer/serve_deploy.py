@@ -62,9 +62,12 @@ def _best_alone(cells: list[LoadSummary]) -> LoadSummary | None:
 
 
 def _config(model: str, best: LoadSummary, cells: list[LoadSummary], margin: float) -> ServeConfig:
+    """The configuration to deploy: the best one's drafter with K per load (plain decoding where no level pays)."""
     levels = sorted({s.concurrency for s in cells if s.method == SERVE_AR.name}) or [1]
-    return ServeConfig(model, best.drafter if best.method == SERVE.name else "none",
-                       _k_per_load(best, cells, margin), slots=max(levels), name="")
+    rows = _k_per_load(best, cells, margin)
+    paying = best.method == SERVE.name and any(not row.endswith(":0") for row in rows.split(","))
+    return ServeConfig(model, best.drafter if paying else "none", rows if paying else "1:0", slots=max(levels),
+                       name="")
 
 
 def _deploy_line(model: str, cells: list[LoadSummary], margin: float) -> str:
