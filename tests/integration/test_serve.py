@@ -231,3 +231,19 @@ def test_the_deploy_lines_command_run_as_printed_serves_the_measured_tokens(tmp_
     finally:
         process.terminate()
         process.wait(timeout=60)
+
+
+@pytest.mark.slow
+def test_a_k_quant_prefills_on_its_twin_and_decodes_as_alone(prompts):
+    """A K-quant (no repacked kernels on the exact route) prefills each request on its repacked twin, whose slots are
+    copied into the server's (the same layout of streams): 4 requests at once equal `draftlab generate`."""
+    target = "smollm2-135m@Q4_K_M"
+    decoder = SpeculativeDecoder.from_names(target, drafter="none", k=1, backend="llamacpp")
+    assert not decoder.target.model.repack  # the twin's path
+    plain_k = [decoder.generate(ids, max_new_tokens=24, temperature=0).token_ids for ids in prompts[:4]]
+    served = build_served(ServeSettings(target, "ngram", LoadK.parse("1:3,2-4:2"), slots=4, context=2048))
+    served.scheduler.start()
+    try:
+        assert serve_jobs(served, [(ids, 24, 0.0) for ids in prompts[:4]]) == plain_k
+    finally:
+        served.scheduler.stop()

@@ -49,12 +49,13 @@ class LlamaCppBatch:
         self.batch_invariant = model.rows_exact
         self.numerics = LlamaCppBackend.numerics_of(model)
         self.n_ctx = min(context or MAX_CONTEXT, model.n_ctx_train, MAX_CONTEXT)
-        self._ctx = self._new_context(threads or default_threads())
+        self._threads = threads or default_threads()
+        self._ctx = self._new_context(self._threads)
         self._memory = self.lib.llama_get_memory(self._ctx)
         self._batch = self.lib.llama_batch_init(MAX_BATCH, 0, 1)
         self._lengths = [0] * slots  # cached tokens per slot
         self._starts = [0] * slots  # where each slot's last scored block began
-        self._prefiller: LlamaCppBackend | None = None
+        self._prefiller: LlamaCppBatch | None = None  # the repacked twin's slots, for prefills (K-quants)
 
     def length(self, slot: int) -> int:
         """Tokens cached in a slot."""
@@ -73,17 +74,17 @@ class LlamaCppBatch:
 
     def prefill(self, slot: int, tokens: list[int]) -> torch.Tensor:
         """Fill an empty slot with a prompt (on the repacked twin where the model has one, as `LlamaCppBackend`
-        prefills); the last row's logits [1, V]."""
+        prefills: the same kernels, chunks and cells, so the same cache); the last row's logits [1, V]."""
         self.rollback(slot, 0)
         if self.model.repack:  # no twin: llama.cpp's own kernels already
             return self.score({slot: tokens}, last_only=True)[slot]
-        if self._prefiller is None:
-            self._prefiller = LlamaCppBackend(self.model.twin(), fast_prefill=False)
+        if self._prefiller is None:  # as many streams as here: llama.cpp copies a sequence between equal layouts
+            self._prefiller = LlamaCppBatch(self.model.twin(), self.slots, self.n_ctx, self._threads)
         twin = self._prefiller
-        twin.reset()
-        logits = twin.score(tokens, last_only=True)  # [1, V]
+        twin.rollback(0, 0)
+        logits = twin.score({0: tokens}, last_only=True)[0]  # [1, V]
         self._copy_from(twin, slot)
-        twin.reset()
+        twin.rollback(0, 0)
         self._starts[slot], self._lengths[slot] = 0, len(tokens)
         return logits
 
@@ -133,11 +134,11 @@ class LlamaCppBatch:
         first = {slot: slots.index(slot) for slot in dict.fromkeys(slots)}
         return {slot: logits[start:start + slots.count(slot)] for slot, start in first.items()}  # [n, V] each
 
-    def _copy_from(self, twin: LlamaCppBackend, slot: int) -> None:
-        """Copy the twin's cache of its sequence 0 into a slot (llama.cpp's sequence state, byte for byte)."""
-        size = self.lib.llama_state_seq_get_size(twin.context, 0)
+    def _copy_from(self, twin: "LlamaCppBatch", slot: int) -> None:
+        """Copy the twin's cache of its slot 0 into a slot (llama.cpp's sequence state, byte for byte)."""
+        size = self.lib.llama_state_seq_get_size(twin._ctx, 0)
         state = (ctypes.c_uint8 * size)()
-        written = self.lib.llama_state_seq_get_data(twin.context, state, size, 0)
+        written = self.lib.llama_state_seq_get_data(twin._ctx, state, size, 0)
         if not written or self.lib.llama_state_seq_set_data(self._ctx, state, written, slot) == 0:
             raise DraftlabError("llama.cpp could not copy a prefilled cache into a slot")
 
