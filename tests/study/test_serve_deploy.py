@@ -72,3 +72,23 @@ def test_serve_from_a_study_takes_its_fastest_exact_llama_cpp_answer_or_its_race
                                           row("serve", 19.0, p, "ngram", 3, concurrency=2))]
     raced = serve_answer(StudyResults(tmp_path / "study.sqlite", rows, {}, [], [], [], None))
     assert (raced.drafter, raced.k_per_load, raced.slots) == ("ngram", "1:3,2-64:0", 2)
+
+
+def test_an_answer_on_draftlabs_llama_cpp_route_deploys_on_draftlab_serve():
+    from draftlab.study.answer.recommend import deploy_notes
+    from draftlab.study.answer.report import Drift, summarize
+
+    def row(method: str, rate: float, prompt: str, drafter: str = "none", k: int = 0) -> dict:
+        return {"target": TARGET, "dataset": "d", "temperature": 0.0, "prompt_id": prompt, "method": method,
+                "drafter": drafter, "k": k, "new_tokens": 100, "wall_s": 100 / rate, "steps": 50, "drafted": 60,
+                "accepted": 50, "prefill_s": 0.0, "draft_s": 0.0, "target_s": 0.0, "overhead_s": 0.0,
+                "accepted_per_step": [], "drafted_per_step": [], "identical": 1, "finished_at": 0.0,
+                "backend": "llamacpp"}
+
+    rows = [r for i in range(6) for r in (row("ar", 10.0, f"p{i}"), row("sps", 15.0 + i % 2, f"p{i}", "suffix", 2))]
+    [line] = deploy_notes(summarize(rows), Drift(6, 0.02))
+    assert line.startswith("Deploy smollm2-135m on draftlab serve, the answer")
+    assert "draftlab serve --target smollm2-135m@Q4_0_PURE --drafter suffix --k-per-load 1:2" in line
+    lookups = [r for i in range(6) for r in (row("ar", 10.0, f"p{i}"), row("sps", 15.0, f"p{i}", "ngram:1-3", 2))]
+    [lookup] = deploy_notes(summarize(lookups), Drift(6, 0.02))
+    assert "--drafter ngram:1-3 --k-per-load 1:2" in lookup

@@ -30,6 +30,7 @@ from draftlab.models import gguf_path
 START_TIMEOUT_S = 180.0  # loading a GGUF and its repacked twin takes seconds
 STOP_GRACE_S = 30.0
 SERVED_NAME = "draftlab-target"
+SERVE_DEPLOY = "on draftlab serve"  # what a Deploy line for draftlab serve says, after the model's name
 
 
 @dataclass(frozen=True)

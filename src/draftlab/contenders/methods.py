@@ -19,11 +19,13 @@ from draftlab.contenders.hf import ASG, HF
 from draftlab.contenders.llama_cpp_python import LCP, LLAMA
 from draftlab.contenders.plain import AR, PLAIN, SPS
 from draftlab.contenders.server_configs import SERVER, SERVER_AR
+from draftlab.contenders.draftlab_serve import SERVE, SERVE_AR
 from draftlab.contenders.vllm import VLLM, VLLM_AR
 from draftlab.errors import DraftlabError
 
 # the built-in methods, named where code needs one, and the registry's functions
-__all__ = ["AR", "ASG", "HF", "LCP", "LLAMA", "PLAIN", "SERVER", "SERVER_AR", "SPS", "VLLM", "VLLM_AR", "Method",
+__all__ = ["AR", "ASG", "HF", "LCP", "LLAMA", "PLAIN", "SERVE", "SERVE_AR", "SERVER", "SERVER_AR", "SPS", "VLLM",
+           "VLLM_AR", "Method",
            "choices", "is_baseline", "method_of", "methods"]
 
 

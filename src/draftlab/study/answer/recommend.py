@@ -12,7 +12,9 @@ from draftlab.study.run.race import model_of
 from draftlab.study.answer.report import ALL, CellSummary, Drift, engine_words, pace
 from draftlab.study.answer.summary import interval_words
 from draftlab.study.run.cells import LLAMACPP_TARGET
-from draftlab.contenders.methods import PLAIN, SPS, VLLM, method_of
+from draftlab.contenders.draftlab_serve import SERVE_DEPLOY, ServeConfig
+from draftlab.contenders.methods import AR, PLAIN, SERVE, SERVE_AR, SPS, VLLM, method_of
+from draftlab.drafters.kinds import serves_batched
 from draftlab.contenders.vllm import deploy_command as vllm_deploy_command
 from draftlab.backends.base import ROUNDING
 
@@ -175,11 +177,33 @@ def deploy_notes(summaries: list[CellSummary], drift: Drift = Drift(0, 0.0), out
             command = vllm_deploy_command(choice.target, dtype, choice.drafter, choice.k, most_in_flight)
             notes.append(f"Deploy {model} on vLLM, the answer, as the study served it (llama-server's best measured "
                          f"beside it follows): {command}")
+        elif temperature == 0 and _serves(choice):
+            notes.append(_serve_note(model, choice, served_as(choice)[1]))
         elif temperature == 0 and not method.served:
             notes.append(f"The answer for {model} runs on {engine_words(choice)}, draftlab's own loop or library, "
                          "which has no server of its own to deploy: the Deploy line below is llama-server's best "
                          "measured beside it.")
     return notes
+
+
+def _serves(choice: CellSummary) -> bool:
+    """Whether `draftlab serve` runs the answer as it was measured: its own cells, or draftlab's exact llama.cpp
+    route with a drafter the server runs."""
+    method = method_of(choice.method)
+    if method in (SERVE, SERVE_AR):
+        return True
+    return (method in (AR, SPS) and choice.target.startswith(LLAMACPP_TARGET) and not choice.rounding
+            and serves_batched(choice.drafter))
+
+
+def _serve_note(model: str, choice: CellSummary, most_in_flight: int) -> str:
+    """The answer's `draftlab serve` command: the same engine, drafter and K, exact at every load."""
+    plain = method_of(choice.method).plain
+    config = ServeConfig(choice.target.removeprefix(LLAMACPP_TARGET), "none" if plain else choice.drafter,
+                         f"1:{0 if plain else choice.k}", slots=max(most_in_flight, 1), name="")
+    return (f"Deploy {model} {SERVE_DEPLOY}, the answer, on the engine and drafter it was measured with (exact: each "
+            f"request's tokens as alone, at every load; llama-server's best measured beside it follows): "
+            f"{config.command()}")
 
 
 SOONER_MARGIN = 0.10  # another engine's pick must answer this much sooner end to end (or by the drift, if larger)

@@ -19,6 +19,7 @@ from draftlab.study.answer.learning import format_learning, learning_rows
 from draftlab.study.answer.recommend import (deploy_notes, engine_answer, fastest_lossless, left_out_notes,
                                              numerics_notes, recommend)
 from draftlab.study.answer.results import StudyResults
+from draftlab.contenders.draftlab_serve import SERVE_DEPLOY
 from draftlab.study.answer.serve_deploy import serve_sentences
 from draftlab.study.answer.serving import format_load, server_answer, server_deployables
 from draftlab.study.answer.tables import format_lossy, format_optimal, lossy_cells
@@ -48,8 +49,10 @@ def answer_section(r: StudyResults) -> Section:
 
 
 def deploy_section(r: StudyResults) -> Section | None:
-    served = serve_sentences(r.load_summaries, r.drift.typical) + server_answer(r.load_summaries, r.drift.typical)
     notes = deploy_notes(r.summaries, r.drift, r.inputs.output_tokens, r.served_as)
+    answered = any(SERVE_DEPLOY in line for line in notes)  # the Use line's answer already on draftlab serve
+    served = ([] if answered else serve_sentences(r.load_summaries, r.drift.typical)) + server_answer(
+        r.load_summaries, r.drift.typical)
     deploys = [line for line in notes if line.startswith("Deploy ")]  # a vLLM answer's own command
     lines = (notes if any(line.startswith("Deploy ") for line in served) else deploys) + served
     return Section("Deploy", lines, h.paragraphs(lines, "answer")) if lines else None

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from draftlab.contenders.draftlab_serve import SERVE, SERVE_AR, ServeConfig
+from draftlab.contenders.draftlab_serve import SERVE, SERVE_AR, SERVE_DEPLOY, ServeConfig
 from draftlab.contenders.methods import method_of
 from draftlab.drafters.kinds import serves_batched
 from draftlab.errors import DraftlabError
@@ -79,7 +79,7 @@ def _deploy_line(model: str, cells: list[LoadSummary], margin: float) -> str:
     rival = max(rivals, key=lambda s: s.tokens_per_s)
     if best.tokens_per_s <= rival.tokens_per_s * (1 + margin):
         return ""
-    return (f"Deploy {model} on draftlab serve (exact: every output as draftlab's plain decoding, at every load; "
+    return (f"Deploy {model} {SERVE_DEPLOY} (exact: every output as draftlab's plain decoding, at every load; "
             f"{best.name} {best.tokens_per_s:.1f} tok/s alone, {best.tokens_per_s / rival.tokens_per_s:.2f}x "
             f"{rival.name}'s {rival.tokens_per_s:.1f}) with: {_config(model, best, cells, margin).command()}")
 
