@@ -204,7 +204,7 @@ async def _stream(parsed: CompletionRequest, served: Served, job: Job, events: a
             if kind == "tokens":
                 count += len(value)
                 delta = text.push(value)
-                if delta or first:
+                if delta or first or parsed.return_token_ids:  # token ids are never held back
                     yield _event(chunk(parsed, served.model, delta, None, value, first))
                     first = False
                 continue
