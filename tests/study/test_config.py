@@ -29,7 +29,7 @@ def test_the_quick_study_races_and_the_full_grid_stays():
 
     quick, full = make_config("quick"), make_config("full")
     assert {parse_drafter_spec(spec, 30).kind for spec in quick.drafters} == {"designed", "merged", "ngram", "suffix"}
-    assert "serve" in quick.methods and max(quick.ks) >= 6  # it races draftlab serve, and suffix decoding at K=6
+    assert "serve" in quick.methods  # it races draftlab serve (K 1-3: with K=6 too, the AVX2 host reached 3 of 8 prompts)
     assert quick.race_after >= 1 and full.race_after == 0
     assert "layers" in {parse_drafter_spec(spec, 30).kind for spec in full.drafters}
     with pytest.raises(DraftlabError, match="race_after"):

@@ -167,7 +167,7 @@ PRESETS = {
     # build, at the stock step's price and with GEMM prefill (Q4_1 has neither; docs/backends.md).
     "quick": SweepConfig(targets=("smollm2-135m", f"{LLAMACPP_TARGET}smollm2-135m@Q4_0_PURE"),
                          drafters=("designed", "merged:ngram/tree:1:designed", "ngram", "suffix"),
-                         methods=("sps", "asg", "lcp", "serve"), ks=(1, 2, 3, 6), datasets=("heldout",), limit=8,
+                         methods=("sps", "asg", "lcp", "serve"), ks=(1, 2, 3), datasets=("heldout",), limit=8,
                          race_after=2,
                          max_new_tokens=128, baseline_every=2, budget_s=480.0,
                          servers=("ngram-mod", "ngram-simple:16")),
