@@ -53,6 +53,19 @@ def tiny_backend(tiny_target) -> HFBackend:
 
 def tiny_model_dir(path, vocab: int = 64, layers: int = 4, seed: int = 0):
     """A tiny Llama saved as an HF directory with a word-level tokenizer ('w0' .. 'w63'), for CLI tests."""
+    return save_model_dir(path, tiny_llama(vocab=vocab, layers=layers, seed=seed).model, vocab)
+
+
+def shape_model_dir(path, shape: str, layers: int, dtype: torch.dtype, device: str = "cpu"):
+    """Random weights in a real model's shape (`checks.exactness.SHAPES`, `layers` of them) saved as an HF
+    directory with a word-level tokenizer over its whole vocabulary: a target any command loads by path."""
+    from draftlab.checks.exactness import SHAPES, random_model
+
+    return save_model_dir(path, random_model(SHAPES[shape], dtype, device, layers=layers), SHAPES[shape].vocab)
+
+
+def save_model_dir(path, model, vocab: int):
+    """A model and a word-level tokenizer ('w0' .. 'w{vocab-2}', then '[UNK]') saved as an HF directory."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -61,7 +74,6 @@ def tiny_model_dir(path, vocab: int = 64, layers: int = 4, seed: int = 0):
     tokenizer = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]")
-    model = tiny_llama(vocab=vocab, layers=layers, seed=seed).model
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     model.save_pretrained(path)

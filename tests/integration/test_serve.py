@@ -23,6 +23,7 @@ from draftlab.files.datasets import load_prompts
 from draftlab.models import gguf_path, load_model
 from draftlab.serving.build import ServeSettings, build_served
 from draftlab.serving.scheduler import Job, LoadK
+from tests.serve_jobs import serve_jobs
 from tests.tiers import exhaustive
 
 pytestmark = pytest.mark.integration
@@ -45,28 +46,6 @@ def plain(target, prompts):
     """draftlab generate's plain decoding of each prompt (the reference every answer must equal)."""
     decoder = SpeculativeDecoder.from_names(target, drafter="none", k=1, backend="llamacpp")
     return [decoder.generate(ids, max_new_tokens=TOKENS, temperature=0).token_ids for ids in prompts]
-
-
-def serve_jobs(served, jobs: list[tuple[list[int], int, float]]) -> list[list[int]]:
-    """Submit (prompt, max tokens, delay after the previous) and wait for every answer's tokens."""
-    answers: list[list[int]] = [[] for _ in jobs]
-    done = [threading.Event() for _ in jobs]
-
-    def sink(i: int):
-        def emit(kind: str, value) -> None:
-            if kind == "tokens":
-                answers[i].extend(value)
-            else:
-                assert kind == "done", value
-                done[i].set()
-        return emit
-
-    for i, (ids, tokens, delay) in enumerate(jobs):
-        time.sleep(delay)
-        served.scheduler.submit(Job(ids, GenerationConfig(max_new_tokens=tokens, eos_token_ids=served.eos_ids),
-                                    sink(i)))
-    assert all(event.wait(120) for event in done)
-    return answers
 
 
 @pytest.mark.slow

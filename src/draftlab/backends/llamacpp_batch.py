@@ -57,6 +57,10 @@ class LlamaCppBatch:
         self._starts = [0] * slots  # where each slot's last scored block began
         self._prefiller: LlamaCppBatch | None = None  # the repacked twin's slots, for prefills (K-quants)
 
+    def view(self, slot: int) -> "SlotView":
+        """The slot as a `Backend`, for its engine."""
+        return SlotView(self, slot)
+
     def length(self, slot: int) -> int:
         """Tokens cached in a slot."""
         return self._lengths[slot]

@@ -12,6 +12,7 @@ from draftlab.engine import GenerationConfig
 
 
 SERVE_TARGET = "smollm2-135m@Q4_0_PURE"  # the embedded target in the type the exact kernels run fastest
+TORCH_TARGET = "smollm2-135m"  # the embedded target on the torch backends
 GRACE_S = 120  # after SIGTERM, how long requests in flight may take to finish
 
 
@@ -21,13 +22,20 @@ def add_serve_commands(sub) -> None:
     serve.add_argument("--from", dest="from_study", default=None, metavar="DIR",
                        help="serve a study's answer (its directory): target, drafter and K per load as it measured")
     serve.add_argument("--target", default=None,
-                       help=f"short name (NAME@TYPE for a derived GGUF) or .gguf file (default {SERVE_TARGET})")
+                       help=f"short name (NAME@TYPE for a derived GGUF), .gguf file or, on a torch backend, an HF "
+                            f"directory (default {SERVE_TARGET}; on torch {TORCH_TARGET})")
     serve.add_argument("--drafter", default=None, help="none (plain decoding; the default), ngram, ngram:MIN-MAX or "
                                                       "suffix[:OPTIONS]")
     serve.add_argument("--k", type=int, default=None, help="draft tokens per step (default 4 with a drafter)")
     serve.add_argument("--k-per-load", default=None, metavar="ROWS",
                        help="K by requests in flight, rows LO-HI:K from 1 on, e.g. 1-2:6,3-4:3,5-8:0 (0: plain decoding)")
-    serve.add_argument("--numerics", default="exact", help="exact (every output as the request alone) or repack")
+    serve.add_argument("--backend", default="llamacpp",
+                       help="llamacpp (the GGUF's own types; the default) or a torch backend: auto, fast, hf")
+    serve.add_argument("--device", default="cpu", help="torch backends: cpu or cuda")
+    serve.add_argument("--dtype", default="auto", help="torch backends: the weights' dtype (auto: the exact route "
+                                                      "measured fastest here)")
+    serve.add_argument("--numerics", default="exact", help="exact (every output as the request alone), llama.cpp's "
+                                                          "repack, or a torch route label ('fp32 exact-linear/16')")
     serve.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: the cores here)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1 only)")
     serve.add_argument("--port", type=int, default=8000)
@@ -66,10 +74,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     target, drafter, ks = _what_to_serve(args)
     settings = ServeSettings(target, drafter, ks, args.max_in_flight, args.max_queue, args.context, args.numerics,
-                             args.served_model_name, args.api_key, args.suffix_cache, args.threads)
+                             args.served_model_name, args.api_key, args.suffix_cache, args.threads, args.backend,
+                             args.device, args.dtype)
     served = build_served(settings)
-    print(f"draftlab serve: {settings.target} with {settings.drafter}, K per requests in flight {settings.ks.text()}, "
-          f"{settings.slots} slots, on http://{args.host}:{args.port}/v1", flush=True)
+    print(f"draftlab serve: {settings.target} on {served.numerics} with {settings.drafter}, K per requests in flight "
+          f"{settings.ks.text()}, {settings.slots} slots, on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(create_app(served), host=args.host, port=args.port, log_level="warning",
                 timeout_graceful_shutdown=GRACE_S)
 
@@ -81,7 +90,8 @@ def _what_to_serve(args: argparse.Namespace):
 
     if args.from_study is None:
         drafter = args.drafter or "none"
-        return args.target or SERVE_TARGET, drafter, _serve_ks(args, drafter)
+        default = SERVE_TARGET if args.backend == "llamacpp" else TORCH_TARGET
+        return args.target or default, drafter, _serve_ks(args, drafter)
     if args.drafter is not None or args.k is not None or args.k_per_load is not None:
         raise DraftlabError("--from serves the study's drafter and K; leave --drafter, --k and --k-per-load out")
     from draftlab.study.answer.serve_deploy import serve_from_study

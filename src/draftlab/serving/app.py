@@ -47,6 +47,7 @@ class Served:
     scheduler: Scheduler
     metrics: ServeMetrics
     api_key: str = ""
+    numerics: str = ""  # the target's numerics, for people (`Backend.numerics`)
 
 
 def create_app(served: Served) -> FastAPI:

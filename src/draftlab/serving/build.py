@@ -1,22 +1,25 @@
-"""A `draftlab serve` from its settings: the target's GGUF on llama.cpp's exact kernels, a slot per request in
-flight, an engine per slot (the drafter `draftlab generate` builds, beside the others), the scheduler and the app."""
+"""A `draftlab serve` from its settings: the target on llama.cpp's exact kernels (its GGUF) or on the torch backend's
+exact route (CPU or CUDA), a slot per request in flight, an engine per slot (the drafter `draftlab generate` builds,
+beside the others), the scheduler and the app."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from draftlab.api import eos_ids
-from draftlab.backends import LLAMACPP
-from draftlab.backends.llamacpp_batch import LlamaCppBatch, SlotView
+from draftlab.backends import LLAMACPP, engine_of_backend, make_backend
+from draftlab.backends.llamacpp_batch import LlamaCppBatch
+from draftlab.backends.routes import parse_route
+from draftlab.backends.slots import BackendSlots
 from draftlab.drafters.kinds import learns_across_requests, with_suffix_store
 from draftlab.engine import SpeculativeEngine
 from draftlab.errors import DraftlabError
-from draftlab.models import load_model
+from draftlab.models import LoadedModel, ModelSpec, load_model
 from draftlab.registry import build_drafter
 from draftlab.serving.app import Served
 from draftlab.serving.metrics import ServeMetrics
 from draftlab.serving.protocol import ApiError
-from draftlab.serving.scheduler import LoadK, LoadPolicy, Scheduler
+from draftlab.serving.scheduler import LoadK, LoadPolicy, Scheduler, SlotBatch
 
 
 @dataclass(frozen=True)
@@ -29,17 +32,31 @@ class ServeSettings:
     slots: int = 4  # requests decoded at once
     max_waiting: int = 64  # requests queued beyond the slots before a 429
     context: int | None = None  # KV cells per slot (None: the model's, at most 8192)
-    numerics: str = "exact"  # exact (rows as alone) or repack (llama.cpp's own kernels: rows round apart)
+    numerics: str = "exact"  # llama.cpp: exact (rows as alone) or repack (its own kernels: rows round apart);
+    # torch: exact (the exact route measured fastest here) or a route label ("bf16 exact-linear/16")
     name: str = ""  # the model's name in the API (default: the target as given)
     api_key: str = ""
     suffix_cache: str = ""  # a directory suffix decoding's cache is kept in across restarts
     threads: int | None = None  # llama.cpp's threads for the batch (None: the cores this process may use)
+    backend: str = LLAMACPP.backend  # llamacpp, or a torch backend (auto, fast, hf)
+    device: str = "cpu"  # torch backends: cpu or cuda
+    dtype: str = "auto"  # torch backends: the weights' dtype (auto: the exact route measured fastest here)
 
     def __post_init__(self) -> None:
         if self.slots < 1 or self.max_waiting < 0:
             raise DraftlabError("draftlab serve needs --max-in-flight >= 1 and --max-queue >= 0")
-        if self.numerics not in ("exact", "repack"):
-            raise DraftlabError(f"draftlab serve's --numerics is exact or repack, not {self.numerics!r}")
+        if self.on_llamacpp and self.numerics not in ("exact", "repack"):
+            raise DraftlabError(f"draftlab serve's --numerics on llama.cpp is exact or repack, not {self.numerics!r}")
+        if not self.on_llamacpp and self.numerics == "repack":
+            raise DraftlabError("--numerics repack is llama.cpp's; the torch backend takes exact or a route label")
+        if self.on_llamacpp and (self.device != "cpu" or self.dtype != "auto"):
+            raise DraftlabError("llama.cpp serves the GGUF's own types on the CPU: --device and --dtype are the "
+                                "torch backend's (add --backend auto)")
+
+    @property
+    def on_llamacpp(self) -> bool:
+        """The target's GGUF in llama.cpp (else torch)."""
+        return engine_of_backend(self.backend).runs_gguf
 
     @property
     def drafter_spec(self) -> str:
@@ -53,10 +70,8 @@ class ServeSettings:
 
 def build_served(settings: ServeSettings) -> Served:
     """Load the target and build everything the app serves (the scheduler not yet started)."""
-    loaded = load_model(settings.target, backend=LLAMACPP.backend,
-                        repack=True if settings.numerics == "repack" else None)
-    drafter = build_drafter(settings.drafter_spec, loaded, LLAMACPP.backend).drafter
-    batch = LlamaCppBatch(loaded.model, settings.slots, settings.context, settings.threads)
+    loaded, batch = (_llamacpp_slots if settings.on_llamacpp else _torch_slots)(settings)
+    drafter = build_drafter(settings.drafter_spec, loaded, settings.backend).drafter
     metrics = ServeMetrics(k_rows=settings.ks.text())
     context = min(loaded.context_length, batch.n_ctx)
     tokenizer = loaded.tokenizer
@@ -68,12 +83,31 @@ def build_served(settings: ServeSettings) -> Served:
     scheduler = Scheduler(batch, engines, settings.max_waiting, metrics)
     for slot in range(settings.slots):
         policy = LoadPolicy(settings.ks, lambda: scheduler.in_flight)
-        engines.append(SpeculativeEngine(SlotView(batch, slot), drafter.beside(), policy, context_length=context,
+        engines.append(SpeculativeEngine(batch.view(slot), drafter.beside(), policy, context_length=context,
                                          decode=decode))
     return Served(model=settings.name or settings.target, encode_text=lambda text: _encode(tokenizer, text),
                   encode_chat=lambda messages: _chat(tokenizer, messages), decode=decode,
                   vocab_size=loaded.vocab_size, context_length=context, eos_ids=eos_ids(loaded),
-                  scheduler=scheduler, metrics=metrics, api_key=settings.api_key)
+                  scheduler=scheduler, metrics=metrics, api_key=settings.api_key, numerics=batch.view(0).numerics)
+
+
+def _llamacpp_slots(settings: ServeSettings) -> tuple[LoadedModel, SlotBatch]:
+    """The target's GGUF in llama.cpp and a KV stream per slot, every slot's block in one decode."""
+    loaded = load_model(settings.target, backend=LLAMACPP.backend,
+                        repack=True if settings.numerics == "repack" else None)
+    return loaded, LlamaCppBatch(loaded.model, settings.slots, settings.context, settings.threads)
+
+
+def _torch_slots(settings: ServeSettings) -> tuple[LoadedModel, SlotBatch]:
+    """The target in torch on its exact route (as `draftlab generate` loads it; None: the one measured fastest here,
+    kept in the route cache, so every slot runs the same), a backend per slot on its weights."""
+    route = None if settings.numerics == "exact" else parse_route(
+        settings.numerics, None if settings.dtype == "auto" else settings.dtype)
+    dtype = route.dtype if route is not None else settings.dtype
+    loaded = load_model(ModelSpec(settings.target, device=settings.device, dtype=dtype), backend=settings.backend)
+    n_ctx = min(settings.context or loaded.context_length, loaded.context_length)
+    return loaded, BackendSlots(lambda: make_backend(loaded.model, loaded.device, settings.backend, route=route),
+                                settings.slots, n_ctx)
 
 
 def _encode(tokenizer, text: str) -> list[int]:

@@ -1,9 +1,9 @@
 """The scheduler above the engine's step: requests join and leave a running batch between steps.
 
 `draftlab serve` decodes every request in flight with the engine's own step (`SpeculativeEngine.plan`, the target's
-score, `SpeculativeEngine.settle`), one engine per slot of a `LlamaCppBatch`, and scores all their blocks in one
-llama.cpp decode: continuous batching, as vLLM's scheduler does above its model runner. A slot's engine is the one
-`draftlab generate` runs (its drafter beside the others', `Drafter.beside`), and the batch scores each row bitwise as
+score, `SpeculativeEngine.settle`), one engine per slot of a `SlotBatch`, and scores all their blocks in one
+llama.cpp decode (on torch, each slot's block in turn: `BackendSlots`): continuous batching, as vLLM's scheduler
+does above its model runner. A slot's engine is the one `draftlab generate` runs (its drafter beside the others', `Drafter.beside`), and the batch scores each row bitwise as
 alone, so each request's greedy tokens are those it gets served alone, whatever else is in flight.
 
 K follows the number of requests in flight (`LoadK`: the study's answer per concurrency level, 0 where speculation
@@ -17,9 +17,11 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol, Sequence
 
-from draftlab.backends.llamacpp_batch import LlamaCppBatch
+import torch
+
+from draftlab.backends.base import Backend
 from draftlab.decoding.step import Scores
 from draftlab.engine import GenerationConfig, GenerationResult, SpeculativeEngine
 from draftlab.errors import DraftlabError
@@ -83,6 +85,22 @@ class LoadPolicy:
         """K does not adapt to acceptance."""
 
 
+class SlotBatch(Protocol):
+    """The backend below the scheduler: a slot per request in flight (`LlamaCppBatch`: one llama.cpp decode for
+    all; `BackendSlots`: torch backends in turn), each slot's rows bitwise those of its request alone."""
+
+    n_ctx: int  # tokens a slot holds
+
+    def view(self, slot: int) -> Backend:
+        """The slot as a backend of its own, for its engine (prefill, keep, rollback)."""
+
+    def score(self, blocks: dict[int, Sequence[int]], last_only: bool = False) -> dict[int, torch.Tensor]:
+        """Every slot's chain appended to its cache; logits [n, V] per slot."""
+
+    def rollback(self, slot: int, length: int) -> None:
+        """Keep a slot's first `length` tokens."""
+
+
 @dataclass
 class Job:
     """One request: its prompt and settings, and where its tokens go (`emit(kind, value)` on the scheduler's thread:
@@ -105,9 +123,9 @@ class _Active:
 class Scheduler:
     """Admits jobs into free slots, steps every active one in one batched decode, retires the finished."""
 
-    def __init__(self, batch: LlamaCppBatch, engines: list[SpeculativeEngine], max_waiting: int,
+    def __init__(self, batch: SlotBatch, engines: list[SpeculativeEngine], max_waiting: int,
                  metrics: ServeMetrics) -> None:
-        """`engines`: one per slot of `batch`, each over `SlotView(batch, slot)`."""
+        """`engines`: one per slot of `batch`, each over `batch.view(slot)`."""
         self.batch, self.engines, self.max_waiting, self.metrics = batch, engines, max_waiting, metrics
         self._waiting: deque[Job] = deque()
         self._active: dict[int, _Active] = {}

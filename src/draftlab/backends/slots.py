@@ -1,0 +1,52 @@
+"""The requests in flight of `draftlab serve` on the torch backend: one backend per slot, taking turns.
+
+torch's kernels keep a row's order of additions across a block's rows only where draftlab's exact routes say so
+(`draftlab.backends.routes`), and across the sequences of a padded batch not at all: a batched attention over
+several requests would round each request by what else is in flight. So each slot keeps a backend of its own (its
+own KV cache, on the same weights) and a step scores every slot's block in turn, each as it is scored alone. A
+request's greedy tokens are then those `draftlab generate` gives on that route, whatever else is in flight; the
+requests share the device, not a forward pass (llama.cpp's `LlamaCppBatch` shares the pass too).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from draftlab.backends.base import Backend
+from draftlab.decoding.step import Block
+from draftlab.errors import DraftlabError
+
+
+class BackendSlots:
+    """`slots` backends of one target, each a request's own cache; `score` runs every slot's block in turn."""
+
+    def __init__(self, make: Callable[[], Backend], slots: int, n_ctx: int) -> None:
+        """`make()`: a new backend on the target's weights; `n_ctx`: the most tokens a slot holds."""
+        if slots < 1:
+            raise DraftlabError(f"draftlab serve needs at least one slot, got {slots}")
+        self.backends = [make() for _ in range(slots)]
+        self.n_ctx = n_ctx
+
+    def view(self, slot: int) -> Backend:
+        """The slot's backend, for its engine."""
+        return self.backends[slot]
+
+    def score(self, blocks: dict[int, Sequence[int]], last_only: bool = False) -> dict[int, torch.Tensor]:
+        """Each slot's chain appended to its cache, slot by slot; each slot's logits [n, V] ([1, V] if last_only)."""
+        out = {}
+        for slot, tokens in blocks.items():
+            backend = self.backends[slot]
+            if backend.cache_len + len(tokens) > self.n_ctx:
+                raise DraftlabError(f"slot {slot} holds {self.n_ctx} tokens; {backend.cache_len + len(tokens)} "
+                                    "asked for")
+            out[slot] = backend.score_block(Block.chain(list(tokens)), last_only=last_only).logits  # [n, V]
+        return out
+
+    def rollback(self, slot: int, length: int) -> None:
+        """Keep only the first `length` tokens of a slot."""
+        if length == 0:
+            self.backends[slot].reset()
+        else:
+            self.backends[slot].rollback(length)
