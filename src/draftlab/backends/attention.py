@@ -134,6 +134,7 @@ def _one_call(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bia
     heads, m, head_dim = query.shape
     kv_heads = keys.shape[0]
     group = heads // kv_heads
+    query = query.contiguous()  # a weight-major route's queries come strided; CUDA's fused kernels need stride 1
     with _one_kernel(query.device):
         out = F.scaled_dot_product_attention(
             query.reshape(1, kv_heads, group * m, head_dim), keys[None], values[None],

@@ -19,6 +19,7 @@ import torch
 from draftlab.backends.fast_llama import SUPPORTED_MODEL_TYPES, FastLlamaBackend
 from draftlab.backends import row_check
 from draftlab.backends.numerics import INVARIANT_ROWS
+from draftlab.backends.routes import parse_route
 from draftlab.backends.static_step import StaticStep
 from draftlab.errors import DraftlabError
 from draftlab.decoding.step import Block
@@ -162,12 +163,13 @@ def _plain_rows(backend: FastLlamaBackend, prefix: list[int], block: Block) -> l
 
 
 def check_shape(shape: Shape, dtype: str, device: str, prefixes: tuple[int, ...], chains: tuple[int, ...] = (16,),
-                trees: tuple[str, ...] = tuple(TREES), rows: int = INVARIANT_ROWS, step: StaticStep | str | None = "auto"
-                ) -> list[Finding]:
-    """Op by op and end to end for one shape and dtype on a device, on the exact route exact-linear/`rows`, its
-    blocks run as `step` says (`FastLlamaBackend`; 'auto': the device's default)."""
+                trees: tuple[str, ...] = tuple(TREES), rows: int = INVARIANT_ROWS, step: StaticStep | str | None = "auto",
+                route: str = "exact-linear") -> list[Finding]:
+    """Op by op and end to end for one shape and dtype on a device, on the exact route `route`/`rows` (exact-linear
+    or exact-wm), its blocks run as `step` says (`FastLlamaBackend`; 'auto': the device's default)."""
     model = random_model(shape, DTYPES[dtype], device)
-    backend = FastLlamaBackend(model, device, capacity=max(prefixes) + 64, invariant_rows=rows, step=step)
+    backend = FastLlamaBackend(model, device, capacity=max(prefixes) + 64, route=parse_route(f"{dtype} {route}/{rows}"),
+                               step=step)
     return check_ops(backend, shape, dtype) + check_model(backend, shape, dtype, prefixes, chains, trees)
 
 

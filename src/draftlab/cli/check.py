@@ -24,6 +24,9 @@ def add_check_commands(sub) -> None:
     exact.add_argument("--prefixes", nargs="+", type=int, default=[17, 300],
                        help="cached tokens before each block (default 17 300)")
     exact.add_argument("--rows", type=int, default=16, help="the exact route's row chunk R (exact-linear/R; default 16)")
+    exact.add_argument("--route", default="exact-linear", choices=("exact-linear", "exact-wm"),
+                       help="the exact route's products: by rows of weights (exact-linear, the default) or weight-major "
+                            "(exact-wm, which `auto` picks on some devices and shapes)")
     exact.add_argument("--full-mlp", action="store_true",
                        help=f"keep the shapes' MLP width on a CPU too (default: at most {CPU_MLP_CAP} there)")
     exact.add_argument("--step", nargs="+", default=["auto"], metavar="STEP",
@@ -51,7 +54,7 @@ def cmd_check_exact(args) -> None:
              f"CPU ({' '.join(sorted(f for f in cpu_flags() if f.startswith(('avx', 'amx'))))})")
     print(f"check exact: torch {torch.__version__} on {where}; random weights in each shape, "
           f"{'full' if on_cuda or args.full_mlp else f'MLP and vocabulary at most {CPU_MLP_CAP} and {CPU_VOCAB_CAP}'}, "
-          f"exact-linear/{args.rows}")
+          f"{args.route}/{args.rows}")
     steps = {name: "auto" if name == "auto" else StaticStep.parse(name) for name in args.step}
     started, findings = time.perf_counter(), []
     for name, step in steps.items():
@@ -59,7 +62,8 @@ def cmd_check_exact(args) -> None:
         for shape in shapes_named(args.shape):
             shape = shape if on_cuda or args.full_mlp else shape.capped(CPU_MLP_CAP, CPU_VOCAB_CAP)
             for dtype in dtypes:
-                for finding in check_shape(shape, dtype, args.device, tuple(args.prefixes), rows=args.rows, step=step):
+                for finding in check_shape(shape, dtype, args.device, tuple(args.prefixes), rows=args.rows, step=step,
+                                           route=args.route):
                     print(finding.line(), flush=True)
                     findings.append(finding)
     bad = [f for f in findings if not f.ok]
