@@ -8,7 +8,7 @@ import torch
 from draftlab.api import SpeculativeDecoder
 from draftlab.errors import DraftlabError
 from draftlab.models import load_model
-from draftlab.registry import build_drafter, parse_drafter_spec
+from draftlab.registry import build_drafter, gguf_draft, parse_drafter_spec
 from draftlab.decoding.sampling import SamplingConfig
 from tests.conftest import tiny_model_dir
 
@@ -29,6 +29,15 @@ def test_spec_suffix_names_the_draft_dtype():
     assert parse_drafter_spec("tree:2x2:layers:0-1@fp16", 4).inner.dtype == "fp16"
     with pytest.raises(DraftlabError, match="unknown draft dtype 'int8'"):
         parse_drafter_spec("model:x@int8")
+
+
+def test_a_gguf_draft_by_short_name_drafts_from_its_pure_q4_0_file_and_a_named_type_as_given():
+    """A GGUF's weight type in capitals names the file (`model:NAME@Q4_K_M`); lower case is a torch dtype."""
+    assert parse_drafter_spec("model:qwen2.5-coder-0.5b@Q4_K_M").model == "qwen2.5-coder-0.5b@Q4_K_M"
+    assert parse_drafter_spec("model:qwen2.5-coder-0.5b@BF16").dtype == ""
+    assert gguf_draft("qwen2.5-coder-0.5b") == "qwen2.5-coder-0.5b@Q4_0_PURE"
+    assert gguf_draft("qwen2.5-coder-0.5b@Q8_0") == "qwen2.5-coder-0.5b@Q8_0"
+    assert gguf_draft("drafts/mine.Q4_K_M.gguf") == "drafts/mine.Q4_K_M.gguf"
 
 
 @pytest.mark.parametrize("spec", ["model:{draft}@bf16", "layers:0-1@bf16", "tree:2x2:layers:0-1@bf16",

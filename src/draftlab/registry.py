@@ -9,7 +9,10 @@ HF reference runs alike. Spec grammar:
                               indices, ranges a-b and strided ranges a-b:s (0-3, 0-29:2, 0-3,26-29)
   model:NAME_OR_PATH[@DTYPE]  a separate draft model with the target's tokenizer, or a draft
                               directory (pruned draft, cut-vocabulary model draft, feature draft, EAGLE-3
-                              draft or decoder heads: its record names the format)
+                              draft or decoder heads: its record names the format). On llama.cpp a short
+                              name drafts from its pure Q4_0 file (NAME@Q4_0_PURE, derived once: the type
+                              llama.cpp's repacked kernels serve fastest); NAME@TYPE (capitals: @Q4_K_M,
+                              @Q8_0) or a .gguf path drafts from that file
   ...@DTYPE                   (layer drafts, model drafts and cut drafts) run the draft in DTYPE (fp32, bf16,
                               fp16) instead of the target's: lossless whatever its rounding, since
                               only the target's scores decide what is kept. On CPUs without native
@@ -48,7 +51,8 @@ from typing import Callable
 import torch
 
 from draftlab.backends import make_backend
-from draftlab.defaults import DEFAULT_BACKEND
+from draftlab.backends.quantize import WEIGHT_TYPES
+from draftlab.defaults import DEFAULT_BACKEND, DRAFT_WEIGHT_TYPE
 from draftlab.drafters import cut, designed, eagle3, eagle3_checkpoint, feature, heads
 from draftlab.drafters.anchored import AnchoredDrafter, FeatureDrafter
 from draftlab.drafters.adapt import AdaptingDrafter, AdaptSettings
@@ -63,7 +67,8 @@ from draftlab.drafters.staged import StagedDrafter
 from draftlab.drafters.suffix import SuffixDrafter, SuffixOptions, tokenizer_fingerprint
 from draftlab.drafters.tree import TreeDrafter, TreeShape, TreeSource
 from draftlab.errors import DraftlabError
-from draftlab.models import DTYPES, LoadedModel, ModelSpec, dtype_name, dtype_suffix, load_model
+from draftlab.files.assets import MODEL_ASSETS
+from draftlab.models import DTYPES, LoadedModel, ModelSpec, dtype_name, dtype_suffix, load_model, split_weight_type
 
 SPEC_HELP = ("none | ngram[:N|:A-B] | suffix[:depth=N,tree,responses=N,cache=DIR,...] | layers:0-3 (or 0,2,4 / "
              "0-29:2) | model:NAME_OR_PATH | designed | eagle3 | tree:SHAPE:SPEC | staged:HELPER/SPEC | "
@@ -139,8 +144,8 @@ def parse_drafter_spec(spec: str, num_layers: int | None = None) -> DraftPlan:
 def _split_dtype(arg: str) -> tuple[str, str]:
     """'qwen2.5-coder-0.5b@bf16' -> ('qwen2.5-coder-0.5b', 'bf16'); no '@' (or a path such as 'a@b/dir') -> (arg, '')."""
     head, at, tail = arg.rpartition("@")
-    if not at or "/" in tail or os.path.exists(arg):
-        return arg, ""
+    if not at or "/" in tail or os.path.exists(arg) or tail in WEIGHT_TYPES:
+        return arg, ""  # no dtype: a path, or a GGUF's weight type in capitals (NAME@Q4_0_PURE) that names the file
     if tail not in DTYPES:
         raise DraftlabError(f"unknown draft dtype {tail!r} in {arg!r}: use @fp32, @bf16 or @fp16")
     return head, dtype_name(tail)
@@ -224,14 +229,23 @@ def _build_model(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDra
         return _load_eagle3(plan, target, backend)
     if target.engine.runs_gguf:  # a GGUF draft in its own context of the target's engine
         # Repacked weights: a draft's rounding never decides what is committed, and they draft faster.
-        draft = load_model(ModelSpec(plan.model, dtype=plan.dtype or "auto"), backend=target.engine.backend,
-                           repack=True)
+        draft = load_model(ModelSpec(gguf_draft(plan.model), dtype=plan.dtype or "auto"),
+                           backend=target.engine.backend, repack=True)
         check_compatible(target, draft)
         return _model_draft(draft, target.engine.backend)
     draft = load_model(ModelSpec(plan.model, device=str(target.device), dtype=dtype_name(_draft_dtype(plan, target))))
     check_compatible(target, draft)
     draft.name += dtype_suffix(draft.dtype, target.dtype)
     return _model_draft(draft, backend)
+
+
+def gguf_draft(model: str) -> str:
+    """The GGUF a draft model runs from on llama.cpp: a short name's own file in `DRAFT_WEIGHT_TYPE` (derived once),
+    since a draft's weight type changes only which tokens it proposes, never what is committed; a path, or a name
+    with its weight type (NAME@Q4_K_M), as given."""
+    if model in MODEL_ASSETS and split_weight_type(model)[1] is None:
+        return f"{model}@{DRAFT_WEIGHT_TYPE}"
+    return model
 
 
 def _build_designed(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
