@@ -8,7 +8,8 @@ import torch
 from draftlab.api import SpeculativeDecoder
 from draftlab.errors import DraftlabError
 from draftlab.models import load_model
-from draftlab.registry import build_drafter, gguf_draft, parse_drafter_spec
+from draftlab.drafters.model_spec import gguf_draft
+from draftlab.registry import build_drafter, parse_drafter_spec
 from draftlab.decoding.sampling import SamplingConfig
 from tests.conftest import tiny_model_dir
 
@@ -38,6 +39,20 @@ def test_a_gguf_draft_by_short_name_drafts_from_its_pure_q4_0_file_and_a_named_t
     assert gguf_draft("qwen2.5-coder-0.5b") == "qwen2.5-coder-0.5b@Q4_0_PURE"
     assert gguf_draft("qwen2.5-coder-0.5b@Q8_0") == "qwen2.5-coder-0.5b@Q8_0"
     assert gguf_draft("drafts/mine.Q4_K_M.gguf") == "drafts/mine.Q4_K_M.gguf"
+    assert parse_drafter_spec("model:qwen2.5-coder-0.5b@bf16,window=64").window == 64
+    with pytest.raises(DraftlabError, match="bad draft window"):
+        parse_drafter_spec("model:x,window=0")
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_draft_that_reads_the_prompts_last_tokens_only_stays_lossless_and_prefills_less(pair, k):
+    target, draft_dir = pair
+    expected = SpeculativeDecoder.from_names(target, drafter="none", k=1).generate(PROMPT, max_new_tokens=24).token_ids
+    decoder = SpeculativeDecoder.from_names(target, drafter=f"model:{draft_dir},window=3", k=k)
+    result = decoder.generate(PROMPT, max_new_tokens=24)
+    assert result.token_ids == expected and result.stats.drafted > 0
+    cached = decoder.drafter.backend.cache_len  # the window and what was drafted since, never the whole prompt
+    assert cached <= 3 + len(expected) + k and decoder.drafter.name.endswith(",window=3")
 
 
 @pytest.mark.parametrize("spec", ["model:{draft}@bf16", "layers:0-1@bf16", "tree:2x2:layers:0-1@bf16",

@@ -12,7 +12,8 @@ HF reference runs alike. Spec grammar:
                               draft or decoder heads: its record names the format). On llama.cpp a short
                               name drafts from its pure Q4_0 file (NAME@Q4_0_PURE, derived once: the type
                               llama.cpp's repacked kernels serve fastest); NAME@TYPE (capitals: @Q4_K_M,
-                              @Q8_0) or a .gguf path drafts from that file
+                              @Q8_0) or a .gguf path drafts from that file. ...,window=N: the draft reads
+                              only the prompt's last N tokens (its prefill costs N, not the whole prompt)
   ...@DTYPE                   (layer drafts, model drafts and cut drafts) run the draft in DTYPE (fp32, bf16,
                               fp16) instead of the target's: lossless whatever its rounding, since
                               only the target's scores decide what is kept. On CPUs without native
@@ -44,15 +45,13 @@ Adding a draft source is one file in `draftlab/drafters/` plus one entry in
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from draftlab.backends import make_backend
-from draftlab.backends.quantize import WEIGHT_TYPES
-from draftlab.defaults import DEFAULT_BACKEND, DRAFT_WEIGHT_TYPE
+from draftlab.defaults import DEFAULT_BACKEND
 from draftlab.drafters import cut, designed, eagle3, eagle3_checkpoint, feature, heads
 from draftlab.drafters.anchored import AnchoredDrafter, FeatureDrafter
 from draftlab.drafters.adapt import AdaptingDrafter, AdaptSettings
@@ -60,6 +59,7 @@ from draftlab.drafters.base import Drafter, NoDrafter
 from draftlab.drafters.files import draft_format
 from draftlab.drafters.kinds import is_adapting
 from draftlab.drafters.layers import build_layer_draft
+from draftlab.drafters.model_spec import gguf_draft, split_dtype, split_window
 from draftlab.drafters.standalone import ModelDrafter, check_compatible
 from draftlab.drafters.ngram import NGramDrafter
 from draftlab.drafters.shipped import shipped_draft
@@ -67,8 +67,7 @@ from draftlab.drafters.staged import StagedDrafter
 from draftlab.drafters.suffix import SuffixDrafter, SuffixOptions, tokenizer_fingerprint
 from draftlab.drafters.tree import TreeDrafter, TreeShape, TreeSource
 from draftlab.errors import DraftlabError
-from draftlab.files.assets import MODEL_ASSETS
-from draftlab.models import DTYPES, LoadedModel, ModelSpec, dtype_name, dtype_suffix, load_model, split_weight_type
+from draftlab.models import DTYPES, LoadedModel, ModelSpec, dtype_name, dtype_suffix, load_model
 
 SPEC_HELP = ("none | ngram[:N|:A-B] | suffix[:depth=N,tree,responses=N,cache=DIR,...] | layers:0-3 (or 0,2,4 / "
              "0-29:2) | model:NAME_OR_PATH | designed | eagle3 | tree:SHAPE:SPEC | staged:HELPER/SPEC | "
@@ -89,6 +88,7 @@ class DraftPlan:
     inner: "DraftPlan | None" = None  # kinds "tree", "staged" and "merged": the drafter they wrap
     helper: "DraftPlan | None" = None  # kinds "staged" and "merged": the cheaper drafter (guesses, or the guide)
     dtype: str = ""  # kinds "layers" and "model": the draft's dtype name; "" runs it in the target's
+    window: int = 0  # kind "model": the prompt's last tokens the draft reads (0: all)
     suffix: SuffixOptions | None = None  # kind "suffix": its options
     adapt: AdaptSettings | None = None  # kind "adapt": how `inner` learns
 
@@ -118,11 +118,12 @@ def parse_drafter_spec(spec: str, num_layers: int | None = None) -> DraftPlan:
     if kind == "ngram":
         return DraftPlan("ngram", ngram=_parse_ngram(arg))
     if kind == "layers" and arg:
-        arg, dtype = _split_dtype(arg)
+        arg, dtype = split_dtype(arg)
         return DraftPlan("layers", layers=tuple(parse_layers(arg, num_layers)), dtype=dtype)
     if kind == "model" and arg:
-        arg, dtype = _split_dtype(arg)
-        return DraftPlan("model", model=arg, dtype=dtype)
+        arg, window = split_window(arg)
+        arg, dtype = split_dtype(arg)
+        return DraftPlan("model", model=arg, dtype=dtype, window=window)
     if kind == "suffix":
         return DraftPlan("suffix", suffix=SuffixOptions.parse(arg))
     if kind in ("designed", "eagle3") and not arg:
@@ -139,16 +140,6 @@ def parse_drafter_spec(spec: str, num_layers: int | None = None) -> DraftPlan:
         return DraftPlan("merged", inner=parse_drafter_spec(inner, num_layers),
                          helper=parse_drafter_spec(guide, num_layers))
     raise DraftlabError(f"unknown drafter {spec!r}: use {SPEC_HELP}")
-
-
-def _split_dtype(arg: str) -> tuple[str, str]:
-    """'qwen2.5-coder-0.5b@bf16' -> ('qwen2.5-coder-0.5b', 'bf16'); no '@' (or a path such as 'a@b/dir') -> (arg, '')."""
-    head, at, tail = arg.rpartition("@")
-    if not at or "/" in tail or os.path.exists(arg) or tail in WEIGHT_TYPES:
-        return arg, ""  # no dtype: a path, or a GGUF's weight type in capitals (NAME@Q4_0_PURE) that names the file
-    if tail not in DTYPES:
-        raise DraftlabError(f"unknown draft dtype {tail!r} in {arg!r}: use @fp32, @bf16 or @fp16")
-    return head, dtype_name(tail)
 
 
 def _draft_dtype(plan: DraftPlan, target: LoadedModel) -> torch.dtype:
@@ -232,20 +223,11 @@ def _build_model(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDra
         draft = load_model(ModelSpec(gguf_draft(plan.model), dtype=plan.dtype or "auto"),
                            backend=target.engine.backend, repack=True)
         check_compatible(target, draft)
-        return _model_draft(draft, target.engine.backend)
+        return _model_draft(draft, target.engine.backend, plan.window)
     draft = load_model(ModelSpec(plan.model, device=str(target.device), dtype=dtype_name(_draft_dtype(plan, target))))
     check_compatible(target, draft)
     draft.name += dtype_suffix(draft.dtype, target.dtype)
-    return _model_draft(draft, backend)
-
-
-def gguf_draft(model: str) -> str:
-    """The GGUF a draft model runs from on llama.cpp: a short name's own file in `DRAFT_WEIGHT_TYPE` (derived once),
-    since a draft's weight type changes only which tokens it proposes, never what is committed; a path, or a name
-    with its weight type (NAME@Q4_K_M), as given."""
-    if model in MODEL_ASSETS and split_weight_type(model)[1] is None:
-        return f"{model}@{DRAFT_WEIGHT_TYPE}"
-    return model
+    return _model_draft(draft, backend, plan.window)
 
 
 def _build_designed(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
@@ -324,8 +306,9 @@ def adapt_spec(spec: str, options: str | None) -> str:
     return f"adapt{':' + options if options else ''}/{spec}"
 
 
-def _model_draft(draft: LoadedModel, backend: str) -> BuiltDraft:
-    drafter = ModelDrafter(make_backend(draft.model, draft.device, backend, batch_invariant=False), name=draft.name)
+def _model_draft(draft: LoadedModel, backend: str, window: int = 0) -> BuiltDraft:
+    drafter = ModelDrafter(make_backend(draft.model, draft.device, backend, batch_invariant=False),
+                           name=draft.name + (f",window={window}" if window else ""), window=window)
     return _model_built(drafter, draft)
 
 

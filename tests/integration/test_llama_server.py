@@ -15,7 +15,8 @@ import time
 import pytest
 
 from draftlab.errors import DraftlabError
-from draftlab.contenders.llama_server import LlamaServer, ServerConfig, server_binary
+from draftlab.contenders.llama_server import LlamaServer, ServerConfig, exact_server, server_binary
+from draftlab.contenders.methods import method_of
 from draftlab.measure import DECODE, END_TO_END, EncodedPrompt, RunSettings, measure, run_once
 from draftlab.models import gguf_path
 
@@ -127,6 +128,39 @@ def test_a_missing_binary_says_how_to_build_it(monkeypatch, tmp_path):
     monkeypatch.setenv("DRAFTLAB_LLAMA_SERVER", str(tmp_path / "nowhere"))
     with pytest.raises(DraftlabError, match="build it with scripts/build-llama-cpp.sh"):
         server_binary()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["smollm2-135m", "smollm2-135m@Q4_0_PURE"])  # Q4_1 unrepacked; Q4_0 repacked
+def test_the_servers_own_speculation_on_the_exact_build_equals_its_plain_decoding(binary, tmp_path, model):
+    """What ranks llama-server's speculation with the lossless on draftlab's build: every greedy output of its n-gram
+    types at K 3 and 6 equals its plain decoding, token for token; another build is not ranked so."""
+    from draftlab.api import prompt_ids
+    from draftlab.files.datasets import load_prompts
+    from draftlab.models import gguf_tokenizer
+
+    assert exact_server() and method_of("server").exact
+    path = gguf_path(model)
+    prompts = [prompt_ids(gguf_tokenizer(str(path)), p) for p in load_prompts("code-edit", 4)]
+    settings = RunSettings(64)
+    configs = [ServerConfig(path, context=CONTEXT)] + [ServerConfig(path, spec_type=kind, draft_n_max=k,
+                                                                    context=CONTEXT)
+                                                       for kind in ("ngram-simple", "ngram-mod") for k in (3, 6)]
+    outputs, accepted = [], 0
+    for config in configs:
+        with LlamaServer(config, tmp_path) as server:
+            answers = [server.completion(ids, settings) for ids in prompts]
+        outputs.append([a["tokens"] for a in answers])
+        accepted += sum(a["timings"].get("draft_n_accepted", 0) for a in answers)
+    assert all(o == outputs[0] for o in outputs[1:]) and accepted > 0
+
+
+def test_a_server_without_the_exact_kernels_is_not_ranked_lossless(monkeypatch, tmp_path):
+    fake = tmp_path / "llama-server"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("DRAFTLAB_LLAMA_SERVER", str(fake))
+    assert not exact_server() and not method_of("server").exact and not method_of("server").lossless
 
 
 SCRIPT = """

@@ -22,7 +22,9 @@ from tests.conftest import older_database_file
 
 
 def test_a_server_spec_names_its_type_draft_and_lengths():
-    assert parse_server_spec("ngram-mod").ks == (0,)
+    assert parse_server_spec("ngram-mod").ks == () and parse_server_spec("ngram-mod:0").ks == (0,)
+    assert parse_server_spec("ngram-mod").configurations() == [("ngram-mod", 0)]  # the server's default
+    assert parse_server_spec("ngram-mod").configurations((2, 6)) == [("ngram-mod", 2), ("ngram-mod", 6)]
     spec = parse_server_spec("ngram-simple:16,64")
     assert (spec.spec_type, spec.draft, spec.ks, spec.drafter) == ("ngram-simple", "", (16, 64), "ngram-simple")
     both = parse_server_spec("draft-simple,ngram-mod/qwen2.5-coder-0.5b:4")
@@ -72,13 +74,13 @@ def test_an_eagle3_server_takes_a_draft_directory_or_its_gguf(tmp_path):
 
 
 def test_the_grid_gives_gguf_targets_server_cells_at_every_concurrency():
-    config = SweepConfig(targets=("llamacpp:smollm2-135m",), drafters=("ngram",), ks=(1,), methods=("sps",),
+    config = SweepConfig(targets=("llamacpp:smollm2-135m",), drafters=("ngram",), ks=(1, 4), methods=("sps",),
                          servers=("ngram-mod", "ngram-simple:8,16"), concurrency=(1, 2), host_baselines=False)
     cells = config.cells("llamacpp:smollm2-135m", "code", 0.0)
     served = [(c.method, c.drafter, c.k, c.concurrency) for c in cells if c.method.startswith("server")]
-    assert served == [(m, d, k, c) for c in (1, 2) for m, d, k in (
-        ("server-ar", "none", 0), ("server", "ngram-mod", 0), ("server", "ngram-simple", 8),
-        ("server", "ngram-simple", 16))]
+    assert served == [(m, d, k, c) for c in (1, 2) for m, d, k in (  # a type without lengths: the grid's K
+        ("server-ar", "none", 0), ("server", "ngram-mod", 1), ("server", "ngram-mod", 4),
+        ("server", "ngram-simple", 8), ("server", "ngram-simple", 16))]
     keys = [c.key for c in cells]
     assert len(set(keys)) == len(keys) and all(("|c=2" in c.key) == (c.concurrency == 2) for c in cells)
     torch_only = SweepConfig(targets=("smollm2-135m",), servers=("ngram-mod",), host_baselines=False)
@@ -161,7 +163,30 @@ def row(method, drafter, k, c, tokens, wall, identical=None, prompt="p1", window
             "drafted": 10, "accepted": 5}
 
 
-def test_the_answer_per_concurrency_ranks_rounding_apart_and_ends_with_a_command(tmp_path):
+def llama_server_build(monkeypatch, tmp_path, exact: bool) -> None:
+    """A llama-server binary with (or without) the marker symbols of draftlab's exact kernels, for the answers."""
+    from draftlab.backends.gguf import EXACT_KERNELS
+
+    fake = tmp_path / "llama-server"
+    marks = b" ".join(b"ggml_cpu_draftlab_" + name.replace("-", "_").encode() for name in EXACT_KERNELS)
+    fake.write_bytes(b"#!/bin/sh\n# " + (marks if exact else b"stock") + b"\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("DRAFTLAB_LLAMA_SERVER", str(fake))
+
+
+def test_the_servers_speculation_is_lossless_on_the_exact_build_only(monkeypatch, tmp_path):
+    rows = [row("ar", "none", 0, 1, 64, 1.0, True), row("server-ar", "none", 0, 1, 64, 0.8),
+            row("server", "ngram-mod", 0, 1, 64, 0.5, True)]
+    for exact in (True, False):
+        llama_server_build(monkeypatch, tmp_path, exact)
+        alone = [a for a in level_answers(load_summaries(rows)) if a.dataset == "code"][0]
+        assert alone.fastest.exact is exact and (alone.lossless.method == "server") is exact
+        deploy = server_sentences([alone], lambda target: tmp_path / "m.gguf")[-1]
+        assert ("on draftlab's exact kernels)" in deploy) is exact and ("up to rounding" in deploy) is not exact
+
+
+def test_the_answer_per_concurrency_ranks_rounding_apart_and_ends_with_a_command(monkeypatch, tmp_path):
+    llama_server_build(monkeypatch, tmp_path, exact=False)
     rows = [row("ar", "none", 0, 1, 64, 1.0, True), row("sps", "ngram", 3, 1, 64, 0.9, True),
             row("server-ar", "none", 0, 1, 64, 0.8), row("server", "ngram-mod", 0, 1, 64, 0.5, True),
             row("server", "ngram-simple", 16, 1, 64, 0.4, False),
@@ -193,7 +218,7 @@ def test_the_answer_per_concurrency_ranks_rounding_apart_and_ends_with_a_command
     assert "--spec-type" not in text[-1] and "-np 1" in text[-1]
 
 
-def test_weight_types_are_compared_on_speed_size_and_outputs():
+def test_weight_types_are_compared_on_speed_size_and_outputs(monkeypatch, tmp_path):
     from draftlab.study.answer.report import summarize
     from draftlab.study.answer.weight_types import format_weight_types, weight_type_rows, weight_type_sentences
 
@@ -203,6 +228,7 @@ def test_weight_types_are_compared_on_speed_size_and_outputs():
                 "accepted_per_step": [], "drafted_per_step": [], "levels_per_step": [], "backend": "llamacpp",
                 "finished_at": None, "cell": f"{target}|{method}|{drafter}|{k}|{prompt}"}
 
+    llama_server_build(monkeypatch, tmp_path, exact=False)
     shipped, bf16 = "llamacpp:m", "llamacpp:m@BF16"
     rows = [record(t, m, d, k, wall, sha, p) for p in ("p1", "p2") for t, m, d, k, wall, sha in (
         (shipped, "ar", "none", 0, 1.0, f"a{p}"), (shipped, "server-ar", "none", 0, 0.8, f"a{p}"),

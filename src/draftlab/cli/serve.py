@@ -88,9 +88,11 @@ def _what_to_serve(args: argparse.Namespace):
     from draftlab.errors import DraftlabError
     from draftlab.serving.scheduler import LoadK
 
+    from draftlab.backends import engine_of_backend
+
     if args.from_study is None:
         drafter = args.drafter or "none"
-        default = SERVE_TARGET if args.backend == "llamacpp" else TORCH_TARGET
+        default = SERVE_TARGET if engine_of_backend(args.backend).runs_gguf else TORCH_TARGET
         return args.target or default, drafter, _serve_ks(args, drafter)
     if args.drafter is not None or args.k is not None or args.k_per_load is not None:
         raise DraftlabError("--from serves the study's drafter and K; leave --drafter, --k and --k-per-load out")

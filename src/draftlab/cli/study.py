@@ -80,7 +80,7 @@ def _add_sweep_args(parser: argparse.ArgumentParser, db_required: bool = True) -
     parser.add_argument("--servers", nargs="+", metavar="TYPE[/DRAFT][:K,...[:P,...]]",
                         help="llama-server's own speculative types, raced on every GGUF target beside its plain "
                              "decoding: ngram-mod, ngram-simple:16,64, draft-simple/qwen2.5-coder-0.5b:3,4 (K: the "
-                             "type's draft length flag; none: the server's default)")
+                             "type's draft length flag; none: the study's --ks; 0: the server's default)")
     parser.add_argument("--concurrency", help="requests in flight for the served cells (llama-server, vLLM): 1,2,4 "
                                               "(each level its own servers with that many slots; default 1)")
     parser.add_argument("--weight-types", nargs="+", metavar="TYPE",

@@ -61,6 +61,7 @@ class Method:
     # draftlab's, the study's baseline)
     build: Callable[[ContenderSource, Any, tuple], Contender]  # (source, cell, companions) -> its contender
     lossless: bool = True  # False: its outputs equal plain decoding only up to rounding; never ranked with the lossless
+    lossless_here: Callable[[], bool] | None = None  # a method lossless on some builds only: whether this host's is one
     times_prefill: bool = True  # its contender times the prefill apart (a decode-only speedup exists)
     peer: bool = False  # another project's engine: any of its errors skips the prompt, not the study
     gguf_only: bool = False  # runs targets on llama.cpp only
@@ -82,6 +83,12 @@ class Method:
         """For a peer's method, the name of that engine's plain decoding (itself for a plain one); None for
         draftlab's methods."""
         return (self.name if self.plain else self.reference) if self.peer else None
+
+    @property
+    def exact(self) -> bool:
+        """Whether its outputs equal plain decoding bitwise here (ranked with the lossless): always, or on this
+        host's build (`lossless_here`: llama-server built on draftlab's exact kernels)."""
+        return self.lossless or (self.lossless_here is not None and self.lossless_here())
 
     def runs(self, drafter: str) -> bool:
         """Whether it has a cell for this drafter of the grid."""

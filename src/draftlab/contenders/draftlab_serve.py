@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from draftlab.backends.engines import LLAMACPP
 from draftlab.contenders.contract import ContenderSource, Method, served_contender
 from draftlab.contenders.served import PrefillShare, ServedProcess, ServedRun
 from draftlab.decoding.metrics import GenerationStats
@@ -44,14 +45,14 @@ class ServeConfig:
     context: int = 4096  # --context: KV cells per slot
     queue: int = 64  # --max-queue: requests waiting beyond the slots before a 429
     name: str = SERVED_NAME  # --served-model-name ('': the target as given, what a deployed server answers to)
-    backend: str = "llamacpp"  # --backend: llamacpp, or a torch backend (then `target` may be an HF directory)
+    backend: str = LLAMACPP.backend  # --backend: llama.cpp's, or a torch backend (`target` then may be an HF dir)
     device: str = "cpu"  # --device, on a torch backend
 
     def flags(self) -> list[str]:
         """`draftlab serve`'s arguments (the host and port come from `launch`)."""
         flags = ["--target", self.target, "--drafter", self.drafter, "--k-per-load", self.k_per_load,
                  "--max-in-flight", str(self.slots), "--max-queue", str(self.queue), "--context", str(self.context)]
-        if self.backend != "llamacpp":
+        if self.backend != LLAMACPP.backend:
             flags += ["--backend", self.backend, "--device", self.device]
         return flags + (["--served-model-name", self.name] if self.name else [])
 

@@ -23,10 +23,11 @@ from __future__ import annotations
 import os
 import subprocess
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import ClassVar
 
-from draftlab.backends.gguf import EXACT_ENV, repack_keeps_rows
+from draftlab.backends.gguf import EXACT_ENV, EXACT_KERNELS, repack_keeps_rows
 from draftlab.files import assets
 from draftlab.engine import GenerationResult, check_room
 from draftlab.errors import DraftlabError
@@ -47,6 +48,29 @@ def server_binary() -> Path:
     if not (path.is_file() and os.access(path, os.X_OK)):
         raise DraftlabError(f"llama-server not found at {path}; {BUILD_HINT}")
     return path
+
+
+def exact_server() -> bool:
+    """Whether the llama-server here holds every one of draftlab's exact kernels (`EXACT_KERNELS`): then, started
+    as `ServerConfig` starts it (flash attention off, repack off where it rounds rows apart, the tiled K-quant
+    matmul off), its block rows round as its single rows and its own speculation is greedy-identical to its plain
+    decoding, as draftlab's llama.cpp engine is. False for a missing binary or another build."""
+    try:
+        path = server_binary()
+    except DraftlabError:
+        return False
+    files = [path, *(f.resolve() for f in sorted(path.parent.glob("libggml-cpu.so*")))]  # static, or its ggml-cpu
+    found = {name for f in dict.fromkeys(files) if f.is_file()
+             for name in _kernels_in(f, f.stat().st_mtime_ns, f.stat().st_size)}
+    return set(EXACT_KERNELS) <= found
+
+
+@lru_cache(maxsize=8)
+def _kernels_in(path: Path, mtime_ns: int, size: int) -> tuple[str, ...]:
+    """The exact kernels whose marker symbols (`ggml_cpu_draftlab_<name>`) a binary or library holds (read once per
+    file version)."""
+    data = path.read_bytes()
+    return tuple(name for name in EXACT_KERNELS if b"ggml_cpu_draftlab_" + name.replace("-", "_").encode() in data)
 
 
 def build_dir() -> Path:

@@ -26,7 +26,7 @@ from pathlib import Path
 from draftlab.contenders.contract import ContenderSource, Method, served_contender
 from draftlab.contenders.served import PrefillShare, available_gib
 from draftlab.errors import DraftlabError
-from draftlab.contenders.llama_server import ServerConfig, server_binary
+from draftlab.contenders.llama_server import ServerConfig, exact_server, server_binary
 from draftlab.deploy import SPEC_TYPES, length_flags
 from draftlab.measure import Contender
 from draftlab.models import gguf_path
@@ -44,7 +44,7 @@ class ServerSpec:
 
     spec_type: str
     draft: str = ""  # a draft GGUF's short name or path, for the draft-* types
-    ks: tuple[int, ...] = (0,)  # draft length flag values; 0: the server's default
+    ks: tuple[int, ...] = ()  # draft length flag values (0: the server's default); (): none given
     p_mins: tuple[float | None, ...] = (None,)  # --spec-draft-p-min values; None: the server's default
 
     @property
@@ -52,9 +52,11 @@ class ServerSpec:
         """The type, and its draft after a slash."""
         return f"{self.spec_type}/{self.draft}" if self.draft else self.spec_type
 
-    def configurations(self) -> list[tuple[str, int]]:
-        """(drafter label, K) of every configuration: the label carries the draft and its P (`,p=P`)."""
-        return [(self.drafter + (f",p={p:g}" if p is not None else ""), k) for p in self.p_mins for k in self.ks]
+    def configurations(self, ks: tuple[int, ...] = (0,)) -> list[tuple[str, int]]:
+        """(drafter label, K) of every configuration: the label carries the draft and its P (`,p=P`); `ks`: the
+        lengths where the spec names none (a study's K, so the server's types race at draftlab's lengths)."""
+        return [(self.drafter + (f",p={p:g}" if p is not None else ""), k) for p in self.p_mins
+                for k in self.ks or ks]
 
 
 def parse_server_spec(text: str) -> ServerSpec:
@@ -71,12 +73,12 @@ def parse_server_spec(text: str) -> ServerSpec:
     if needs_draft != bool(draft):
         raise DraftlabError(f"{text!r}: the draft-* types take a draft model (TYPE/DRAFT), the n-gram types none")
     try:
-        ks = tuple(int(k) for k in lengths.split(",")) if lengths else (0,)
+        ks = tuple(int(k) for k in lengths.split(",")) if lengths else ()
         p_mins = tuple(float(p) for p in probabilities.split(",")) if probabilities else (None,)
     except ValueError:
         raise DraftlabError(f"{text!r}: give whole lengths and probabilities, e.g. ngram-mod:16,64 or "
                             "draft-simple/DRAFT:4:0.5,0.8") from None
-    if min(ks) < 0:
+    if min(ks, default=0) < 0:
         raise DraftlabError(f"{text!r}: a draft length must be >= 0 (0: the server's default)")
     if probabilities and (not needs_draft or not all(0.0 <= p <= 1.0 for p in p_mins)):
         raise DraftlabError(f"{text!r}: a minimum draft probability (after the second ':') is for draft models and "
@@ -177,9 +179,11 @@ def missing() -> str:
 
 SERVER_AR = Method("server-ar", "llama-server", 2, "llama-server", plain=True, reference="ar", peer=True,
                    gguf_only=True, served=True, swept=False, chosen=False, build=_server, missing=missing)
-# llama-server's own speculation runs on kernels that round a block's rows apart from single rows: its outputs
-# equal plain decoding only up to rounding, even when every one measured did.
+# llama-server's own speculation: on llama.cpp's stock kernels a block's rows round apart from single rows, so its
+# outputs equal plain decoding only up to rounding, even when every one measured did; on a build that holds
+# draftlab's exact kernels (`exact_server`, what scripts/build-llama-cpp.sh builds) they are bitwise equal, and it
+# is ranked with the lossless.
 SERVER = Method("server", "llama-server's own speculation", 4, "llama-server", plain=False, reference="server-ar",
-                lossless=False, peer=True, gguf_only=True, served=True, swept=False, chosen=False, build=_server,
+                lossless=False, lossless_here=exact_server, peer=True, gguf_only=True, served=True, swept=False, chosen=False, build=_server,
                 missing=missing)
 METHODS = (SERVER_AR, SERVER)  # cells from `SweepConfig.servers`, at each concurrency level

@@ -26,33 +26,39 @@ class ModelDrafter(BlindDrafter):
     max_depth = None  # trees of any depth
 
     def __init__(self, backend: Backend, name: str = "model", vocab_map: torch.Tensor | None = None,
-                 target_vocab_size: int | None = None) -> None:
-        """vocab_map [V']: target token id of each draft output row, for drafts with a cut vocabulary."""
+                 target_vocab_size: int | None = None, window: int = 0) -> None:
+        """vocab_map [V']: target token id of each draft output row, for drafts with a cut vocabulary. `window`:
+        the draft reads only the prompt's last `window` tokens (0: all of it), so its prefill costs that many."""
         if vocab_map is not None and target_vocab_size is None:
             raise DraftlabError("a draft with a vocabulary map needs the target's vocabulary size")
+        if window < 0:
+            raise DraftlabError(f"a draft's prompt window is >= 1 tokens (0: the whole prompt), got {window}")
         self.backend = backend
         self.name = name
         self.vocab_map = vocab_map
         self.target_vocab_size = target_vocab_size
-        self._fed: list[int] = []
+        self.window = window
+        self._skip = 0  # the context's first tokens the draft never reads (the prompt before its window)
+        self._fed: list[int] = []  # the draft's cache: the context from `_skip` on
         self._stable = 0  # prefix of _fed known to be committed
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
-        """Drop the cache; the next proposal prefills the prompt."""
+        """Drop the cache; the next proposal prefills the prompt (its window)."""
         self.backend.reset()
         self._fed, self._stable = [], 0
+        self._skip = max(0, len(prompt_ids) - self.window) if self.window else 0
 
     def propose(self, context, k, sampling, generator) -> Proposal:
         """Draft k tokens one at a time; probabilities [k, V] when sampling."""
         logits = self._catch_up(context)  # [V]
         proposal = draft_chain(logits, k, lambda row: self._choose(row, sampling, generator), self._advance)
-        self._stable = len(context)
+        self._stable = len(context) - self._skip
         return proposal
 
     def root_logits(self, context: Sequence[int]) -> torch.Tensor:
         """Tree drafting: catch up with `context`; draft logits [V'] after it."""
         logits = self._catch_up(context)  # [V']
-        self._stable = len(context)
+        self._stable = len(context) - self._skip
         return logits
 
     def tree_logits(self, tokens: list[int], parents: tuple[int, ...], rows: list[int]) -> torch.Tensor:
@@ -74,13 +80,13 @@ class ModelDrafter(BlindDrafter):
         return self.backend.score(tokens)  # [n, V']
 
     def truncate(self, length: int) -> None:
-        """Keep the first `length` tokens of the draft cache (staged drafting drops rejected guesses)."""
-        self.backend.rollback(length)
-        del self._fed[length:]
+        """Keep the context's first `length` tokens in the draft cache (staged drafting drops rejected guesses)."""
+        self.backend.rollback(length - self._skip)
+        del self._fed[length - self._skip:]
 
     def unsettle(self, length: int) -> None:
         """Tokens after `length` were proposed, not committed: the next catch-up checks them (staged helpers)."""
-        self._stable = min(self._stable, length)
+        self._stable = min(self._stable, length - self._skip)
 
     def pick(self, logits: torch.Tensor, sampling, generator) -> tuple[int, torch.Tensor | None]:
         """Pick a token from the draft's logits [V'] and express it (and its probabilities [V]) in target ids."""
@@ -101,7 +107,9 @@ class ModelDrafter(BlindDrafter):
         return int(self.vocab_map[token]), token_probs
 
     def _catch_up(self, context: Sequence[int]) -> torch.Tensor:
-        """Roll back to the longest common prefix with `context`, feed the rest; logits [V] after it."""
+        """Roll back to the longest common prefix with `context` (from its window on), feed the rest; logits [V]
+        after it."""
+        context = context[self._skip:]
         common = self._stable
         limit = min(len(self._fed), len(context))
         while common < limit and self._fed[common] == context[common]:

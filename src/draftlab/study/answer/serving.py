@@ -52,7 +52,7 @@ class LoadSummary:
     def exact(self) -> bool:
         """Lossless: plain decoding, or speculation on exact products whose every output matched."""
         method = method_of(self.method)
-        return method.plain or (method.lossless and self.identical == self.prompts)
+        return method.plain or (method.exact and self.identical == self.prompts)
 
     @property
     def name(self) -> str:
@@ -224,8 +224,10 @@ def server_sentences(answers: list[LevelAnswer], model_file, margin: float = 0.0
             sentences.append(f"On llama-server, {choice.name} per concurrency in vLLM's "
                              f"num_speculative_tokens_per_batch_size shape (K -1: the type's default length): "
                              f"{per_batch_size(choice_pays(overall, choice, margin), choice.k or -1)}.")
-        why = (" (its own speculation: every output identical to its plain decoding here, but exact only up to "
-               "rounding, so the Use line does not rank it)" if choice.method == SERVER.name else
+        rounds = " (its own speculation: every output identical to its plain decoding here" + (
+            ", on draftlab's exact kernels)" if SERVER.exact else
+            ", but exact only up to rounding, so the Use line does not rank it)")
+        why = (rounds if choice.method == SERVER.name else
                " (plain decoding: no speculative type kept every output identical to it and beat it alone by more than "
                f"{margin:.0%})")
         sentences.append(f"Deploy {model} on llama-server{why} with: "

@@ -65,7 +65,7 @@ class CellSummary:
     def rounding(self) -> bool:
         """True for speculation whose outputs equal plain decoding only up to rounding (llama-server's own, on
         kernels that round a block's rows apart from single rows), however many of them were identical."""
-        return not method_of(self.method).lossless
+        return not method_of(self.method).exact
 
     @property
     def config_key(self) -> tuple:

@@ -107,7 +107,7 @@ def pilot_drops(cells: list[Cell], pilot: Pilot) -> dict[str, str]:
     than the fastest lossless cell's; never a baseline, a cell under load, or a peer's plain decoding while one of
     its speculative cells runs."""
     rates = {c.key: 1 / pilot.decode[c.key] for c in cells if pilot.decode.get(c.key)}
-    lossless = [c for c in cells if c.key in rates and c.concurrency == 1 and method_of(c.method).lossless]
+    lossless = [c for c in cells if c.key in rates and c.concurrency == 1 and method_of(c.method).exact]
     if not lossless:
         return {}
     best = max(lossless, key=lambda c: rates[c.key])

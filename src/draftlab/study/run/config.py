@@ -123,14 +123,15 @@ class SweepConfig:
         return self.concurrency if method.served else (1,)
 
     def server_cells(self, base: Cell) -> list[Cell]:
-        """llama-server's plain decoding and each of its configurations, at every concurrency level."""
+        """llama-server's plain decoding and each of its configurations, at every concurrency level (a type given
+        without lengths races at the study's K, as draftlab's drafters do)."""
         if not self.servers:
             return []
         specs = [parse_server_spec(text) for text in self.servers]
         return [cell for c in self.concurrency for cell in [
             replace(base, method=SERVER_AR.name, concurrency=c),
             *(replace(base, method=SERVER.name, drafter=drafter, k=k, concurrency=c)
-              for spec in specs for drafter, k in spec.configurations())]]
+              for spec in specs for drafter, k in spec.configurations(tuple(self.ks)))]]
 
     def host_modes(self, target: str) -> list[tuple[str, str]]:
         """(label, dtype) of the other modes of plain decoding timed beside the baseline: the host's fastest route
@@ -170,7 +171,7 @@ PRESETS = {
                          methods=("sps", "asg", "lcp", "serve"), ks=(1, 2, 3), datasets=("heldout",), limit=8,
                          race_after=2,
                          max_new_tokens=128, baseline_every=2, budget_s=480.0,
-                         servers=("ngram-mod", "ngram-simple:16")),
+                         servers=("ngram-mod:3", "ngram-simple:3")),  # at the grid's longest K, as draftlab's
     # The seeds' study on a second family (the Qwen2.5-Coder pair, ~1.6 GB of downloads): the 0.5B stand-alone
     # draft (in the target's dtype and in bf16, which drafts ~2x faster on CPUs; README), layer self-drafts of the
     # 1.5B at two depths (it has 28 layers) and n-gram lookup, SpS and AsG, K 1..7,

@@ -168,7 +168,7 @@ def dropped_cells(cells: list[Cell], rows: list[dict], rule: RaceRule, prompts: 
                               apart) for key, its in runs.items()}
     most = max((p.measured for p in projected.values()), default=0)  # cells still racing; dropped ones ran fewer
     lossy = {r["cell"] for r in rows if r["identical"] == 0}
-    lossless = {key for key, p in projected.items() if p.measured == most and method_of(keys[key].method).lossless
+    lossless = {key for key, p in projected.items() if p.measured == most and method_of(keys[key].method).exact
                 and key not in lossy}
     if not lossless:
         return {}
@@ -193,7 +193,7 @@ def _challenger(projected: dict, keys: dict[str, Cell], lossy: set[str]) -> str 
     every prompt whatever the margin, so the answer states the best speculation's speedup over the whole set with
     its paired interval (a cell dropped before comes back and catches up)."""
     candidates = [key for key in projected if key not in lossy and not method_of(keys[key].method).plain
-                  and method_of(keys[key].method).lossless]
+                  and method_of(keys[key].method).exact]
     return max(candidates, key=lambda key: projected[key].speed, default=None)
 
 

@@ -1,0 +1,95 @@
+"""What a drafted token of a stand-alone draft model costs on llama.cpp, against a row of its target, in one run.
+
+For the target (on draftlab's exact kernels) and each draft file: one row's step after a 300-token prefix (the median
+of 24), llama_decode's share of it, and for the drafts a step of `ModelDrafter` drafting K tokens (what the engine
+runs: its catch-up, each token's decode, logits copy and pick), per drafted token. The ratio a drafted token / a
+target row is what decides whether a draft can pay: at acceptance a, K drafted tokens and a block of K+1 rows
+costing B(K) rows, a step gives E(a, K) tokens for K x ratio + B(K) rows. The host's CPU flags come with the figures;
+the last line is one JSON document.
+
+    python benchmarks/draft_cost.py                       # Qwen2.5-Coder 1.5B pure Q4_0, the 0.5B shipped and pure Q4_0
+    python benchmarks/draft_cost.py --target smollm2-135m@Q4_0_PURE --drafts smollm2-135m
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from draftlab.backends import make_backend
+from draftlab.backends.routes import cpu_flags
+from draftlab.decoding.sampling import SamplingConfig
+from draftlab.drafters.standalone import ModelDrafter
+from draftlab.models import load_model
+from draftlab.drafters.model_spec import gguf_draft
+from draftlab.study.run.budget import HOST_FLAGS
+
+PREFIX = list(range(2000, 2300))  # 300 cached tokens, as the exact-kernel probes use
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b@Q4_0_PURE")
+    parser.add_argument("--drafts", nargs="+", default=["qwen2.5-coder-0.5b@Q4_K_M_SHIPPED", "qwen2.5-coder-0.5b"],
+                        help="draft files: a short name drafts from its pure Q4_0 (as `model:NAME` does); "
+                             "NAME@Q4_K_M_SHIPPED the shipped file as it is")
+    parser.add_argument("--k", type=int, default=4)
+    args = parser.parse_args()
+    target = row_costs(load_model(args.target, backend="llamacpp"))
+    rows = [{"file": args.target, "role": "target", **target}]
+    for name in args.drafts:
+        source = name.removesuffix("@Q4_K_M_SHIPPED") if name.endswith("@Q4_K_M_SHIPPED") else gguf_draft(name)
+        model = load_model(source, backend="llamacpp", repack=True)  # as `model:NAME` loads a draft
+        rows.append({"file": source, "role": "draft", **row_costs(model), **draft_costs(model, args.k)})
+    flags = " ".join(sorted(cpu_flags() & set(HOST_FLAGS))) or "no avx2"
+    print(f"host: {flags}; K={args.k}; 300 cached tokens; medians of 24 steps")
+    print(f"{'file':<34}{'role':>7}{'row ms':>8}{'decode ms':>11}{'ms/drafted':>12}{'x target row':>14}")
+    for row in rows:
+        per = row.get("drafted_token_ms")
+        drafted, ratio = ("-", "-") if per is None else (f"{per:.1f}", f"{per / target['row_ms']:.2f}x")
+        print(f"{row['file']:<34}{row['role']:>7}{row['row_ms']:>8.1f}{row['decode_ms']:>11.1f}{drafted:>12}"
+              f"{ratio:>14}")
+    print(json.dumps({"flags": flags, "k": args.k, "rows": rows}))
+
+
+def row_costs(model) -> dict:
+    """One token's step through the backend, and llama_decode's own time within it (ms, medians)."""
+    backend = make_backend(model.model, model.device, "llamacpp")
+    backend.reset()
+    backend.score(PREFIX, last_only=True)
+    steps = []
+    for i in range(24):
+        start = time.perf_counter()
+        backend.score([1000 + i], last_only=True)
+        steps.append(time.perf_counter() - start)
+    backend.rollback(len(PREFIX))
+    decodes = []
+    for i in range(24):
+        backend._fill([1000 + i], [backend.cache_len], [[0]], [True])
+        start = time.perf_counter()
+        backend._decode(1)
+        decodes.append(time.perf_counter() - start)
+        backend._len += 1
+    return {"row_ms": 1e3 * statistics.median(steps), "decode_ms": 1e3 * statistics.median(decodes),
+            "numerics": backend.numerics}
+
+
+def draft_costs(model, k: int) -> dict:
+    """A `ModelDrafter` step of k greedy tokens after one new context token, per drafted token (ms, median of 8)."""
+    drafter = ModelDrafter(make_backend(model.model, model.device, "llamacpp"))
+    context = list(PREFIX)
+    drafter.begin(context)
+    drafter.propose(context, k, SamplingConfig(0.0), None)
+    steps = []
+    for i in range(8):
+        context.append(1000 + i)
+        start = time.perf_counter()
+        drafter.propose(context, k, SamplingConfig(0.0), None)
+        steps.append(time.perf_counter() - start)
+    return {"drafted_token_ms": 1e3 * statistics.median(steps) / k}
+
+
+if __name__ == "__main__":
+    main()
