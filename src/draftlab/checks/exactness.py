@@ -163,8 +163,8 @@ def _plain_rows(backend: FastLlamaBackend, prefix: list[int], block: Block) -> l
 
 
 def check_shape(shape: Shape, dtype: str, device: str, prefixes: tuple[int, ...], chains: tuple[int, ...] = (16,),
-                trees: tuple[str, ...] = tuple(TREES), rows: int = INVARIANT_ROWS, step: StaticStep | str | None = "auto",
-                route: str = "exact-linear") -> list[Finding]:
+                trees: tuple[str, ...] = tuple(TREES), rows: int = INVARIANT_ROWS,
+                step: StaticStep | str | None = "auto", route: str = "exact-linear") -> list[Finding]:
     """Op by op and end to end for one shape and dtype on a device, on the exact route `route`/`rows` (exact-linear
     or exact-wm), its blocks run as `step` says (`FastLlamaBackend`; 'auto': the device's default)."""
     model = random_model(shape, DTYPES[dtype], device)

@@ -25,8 +25,8 @@ def add_check_commands(sub) -> None:
                        help="cached tokens before each block (default 17 300)")
     exact.add_argument("--rows", type=int, default=16, help="the exact route's row chunk R (exact-linear/R; default 16)")
     exact.add_argument("--route", default="exact-linear", choices=("exact-linear", "exact-wm"),
-                       help="the exact route's products: by rows of weights (exact-linear, the default) or weight-major "
-                            "(exact-wm, which `auto` picks on some devices and shapes)")
+                       help="the exact route's products: exact-linear (the default) or weight-major exact-wm "
+                            "(which `auto` picks on some devices and shapes)")
     exact.add_argument("--full-mlp", action="store_true",
                        help=f"keep the shapes' MLP width on a CPU too (default: at most {CPU_MLP_CAP} there)")
     exact.add_argument("--step", nargs="+", default=["auto"], metavar="STEP",

@@ -184,6 +184,6 @@ SERVER_AR = Method("server-ar", "llama-server", 2, "llama-server", plain=True, r
 # draftlab's exact kernels (`exact_server`, what scripts/build-llama-cpp.sh builds) they are bitwise equal, and it
 # is ranked with the lossless.
 SERVER = Method("server", "llama-server's own speculation", 4, "llama-server", plain=False, reference="server-ar",
-                lossless=False, lossless_here=exact_server, peer=True, gguf_only=True, served=True, swept=False, chosen=False, build=_server,
-                missing=missing)
+                lossless=False, lossless_here=exact_server, peer=True, gguf_only=True, served=True, swept=False,
+                chosen=False, build=_server, missing=missing)
 METHODS = (SERVER_AR, SERVER)  # cells from `SweepConfig.servers`, at each concurrency level

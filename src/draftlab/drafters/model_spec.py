@@ -22,7 +22,8 @@ def split_window(arg: str) -> tuple[str, int]:
 
 
 def split_dtype(arg: str) -> tuple[str, str]:
-    """'qwen2.5-coder-0.5b@bf16' -> ('qwen2.5-coder-0.5b', 'bf16'); no '@' (or a path such as 'a@b/dir') -> (arg, '')."""
+    """'qwen2.5-coder-0.5b@bf16' -> ('qwen2.5-coder-0.5b', 'bf16'); no '@', a path ('a@b/dir') or a GGUF weight
+    type in capitals ('NAME@Q4_0_PURE') -> (arg, '')."""
     head, at, tail = arg.rpartition("@")
     if not at or "/" in tail or os.path.exists(arg) or tail in WEIGHT_TYPES:
         return arg, ""  # no dtype: a path, or a GGUF's weight type in capitals (NAME@Q4_0_PURE) that names the file

@@ -3,8 +3,9 @@
 `draftlab serve` decodes every request in flight with the engine's own step (`SpeculativeEngine.plan`, the target's
 score, `SpeculativeEngine.settle`), one engine per slot of a `SlotBatch`, and scores all their blocks in one
 llama.cpp decode (on torch, each slot's block in turn: `BackendSlots`): continuous batching, as vLLM's scheduler
-does above its model runner. A slot's engine is the one `draftlab generate` runs (its drafter beside the others', `Drafter.beside`), and the batch scores each row bitwise as
-alone, so each request's greedy tokens are those it gets served alone, whatever else is in flight.
+does above its model runner. A slot's engine is the one `draftlab generate` runs (its drafter beside the others',
+`Drafter.beside`), and the batch scores each row bitwise as alone, so each request's greedy tokens are those it gets
+served alone, whatever else is in flight.
 
 K follows the number of requests in flight (`LoadK`: the study's answer per concurrency level, 0 where speculation
 stops paying). The scheduler runs in a thread of its own; requests come and go through `submit`, `cancel` and each
