@@ -85,10 +85,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 def _what_to_serve(args: argparse.Namespace):
     """(target, drafter, K per load): a study's answer with --from, else the flags."""
+    from draftlab.backends import engine_of_backend
     from draftlab.errors import DraftlabError
     from draftlab.serving.scheduler import LoadK
-
-    from draftlab.backends import engine_of_backend
 
     if args.from_study is None:
         drafter = args.drafter or "none"

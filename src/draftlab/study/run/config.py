@@ -171,7 +171,7 @@ PRESETS = {
                          methods=("sps", "asg", "lcp", "serve"), ks=(1, 2, 3), datasets=("heldout",), limit=8,
                          race_after=2,
                          max_new_tokens=128, baseline_every=2, budget_s=480.0,
-                         servers=("ngram-mod:3", "ngram-simple:3")),  # at the grid's longest K, as draftlab's
+                         servers=("ngram-mod:3", "ngram-simple:3")),  # llama-server's types at the grid's longest K
     # The seeds' study on a second family (the Qwen2.5-Coder pair, ~1.6 GB of downloads): the 0.5B stand-alone
     # draft (in the target's dtype and in bf16, which drafts ~2x faster on CPUs; README), layer self-drafts of the
     # 1.5B at two depths (it has 28 layers) and n-gram lookup, SpS and AsG, K 1..7,
