@@ -16,12 +16,8 @@ py=${PYTHON:-python3}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 $py -c "import draftlab" 2>/dev/null || export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-stage() {  # stage NAME SECONDS COMMAND...: run it with a time limit, log to OUT/NAME.log, say how it ended
-  local name=$1 seconds=$2 start=$SECONDS
-  shift 2
-  timeout "$seconds" "$@" >"$out/$name.log" 2>&1
-  echo "gpu-check: $name ended with $? after $((SECONDS - start)) s (log: $out/$name.log)"
-}
+label=gpu-check
+source scripts/gpu-stage.sh
 { nvidia-smi -L; $py -c "import torch, transformers; print('torch', torch.__version__, '| transformers',
 transformers.__version__, '|', torch.cuda.get_device_name())"; } | tee "$out/gpu.txt"
 stage exact 90 $py -m draftlab.cli check exact --device cuda --step graphs off --dtypes fp32 bf16 --prefixes 17 300

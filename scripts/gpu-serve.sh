@@ -16,12 +16,8 @@ py=${PYTHON:-python3}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD:$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-stage() {  # stage NAME SECONDS COMMAND...: run it with a time limit, log to OUT/NAME.log, say how it ended
-  local name=$1 seconds=$2 start=$SECONDS
-  shift 2
-  timeout "$seconds" "$@" >"$out/$name.log" 2>&1
-  echo "gpu-serve: $name ended with $? after $((SECONDS - start)) s (log: $out/$name.log)"
-}
+label=gpu-serve
+source scripts/gpu-stage.sh
 stage serve-tests 150 $py -m pytest -m gpu -rs -q tests/test_serve_torch.py --durations=3
 stage serve-slots 100 $py benchmarks/serve_slots.py --shape qwen2.5-1.5b --layers 28 --device cuda --dtype bf16 \
   --tokens 64

@@ -109,7 +109,8 @@ class ModelDrafter(BlindDrafter):
     def _catch_up(self, context: Sequence[int]) -> torch.Tensor:
         """Roll back to the longest common prefix with `context` (from its window on), feed the rest; logits [V]
         after it."""
-        context = context[self._skip:]
+        if self._skip:  # a window: compare and feed from it on (no copy of the context otherwise, every step)
+            context = context[self._skip:]
         common = self._stable
         limit = min(len(self._fed), len(context))
         while common < limit and self._fed[common] == context[common]:
