@@ -104,6 +104,25 @@ def test_the_exports_keep_k_and_the_drafts_lookup():
     assert (tree.speculative_eagle_topk, tree.speculative_num_draft_tokens) == (2, 2 + 4 + 4 + 1)
 
 
+def test_a_model_draft_exports_to_llama_server_as_the_file_draftlab_drafts_from(tmp_path, monkeypatch):
+    """model:NAME drafts on llama.cpp from NAME@Q4_0_PURE (`gguf_draft`): llama-server's -md names that file (derived
+    where the shipped file is here, keyed by its checksum), never the shipped GGUF it did not measure."""
+    from draftlab.backends.quantize import derived_path
+    from draftlab.files import assets
+
+    shipped = tmp_path / "qwen-0.5b.Q4_K_M.gguf"
+    shipped.write_bytes(b"GGUF stand-in")
+    monkeypatch.setattr("draftlab.deploy.cached_path", lambda asset: shipped)
+    monkeypatch.setattr("draftlab.deploy.cache_dir", lambda: tmp_path)
+    words = shlex.split(export(Deployable("qwen2.5-coder-1.5b", "model:qwen2.5-coder-0.5b", 4), "llama-server"))
+    draft = words[words.index("-md") + 1]
+    assert draft == str(derived_path(shipped, "Q4_0_PURE", tmp_path)) and draft.endswith(".Q4_0_PURE.gguf")
+    assert assets.MODEL_ASSETS["qwen2.5-coder-0.5b"]  # a short name the test stands in for
+    shipped.unlink()  # not here: a placeholder that still names the weight type
+    words = shlex.split(export(Deployable("qwen2.5-coder-1.5b", "model:qwen2.5-coder-0.5b", 4), "llama-server"))
+    assert words[words.index("-md") + 1] == "qwen-0.5b.Q4_K_M.Q4_0_PURE.gguf"
+
+
 def test_a_study_at_several_batch_sizes_exports_its_k_per_batch_size():
     """From a study measured at batch sizes 1, 2, 4 and 8: K 3 alone, the same K (-1) to 4, none above."""
     choice = Deployable("smollm2-135m", "ngram", 3, ((1, 1, 3), (2, 4, -1), (5, 8, 0)))

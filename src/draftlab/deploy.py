@@ -35,7 +35,10 @@ from draftlab.drafters.eagle3 import is_eagle3_draft
 from draftlab.drafters.eagle3_checkpoint import engine_files
 from draftlab.drafters.eagle3_checkpoint import is_checkpoint
 from draftlab.drafters.files import draft_format
-from draftlab.files.assets import MODEL_ASSETS, cached_path
+from draftlab.files.assets import MODEL_ASSETS, cache_dir, cached_path
+from draftlab.backends.quantize import derived_path
+from draftlab.drafters.model_spec import gguf_draft
+from draftlab.models import split_weight_type
 from draftlab.drafters.kinds import is_plain_drafter
 from draftlab.registry import parse_drafter_spec
 
@@ -178,7 +181,7 @@ def llama_server_flags(choice: Deployable) -> list[str]:
         return ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(high),
                 "--spec-ngram-simple-size-m", str(choice.k or 48), *length]
     if kind == "model":
-        return ["--spec-type", "draft-simple", "-md", _gguf(arg), *length]
+        return ["--spec-type", "draft-simple", "-md", _gguf(gguf_draft(arg)), *length]  # the file draftlab drafts from
     if kind == "eagle3":
         return ["--spec-type", "draft-eagle3", "-md", eagle3_files(arg, choice.target)[1], *length]
     if kind == "server":
@@ -268,7 +271,13 @@ def _static_tree_nodes(branching: tuple[int, ...], depth: int) -> int:
 
 def _gguf(source: str) -> str:
     """A GGUF for llama-server: the embedded model's cached file, a .gguf path as given, an EAGLE-3 draft directory's
-    GGUF, else a placeholder."""
+    GGUF, either in another weight type (NAME@Q4_0_PURE: the file draftlab derives, where its source is here), else a
+    placeholder."""
+    base, weight_type = split_weight_type(source)
+    if weight_type is not None:
+        base_file = Path(_gguf(base))
+        return (str(derived_path(base_file, weight_type, cache_dir())) if base_file.is_file()
+                else f"{base_file.stem}.{weight_type}.gguf")
     if source.endswith(".gguf"):
         return source
     if Path(source).is_dir():

@@ -56,6 +56,44 @@ def test_block_rows_are_bitwise_single_rows_for_every_weight_type(source, thread
     assert rows_alone_and_blocks(backend) == []
 
 
+def shape_gguf(name: str, out: Path) -> Path:
+    """Random weights in a real model's shape (`checks.exactness.SHAPES`: its row lengths and widths, 2 layers) with
+    SmolLM2's tokenizer (so a 49,152-token head), written as GGUF by the build's own converter, then derived in
+    pure Q4_0 (every product on the repacked kernels): what the exact kernels see on that model."""
+    from dataclasses import replace
+
+    from transformers import AutoTokenizer
+
+    from draftlab.backends.quantize import derive_weight_type
+    from draftlab.checks.exactness import SHAPES, random_model
+    from draftlab.design.eagle3_gguf import converter
+    from draftlab.models import resolve_directory
+
+    shape = replace(SHAPES[name], vocab=49152)
+    hf_dir = out / name
+    random_model(shape, torch.float16, layers=2).save_pretrained(hf_dir)
+    AutoTokenizer.from_pretrained(resolve_directory("smollm2-135m")).save_pretrained(hf_dir)
+    script, f16 = converter(), out / f"{name}.f16.gguf"
+    env = {**os.environ, "PYTHONPATH": str(script.parent / "gguf-py")}
+    done = subprocess.run([sys.executable, str(script), str(hf_dir), "--outtype", "f16", "--outfile", str(f16)],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return derive_weight_type(f16, "Q4_0_PURE", out)
+
+
+SHAPE_CASES = [slow("qwen2.5-1.5b"), exhaustive("qwen2.5-0.5b"), exhaustive("qwen2.5-7b"), exhaustive("llama-3-8b")]
+
+
+@pytest.mark.parametrize("shape", SHAPE_CASES)
+def test_block_rows_are_bitwise_single_rows_on_real_model_shapes(shape, tmp_path, monkeypatch):
+    """The repacked Q4_0 kernel's rows (row lengths 896-18944, widths up to 49,152) on 2 threads: every row of blocks
+    of 2-16, 20 and 24 equals the same row alone, as on SmolLM2."""
+    monkeypatch.setattr(llamacpp_module, "threads", lambda: 2)
+    target = load_model(str(shape_gguf(shape, tmp_path)), backend="llamacpp")
+    assert Q4_0_ROWS in target.model.exact_kernels and target.model.repack
+    assert rows_alone_and_blocks(LlamaCppBackend(target.model)) == []
+
+
 @pytest.mark.slow
 def test_on_llamas_stock_kernels_the_same_check_finds_differing_rows():
     """The check can fail: the same comparison on llama.cpp's stock ggml-cpu (sgemm gated to 2+ rows, built beside

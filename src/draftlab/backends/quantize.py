@@ -38,11 +38,17 @@ def weight_type_name(text: str) -> str:
     return name
 
 
+def derived_path(source: Path, weight_type: str, cache_root: Path) -> Path:
+    """Where `derive_weight_type` writes `source` (a GGUF) in `weight_type`: keyed by the source's SHA256."""
+    name = weight_type_name(weight_type)
+    return cache_root / "weight-types" / sha256_file(source)[:16] / f"{source.stem}.{name}.gguf"
+
+
 def derive_weight_type(source: Path, weight_type: str, cache_root: Path) -> Path:
     """`source` (a GGUF) written in `weight_type`, derived once and cached; the cached file's path."""
     name = weight_type_name(weight_type)
-    out_dir = cache_root / "weight-types" / sha256_file(source)[:16]
-    out = out_dir / f"{source.stem}.{name}.gguf"
+    out = derived_path(source, name, cache_root)
+    out_dir = out.parent
     checksum = out.with_name(out.name + ".sha256")
     if out.exists() and checksum.exists() and checksum.read_text().strip() == sha256_file(out):
         return out
