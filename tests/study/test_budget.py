@@ -74,6 +74,36 @@ def test_a_budget_that_cannot_hold_the_prompts_leaves_out_the_most_hopeless_cell
     assert all(decode[key] >= slowest * 0.999 for key in dropped if not key.startswith("llamacpp:m|llama|"))
 
 
+def test_neither_the_plan_nor_the_pilot_leaves_out_what_a_deploy_line_answers_from():
+    """Shaped like the quick study on a fast host (CI, 0.30.0): every server decodes slower than llama.cpp's
+    fastest cell and the budget holds only a few cells, so the plan used to leave out every llama-server cell and
+    the study printed no llama-server command. Each server's plain decoding and its fastest speculation by the
+    pilot stay, whatever the budget; the rest of the servers' cells are left out like any other."""
+    llama = "llamacpp:m"
+    rates = {cell("ar", target=llama): 70.0, cell("llama", target=llama): 68.0,
+             **{cell("lcp", "ngram", k, llama): r for k, r in ((1, 88.8), (2, 80.0), (3, 69.0))},
+             **{cell("sps", "suffix", k, llama): r for k, r in ((1, 75.0), (2, 72.0), (3, 70.0))},
+             cell("serve-ar", target=llama): 67.0,
+             **{cell("serve", d, k, llama): r for d in ("ngram", "suffix") for k, r in ((1, 66.0 + len(d)), (2, 64.0),
+                                                                                         (3, 55.0))},
+             cell("server-ar", target=llama): 67.3, cell("server", "ngram-mod", 3, llama): 60.5,
+             cell("server", "ngram-simple", 3, llama): 63.0}
+    cells = list(rates)
+    pilot = Pilot({"e": 0.0}, {c.key: 1 / r for c, r in rates.items()}, {c.key: "e" for c in cells})
+    plan = make_plan({llama: cells}, {llama: pilot}, [100] * 8, PlanLimits(2, 2, 60.0))
+    kept = {c.key for c in cells} - set(plan.budget_drops)
+    deployed = {cell("server-ar", target=llama).key, cell("server", "ngram-simple", 3, llama).key,
+                cell("serve-ar", target=llama).key, cell("serve", "suffix", 1, llama).key}
+    assert deployed <= kept, plan.budget_drops
+    assert cell("server", "ngram-mod", 3, llama).key in plan.budget_drops  # the slower server type: left out
+    slow = Pilot({}, {**pilot.decode, cell("server-ar", target=llama).key: 1 / 20.0,
+                      cell("server", "ngram-mod", 3, llama).key: 1 / 10.0}, {})
+    # 4.4x slower than the fastest, the server's plain decoding stays; its slower type does not
+    assert set(pilot_drops(cells, slow)) == {cell("server", "ngram-mod", 3, llama).key}
+    slower = Pilot({}, {**slow.decode, cell("server", "ngram-simple", 3, llama).key: 1 / 5.0}, {})
+    assert set(pilot_drops(cells, slower)) == {cell("server", "ngram-simple", 3, llama).key}  # now the slower
+
+
 def test_the_deadline_expects_the_next_prompt_as_planned_scaled_by_the_prompts_so_far():
     deadline = Deadline(100.0, planned=(40.0, 5.0, 10.0, 10.0))
     assert deadline.affords_another()

@@ -24,7 +24,7 @@ from draftlab.contenders.methods import is_baseline, method_of
 from draftlab.errors import DraftlabError
 from draftlab.measure import EncodedPrompt, pilot as measure_pilot
 from draftlab.study.run.cells import Cell
-from draftlab.study.run.race import keep_peer_references, model_of
+from draftlab.study.run.race import deploy_references, keep_peer_references, model_of
 from draftlab.study.run.runner import CellRunner
 
 PILOT_TOKENS = 16  # each cell's decode in the pilot
@@ -104,18 +104,19 @@ def time_pilot(runner: CellRunner, cells: list[Cell], prompt: EncodedPrompt) -> 
 
 def pilot_drops(cells: list[Cell], pilot: Pilot) -> dict[str, str]:
     """cell key -> reason, for the cells (of one model) whose pilot decodes more than `PILOT_MARGIN` times slower
-    than the fastest lossless cell's; never a baseline, a cell under load, or a peer's plain decoding while one of
-    its speculative cells runs."""
+    than the fastest lossless cell's; never a baseline, a cell under load, a cell a Deploy line answers from
+    (`race.deploy_references`), or a peer's plain decoding while one of its speculative cells runs."""
     rates = {c.key: 1 / pilot.decode[c.key] for c in cells if pilot.decode.get(c.key)}
     lossless = [c for c in cells if c.key in rates and c.concurrency == 1 and method_of(c.method).exact]
     if not lossless:
         return {}
     best = max(lossless, key=lambda c: rates[c.key])
+    deployed = deploy_references(cells, rates)
     out = {c.key: (f"{PILOT_REASON}: its {PILOT_TOKENS}-token pilot decoded {rates[c.key]:.1f} tok/s, under "
                    f"1/{PILOT_MARGIN:g} of the fastest ({best.target} {best.method} {best.drafter} K={best.k}, "
                    f"{rates[best.key]:.1f} tok/s)")
            for c in cells if c.key in rates and c.concurrency == 1 and not is_baseline(c.method)
-           and rates[c.key] * PILOT_MARGIN < rates[best.key]}
+           and c.key not in deployed and rates[c.key] * PILOT_MARGIN < rates[best.key]}
     return keep_peer_references(out, cells)
 
 
@@ -162,14 +163,17 @@ def _budget_drops(cells: dict[str, list[Cell]], pilots: dict[str, Pilot], length
                   ) -> dict[str, str]:
     """cell key -> reason, for the cells left out so that `lengths` (the fewest prompts a plan keeps) fit the
     budget: one at a time, the cell whose pilot decodes slowest against its model's fastest first; never a baseline,
-    nor a peer's plain decoding while one of its speculative cells runs (`race.keep_peer_references`)."""
+    a cell a Deploy line answers from (each server's plain decoding and its fastest speculation by the pilot:
+    `race.deploy_references`), nor a peer's plain decoding while one of its speculative cells runs
+    (`race.keep_peer_references`)."""
     rates = {c.key: 1 / pilots[t].decode[c.key] for t, its in cells.items() for c in its if pilots[t].decode.get(c.key)}
     best: dict[str, float] = {}
     for c in (c for its in cells.values() for c in its if c.key in rates):
         best[model_of(c.target)] = max(best.get(model_of(c.target), 0.0), rates[c.key])
-    order = sorted((c for its in cells.values() for c in its if c.key in rates and not is_baseline(c.method)),
-                   key=lambda c: rates[c.key] / best[model_of(c.target)])
     everything = [c for its in cells.values() for c in its]
+    deployed = deploy_references(everything, rates)
+    order = sorted((c for c in everything if c.key in rates and not is_baseline(c.method) and c.key not in deployed),
+                   key=lambda c: rates[c.key] / best[model_of(c.target)])
     drops: dict[str, str] = {}
     for cell in order:
         left = {t: [c for c in its if c.key not in drops] for t, its in cells.items()}

@@ -206,6 +206,24 @@ def keep_peer_references(dropped: dict[str, str], cells: list[Cell]) -> dict[str
                        for method in methods().values() if not method.plain and method.engine_plain == cell.method)}
 
 
+def deploy_references(cells: list[Cell], rates: dict[str, float]) -> set[str]:
+    """The cells a Deploy line answers from, which neither the pilot nor the plan leaves out before they ran (the
+    race may drop them later: the answer uses what they measured, `answer.serving.level_answers`): per target,
+    each served engine's plain decoding and its speculation fastest by the pilot's `rates` (cell key -> tok/s), one
+    request at a time."""
+    keep: set[str] = set()
+    fastest: dict[tuple[str, str], Cell] = {}
+    for cell in (c for c in cells if c.concurrency == 1 and method_of(c.method).served):
+        method = method_of(cell.method)
+        if method.plain:
+            keep.add(cell.key)
+            continue
+        engine = (cell.target, method.reference)
+        if cell.key in rates and rates[cell.key] > rates.get(fastest[engine].key if engine in fastest else "", 0.0):
+            fastest[engine] = cell
+    return keep | {cell.key for cell in fastest.values()}
+
+
 def _no_prefill(length: int) -> float:
     return 0.0
 
