@@ -6,7 +6,9 @@ HF reference runs alike. Spec grammar:
   none | ar                   no draft: autoregressive decoding
   ngram | ngram:N | ngram:A-B prompt lookup with n-gram sizes 1..3, 1..N or A..B
   layers:SPEC[@DTYPE]         self-draft from target layers; SPEC is a comma list of
-                              indices, ranges a-b and strided ranges a-b:s (0-3, 0-29:2, 0-3,26-29)
+                              indices, ranges a-b and strided ranges a-b:s (0-3, 0-29:2, 0-3,26-29); on
+                              llama.cpp a GGUF of those layers with the target's head, written once
+                              (`backends.gguf_layers`), drafting in its own context
   model:NAME_OR_PATH[@DTYPE]  a separate draft model with the target's tokenizer, or a draft
                               directory (pruned draft, cut-vocabulary model draft, feature draft, EAGLE-3
                               draft or decoder heads: its record names the format). On llama.cpp a short
@@ -51,6 +53,7 @@ from typing import Callable
 import torch
 
 from draftlab.backends import make_backend
+from draftlab.backends.gguf_layers import derive_layer_draft, layers_label
 from draftlab.defaults import DEFAULT_BACKEND
 from draftlab.drafters import cut, designed, eagle3, eagle3_checkpoint, feature, heads
 from draftlab.drafters.anchored import AnchoredDrafter, FeatureDrafter
@@ -67,7 +70,8 @@ from draftlab.drafters.staged import StagedDrafter
 from draftlab.drafters.suffix import SuffixDrafter, SuffixOptions, tokenizer_fingerprint
 from draftlab.drafters.tree import TreeDrafter, TreeShape, TreeSource
 from draftlab.errors import DraftlabError
-from draftlab.models import DTYPES, LoadedModel, ModelSpec, dtype_name, dtype_suffix, load_model
+from draftlab.files import assets
+from draftlab.models import DTYPES, LoadedModel, ModelSpec, dtype_name, dtype_suffix, gguf_path, load_model
 
 SPEC_HELP = ("none | ngram[:N|:A-B] | suffix[:depth=N,tree,responses=N,cache=DIR,...] | layers:0-3 (or 0,2,4 / "
              "0-29:2) | model:NAME_OR_PATH | designed | eagle3 | tree:SHAPE:SPEC | staged:HELPER/SPEC | "
@@ -187,7 +191,8 @@ def _needs_torch_target(target: LoadedModel, what: str) -> None:
     """Refuse drafts built from the target's own weights when the target runs in llama.cpp."""
     if not target.engine.torch_drafts:
         raise DraftlabError(f"{what} is built from the target's torch weights; on --backend llamacpp use ngram, "
-                            "model:NAME_OR_GGUF, or tree/staged/merged drafts of those (or --backend fast)")
+                            "suffix, layers:LIST, model:NAME_OR_GGUF, or tree/staged/merged drafts of those (or "
+                            "--backend fast)")
 
 
 def _build_none(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
@@ -204,7 +209,14 @@ def _build_suffix(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDr
 
 
 def _build_layers(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
-    _needs_torch_target(target, "a layer draft")
+    if target.engine.runs_gguf:  # the target's layers as a GGUF of their own (`backends.gguf_layers`)
+        if plan.dtype:
+            raise DraftlabError(f"a layer draft on llama.cpp runs the target's tensors in their weight type: drop "
+                                f"@{plan.dtype}")
+        path = derive_layer_draft(gguf_path(target.source), plan.layers, assets.cache_dir())
+        draft = load_model(ModelSpec(str(path)), backend=target.engine.backend, repack=True)
+        draft.name = f"layers:{layers_label(plan.layers)}"
+        return _model_draft(draft, target.engine.backend)
     return _model_draft(build_layer_draft(target, plan.layers, _draft_dtype(plan, target)), backend)
 
 

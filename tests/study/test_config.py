@@ -53,16 +53,20 @@ def test_bad_grids_are_refused(tmp_path):
             SweepConfig(**kwargs)
 
 
-def test_family_preset_is_the_seeds_grid_on_the_qwen_pair():
-    """The second family's study: the 0.5B stand-alone draft, two layer self-drafts and n-gram, SpS and AsG, K 1..7;
-    on llama.cpp, SpS and llama-cpp-python's prompt lookup (for n-gram drafts) instead of AsG."""
+def test_family_preset_is_the_seeds_grid_on_the_qwen_pair_on_llamacpp():
+    """The seeds' study on CPU: the 1.5B in pure Q4_0 on llama.cpp, the 0.5B stand-alone draft, two layer
+    self-drafts, n-gram and suffix lookup, SpS and llama-cpp-python's prompt lookup, K 1..6, HumanEval and code
+    edits, within a budget, then the calibration and microbenchmark its findings read."""
     config = make_config("family")
-    assert config.targets == ("qwen2.5-coder-1.5b",) and "model:qwen2.5-coder-0.5b" in config.drafters
-    assert config.ks == tuple(range(1, 8)) and set(config.methods) == {"sps", "asg", "lcp"}
-    assert {"humaneval", "mt-bench", "math", "xsum"} == set(config.datasets)
-    assert "model:qwen2.5-coder-0.5b@bf16" in config.drafters
-    fixed = replace(config, dtype="fp32", host_baselines=False)
-    assert len(fixed.cells("t", "d", 0.0)) == 2 + 2 * 5 * 7  # ar, HF plain, then the grid
-    on_llamacpp = fixed.cells("llamacpp:t", "d", 0.0)  # ar, llama-cpp-python's plain, SpS x 5 drafts, lcp x ngram
-    assert len(on_llamacpp) == 2 + 5 * 7 + 7 and {c.method for c in on_llamacpp} == {"ar", "llama", "sps", "lcp"}
-    assert all(c.backend == "llamacpp" and c.dtype == "gguf" for c in on_llamacpp)
+    assert config.targets == ("llamacpp:qwen2.5-coder-1.5b@Q4_0_PURE",)
+    assert {"model:qwen2.5-coder-0.5b", "ngram", "suffix"} <= set(config.drafters)
+    assert sum(d.startswith("layers:") for d in config.drafters) == 2
+    assert config.ks == tuple(range(1, 7)) and set(config.methods) == {"sps", "lcp"}
+    assert set(config.datasets) == {"humaneval", "code-edit"} and config.limit == 8
+    assert set(config.seed_inputs) == {"calibrate", "microbench"} and 0 < config.budget_s < 3600
+    cells = replace(config, host_baselines=False).cells(config.targets[0], "d", 0.0)
+    # ar, llama-cpp-python's plain, SpS x 5 drafts x 6 K, its prompt lookup x n-gram x 6 K
+    assert len(cells) == 2 + 5 * 6 + 6 and {c.method for c in cells} == {"ar", "llama", "sps", "lcp"}
+    assert all(c.backend == "llamacpp" and c.dtype == "gguf" for c in cells)
+    with pytest.raises(DraftlabError, match="unknown seed input"):
+        SweepConfig(seed_inputs=("correlate",))

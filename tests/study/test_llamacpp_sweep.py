@@ -31,11 +31,13 @@ def test_each_engine_runs_its_own_cells(study, capsys):
     rows, params, envs = load_study(study)
     on_llamacpp = [r for r in rows if r["target"] == "llamacpp:smollm2-135m"]
     methods = {(r["method"], r["drafter"]) for r in on_llamacpp}
-    assert {("ar", "none"), ("llama", "none"), ("sps", "ngram"), ("lcp", "ngram"), ("plain", "llama.cpp repack")} == methods
+    assert {("ar", "none"), ("llama", "none"), ("sps", "ngram"), ("sps", "layers:0-3"), ("lcp", "ngram"),
+            ("plain", "llama.cpp repack")} == methods  # the layer draft from a GGUF of the target's first 4 layers
     assert all(r["backend"] == "llamacpp" and r["dtype"] == "gguf" for r in on_llamacpp)
     on_torch = {(r["method"], r["drafter"]) for r in rows if r["target"] == "smollm2-135m"}
     # llama.cpp's default kernels run once, on the llama.cpp target
     assert ("sps", "layers:0-3") in on_torch and ("plain", "llama.cpp repack") not in on_torch
+    assert params["llamacpp:smollm2-135m::layers:0-3"] < params["llamacpp:smollm2-135m"]  # the draft's own count
     assert not any(m in ("lcp", "llama") for m, _ in on_torch)
     assert all(r["identical"] for r in on_llamacpp if r["method"] == "sps")  # lossless on llama.cpp
     assert all(r["identical"] is not None for r in on_llamacpp if r["method"] == "lcp")  # vs its own generate

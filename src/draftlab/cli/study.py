@@ -43,7 +43,8 @@ def add_study_commands(sub) -> None:
 def _add_sweep_args(parser: argparse.ArgumentParser, db_required: bool = True) -> None:
     parser.add_argument("--db", required=db_required, help="study database (SQLite); resumes if it exists")
     parser.add_argument("--preset", default="quick", help="quick (the main job: minutes on 2 CPU cores; torch and llama.cpp), full, or family "
-                                                          "(the Qwen2.5-Coder pair: hours on a CPU)")
+                                                          "(the seeds' study on the Qwen2.5-Coder pair on llama.cpp, with its calibration and "
+                                                          "microbenchmark: about an hour on 2 CPU cores)")
     parser.add_argument("--config", help="TOML file with the grid (keys as the flags, in a [sweep] table)")
     parser.add_argument("--targets", nargs="+")
     parser.add_argument("--drafters", nargs="+")
@@ -127,7 +128,8 @@ def _sweep_config(args):
     return replace(config, drafters=with_adapting(config.drafters, args.adapt))
 
 
-def _run_sweep(args, db) -> None:
+def _run_sweep(args, db):
+    """Run (or resume) the sweep of the arguments into `db`; its configuration."""
     from draftlab.study.run.store import ResultsStore
     from draftlab.study.run.sweep import plan, run_sweep
 
@@ -139,6 +141,7 @@ def _run_sweep(args, db) -> None:
     finally:
         store.close()
     print(f"sweep: {added} new records in {db}" if added else f"sweep: nothing to do, {db} is complete")
+    return config
 
 
 def cmd_sweep(args) -> None:
@@ -147,13 +150,16 @@ def cmd_sweep(args) -> None:
 
 
 def cmd_study(args) -> None:
-    """Sweep into OUT/study.sqlite, write OUT/report, print the answer's sections."""
+    """Sweep into OUT/study.sqlite, make what the preset's seed findings need (OUT/profile.json, ...), write
+    OUT/report, print the answer's sections."""
+    from draftlab.study.answer.results import ReportInputs
+    from draftlab.study.run.seed_inputs import make_seed_inputs
+
     out = Path(args.out)
     db = args.db or str(out / "study.sqlite")
-    _run_sweep(args, db)
-    from draftlab.study.answer.results import ReportInputs
-
-    _report(db, out / "report", ReportInputs(output_tokens=args.output_tokens))
+    config = _run_sweep(args, db)
+    seeds = make_seed_inputs(config, out, progress=not args.no_progress)
+    _report(db, out / "report", ReportInputs(seeds.profile, seeds.microbench, output_tokens=args.output_tokens))
 
 
 def cmd_report(args) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from draftlab.backends import make_backend
+from draftlab.files.safeio import write_atomic
 from draftlab.progress import track
 
 
@@ -99,7 +100,8 @@ def time_shape(model: torch.nn.Module, context: int = 128, steps: int = 20) -> f
     """Median seconds of one decode step at a fixed context length."""
     backend = make_backend(model)
     backend.reset()
-    backend.score(list(range(1, context + 1)), last_only=True)
+    vocab = model.config.vocab_size
+    backend.score([1 + i % (vocab - 1) for i in range(context)], last_only=True)  # any ids the vocabulary holds
     times = []
     for i in range(steps + 2):
         start = time.perf_counter()
@@ -110,10 +112,12 @@ def time_shape(model: torch.nn.Module, context: int = 128, steps: int = 20) -> f
     return statistics.median(times[2:])
 
 
-def run(config, context: int = 128, steps: int = 20, progress: bool = True) -> list[Timing]:
-    """Time every shape."""
+def run(config, context: int = 128, steps: int = 20, progress: bool = True,
+        series: tuple[str, ...] = ("fixed_params", "fixed_width", "fixed_depth")) -> list[Timing]:
+    """Time every shape of `series`."""
     out = []
-    for shape in track(shapes_for(config), "microbench", unit="shape", disable=not progress):
+    shapes = [shape for shape in shapes_for(config) if shape.series in series]
+    for shape in track(shapes, "microbench", unit="shape", disable=not progress):
         model = build(config, shape)
         params = sum(p.numel() for n, p in model.named_parameters() if "layers." in n) / 1e6
         out.append(Timing(shape, params, 1000 * time_shape(model, context, steps)))
@@ -153,11 +157,15 @@ def plot(timings: list[Timing], out: Path) -> list[Path]:
 
 
 def save(timings: list[Timing], out: Path) -> Path:
-    """Timings as JSON."""
+    """Timings as JSON (`out`/microbench.json, written atomically)."""
     path = out / "microbench.json"
-    path.write_text(json.dumps([{**asdict(t.shape), "params_millions": t.params_millions,
-                                 "ms_per_token": t.ms_per_token} for t in timings], indent=2))
+    write_atomic(path, json.dumps([timing_row(t) for t in timings], indent=2))
     return path
+
+
+def timing_row(timing: Timing) -> dict:
+    """One timing as a row of microbench.json: its shape's fields, its parameters and latency."""
+    return {**asdict(timing.shape), "params_millions": timing.params_millions, "ms_per_token": timing.ms_per_token}
 
 
 def format_table(timings: list[Timing]) -> str:

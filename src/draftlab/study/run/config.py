@@ -41,6 +41,9 @@ def target_backend(target: str, backend: str) -> tuple[str, str]:
     return backend, target
 
 
+SEED_INPUTS = ("calibrate", "microbench")  # what `SweepConfig.seed_inputs` may name
+
+
 @dataclass(frozen=True)
 class SweepConfig:
     """The grid and how each cell is run."""
@@ -67,6 +70,8 @@ class SweepConfig:
     # (draftlab.contenders.server_configs); with any, the server's plain decoding runs too
     concurrency: tuple[int, ...] = (1,)  # requests in flight for the served engines' cells (llama-server, vLLM):
     # each level its own servers
+    seed_inputs: tuple[str, ...] = ()  # what the seeds' findings need beyond the cells, made after the sweep by
+    # `draftlab study` (study/run/seed_inputs.py): 'calibrate' (a profile), 'microbench' (depth vs width)
     preflight_s: float = PREFLIGHT_TIMEOUT_S  # each engine decodes a few tokens in a child first, within this many
     # seconds (draftlab.contenders.preflight); an engine that dies or hangs there is left out (0: no preflight)
 
@@ -94,6 +99,9 @@ class SweepConfig:
         for spec in self.servers:
             parse_server_spec(spec)
         check_concurrency(self.concurrency)
+        if set(self.seed_inputs) - set(SEED_INPUTS):
+            raise DraftlabError(f"unknown seed input(s) {sorted(set(self.seed_inputs) - set(SEED_INPUTS))}; use "
+                                f"{', '.join(SEED_INPUTS)}")
 
     def cells(self, target: str, dataset: str, temperature: float) -> list[Cell]:
         """The baseline cell (and the peers' own plain decoding when they run), then every (method, drafter, K)
@@ -172,20 +180,25 @@ PRESETS = {
                          race_after=2,
                          max_new_tokens=128, baseline_every=2, budget_s=480.0,
                          servers=("ngram-mod:3", "ngram-simple:3")),  # llama-server's types at the grid's longest K
-    # The seeds' study on a second family (the Qwen2.5-Coder pair, ~1.6 GB of downloads): the 0.5B stand-alone
-    # draft (in the target's dtype and in bf16, which drafts ~2x faster on CPUs; README), layer self-drafts of the
-    # 1.5B at two depths (it has 28 layers) and n-gram lookup, SpS and AsG, K 1..7,
-    # on code, chat, math and summarization. In fp32 on 2 CPU cores the 1.5B decodes ~3 tokens/s, so this grid
-    # (5 drafts x 7 K x 2 methods x 16 prompts x 64 tokens) takes hours there; on a GPU, minutes. With
-    # `--backend llamacpp` the Q4_K_M files run as shipped: the 0.5B and n-gram drafts (the others need torch
-    # weights and are skipped), SpS and llama-cpp-python's prompt lookup (lcp).
+    # The seeds' study on CPU (issue 83): the Qwen2.5-Coder pair on llama.cpp, the 1.5B target in pure Q4_0 (derived
+    # once from the shipped Q4_K_M, ~1.6 GB of downloads in all) on draftlab's exact kernels. Drafts with parameters:
+    # the 0.5B stand-alone draft (its own pure Q4_0 file), and layer self-drafts of the 1.5B (its first 4 layers;
+    # every other layer), written as GGUFs of their own (backends/gguf_layers.py); and n-gram and suffix lookup.
+    # SpS, and llama-cpp-python's prompt lookup, K 1..6, on 8 HumanEval stubs and 8 code edits, 64 tokens each,
+    # within a 45-minute budget; then the calibration profile and the depth-vs-width microbenchmark the seeds'
+    # findings read (study/run/seed_inputs.py). On torch (and a GPU), with HF's AsG beside SpS: `--targets
+    # qwen2.5-coder-1.5b --methods sps asg`.
     "family": SweepConfig(
-        targets=("qwen2.5-coder-1.5b",),
-        drafters=("model:qwen2.5-coder-0.5b", "model:qwen2.5-coder-0.5b@bf16", "layers:0-3", "layers:0-27:4", "ngram"),
-        methods=("sps", "asg", "lcp"),  # with --backend llamacpp: SpS and llama-cpp-python's lookup (asg needs torch)
-        datasets=("humaneval", "mt-bench", "math", "xsum"),
-        limit=4,
+        targets=(f"{LLAMACPP_TARGET}qwen2.5-coder-1.5b@Q4_0_PURE",),
+        drafters=("model:qwen2.5-coder-0.5b", "layers:0-3", "layers:0-27:2", "ngram", "suffix"),
+        methods=("sps", "lcp"),
+        ks=(1, 2, 3, 4, 5, 6),
+        datasets=("humaneval", "code-edit"),
+        limit=8,
         max_new_tokens=64,
+        race_after=2,
+        budget_s=2700.0,
+        seed_inputs=("calibrate", "microbench"),
     ),
     "full": SweepConfig(
         drafters=("ngram", "ngram:2-4", "layers:0-3", "layers:0-7", "layers:0-29:2"),
