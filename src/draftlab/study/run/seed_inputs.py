@@ -6,7 +6,7 @@ depth and hardly with width" a depth/width microbenchmark. A preset that names t
 make them itself, once the sweep is done (never beside it: both are timings):
 
 - 'calibrate': `perf.calibrate` of the study's first target on its engine, with the drafts of the grid that run
-  there, at K up to the grid's largest, on the first dataset's first prompts: `profile.json`;
+  there, at K up to the grid's largest, on the first prompts of each dataset: `profile.json`;
 - 'microbench': `design.microbench`'s fixed-width and fixed-depth series, random weights in the shape of the grid's
   first model draft (a draft's latency is what the finding is about; the target's shape where there is none):
   `microbench.json`.
@@ -24,7 +24,7 @@ from draftlab.errors import DraftlabError
 from draftlab.study.run.config import SweepConfig, target_backend
 
 PROFILE, MICROBENCH = "profile.json", "microbench.json"
-CALIBRATION_PROMPTS = 2  # prompts of the first dataset a calibration runs each draft on
+CALIBRATION_PROMPTS = 2  # prompts a calibration runs each draft on, spread over the datasets (one each at least)
 MICROBENCH_SERIES = ("fixed_width", "fixed_depth")  # what the depth-vs-width finding reads
 
 
@@ -73,7 +73,8 @@ def _calibrate(config: SweepConfig, path: Path, progress: bool) -> None:
         raise DraftlabError(f"no draft of the grid runs on {config.targets[0]}")
     settings = CalibrationSettings(max(config.ks), max(config.max_new_tokens // 2, 8), 3,
                                    target_backend(config.targets[0], config.backend)[0])
-    prompts = load_prompts(config.datasets[0], CALIBRATION_PROMPTS, config.skip)
+    per_dataset = -(-CALIBRATION_PROMPTS // len(config.datasets))  # each workload's acceptance in the profile
+    prompts = [p for dataset in config.datasets for p in load_prompts(dataset, per_dataset, config.skip)]
     calibrate(target, drafts, prompts, settings, progress=progress).save(path)
 
 
