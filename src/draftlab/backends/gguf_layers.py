@@ -68,8 +68,11 @@ def write_layers(source: Path, layers: tuple[int, ...], out: Path) -> None:
         reader = GGUFReader(source)
     except (ValueError, OSError) as exc:
         raise DraftlabError(f"cannot read GGUF {source} for a layer draft: {exc}") from exc
-    arch = reader.fields["general.architecture"].contents()
-    count = int(reader.fields[f"{arch}.block_count"].contents())
+    try:
+        arch = reader.fields["general.architecture"].contents()
+        count = int(reader.fields[f"{arch}.block_count"].contents())
+    except KeyError as exc:
+        raise DraftlabError(f"GGUF {source} names no {exc}: not a model a layer draft can be cut from") from exc
     check_layers(layers, count, source)
     writer = GGUFWriter(out, arch)
     for field in reader.fields.values():
