@@ -7,7 +7,8 @@ target row is what decides whether a draft can pay: at acceptance a, K drafted t
 costing B(K) rows, a step gives E(a, K) tokens for K x ratio + B(K) rows. The host's CPU flags come with the figures;
 the last line is one JSON document.
 
-    python benchmarks/draft_cost.py                       # Qwen2.5-Coder 1.5B pure Q4_0, the 0.5B shipped and pure Q4_0
+    python benchmarks/draft_cost.py                       # Qwen2.5-Coder 1.5B pure Q4_0, the 0.5B shipped and pure Q4_0,
+                                                          # and the pure Q4_0 with a head of its 32768 first tokens
     python benchmarks/draft_cost.py --target smollm2-135m@Q4_0_PURE --drafts smollm2-135m
 """
 
@@ -18,11 +19,15 @@ import json
 import statistics
 import time
 
+import torch
+
 from draftlab.backends import make_backend
+from draftlab.backends.gguf_head import derive_trimmed_head
 from draftlab.backends.routes import cpu_flags
 from draftlab.decoding.sampling import SamplingConfig
 from draftlab.drafters.standalone import ModelDrafter
-from draftlab.models import load_model
+from draftlab.files import assets
+from draftlab.models import gguf_path, load_model
 from draftlab.drafters.model_spec import gguf_draft
 from draftlab.study.run.budget import HOST_FLAGS
 
@@ -36,6 +41,9 @@ def main() -> None:
                         help="draft files: a short name drafts from its pure Q4_0 (as `model:NAME` does); "
                              "NAME@Q4_K_M_SHIPPED the shipped file as it is")
     parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--cut", type=int, default=32768,
+                        help="also each short-named draft with an LM head of its first CUT token ids, as a cut draft "
+                             "(`draftlab design cut`) runs on llama.cpp (0: not)")
     args = parser.parse_args()
     target = row_costs(load_model(args.target, backend="llamacpp"))
     rows = [{"file": args.target, "role": "target", **target}]
@@ -43,20 +51,26 @@ def main() -> None:
         source = name.removesuffix("@Q4_K_M_SHIPPED") if name.endswith("@Q4_K_M_SHIPPED") else gguf_draft(name)
         model = load_model(source, backend="llamacpp", repack=True)  # as `model:NAME` loads a draft
         rows.append({"file": source, "role": "draft", **row_costs(model), **draft_costs(model, args.k)})
+        if args.cut and source != name:
+            kept = torch.arange(args.cut)  # [V'] token ids
+            trimmed = load_model(str(derive_trimmed_head(gguf_path(source), kept, assets.cache_dir())),
+                                 backend="llamacpp", repack=True)
+            rows.append({"file": f"{source}/v{args.cut}", "role": "draft", **row_costs(trimmed, kept),
+                         **draft_costs(trimmed, args.k, kept)})
     flags = " ".join(sorted(cpu_flags() & set(HOST_FLAGS))) or "no avx2"
     print(f"host: {flags}; K={args.k}; 300 cached tokens; medians of 24 steps")
-    print(f"{'file':<34}{'role':>7}{'row ms':>8}{'decode ms':>11}{'ms/drafted':>12}{'x target row':>14}")
+    print(f"{'file':<42}{'role':>7}{'row ms':>8}{'decode ms':>11}{'ms/drafted':>12}{'x target row':>14}")
     for row in rows:
         per = row.get("drafted_token_ms")
         drafted, ratio = ("-", "-") if per is None else (f"{per:.1f}", f"{per / target['row_ms']:.2f}x")
-        print(f"{row['file']:<34}{row['role']:>7}{row['row_ms']:>8.1f}{row['decode_ms']:>11.1f}{drafted:>12}"
+        print(f"{row['file']:<42}{row['role']:>7}{row['row_ms']:>8.1f}{row['decode_ms']:>11.1f}{drafted:>12}"
               f"{ratio:>14}")
     print(json.dumps({"flags": flags, "k": args.k, "rows": rows}))
 
 
-def row_costs(model) -> dict:
+def row_costs(model, head_rows: torch.Tensor | None = None) -> dict:
     """One token's step through the backend, and llama_decode's own time within it (ms, medians)."""
-    backend = make_backend(model.model, model.device, "llamacpp")
+    backend = make_backend(model.model, model.device, "llamacpp", head_rows=head_rows)
     backend.reset()
     backend.score(PREFIX, last_only=True)
     steps = []
@@ -76,9 +90,10 @@ def row_costs(model) -> dict:
             "numerics": backend.numerics}
 
 
-def draft_costs(model, k: int) -> dict:
+def draft_costs(model, k: int, head_rows: torch.Tensor | None = None) -> dict:
     """A `ModelDrafter` step of k greedy tokens after one new context token, per drafted token (ms, median of 8)."""
-    drafter = ModelDrafter(make_backend(model.model, model.device, "llamacpp"))
+    drafter = ModelDrafter(make_backend(model.model, model.device, "llamacpp", head_rows=head_rows), "draft",
+                           head_rows, model.vocab_size)
     context = list(PREFIX)
     drafter.begin(context)
     drafter.propose(context, k, SamplingConfig(0.0), None)

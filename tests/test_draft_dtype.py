@@ -7,7 +7,7 @@ import torch
 
 from draftlab.api import SpeculativeDecoder
 from draftlab.errors import DraftlabError
-from draftlab.models import load_model
+from draftlab.models import eos_ids, load_model
 from draftlab.drafters.model_spec import gguf_draft
 from draftlab.registry import build_drafter, parse_drafter_spec
 from draftlab.decoding.sampling import SamplingConfig
@@ -42,6 +42,12 @@ def test_a_gguf_draft_by_short_name_drafts_from_its_pure_q4_0_file_and_a_named_t
     assert parse_drafter_spec("model:qwen2.5-coder-0.5b@bf16,window=64").window == 64
     with pytest.raises(DraftlabError, match="bad draft window"):
         parse_drafter_spec("model:x,window=0")
+    for spec in ("model:x@bf16,head=512,window=8", "model:x@bf16,window=8,head=512"):  # either order
+        plan = parse_drafter_spec(spec)
+        assert (plan.model, plan.dtype, plan.head, plan.window) == ("x", "bf16", 512, 8)
+    for spec in ("model:x,head=0", "model:x,head=2,head=3", "model:x,head=a"):
+        with pytest.raises(DraftlabError, match="bad draft head"):
+            parse_drafter_spec(spec)
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -125,3 +131,18 @@ def test_a_bf16_draft_uses_upcast_products_on_cpus_without_native_bf16(pair):
     plain = FastLlamaBackend(draft.model, batch_invariant=False, upcast=False)
     tokens = [(7 * i) % 60 for i in range(12)]
     torch.testing.assert_close(forced.score(tokens), plain.score(tokens), rtol=0.05, atol=0.1)
+
+
+def test_a_draft_head_of_the_lowest_token_ids_stays_lossless_on_torch(pair):
+    """`model:NAME,head=N`: a cut draft of the N lowest ids (and the end-of-sequence ids), on the fast backend's
+    cut head rows."""
+    target, draft_dir = pair
+    expected = SpeculativeDecoder.from_names(target, drafter="none", k=1).generate(PROMPT, max_new_tokens=24).token_ids
+    decoder = SpeculativeDecoder.from_names(target, drafter=f"model:{draft_dir},head=40", k=3)
+    result = decoder.generate(PROMPT, max_new_tokens=24)
+    kept = decoder.drafter.vocab_map.tolist()
+    assert result.token_ids == expected and result.stats.drafted > 0
+    assert kept[:40] == list(range(40)) and set(kept[40:]) <= set(eos_ids(target))
+    assert decoder.drafter.name.endswith(f"/v{len(kept)}")
+    with pytest.raises(DraftlabError, match="larger than"):
+        SpeculativeDecoder.from_names(target, drafter=f"model:{draft_dir},head={target.vocab_size + 1}", k=3)

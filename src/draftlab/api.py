@@ -21,7 +21,7 @@ from draftlab.engine import GenerationConfig, GenerationResult, PromptCache, Spe
 from draftlab.errors import DraftlabError
 from draftlab.measure import RunSettings
 from draftlab.defaults import DEFAULT_BACKEND, DraftSettings
-from draftlab.models import DEFAULT_TARGET, LoadedModel, ModelSpec, load_model
+from draftlab.models import DEFAULT_TARGET, LoadedModel, ModelSpec, eos_ids, load_model  # noqa: F401 (eos_ids: API)
 from draftlab.decoding.policy import DraftLengthPolicy, DynamicK, FixedK
 from draftlab.registry import DraftPlan, adapt_spec, build_drafter, parse_drafter_spec, parse_layers  # noqa: F401 (API)
 from draftlab.decoding.sampling import SamplingConfig
@@ -49,15 +49,6 @@ def encode_prompt(tokenizer, text: str, chat: bool = True, history: Sequence[str
 def prompt_ids(tokenizer, prompt: Prompt) -> list[int]:
     """Token ids of a prompt of a prompt set (its earlier turns included)."""
     return encode_prompt(tokenizer, prompt.text, prompt.chat, prompt.history)
-
-
-def eos_ids(model: LoadedModel) -> tuple[int, ...]:
-    """End-of-sequence ids from the generation config and the tokenizer."""
-    ids = model.model.generation_config.eos_token_id
-    ids = list(ids) if isinstance(ids, (list, tuple)) else ([ids] if ids is not None else [])
-    if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:  # None: random weights in a shape
-        ids.append(model.tokenizer.eos_token_id)
-    return tuple(sorted(set(ids)))
 
 
 class SpeculativeDecoder:

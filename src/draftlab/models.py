@@ -73,6 +73,15 @@ def dtype_name(dtype: str | torch.dtype) -> str:
     return dtype_label(dtype)
 
 
+def eos_ids(model: LoadedModel) -> tuple[int, ...]:
+    """End-of-sequence ids from the generation config and the tokenizer."""
+    ids = model.model.generation_config.eos_token_id
+    ids = list(ids) if isinstance(ids, (list, tuple)) else ([ids] if ids is not None else [])
+    if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:  # None: random weights in a shape
+        ids.append(model.tokenizer.eos_token_id)
+    return tuple(sorted(set(ids)))
+
+
 def dtype_suffix(dtype: torch.dtype, reference: torch.dtype) -> str:
     """'@bf16' for a draft in another dtype than its target (`reference`), else ''."""
     return "" if dtype == reference else f"@{dtype_name(dtype)}"

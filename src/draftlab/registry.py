@@ -1,45 +1,7 @@
 """One registry: drafter spec strings -> drafters, draft directory formats -> loaders.
 
 Used by the CLI, the Python API, the sweep, calibration, correlation and the
-HF reference runs alike. Spec grammar:
-
-  none | ar                   no draft: autoregressive decoding
-  ngram | ngram:N | ngram:A-B prompt lookup with n-gram sizes 1..3, 1..N or A..B
-  layers:SPEC[@DTYPE]         self-draft from target layers; SPEC is a comma list of
-                              indices, ranges a-b and strided ranges a-b:s (0-3, 0-29:2, 0-3,26-29); on
-                              llama.cpp a GGUF of those layers with the target's head, written once
-                              (`backends.gguf_layers`), drafting in its own context
-  model:NAME_OR_PATH[@DTYPE]  a separate draft model with the target's tokenizer, or a draft
-                              directory (pruned draft, cut-vocabulary model draft, feature draft, EAGLE-3
-                              draft or decoder heads: its record names the format). On llama.cpp a short
-                              name drafts from its pure Q4_0 file (NAME@Q4_0_PURE, derived once: the type
-                              llama.cpp's repacked kernels serve fastest); NAME@TYPE (capitals: @Q4_K_M,
-                              @Q8_0) or a .gguf path drafts from that file. ...,window=N: the draft reads
-                              only the prompt's last N tokens (its prefill costs N, not the whole prompt)
-  ...@DTYPE                   (layer drafts, model drafts and cut drafts) run the draft in DTYPE (fp32, bf16,
-                              fp16) instead of the target's: lossless whatever its rounding, since
-                              only the target's scores decide what is kept. On CPUs without native
-                              bf16 a single-token bf16 product still reads half the bytes, so a
-                              bf16 draft can draft ~2x faster beside an fp32 target
-  designed                    the designed draft shipped for the target (`drafters/shipped.py`), SHA256-checked
-  eagle3                      the EAGLE-3 draft shipped for the target (`drafters/eagle3.py`), SHA256-checked
-  tree:SHAPE:SPEC             a token tree grown by drafter SPEC (one with logits: layers, model,
-                              designed, decoder heads); SHAPE is BxBx...[-N] (static) or dyn-T-N (dynamic), see
-                              `draftlab.drafters.tree`; K is then the tree's depth
-  staged:HELPER/SPEC          model draft SPEC (layers, model, a pruned draft) whose own drafting
-                              is speculated by HELPER (ngram[:...] or layers:...), see
-                              `draftlab.drafters.staged`
-  suffix[:OPTIONS]            suffix decoding (vLLM's `suffix`, Arctic Inference's trees) over this request and earlier
-                              responses; OPTIONS, comma-separated: depth=N, factor=F, offset=F, min_prob=P, tree|chain,
-                              responses=N (held across requests; 0: none), cache=DIR (load, and append each
-                              response); K is the most tokens a step proposes. See `draftlab.drafters.suffix`
-  adapt[:OPTIONS]/SPEC        feature draft or decoder heads SPEC (designed, model:DIR of either, tree:...:designed,
-                              merged:...) that keeps learning from the target's hidden states of what it decodes (online
-                              adaptation, lossless); OPTIONS: lr=F, every=N, steps=N, window=N, batch=N, buffer=N,
-                              warmup=N, noise=F, reread=0|1, seed=N. See `draftlab.drafters.adapt`
-  merged:GUIDE/SPEC           n-gram lookup GUIDE (ngram[:...]) merged into the tree (or chain) of SPEC
-                              (tree:SHAPE:... or a drafter with logits): the guide's continuation
-                              is one branch, the draft's tokens the others, see `draftlab.drafters.tree`
+HF reference runs alike. The spec grammar and its parsing: `draftlab.drafters.spec`.
 
 Adding a draft source is one file in `draftlab/drafters/` plus one entry in
 `DRAFTERS` (a spec kind) or `DRAFT_FORMATS` (a draft directory format).
@@ -57,44 +19,22 @@ from draftlab.backends.gguf_layers import derive_layer_draft, layers_label
 from draftlab.defaults import DEFAULT_BACKEND
 from draftlab.drafters import cut, designed, eagle3, eagle3_checkpoint, feature, heads
 from draftlab.drafters.anchored import AnchoredDrafter, FeatureDrafter
-from draftlab.drafters.adapt import AdaptingDrafter, AdaptSettings
+from draftlab.drafters.adapt import AdaptingDrafter
 from draftlab.drafters.base import Drafter, NoDrafter
 from draftlab.drafters.files import draft_format
 from draftlab.drafters.kinds import is_adapting
 from draftlab.drafters.layers import build_layer_draft
-from draftlab.drafters.model_spec import gguf_draft, split_dtype, split_window
+from draftlab.drafters.model_spec import gguf_draft
 from draftlab.drafters.standalone import ModelDrafter, check_compatible
 from draftlab.drafters.ngram import NGramDrafter
 from draftlab.drafters.shipped import shipped_draft
 from draftlab.drafters.staged import StagedDrafter
-from draftlab.drafters.suffix import SuffixDrafter, SuffixOptions, tokenizer_fingerprint
+from draftlab.drafters.suffix import SuffixDrafter, tokenizer_fingerprint
 from draftlab.drafters.tree import TreeDrafter, TreeShape, TreeSource
 from draftlab.errors import DraftlabError
 from draftlab.files import assets
+from draftlab.drafters.spec import SPEC_HELP, DraftPlan, parse_drafter_spec, parse_layers  # noqa: F401 (API)
 from draftlab.models import DTYPES, LoadedModel, ModelSpec, dtype_name, dtype_suffix, gguf_path, load_model
-
-SPEC_HELP = ("none | ngram[:N|:A-B] | suffix[:depth=N,tree,responses=N,cache=DIR,...] | layers:0-3 (or 0,2,4 / "
-             "0-29:2) | model:NAME_OR_PATH | designed | eagle3 | tree:SHAPE:SPEC | staged:HELPER/SPEC | "
-             "merged:GUIDE/SPEC | "
-             "adapt[:lr=F,every=N,...]/SPEC; "
-             "layer and model drafts take @fp32/@bf16/@fp16")
-
-
-@dataclass(frozen=True)
-class DraftPlan:
-    """A parsed drafter spec string."""
-
-    kind: str  # a key of DRAFTERS
-    ngram: tuple[int, int] = (1, 3)  # (min_n, max_n)
-    layers: tuple[int, ...] = ()
-    model: str = ""
-    tree: TreeShape | None = None  # kind "tree": the shape, grown by `inner`
-    inner: "DraftPlan | None" = None  # kinds "tree", "staged" and "merged": the drafter they wrap
-    helper: "DraftPlan | None" = None  # kinds "staged" and "merged": the cheaper drafter (guesses, or the guide)
-    dtype: str = ""  # kinds "layers" and "model": the draft's dtype name; "" runs it in the target's
-    window: int = 0  # kind "model": the prompt's last tokens the draft reads (0: all)
-    suffix: SuffixOptions | None = None  # kind "suffix": its options
-    adapt: AdaptSettings | None = None  # kind "adapt": how `inner` learns
 
 
 @dataclass
@@ -110,74 +50,9 @@ class BuiltDraft:
     learnable: FeatureDrafter | heads.HeadsDrafter | None = None
 
 
-def parse_drafter_spec(spec: str, num_layers: int | None = None) -> DraftPlan:
-    """Parse a drafter spec string (see the module docstring)."""
-    if is_adapting(spec):
-        options, _, inner = spec[len("adapt") :].lstrip(":").partition("/")
-        if inner:
-            return DraftPlan("adapt", inner=parse_drafter_spec(inner, num_layers), adapt=AdaptSettings.parse(options))
-    kind, _, arg = spec.partition(":")
-    if kind in ("none", "ar") and not arg:
-        return DraftPlan("none")
-    if kind == "ngram":
-        return DraftPlan("ngram", ngram=_parse_ngram(arg))
-    if kind == "layers" and arg:
-        arg, dtype = split_dtype(arg)
-        return DraftPlan("layers", layers=tuple(parse_layers(arg, num_layers)), dtype=dtype)
-    if kind == "model" and arg:
-        arg, window = split_window(arg)
-        arg, dtype = split_dtype(arg)
-        return DraftPlan("model", model=arg, dtype=dtype, window=window)
-    if kind == "suffix":
-        return DraftPlan("suffix", suffix=SuffixOptions.parse(arg))
-    if kind in ("designed", "eagle3") and not arg:
-        return DraftPlan(kind)
-    if kind == "tree" and ":" in arg:
-        shape, _, inner = arg.partition(":")
-        return DraftPlan("tree", tree=TreeShape.parse(shape), inner=parse_drafter_spec(inner, num_layers))
-    if kind == "staged" and "/" in arg:
-        helper, _, inner = arg.partition("/")
-        return DraftPlan("staged", inner=parse_drafter_spec(inner, num_layers),
-                         helper=parse_drafter_spec(helper, num_layers))
-    if kind == "merged" and "/" in arg:
-        guide, _, inner = arg.partition("/")
-        return DraftPlan("merged", inner=parse_drafter_spec(inner, num_layers),
-                         helper=parse_drafter_spec(guide, num_layers))
-    raise DraftlabError(f"unknown drafter {spec!r}: use {SPEC_HELP}")
-
-
 def _draft_dtype(plan: DraftPlan, target: LoadedModel) -> torch.dtype:
     """The dtype a layer or model draft runs in: its spec's, else the target's."""
     return DTYPES[plan.dtype] if plan.dtype else target.dtype
-
-
-def _parse_ngram(arg: str) -> tuple[int, int]:
-    """'' -> (1, 3); 'N' -> (1, N); 'A-B' -> (A, B); refused unless 1 <= A <= B (an inverted range is a typo, not a
-    drafter that matches nothing)."""
-    try:
-        low, high = (1, 3) if not arg else tuple(int(x) for x in arg.split("-", 1)) if "-" in arg else (1, int(arg))
-    except ValueError as exc:
-        raise DraftlabError(f"bad n-gram size {arg!r}: use ngram:N or ngram:A-B with integers") from exc
-    if not 1 <= low <= high:
-        raise DraftlabError(f"bad n-gram sizes {arg!r}: ngram:A-B needs 1 <= A <= B (ngram:N means 1-N)")
-    return (low, high)
-
-
-def parse_layers(text: str, num_layers: int | None = None) -> list[int]:
-    """'0-3,26-29' -> [0,1,2,3,26,27,28,29]; 'a-b:s' steps by s; negatives count from the end."""
-    layers: list[int] = []
-    try:
-        for item in text.split(","):
-            span, _, step = item.partition(":")
-            low, sep, high = span.partition("-") if not span.startswith("-") else (span, "", "")
-            first = int(low)
-            last = int(high) if sep else first
-            layers.extend(range(first, last + 1, int(step) if step else 1))
-    except ValueError as exc:
-        raise DraftlabError(f"bad layer list {text!r}: use indices, ranges a-b or strided ranges a-b:s") from exc
-    if num_layers is not None:
-        layers = [i + num_layers if i < 0 else i for i in layers]
-    return layers
 
 
 def build_drafter(plan: DraftPlan | str, target: LoadedModel, backend: str = DEFAULT_BACKEND) -> BuiltDraft:
@@ -222,10 +97,13 @@ def _build_layers(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDr
 
 def _build_model(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
     fmt = draft_format(plan.model)
+    if plan.head:  # a cut draft of the lowest token ids
+        return _built_cut(plan, cut.ranked_cut(plan.model, plan.head, target), target, backend)
     if fmt is not None:
         if fmt not in DRAFT_FORMATS:
             raise DraftlabError(f"{plan.model} holds a draft of unknown format {fmt!r}; known: {sorted(DRAFT_FORMATS)}")
-        _needs_torch_target(target, f"the {fmt} draft in {plan.model}")
+        if fmt != cut.FORMAT:  # a cut draft is a stand-alone model: llama.cpp runs it from a trimmed GGUF
+            _needs_torch_target(target, f"the {fmt} draft in {plan.model}")
         return DRAFT_FORMATS[fmt](plan, target, backend)
     if eagle3_checkpoint.is_checkpoint(plan.model):  # the engines' EAGLE-3 checkpoint (vLLM, SGLang, SpecForge)
         _needs_torch_target(target, f"the EAGLE-3 checkpoint in {plan.model}")
@@ -339,12 +217,20 @@ def _load_designed(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltD
 
 
 def _load_cut(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
-    record = cut.read_cut_draft(plan.model, target)
-    draft = cut.load_cut_model(record, target, _draft_dtype(plan, target))
+    return _built_cut(plan, cut.read_cut_draft(plan.model, target), target, backend)
+
+
+def _built_cut(plan: DraftPlan, record: cut.CutDraft, target: LoadedModel, backend: str) -> BuiltDraft:
+    if target.engine.runs_gguf:
+        _refuse_dtype(plan, "a cut draft on llama.cpp")
+        draft, backend = cut.load_cut_gguf(record, target), target.engine.backend
+    else:
+        draft = cut.load_cut_model(record, target, _draft_dtype(plan, target))
     check_compatible(target, draft)
     model_backend = make_backend(draft.model, draft.device, backend, batch_invariant=False, head_rows=record.vocab_map)
-    name = f"{draft.name}/v{len(record.vocab_map)}{dtype_suffix(draft.dtype, target.dtype)}"
-    drafter = ModelDrafter(model_backend, name, record.vocab_map, target.vocab_size)
+    name = (f"{draft.name}/v{len(record.vocab_map)}{dtype_suffix(draft.dtype, target.dtype)}"
+            + (f",window={plan.window}" if plan.window else ""))
+    drafter = ModelDrafter(model_backend, name, record.vocab_map, target.vocab_size, window=plan.window)
     return _model_built(drafter, draft)
 
 

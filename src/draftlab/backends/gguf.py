@@ -40,6 +40,8 @@ INSTALL_HINT = ("install it with ./run.sh --setup-only (it compiles llama.cpp wi
 SGEMM_EVERY_ROW = "sgemm-every-row"  # scripts/llama-cpp/sgemm-every-row.patch
 Q4_0_ROWS = "q4_0-rows"  # scripts/llama-cpp/q4_0-rows.patch: one gemv over a block's rows for repacked Q4_0
 EXACT_KERNELS = (SGEMM_EVERY_ROW, Q4_0_ROWS)  # each patch exports ggml_cpu_draftlab_<its name, "-" as "_">
+TRIMMED_HEAD_SYMBOL = "llama_draftlab_trimmed_head"  # libllama of scripts/llama-cpp/trimmed-head.patch exports it
+HEAD_ROWS_KEY = "draftlab.head_rows"  # uint32 key of a GGUF whose output.weight keeps that many rows
 # Tensor types whose repacked kernels on x86 keep rows exact at every row count (Q4_0's 8x8 gemm and gemv; the others
 # are not repacked on x86), proven bitwise per file type by tests/integration/test_exact_kernels.py.
 REPACK_EXACT = frozenset({"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"})
@@ -91,15 +93,29 @@ def repack_keeps_rows(path: Path) -> bool:
 def exact_kernels() -> tuple[str, ...]:
     """The names of draftlab's kernel patches in the loaded ggml-cpu library (each exports a
     `ggml_cpu_draftlab_<name>` symbol); () for a library built without them."""
-    llama_lib()
-    path = next((line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
-                 if "libggml-cpu" in line.rsplit("/", 1)[-1]), None) if Path("/proc/self/maps").exists() else None
-    try:
-        library = ctypes.CDLL(path) if path else None
-    except OSError:
-        return ()
+    library = _loaded_library("libggml-cpu")
     return tuple(name for name in EXACT_KERNELS
                  if library is not None and hasattr(library, "ggml_cpu_draftlab_" + name.replace("-", "_")))
+
+
+@lru_cache(maxsize=1)
+def loads_trimmed_heads() -> bool:
+    """Whether the loaded libllama loads vocabulary-trimmed heads (draftlab's scripts/llama-cpp/trimmed-head.patch,
+    which exports `TRIMMED_HEAD_SYMBOL`; `draftlab.backends.gguf_head`)."""
+    library = _loaded_library("libllama")
+    return library is not None and hasattr(library, TRIMMED_HEAD_SYMBOL)
+
+
+def _loaded_library(prefix: str) -> ctypes.CDLL | None:
+    """The shared library llama-cpp-python loaded whose file name starts with `prefix`, None if none is."""
+    llama_lib()
+    maps = Path("/proc/self/maps")
+    path = next((line.split()[-1] for line in maps.read_text().splitlines()
+                 if line.rsplit("/", 1)[-1].startswith(prefix)), None) if maps.exists() else None
+    try:
+        return ctypes.CDLL(path) if path else None
+    except OSError:
+        return None
 
 
 @lru_cache(maxsize=1)
@@ -139,6 +155,14 @@ def threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def _head_rows(lib, handle) -> int:
+    """The rows of a loaded model's trimmed LM head (`HEAD_ROWS_KEY`), 0 for a whole head."""
+    buffer = ctypes.create_string_buffer(32)
+    if lib.llama_model_meta_val_str(handle, HEAD_ROWS_KEY.encode(), buffer, len(buffer)) < 0:
+        return 0
+    return int(buffer.value)
+
+
 @dataclass
 class LlamaCppModel:
     """A GGUF file loaded by llama.cpp, with the HF config and generation config read from its metadata.
@@ -159,6 +183,7 @@ class LlamaCppModel:
     repack: bool  # weight repacking on (faster single rows and blocks where the file's types have repacked kernels)
     repack_exact: bool  # repacked or not, rows stay exact for this file's types (`repack_keeps_rows`)
     meta_dir: Path | None = None
+    head_rows: int = 0  # rows of a vocabulary-trimmed LM head (`HEAD_ROWS_KEY`), 0 for a whole head
     _twin: "LlamaCppModel | None" = field(default=None, repr=False)
 
     @classmethod
@@ -183,7 +208,7 @@ class LlamaCppModel:
         return cls(path, handle, vocab, config, GenerationConfig.from_model_config(config),
                    int(lib.llama_vocab_n_tokens(vocab)), int(lib.llama_model_n_ctx_train(handle)),
                    int(lib.llama_model_n_layer(handle)), int(lib.llama_model_n_params(handle)),
-                   buffer.value.decode(errors="replace"), repack, repack_exact, meta_dir)
+                   buffer.value.decode(errors="replace"), repack, repack_exact, meta_dir, _head_rows(lib, handle))
 
     def twin(self) -> "LlamaCppModel":
         """The same file loaded with repacked weights (loaded once): fast prefills for a target on exact kernels."""

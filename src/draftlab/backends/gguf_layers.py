@@ -7,20 +7,16 @@ drafts from it like from any model draft, in its own context. Every tensor is co
 same values), so the draft is the target's early exit on the same kernels; only its cache is its own (it prefills
 the prompt itself). Per-layer metadata arrays (a value per layer) keep the kept layers' values.
 
-The file is written once into draftlab's cache, keyed by the target file (path, size, time) and the layers, through a
-temporary name, with its own SHA256 beside it; a cached file whose checksum no longer matches is written again.
+The file is derived once into draftlab's cache (`draftlab.backends.gguf_derive`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
 import re
 from pathlib import Path
 
+from draftlab.backends.gguf_derive import derive_once, derived_path, read_gguf, write_gguf
 from draftlab.errors import DraftlabError
-from draftlab.files.assets import sha256_file
-from draftlab.files.safeio import write_atomic
 
 BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")  # a layer's tensor: blk.<layer>.<name>
 
@@ -33,70 +29,36 @@ def layers_label(layers: tuple[int, ...]) -> str:
 
 
 def layer_draft_path(source: Path, layers: tuple[int, ...], cache_root: Path) -> Path:
-    """Where `derive_layer_draft` writes the draft of `layers` of `source` (a GGUF): keyed by the source's path, size
-    and modification time (hashing a 1 GB target on every load would cost seconds)."""
-    stat = source.stat()
-    key = hashlib.sha256(f"{source.resolve()} {stat.st_size} {stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_root / "layer-drafts" / key / f"{source.stem}.layers-{layers_label(layers)}.gguf"
+    """Where `derive_layer_draft` writes the draft of `layers` of `source` (a GGUF)."""
+    return derived_path(source, "layer-drafts", f"{source.stem}.layers-{layers_label(layers)}.gguf", cache_root)
 
 
 def derive_layer_draft(source: Path, layers: tuple[int, ...], cache_root: Path) -> Path:
     """The GGUF of `layers` (ascending, distinct, within the model) of `source` with its embeddings, final norm and
     head, written once and cached; the cached file's path."""
     check_layers(layers, None, source)
-    out = layer_draft_path(source, layers, cache_root)
-    checksum = out.with_name(out.name + ".sha256")
-    if out.exists() and checksum.exists() and checksum.read_text().strip() == sha256_file(out):
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.parent / f".{out.name}.{os.getpid()}.partial"
-    try:
-        write_layers(source, layers, partial)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
-    write_atomic(checksum, sha256_file(partial) + "\n")
-    partial.replace(out)
-    return out
+    return derive_once(layer_draft_path(source, layers, cache_root),
+                       lambda partial: write_layers(source, layers, partial))
 
 
 def write_layers(source: Path, layers: tuple[int, ...], out: Path) -> None:
     """Write `out`: `source` with only `layers`, renumbered 0..len-1, and every other tensor as it is."""
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter
-
+    reader, arch = read_gguf(source, "a layer draft")
     try:
-        reader = GGUFReader(source)
-    except (ValueError, OSError) as exc:
-        raise DraftlabError(f"cannot read GGUF {source} for a layer draft: {exc}") from exc
-    try:
-        arch = reader.fields["general.architecture"].contents()
         count = int(reader.fields[f"{arch}.block_count"].contents())
     except KeyError as exc:
         raise DraftlabError(f"GGUF {source} names no {exc}: not a model a layer draft can be cut from") from exc
     check_layers(layers, count, source)
-    writer = GGUFWriter(out, arch)
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
-            continue  # the header's own fields; the writer adds the architecture
-        value = field.contents()
-        if field.name == f"{arch}.block_count":
-            value = len(layers)
-        elif field.name.startswith(f"{arch}.") and isinstance(value, list) and len(value) == count:
-            value = [value[i] for i in layers]  # a value per layer
-        if field.name == "general.alignment":
-            writer.data_alignment = int(value)
-        sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, value, field.types[0], sub_type)
+
+    def value_of(name: str, value):
+        if name == f"{arch}.block_count":
+            return len(layers)
+        if name.startswith(f"{arch}.") and isinstance(value, list) and len(value) == count:
+            return [value[i] for i in layers]  # a value per layer
+        return value
+
     kept = [(renamed(t.name, layers), t) for t in reader.tensors]
-    kept = [(name, t) for name, t in kept if name is not None]
-    for name, tensor in kept:
-        writer.add_tensor_info(name, tensor.data.shape, tensor.data.dtype, tensor.data.nbytes, tensor.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for _, tensor in kept:
-        writer.write_tensor_data(tensor.data)
-    writer.close()
+    write_gguf(reader, arch, out, value_of, [(name, t.data, t.tensor_type) for name, t in kept if name is not None])
 
 
 def check_layers(layers: tuple[int, ...], count: int | None, source: Path) -> None:

@@ -46,18 +46,19 @@ class LlamaCppBackend:
     def __init__(self, model: LlamaCppModel, device: str = "cpu", batch_invariant: bool | None = None,
                  head_rows: torch.Tensor | None = None, flash_attention: bool = False, fast_prefill: bool = True) -> None:
         """`batch_invariant` is accepted for the registry's sake: rows are exact whenever the library's kernels are
-        (`LlamaCppModel.kernels`); `head_rows` (cut vocabularies) is refused: llama.cpp computes the whole head.
+        (`LlamaCppModel.kernels`). `head_rows` [V'] (a cut draft): the model's GGUF holds a head of exactly those
+        rows (`draftlab.backends.gguf_head`), and logits are [n, V'].
 
         `fast_prefill`: a model on exact kernels prefills a prompt on its repacked twin (`LlamaCppModel.twin`) and
         takes the sequence's cache over (`llama_state_seq_get_data`/`set_data`): plain and speculative decoding
         prefill alike, so their caches stay identical, and repacked prefills run up to ~1.7x faster."""
         if str(device) != "cpu":
             raise DraftlabError(f"the llamacpp backend runs on the CPU here, not {device}")
-        if head_rows is not None:
-            raise DraftlabError("the llamacpp backend computes the whole LM head; cut-vocabulary drafts need --backend fast")
+        check_head(model, head_rows)
         self.lib = llama_lib()
         self.model = model
         self.vocab_size = model.vocab_size
+        self.out_rows = model.head_rows or model.vocab_size  # logits per row: the GGUF's head rows
         self.batch_invariant = model.rows_exact
         if not model.rows_exact and not model.repack:
             warnings.warn("this llama.cpp build has llamafile's sgemm gated to 2+ rows: rows of a block round "
@@ -261,12 +262,26 @@ class LlamaCppBackend:
             raise DraftlabError(f"llama_decode failed with status {status} ({n} tokens after {self._len})")
 
     def _logits(self, rows: int) -> torch.Tensor:
-        """The last decode's output rows [rows, V], copied out of llama.cpp's buffer."""
+        """The last decode's output rows [rows, V] ([rows, V'] of a trimmed head), copied out of llama.cpp's
+        buffer (rows of V, a trimmed head's logits first)."""
         pointer = self.lib.llama_get_logits(self._ctx)
-        return torch.from_numpy(np.ctypeslib.as_array(pointer, shape=(rows, self.vocab_size)).copy())
+        logits = np.ctypeslib.as_array(pointer, shape=(rows, self.vocab_size))[:, :self.out_rows]  # [rows, V']
+        return torch.from_numpy(logits.copy())  # a copy: the buffer is llama.cpp's, reused by the next decode
 
     def __del__(self) -> None:
         free_native(self)
+
+
+def check_head(model: LlamaCppModel, head_rows: torch.Tensor | None) -> None:
+    """Refuse a head that is not the one asked for: a cut draft's rows need its trimmed GGUF, and a trimmed GGUF
+    drafts only as a cut draft (its rows are not token ids)."""
+    if head_rows is None and model.head_rows:
+        raise DraftlabError(f"{model.path.name} holds a trimmed LM head of {model.head_rows} rows: it drafts only as "
+                            "a cut draft (model:DIR of `draftlab design cut`)")
+    if head_rows is not None and model.head_rows != len(head_rows):
+        raise DraftlabError(f"llama.cpp computes the LM head a GGUF holds: {model.path.name} holds "
+                            f"{model.head_rows or 'all ' + str(model.vocab_size)} rows, not the {len(head_rows)} of "
+                            "this cut draft (its trimmed GGUF: draftlab.backends.gguf_head)")
 
 
 def free_native(owner) -> None:

@@ -14,7 +14,9 @@ The directory names the model and holds only the kept token ids:
                            "target": ..., "target_vocab_size": V, "vocab_size": V', "made": {...}}
     weights.safetensors   vocab_map [V'] (target token ids, ascending)
 
-`draftlab design cut` writes one; the registry loads it as `model:DIR`.
+`draftlab design cut` writes one; the registry loads it as `model:DIR`: on torch the backend computes the kept
+rows only (`head_rows`); on llama.cpp the draft runs from a GGUF whose head holds only those rows
+(`draftlab.backends.gguf_head`), in its file's weight type.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import torch
 from draftlab.backends.numerics import checked_rows
 from draftlab.drafters.files import RECORD, WEIGHTS, check_target_vocab, read_draft_files
 from draftlab.errors import DraftlabError
-from draftlab.models import LoadedModel, ModelSpec, dtype_name, load_model
+from draftlab.files import assets
+from draftlab.models import LoadedModel, ModelSpec, dtype_name, eos_ids, gguf_path, load_model
 
 FORMAT = "draftlab-cut-draft"
 
@@ -69,6 +72,33 @@ def read_cut_draft(path: str | Path, target: LoadedModel) -> CutDraft:
     return CutDraft(record["model"], vocab_map, record.get("made", {}))
 
 
+def ranked_cut(model: str, size: int, target: LoadedModel) -> CutDraft:
+    """A cut draft of `model` keeping the `size` lowest token ids and the target's end-of-sequence ids (a draft
+    option: `model:NAME,head=N`). A BPE vocabulary numbers its tokens in merge order, so low ids are the tokens its
+    own training corpus held most often; `draftlab design cut` ranks them by a text's counts instead."""
+    if size > target.vocab_size:
+        raise DraftlabError(f"a draft head of {size} rows is larger than {target.name}'s vocabulary of "
+                            f"{target.vocab_size}")
+    kept = sorted(set(range(size)) | {i for i in eos_ids(target) if i < target.vocab_size})
+    return CutDraft(model, torch.tensor(kept, dtype=torch.int64), {"method": "ranked", "head": size})
+
+
 def load_cut_model(draft: CutDraft, target: LoadedModel, dtype: torch.dtype | None = None) -> LoadedModel:
     """The stand-alone draft model on the target's device, in `dtype` (None: the target's)."""
     return load_model(ModelSpec(draft.model, device=str(target.device), dtype=dtype_name(dtype or target.dtype)))
+
+
+def load_cut_gguf(draft: CutDraft, target: LoadedModel) -> LoadedModel:
+    """The stand-alone draft in the target's llama.cpp engine, from its GGUF (`gguf_draft`: a short name's pure
+    Q4_0) with the head cut to the kept rows, derived once; repacked, as model drafts are."""
+    from draftlab.backends.gguf import loads_trimmed_heads
+    from draftlab.backends.gguf_head import derive_trimmed_head
+    from draftlab.drafters.model_spec import gguf_draft
+
+    path = derive_trimmed_head(gguf_path(gguf_draft(draft.model)), draft.vocab_map, assets.cache_dir())
+    if not loads_trimmed_heads():
+        raise DraftlabError("this build of llama.cpp cannot load a cut draft's trimmed head; draftlab's build can "
+                            "(scripts/build-llama-cpp.sh, run by ./run.sh)")
+    loaded = load_model(ModelSpec(str(path)), backend=target.engine.backend, repack=True)
+    loaded.name = gguf_draft(draft.model)
+    return loaded

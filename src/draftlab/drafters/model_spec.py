@@ -1,4 +1,5 @@
-"""The parts of a model draft's spec (`model:NAME[@TYPE|@DTYPE][,window=N]`) and the GGUF a draft runs from."""
+"""The parts of a model draft's spec (`model:NAME[@TYPE|@DTYPE][,head=N][,window=N]`) and the GGUF a draft runs
+from."""
 
 from __future__ import annotations
 
@@ -11,14 +12,24 @@ from draftlab.files.assets import MODEL_ASSETS
 from draftlab.models import DTYPES, dtype_name, split_weight_type
 
 
-def split_window(arg: str) -> tuple[str, int]:
-    """'qwen2.5-coder-0.5b,window=128' -> ('qwen2.5-coder-0.5b', 128); no window -> (arg, 0)."""
-    head, sep, tail = arg.rpartition(",window=")
-    if not sep:
-        return arg, 0
-    if not tail.isdigit() or int(tail) < 1:
-        raise DraftlabError(f"bad draft window {tail!r} in {arg!r}: the prompt's last N tokens the draft reads, N >= 1")
-    return head, int(tail)
+OPTIONS = {  # a model draft's options after its name: what N means
+    "window": "the prompt's last N tokens the draft reads",
+    "head": "the draft's LM head keeps its N lowest token ids (and the end-of-sequence ids)",
+}
+
+
+def split_options(arg: str) -> tuple[str, dict[str, int]]:
+    """'qwen2.5-coder-0.5b,head=32768,window=128' -> ('qwen2.5-coder-0.5b', {'head': 32768, 'window': 128}), in any
+    order; no options -> (arg, {})."""
+    options: dict[str, int] = {}
+    while True:
+        at, name = max((arg.rfind(f",{n}="), n) for n in OPTIONS)  # the last option
+        if at < 0:
+            return arg, options
+        arg, tail = arg[:at], arg[at + len(name) + 2:]
+        if not tail.isdigit() or int(tail) < 1 or name in options:
+            raise DraftlabError(f"bad draft {name} {tail!r}: {OPTIONS[name]}, N >= 1, given once")
+        options[name] = int(tail)
 
 
 def split_dtype(arg: str) -> tuple[str, str]:

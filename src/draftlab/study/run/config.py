@@ -182,7 +182,8 @@ PRESETS = {
                          servers=("ngram-mod:3", "ngram-simple:3")),  # llama-server's types at the grid's longest K
     # The seeds' study on CPU (issue 83): the Qwen2.5-Coder pair on llama.cpp, the 1.5B target in pure Q4_0 (derived
     # once from the shipped Q4_K_M, ~1.6 GB of downloads in all) on draftlab's exact kernels. Drafts with parameters:
-    # the 0.5B stand-alone draft (its own pure Q4_0 file), and layer self-drafts of the 1.5B (its first 4 layers;
+    # the 0.5B stand-alone draft (its own pure Q4_0 file), with its whole head and with a head of its 32768 lowest token
+    # ids (as FR-Spec trims a head; backends/gguf_head.py), and layer self-drafts of the 1.5B (its first 4 layers;
     # every other layer), written as GGUFs of their own (backends/gguf_layers.py); and n-gram and suffix lookup.
     # SpS, and llama-cpp-python's prompt lookup, K 1..6, on 8 HumanEval stubs and 8 code edits, 64 tokens each,
     # within a 45-minute budget; then the calibration profile and the depth-vs-width microbenchmark the seeds'
@@ -190,7 +191,8 @@ PRESETS = {
     # qwen2.5-coder-1.5b --methods sps asg`.
     "family": SweepConfig(
         targets=(f"{LLAMACPP_TARGET}qwen2.5-coder-1.5b@Q4_0_PURE",),
-        drafters=("model:qwen2.5-coder-0.5b", "layers:0-3", "layers:0-27:2", "ngram", "suffix"),
+        drafters=("model:qwen2.5-coder-0.5b", "model:qwen2.5-coder-0.5b,head=32768", "layers:0-3", "layers:0-27:2",
+                  "ngram", "suffix"),
         methods=("sps", "lcp"),
         ks=(1, 2, 3, 4, 5, 6),
         datasets=("humaneval", "code-edit"),
