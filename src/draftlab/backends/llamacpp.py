@@ -277,7 +277,7 @@ def check_head(model: LlamaCppModel, head_rows: torch.Tensor | None) -> None:
     drafts only as a cut draft (its rows are not token ids)."""
     if head_rows is None and model.head_rows:
         raise DraftlabError(f"{model.path.name} holds a trimmed LM head of {model.head_rows} rows: it drafts only as "
-                            "a cut draft (model:DIR of `draftlab design cut`)")
+                            "a cut draft (model:DIR of `draftlab design cut`, or model:NAME,head=N)")
     if head_rows is not None and model.head_rows != len(head_rows):
         raise DraftlabError(f"llama.cpp computes the LM head a GGUF holds: {model.path.name} holds "
                             f"{model.head_rows or 'all ' + str(model.vocab_size)} rows, not the {len(head_rows)} of "

@@ -27,8 +27,11 @@ from pathlib import Path
 
 import torch
 
+from draftlab.backends.gguf import loads_trimmed_heads
+from draftlab.backends.gguf_head import derive_trimmed_head
 from draftlab.backends.numerics import checked_rows
 from draftlab.drafters.files import RECORD, WEIGHTS, check_target_vocab, read_draft_files
+from draftlab.drafters.model_spec import gguf_draft
 from draftlab.errors import DraftlabError
 from draftlab.files import assets
 from draftlab.models import LoadedModel, ModelSpec, dtype_name, eos_ids, gguf_path, load_model
@@ -91,14 +94,10 @@ def load_cut_model(draft: CutDraft, target: LoadedModel, dtype: torch.dtype | No
 def load_cut_gguf(draft: CutDraft, target: LoadedModel) -> LoadedModel:
     """The stand-alone draft in the target's llama.cpp engine, from its GGUF (`gguf_draft`: a short name's pure
     Q4_0) with the head cut to the kept rows, derived once; repacked, as model drafts are."""
-    from draftlab.backends.gguf import loads_trimmed_heads
-    from draftlab.backends.gguf_head import derive_trimmed_head
-    from draftlab.drafters.model_spec import gguf_draft
-
-    path = derive_trimmed_head(gguf_path(gguf_draft(draft.model)), draft.vocab_map, assets.cache_dir())
     if not loads_trimmed_heads():
         raise DraftlabError("this build of llama.cpp cannot load a cut draft's trimmed head; draftlab's build can "
                             "(scripts/build-llama-cpp.sh, run by ./run.sh)")
+    path = derive_trimmed_head(gguf_path(gguf_draft(draft.model)), draft.vocab_map, assets.cache_dir())
     loaded = load_model(ModelSpec(str(path)), backend=target.engine.backend, repack=True)
     loaded.name = gguf_draft(draft.model)
     return loaded
