@@ -173,7 +173,7 @@ def cmd_cut(args) -> None:
     """Save a cut-vocabulary version of a stand-alone draft: its most frequent tokens in the text."""
     from draftlab.api import eos_ids
     from draftlab.design.layer_search import fill_by_rank, frequent_tokens
-    from draftlab.drafters.cut import CutDraft, load_cut_gguf, load_cut_model, save_cut_draft
+    from draftlab.drafters.cut import CutDraft, load_cut_model, save_cut_draft
     from draftlab.drafters.standalone import check_compatible
 
     target, sequences = _target_and_text(args)
@@ -181,7 +181,7 @@ def cmd_cut(args) -> None:
     from_text = frequent_tokens(sequences, args.vocab, always=eos_ids(target))
     vocab_map = fill_by_rank(from_text, args.vocab, target.vocab_size)
     draft = CutDraft(args.draft, vocab_map)
-    check_compatible(target, (load_cut_gguf if target.engine.runs_gguf else load_cut_model)(draft, target))
+    check_compatible(target, load_cut_model(draft, target))
     kept = set(vocab_map.tolist())
     total = sum(map(len, sequences))
     coverage = sum(t in kept for s in sequences for t in s) / max(1, total)
