@@ -7,8 +7,8 @@ target row is what decides whether a draft can pay: at acceptance a, K drafted t
 costing B(K) rows, a step gives E(a, K) tokens for K x ratio + B(K) rows. The host's CPU flags come with the figures;
 the last line is one JSON document.
 
-    python benchmarks/draft_cost.py                       # Qwen2.5-Coder 1.5B pure Q4_0, the 0.5B shipped and pure Q4_0,
-                                                          # and the pure Q4_0 with a head of its 32768 first tokens
+    python benchmarks/draft_cost.py          # Qwen2.5-Coder 1.5B pure Q4_0, the 0.5B shipped and pure Q4_0, each also
+                                             # with a head of its 32768 first tokens (--cut)
     python benchmarks/draft_cost.py --target smollm2-135m@Q4_0_PURE --drafts smollm2-135m
 """
 

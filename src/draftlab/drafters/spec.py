@@ -42,7 +42,6 @@ Spec grammar:
   merged:GUIDE/SPEC           n-gram lookup GUIDE (ngram[:...]) merged into the tree (or chain) of SPEC
                               (tree:SHAPE:... or a drafter with logits): the guide's continuation
                               is one branch, the draft's tokens the others, see `draftlab.drafters.tree`
-
 """
 
 from __future__ import annotations
@@ -57,8 +56,8 @@ from draftlab.drafters.tree import TreeShape
 from draftlab.errors import DraftlabError
 
 SPEC_HELP = ("none | ngram[:N|:A-B] | suffix[:depth=N,tree,responses=N,cache=DIR,...] | layers:0-3 (or 0,2,4 / "
-             "0-29:2) | model:NAME_OR_PATH[,head=N][,window=N] | designed | eagle3 | tree:SHAPE:SPEC | staged:HELPER/SPEC | "
-             "merged:GUIDE/SPEC | "
+             "0-29:2) | model:NAME_OR_PATH[,head=N][,window=N] | designed | eagle3 | tree:SHAPE:SPEC | "
+             "staged:HELPER/SPEC | merged:GUIDE/SPEC | "
              "adapt[:lr=F,every=N,...]/SPEC; "
              "layer and model drafts take @fp32/@bf16/@fp16")
 
