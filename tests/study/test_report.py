@@ -207,6 +207,23 @@ def test_the_answer_is_judged_against_the_fastest_plain_decoding_on_the_host(tmp
     assert plain.drafter == "fp32 linear" and plain.speedup == pytest.approx(2.0)  # shown beside the others
 
 
+def test_raw_rates_that_disagree_with_the_paired_ratio_are_said_to_drift(study):
+    """The Use line's two decode rates were timed minutes apart; where their ratio is not the paired one (which
+    cancels the machine's drift through the re-timed baseline), the line says so, and only then."""
+    from dataclasses import replace
+
+    from draftlab.study.answer.recommend import _paces
+
+    rows, _, _ = load_study(study)
+    plain = next(s for s in summarize(rows) if s.method == "ar" and s.dataset == "all")
+    best = replace(plain, method="sps", decode_tokens_per_s=plain.decode_tokens_per_s * 1.02)
+    assert _paces(best, plain, 1.02).endswith("(paired per prompt)")
+    drifted = _paces(best, plain, 1.26)
+    assert "(paired per prompt; these rates were timed minutes apart" in drifted and "drift" in drifted
+    other_target = replace(plain, target="other")  # compared by rates on each prompt: nothing to explain
+    assert _paces(best, other_target, 1.26).endswith("(paired per prompt)")
+
+
 def test_the_study_exports_its_fastest_lossless_configuration(study):
     """ngram K=2 (2.0x, every output identical) is exported; K=4 differed once, so it never is."""
     from draftlab.deploy import export

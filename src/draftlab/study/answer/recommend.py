@@ -73,6 +73,9 @@ def _identical_text(s: CellSummary) -> str:
     return f"only {s.identical}/{s.prompts} outputs identical to plain decoding"
 
 
+RATES_DISAGREE = 0.05  # raw decode rates whose ratio is further than this from the paired one get a word on drift
+
+
 def _judged_speedup(s: CellSummary) -> float:
     return s.host_speedup if s.host_speedup is not None else s.speedup
 
@@ -142,8 +145,7 @@ def _sentence(where: str, cells: list[CellSummary], dropped: list[CellSummary], 
     best = max(lossless, key=_judged_speedup)
     gain, (low, high) = _judged_speedup(best), _judged_interval(best)
     name = f"{best.drafter} at K={best.k} ({method_of(best.method)}) on {engine_words(best)}"
-    measured = (f"{gain:.2f}x ({interval_words(low, high, best.prompts)}) {plain_words}, decoding {pace(best):.1f} tok/s against "
-                f"{pace(plain) if plain else pace(best) / gain:.1f} over {best.prompts} prompts (paired per prompt)"
+    measured = (f"{gain:.2f}x ({interval_words(low, high, best.prompts)}) {plain_words}, {_paces(best, plain, gain)}"
                 f"{_end_to_end(best, plain, output_tokens)}")
     if gain <= 1.0 or low <= 1.0:
         why = "no configuration beat it" if gain <= 1.0 else "no configuration beat it surely (the interval of the best includes 1.0x)"
@@ -151,6 +153,18 @@ def _sentence(where: str, cells: list[CellSummary], dropped: list[CellSummary], 
         return (f"Use {plain_words} for {where} on this machine: {why} (the best, {name}, ran at {measured}; "
                 f"{_identical_text(best)}){noise}{warning}.")
     return f"Use {name} for {where} on this machine: {measured}; {_identical_text(best)}{warning}."
+
+
+def _paces(best: CellSummary, plain: CellSummary | None, gain: float) -> str:
+    """The two decode rates beside the paired ratio. Where the ratio went through the target's baseline (one target:
+    each run against plain decoding re-timed beside it) and the raw rates disagree with it by more than
+    `RATES_DISAGREE`, say why: they were timed minutes apart, and the machine's speed drifted in between."""
+    against = pace(plain) if plain else pace(best) / gain
+    rates = f"decoding {pace(best):.1f} tok/s against {against:.1f} over {best.prompts} prompts (paired per prompt"
+    if plain is not None and plain.target == best.target and abs(pace(best) / against / gain - 1) > RATES_DISAGREE:
+        rates += ("; these rates were timed minutes apart, and the ratio, through plain decoding re-timed beside "
+                  "each run, cancels the machine's drift between them")
+    return rates + ")"
 
 
 def chosen(summaries: list[CellSummary], drift: Drift = Drift(0, 0.0), output_tokens: int | None = None
