@@ -24,7 +24,10 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
 PREFIX = [100 + (i * 37) % 20000 for i in range(600)]
-TYPES = ["smollm2-135m", "smollm2-135m@Q4_0_PURE", "smollm2-135m@Q4_0", "smollm2-135m@Q8_0", "smollm2-135m@BF16"]  # Q4_1 (shipped): vec_dot
+# Q4_1 (shipped): vec_dot; Q4_K_M: on SmolLM2's row length (576) mostly Q5_0, whose one row takes vec_dot and whose
+# blocks take tinyBLAS (the patch's claim that both do the same per output), beside Q8_0 and the K-quants' vec_dot
+TYPES = ["smollm2-135m", "smollm2-135m@Q4_0_PURE", "smollm2-135m@Q4_0", "smollm2-135m@Q8_0", "smollm2-135m@BF16",
+         "smollm2-135m@Q4_K_M"]
 
 
 BLOCKS = (*range(2, 17), 20, 24)  # every decode block size, and two past the one-gemv kernel's 16 rows (gemm there)

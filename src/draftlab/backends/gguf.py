@@ -5,7 +5,8 @@ rounds as the same row scored alone when one kernel serves every row count of a 
 choices break that in three places, and draftlab's build mends or avoids each (see docs/backends.md):
 
 - llamafile's sgemm served blocks of 2+ rows and vec_dot one row: draftlab's build patches the gate out
-  (scripts/llama-cpp/sgemm-every-row.patch), so tinyBLAS, one chain of FMAs per output, serves every row count;
+  (scripts/llama-cpp/sgemm-every-row.patch), so tinyBLAS, one chain of FMAs per output, serves every row count
+  (but one row of Q8_0, Q5_0 or Q4_0, whose vec_dot on AVX2 does per output what tinyBLAS does, and faster);
   `LlamaCppModel.exact_kernels` names the patches the loaded library holds (`EXACT_KERNELS`);
 - weight repacking (an "extra buffer type": gemm for the first floor(n/4)*4 rows, gemv for the rest): on x86 the
   repacked Q4_0 kernels give each output the same order of additions in both (integer block sums, then one FMA per
