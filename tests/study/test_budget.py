@@ -42,6 +42,20 @@ def test_the_plan_takes_the_most_prompts_that_fit_and_at_least_the_races_first()
     assert set(least.budget_drops) == {spec.key} and least.budget_drops[spec.key].startswith(PLAN_REASON)
 
 
+def test_a_cell_that_prefills_each_prompt_itself_has_that_prefill_in_the_plan():
+    """`draftlab serve` requests share no prefill (each prefills its prompt, timed apart by the server): the plan
+    counts that prefill once per such cell and prompt, beside the shared one of the keyed engines."""
+    ar, serve, served_spec = cell("ar"), cell("serve-ar"), cell("serve", "ngram", 1)
+    pilot = Pilot(prefill={"draftlab": 0.001}, decode={ar.key: 0.01, serve.key: 0.01, served_spec.key: 0.008},
+                  keys={ar.key: "draftlab", serve.key: "", served_spec.key: ""},
+                  own_prefill={serve.key: 0.002, served_spec.key: 0.003})
+    plan = make_plan({"m": [ar, serve, served_spec]}, {"m": pilot}, [100, 100], PlanLimits(0, 0, 0.0))
+    decode = 100 * (0.01 + 0.01 + 0.008)
+    assert abs(plan.costs[0] - (decode + 100 * 0.001 + 100 * (0.002 + 0.003))) < 1e-9
+    assert plan.prefills == 1 and plan.own_prefills == 2  # one shared prefill a prompt; the servers' own are theirs
+    assert "2 cell(s) prefill each prompt in their own requests (draftlab serve)" in plan.line()
+
+
 def test_a_budget_that_cannot_hold_the_prompts_leaves_out_the_most_hopeless_cells_first():
     """Shaped like the AMX host: draftlab's torch engine within 3x of llama.cpp's decode and prefilling 10x faster,
     seven llama.cpp engines that each prefill the prompt; 8 prompts of 128 tokens in 8 minutes. The plan keeps at

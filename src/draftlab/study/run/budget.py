@@ -39,11 +39,13 @@ HOST_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16")
 @dataclass
 class Pilot:
     """One target's pilot: seconds per prompt token of each engine's prefill, per new token of each cell's decode
-    (by cell key; times its concurrency for a cell under load), and each cell's prefill key."""
+    (by cell key; times its concurrency for a cell under load), each cell's prefill key, and per prompt token the
+    prefill of each cell that shares none (a `draftlab serve` request prefills its own prompt, timed apart)."""
 
     prefill: dict[str, float] = field(default_factory=dict)
     decode: dict[str, float] = field(default_factory=dict)
     keys: dict[str, str] = field(default_factory=dict)
+    own_prefill: dict[str, float] = field(default_factory=dict)  # cell key -> seconds per prompt token
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ class Plan:
     costs: tuple[float, ...] = ()  # each planned prompt's estimate, in the order they run
     budget_drops: dict[str, str] = field(default_factory=dict)  # cell key -> reason: cells the budget could not hold
     prefills: int = 0  # prefills of each prompt: one per prefill key (kernel set and file), which its cells share
+    own_prefills: int = 0  # cells that prefill each prompt themselves (`draftlab serve`'s requests), in the estimate
 
     def line(self) -> str:
         """The plan in one line, with the host it was timed on."""
@@ -77,6 +80,8 @@ class Plan:
                   "decoding and lookup share an instance; llama-servers that differ only in n-gram speculation copy "
                   "one slot; draftlab's routes, llama-cpp-python, llama-server and a draft model's server run other "
                   "kernels or processes, so each prefills apart)" if self.prefills > 1 else "")
+        shared += (f"; {self.own_prefills} cell(s) prefill each prompt in their own requests (draftlab serve)"
+                   if self.own_prefills else "")
         return (f"plan: {self.prompts} of {self.of} prompts x {self.cells} cells x {self.tokens} tokens{race}{drops}"
                 f"{budget}{shared}; host timed on its CPU ({flags})")
 
@@ -99,6 +104,8 @@ def time_pilot(runner: CellRunner, cells: list[Cell], prompt: EncodedPrompt) -> 
         if decode_s > 0:  # (a prefill timed apart longer than a whole call: noise, no rate)
             pilot.decode[cell.key] = decode_s / max(record.new_tokens, 1) * cell.concurrency
         pilot.keys[cell.key] = contenders[cell].prefill_key
+        if not pilot.keys[cell.key] and record.times_prefill:  # its own prefill, in each of its runs
+            pilot.own_prefill[cell.key] = record.stats.prefill_s / max(len(prompt.ids), 1)
     return pilot
 
 
@@ -147,8 +154,9 @@ def make_plan(cells: dict[str, list[Cell]], pilots: dict[str, Pilot], lengths: l
             break
     tokens = max((c.max_new_tokens for its in cells.values() for c in its), default=0)
     prefills = len({(t, pilots[t].keys[c.key]) for t, its in cells.items() for c in its if pilots[t].keys.get(c.key)})
+    own = sum(c.key in pilots[t].own_prefill for t, its in cells.items() for c in its)
     return Plan(prompts, len(lengths), sum(map(len, cells.values())), 0, tokens, limits.race_after,
-                sum(costs[:prompts]), limits.budget_s, tuple(costs[:prompts]), drops, prefills)
+                sum(costs[:prompts]), limits.budget_s, tuple(costs[:prompts]), drops, prefills, own)
 
 
 def _costs(cells: dict[str, list[Cell]], pilots: dict[str, Pilot], lengths: list[int], limits: PlanLimits
@@ -201,14 +209,16 @@ def _race_keeps(cells: dict[str, list[Cell]], pilots: dict[str, Pilot]) -> set[s
 
 def _prompt_cost(cells: dict[str, list[Cell]], pilots: dict[str, Pilot], kept: set[str] | None, length: int,
                  every: int) -> float:
-    """Seconds one prompt of `length` tokens is expected to take: each engine's prefill, each running cell's decode
-    (`kept`: the cells the race keeps by then; None: all) and the baseline's re-checks."""
+    """Seconds one prompt of `length` tokens is expected to take: each engine's prefill (and each running cell's own,
+    where it shares none), each running cell's decode (`kept`: the cells the race keeps by then; None: all) and the
+    baseline's re-checks."""
     seconds = 0.0
     for target, its in cells.items():
         pilot = pilots[target]
         running = [c for c in its if kept is None or c.key in kept]
         keys = {pilot.keys[c.key] for c in running if c.key in pilot.keys} - {""}
         seconds += sum(pilot.prefill.get(key, 0.0) * length for key in keys)
+        seconds += sum(pilot.own_prefill.get(c.key, 0.0) * length for c in running)
         seconds += sum(c.max_new_tokens * pilot.decode.get(c.key, 0.0) for c in running)
         baseline = next((c for c in its if is_baseline(c.method)), None)
         if baseline is not None and every:
