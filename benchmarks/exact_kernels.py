@@ -10,9 +10,13 @@ Per weight type of the target (the shipped file and each type derived from it wi
   same loop as the exact route's: the kernels alone differ), whose rows are compared with single rows too.
 Each side runs in a child process of its own (ggml reads its kernels and switches once), one after the other, for
 each weight type in turn. Prints the host's CPU flags, one table, and one JSON document as the last line.
+With `--libs DIR ...`, the exact side alone on each directory of llama.cpp libraries (a build of other patches; the
+last is the installed one when named `installed`), one child process each in turn, `--repeat` times: a patch against
+the build before it, in one run, the machine's drift shared by both.
 
     python benchmarks/exact_kernels.py
     python benchmarks/exact_kernels.py --types shipped Q4_0 Q8_0 BF16 --rounds 9
+    python benchmarks/exact_kernels.py --types BF16 --libs /tmp/before-lib installed --repeat 5
 """
 
 from __future__ import annotations
@@ -38,31 +42,68 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=300, help="cached tokens before the timed blocks")
     parser.add_argument("--prefill", type=int, default=1024, help="tokens of the timed prefill")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--libs", nargs="+", metavar="DIR", help="the exact side on each library directory in turn "
+                        "('installed': llama-cpp-python's own)")
+    parser.add_argument("--repeat", type=int, default=3, help="turns of --libs")
     parser.add_argument("--child", choices=("exact", "stock"), help=argparse.SUPPRESS)
     parser.add_argument("--gguf", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(run_child(args)))
         return
+    if args.libs:
+        rows = [compare_libs(args, kind) for kind in args.types]
+        print_libs_table(rows)
+        print(json.dumps({"host_flags": host_flags(), "target": args.target, "libs": rows}))
+        return
     rows = [measure_type(args, kind) for kind in args.types]
     print_table(rows)
     print(json.dumps({"host_flags": host_flags(), "target": args.target, "rows": rows}))
 
 
-def measure_type(args, kind: str) -> dict:
-    """Both sides of one weight type, each in its own process."""
+def type_path(args, kind: str) -> Path:
+    """The GGUF of one weight type of the target (derived once, cached)."""
     from draftlab.models import gguf_path
 
-    path = gguf_path(args.target if kind == SHIPPED else f"{args.target}@{kind}")  # derived once (cached)
+    return gguf_path(args.target if kind == SHIPPED else f"{args.target}@{kind}")
+
+
+def measure_type(args, kind: str) -> dict:
+    """Both sides of one weight type, each in its own process."""
+    path = type_path(args, kind)
     row = {"type": kind, "file": path.name, "size_mb": round(path.stat().st_size / 1e6)}
     for side in ("exact", "stock"):
         row[side] = run_side(args, side, path)
     return row
 
 
-def run_side(args, side: str, path: Path) -> dict:
-    """One child process: its JSON line, or the reason it gave none."""
+def compare_libs(args, kind: str) -> dict:
+    """The exact side of one weight type on each of `args.libs`, in turns: medians of one row and of each block."""
+    path = type_path(args, kind)
+    runs: dict[str, list[dict]] = {lib: [] for lib in args.libs}
+    for _ in range(args.repeat):
+        for lib in args.libs:
+            runs[lib].append(run_side(args, "exact", path, None if lib == "installed" else lib))
+    return {"type": kind, "file": path.name, "sides": [summarize_runs(lib, done) for lib, done in runs.items()]}
+
+
+def summarize_runs(lib: str, done: list[dict]) -> dict:
+    """One library's medians over its turns (or the first error)."""
+    failed = [run["error"] for run in done if "error" in run]
+    if failed:
+        return {"lib": lib, "error": failed[0]}
+    return {"lib": lib, "turns": len(done), "rows_compared": sum(run["rows_compared"] for run in done),
+            "rows_differing": sum(run["rows_differing"] for run in done),
+            "one_row_ms": round(statistics.median(run["one_row_ms"] for run in done), 2),
+            "block_ms": {str(n): round(statistics.median(run["one_row_ms"] * run["block_x"][str(n)] for run in done), 2)
+                         for n in BLOCKS}}
+
+
+def run_side(args, side: str, path: Path, lib: str | None = None) -> dict:
+    """One child process (on the libraries in `lib` where given): its JSON line, or the reason it gave none."""
     env = dict(os.environ)
+    if lib is not None:
+        env["LLAMA_CPP_LIB_PATH"] = lib
     if side == "stock":
         from draftlab.contenders.llama_server import build_dir
 
@@ -193,6 +234,20 @@ def print_table(rows: list[dict]) -> None:
     print("draftlab's engine on its exact kernels, then on llama.cpp's stock ones; rows: rows of blocks of 2-16 bitwise "
           "equal to the same rows alone; xN: a block of N rows as a multiple of one row; prefill: tok/s; last: "
           "llama-cpp-python's own step on the stock kernels (and the exact row's multiple of it) and prefill")
+
+
+def print_libs_table(rows: list[dict]) -> None:
+    print(f"host: {os.cpu_count()} CPU(s), flags {' '.join(host_flags())}")
+    print(f"{'type':<11}{'rows':>10}  " + "".join(f"{'ms x' + str(n):>9}" for n in BLOCKS) + "  libraries")
+    for row in rows:
+        for side in row["sides"]:
+            if "error" in side:
+                print(f"{row['type']:<11}failed on {side['lib']}: {side['error']}")
+                continue
+            print(f"{row['type']:<11}{side['rows_compared'] - side['rows_differing']:>5}/{side['rows_compared']:<4}  "
+                  + "".join(f"{side['block_ms'][str(n)]:>9.2f}" for n in BLOCKS) + f"  {side['lib']}")
+    print("the exact side on each library directory in turn; rows: rows of blocks bitwise equal to the same rows alone; "
+          "ms xN: the median time of a block of N rows")
 
 
 if __name__ == "__main__":
