@@ -10,9 +10,9 @@ Per weight type of the target (the shipped file and each type derived from it wi
   same loop as the exact route's: the kernels alone differ), whose rows are compared with single rows too.
 Each side runs in a child process of its own (ggml reads its kernels and switches once), one after the other, for
 each weight type in turn. Prints the host's CPU flags, one table, and one JSON document as the last line.
-With `--libs DIR ...`, the exact side alone on each directory of llama.cpp libraries (a build of other patches; the
-last is the installed one when named `installed`), one child process each in turn, `--repeat` times: a patch against
-the build before it, in one run, the machine's drift shared by both.
+With `--libs DIR ...`, the exact side alone on each directory of llama.cpp libraries (a build of other patches;
+`installed`: the libraries llama-cpp-python loads itself), one child process each in turn, `--repeat` times: a patch
+against the build before it, in one run, the machine's drift shared by both.
 
     python benchmarks/exact_kernels.py
     python benchmarks/exact_kernels.py --types shipped Q4_0 Q8_0 BF16 --rounds 9

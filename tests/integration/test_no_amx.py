@@ -50,8 +50,8 @@ def test_the_built_llama_server_holds_no_amx_kernels(binary):
 
 def test_llama_server_and_the_backend_share_draftlabs_exact_kernels_and_the_stock_ones_stay_apart(binary):
     """One build: llama-server and the library llama-cpp-python loads are the same files, whose ggml-cpu holds
-    draftlab's kernel patches (llamafile's sgemm at every row count, its float jobs without barriers); llama.cpp's stock ggml-cpu, for the benchmarks,
-    lies apart in stock/ without them."""
+    draftlab's kernel patches (llamafile's sgemm at every row count, its float jobs without barriers); llama.cpp's
+    stock ggml-cpu, for the benchmarks, lies apart in stock/ without them."""
     installed = {lib.name: lib for lib in installed_ggml()}
     for name in ("libggml-cpu.so", "libggml-base.so"):
         assert (binary.parent / name).read_bytes() == installed[name].read_bytes()
