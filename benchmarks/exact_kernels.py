@@ -16,7 +16,7 @@ against the build before it, in one run, the machine's drift shared by both.
 
     python benchmarks/exact_kernels.py
     python benchmarks/exact_kernels.py --types shipped Q4_0 Q8_0 BF16 --rounds 9
-    python benchmarks/exact_kernels.py --types BF16 --libs /tmp/before-lib installed --repeat 5
+    python benchmarks/exact_kernels.py --types BF16 --libs OLD_BUILD/lib installed --repeat 5
 """
 
 from __future__ import annotations
