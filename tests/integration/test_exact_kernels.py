@@ -1,7 +1,7 @@
 """draftlab's exact llama.cpp kernels (scripts/llama-cpp/*.patch), bitwise on the host at hand: after a cached prefix
 of 600 tokens, every row of a block of 2-16 rows (and of 20 and 24, past the one-gemv kernel) equals the same row
 scored alone, with 1 and 2 threads, for every weight type the kernels claim (the types llamafile's sgemm serves at
-every row count, repacked Q4_0, and those vec_dot serves)."""
+every row count, repacked Q4_0 and Q4_K, and those vec_dot serves)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import draftlab.backends.llamacpp as llamacpp_module
-from draftlab.backends.gguf import Q4_0_ROWS, SGEMM_EVERY_ROW
+from draftlab.backends.gguf import Q4_0_ROWS, Q4_K_ROWS, SGEMM_EVERY_ROW
 from draftlab.backends.llamacpp import LlamaCppBackend
 from draftlab.contenders.llama_server import build_dir
 from draftlab.models import load_model
@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 PREFIX = [100 + (i * 37) % 20000 for i in range(600)]
 # Q4_1 (shipped): vec_dot; Q4_K_M: on SmolLM2's row length (576) mostly Q5_0, whose one row takes vec_dot and whose
-# blocks take tinyBLAS (the patch's claim that both do the same per output), beside Q8_0 and the K-quants' vec_dot
+# blocks take tinyBLAS (the patch's claim that both do the same per output), beside Q8_0, Q6_K's vec_dot and the
+# repacked Q4_K of the MLP's down products (row length 1536: the one-gemv kernel)
 TYPES = ["smollm2-135m", "smollm2-135m@Q4_0_PURE", "smollm2-135m@Q4_0", "smollm2-135m@Q8_0", "smollm2-135m@BF16",
          "smollm2-135m@Q4_K_M"]
 
@@ -53,16 +54,17 @@ def rows_alone_and_blocks(backend: LlamaCppBackend) -> list[str]:
 def test_block_rows_are_bitwise_single_rows_for_every_weight_type(source, threads, monkeypatch):
     monkeypatch.setattr(llamacpp_module, "threads", lambda: threads)
     target = load_model(source, backend="llamacpp")
-    assert {SGEMM_EVERY_ROW, Q4_0_ROWS} <= set(target.model.exact_kernels) and target.model.sgemm
+    assert {SGEMM_EVERY_ROW, Q4_0_ROWS, Q4_K_ROWS} <= set(target.model.exact_kernels) and target.model.sgemm
     backend = LlamaCppBackend(target.model)
     assert backend.batch_invariant and "sgemm at every row count" in backend.numerics
     assert rows_alone_and_blocks(backend) == []
 
 
-def shape_gguf(name: str, out: Path) -> Path:
+def shape_gguf(name: str, out: Path, weight_type: str = "Q4_0_PURE") -> Path:
     """Random weights in a real model's shape (`checks.exactness.SHAPES`: its row lengths and widths, 2 layers) with
     SmolLM2's tokenizer (so a 49,152-token head), written as GGUF by the build's own converter, then derived in
-    pure Q4_0 (every product on the repacked kernels): what the exact kernels see on that model."""
+    `weight_type` (pure Q4_0: every product on the repacked kernels; Q4_K_M: repacked Q4_K beside Q6_K's vec_dot):
+    what the exact kernels see on that model."""
     from dataclasses import replace
 
     from transformers import AutoTokenizer
@@ -87,19 +89,24 @@ def shape_gguf(name: str, out: Path) -> Path:
     done = subprocess.run([sys.executable, "-c", run, "--", str(hf_dir), "--outtype", "f16", "--outfile", str(f16)],
                           env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
-    return derive_weight_type(f16, "Q4_0_PURE", out)
+    return derive_weight_type(f16, weight_type, out)
 
 
-SHAPE_CASES = [slow("qwen2.5-1.5b"), exhaustive("qwen2.5-0.5b"), exhaustive("qwen2.5-7b"), exhaustive("llama-3-8b")]
+SHAPE_CASES = [slow("qwen2.5-1.5b", "Q4_0_PURE"), slow("qwen2.5-1.5b", "Q4_K_M"), exhaustive("qwen2.5-0.5b", "Q4_0_PURE"),
+               exhaustive("qwen2.5-7b", "Q4_0_PURE"), exhaustive("qwen2.5-7b", "Q4_K_M"),
+               exhaustive("llama-3-8b", "Q4_0_PURE"), exhaustive("llama-3-8b", "Q4_K_M")]
 
 
-@pytest.mark.parametrize("shape", SHAPE_CASES)
-def test_block_rows_are_bitwise_single_rows_on_real_model_shapes(shape, tmp_path, monkeypatch):
-    """The repacked Q4_0 kernel's rows (row lengths 896-18944, widths up to 49,152) on 2 threads: every row of blocks
-    of 2-16, 20 and 24 equals the same row alone, as on SmolLM2."""
+@pytest.mark.parametrize("shape, weight_type", SHAPE_CASES)
+def test_block_rows_are_bitwise_single_rows_on_real_model_shapes(shape, weight_type, tmp_path, monkeypatch):
+    """The repacked Q4_0 and Q4_K kernels' rows (row lengths 896-18944, widths up to 49,152) on 2 threads: every row
+    of blocks of 2-16, 20 and 24 equals the same row alone, as on SmolLM2."""
+    from draftlab.backends.gguf import tensor_types
+
     monkeypatch.setattr(llamacpp_module, "threads", lambda: 2)
-    target = load_model(str(shape_gguf(shape, tmp_path)), backend="llamacpp")
-    assert Q4_0_ROWS in target.model.exact_kernels and target.model.repack
+    target = load_model(str(shape_gguf(shape, tmp_path, weight_type)), backend="llamacpp")
+    assert {Q4_0_ROWS, Q4_K_ROWS} <= set(target.model.exact_kernels) and target.model.repack
+    assert weight_type != "Q4_K_M" or "Q4_K" in tensor_types(target.model.path)  # the kernel under test serves it
     assert rows_alone_and_blocks(LlamaCppBackend(target.model)) == []
 
 
@@ -158,22 +165,23 @@ def test_llama_servers_own_ngram_speculation_is_greedy_identical_to_its_plain_de
 
 
 @pytest.mark.slow
-@pytest.mark.exhaustive
-def test_a_k_quant_file_loads_without_repack_and_its_server_gets_the_switches():
-    """K-quants' repacked kernels are not proven exact: such a file loads without repack (rows exact through vec_dot,
-    tiled matmul off), and llama-server is given the same switches, in the command a user deploys too."""
+def test_a_k_quant_file_loads_repacked_and_its_server_gets_the_switches():
+    """With the one-gemv Q4_K kernel (scripts/llama-cpp/q4_K-rows.patch) a Q4_K_M file loads repacked and stays
+    exact; llama-server keeps repack on for it (no `--no-repack`) and gets the tiled K-quant matmul off for its Q6_K,
+    in the command a user deploys too. A library without that kernel would load it without repack."""
     from draftlab.backends.gguf import repack_keeps_rows
-    from draftlab.contenders.llama_server import ServerConfig
+    from draftlab.contenders.llama_server import ServerConfig, server_kernels
     from draftlab.contenders.serve_check import parse_command
     from draftlab.models import gguf_path
 
     path = gguf_path("smollm2-135m@Q4_K_M")
-    assert not repack_keeps_rows(path) and repack_keeps_rows(gguf_path(STUDY_TARGET))
+    assert repack_keeps_rows(path) and not repack_keeps_rows(path, kernels=(SGEMM_EVERY_ROW, Q4_0_ROWS))
+    assert Q4_K_ROWS in server_kernels()
     config = ServerConfig(path)
-    assert "--no-repack" in config.flags() and config.command().startswith("GGML_CPU_TILED_MM=0 llama-server ")
+    assert "--no-repack" not in config.flags() and config.command().startswith("GGML_CPU_TILED_MM=0 llama-server ")
     parsed = parse_command(config.command())  # the printed command reads back as it runs
-    assert parsed.model == config.model and parsed.env() == config.env() and "--no-repack" in parsed.flags()
+    assert parsed.model == config.model and parsed.env() == config.env() and "--no-repack" not in parsed.flags()
     target = load_model("smollm2-135m@Q4_K_M", backend="llamacpp")
     backend = LlamaCppBackend(target.model)
-    assert not target.model.repack and backend.batch_invariant
+    assert target.model.repack and backend.batch_invariant and "Q4_0/Q4_K rows in one gemv" in backend.numerics
     assert rows_alone_and_blocks(backend) == []

@@ -10,8 +10,10 @@ choices break that in three places, and draftlab's build mends or avoids each (s
   `LlamaCppModel.exact_kernels` names the patches the loaded library holds (`EXACT_KERNELS`);
 - weight repacking (an "extra buffer type": gemm for the first floor(n/4)*4 rows, gemv for the rest): on x86 the
   repacked Q4_0 kernels give each output the same order of additions in both (integer block sums, then one FMA per
-  block), so files of the types in `REPACK_EXACT` load repacked and stay exact; others (the K-quants' repacked
-  kernels) load with `use_extra_bufts = False`;
+  block), so files of the types in `REPACK_EXACT` load repacked and stay exact; Q4_K's gemm rounds otherwise than
+  its gemv, so draftlab's build serves every row count of it with one gemv over the rows
+  (scripts/llama-cpp/q4_K-rows.patch) and K-quant files load repacked too (`REPACK_EXACT_Q4_K_ROWS`); files of other
+  types (or on a library without that kernel) load with `use_extra_bufts = False`;
 - the tiled K-quant matmul that takes over at 8+ rows: `GGML_CPU_TILED_MM=0` in the environment, set before the
   library loads unless the user set it.
 
@@ -40,12 +42,16 @@ INSTALL_HINT = ("install it with ./run.sh --setup-only (it compiles llama.cpp wi
                 "ggml's AMX kernels, ~7 minutes on 2 cores)")
 SGEMM_EVERY_ROW = "sgemm-every-row"  # scripts/llama-cpp/sgemm-every-row.patch
 Q4_0_ROWS = "q4_0-rows"  # scripts/llama-cpp/q4_0-rows.patch: one gemv over a block's rows for repacked Q4_0
-EXACT_KERNELS = (SGEMM_EVERY_ROW, Q4_0_ROWS)  # each patch exports ggml_cpu_draftlab_<its name, "-" as "_">
+Q4_K_ROWS = "q4_K-rows"  # scripts/llama-cpp/q4_K-rows.patch: the same for repacked Q4_K, at every row count
+EXACT_KERNELS = (SGEMM_EVERY_ROW, Q4_0_ROWS, Q4_K_ROWS)  # each patch exports ggml_cpu_draftlab_<its name, "-" as "_">
 TRIMMED_HEAD_SYMBOL = "llama_draftlab_trimmed_head"  # libllama of scripts/llama-cpp/trimmed-head.patch exports it
 HEAD_ROWS_KEY = "draftlab.head_rows"  # uint32 key of a GGUF whose output.weight keeps that many rows
 # Tensor types whose repacked kernels on x86 keep rows exact at every row count (Q4_0's 8x8 gemm and gemv; the others
 # are not repacked on x86), proven bitwise per file type by tests/integration/test_exact_kernels.py.
 REPACK_EXACT = frozenset({"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"})
+# ... and with Q4_K_ROWS in the library: Q4_K's repacked rows too, and the K-quants x86 does not repack (vec_dot, with
+# the tiled matmul off). Not Q2_K or IQ4_NL: AVX-512 repacks Q2_K, AVX2 IQ4_NL, each with a gemm of its own.
+REPACK_EXACT_Q4_K_ROWS = REPACK_EXACT | {"Q3_K", "Q4_K", "Q5_K", "Q6_K"}
 
 
 @lru_cache(maxsize=1)
@@ -85,9 +91,12 @@ def _tensor_types(path: str, _mtime_ns: int, _size: int) -> frozenset[str]:
         raise DraftlabError(f"cannot read the tensors of GGUF {path}: {exc}") from exc
 
 
-def repack_keeps_rows(path: Path) -> bool:
-    """Whether llama.cpp's repacked weights keep a block's rows exact for this file on this host (`REPACK_EXACT`)."""
-    return platform.machine() in ("x86_64", "AMD64") and tensor_types(path) <= REPACK_EXACT
+def repack_keeps_rows(path: Path, kernels: tuple[str, ...] | None = None) -> bool:
+    """Whether llama.cpp's repacked weights keep a block's rows exact for this file on this host, on a library with
+    these exact kernels (None: the loaded one's): `REPACK_EXACT`, or `REPACK_EXACT_Q4_K_ROWS` with `Q4_K_ROWS`."""
+    kernels = exact_kernels() if kernels is None else kernels
+    exact = REPACK_EXACT_Q4_K_ROWS if Q4_K_ROWS in kernels else REPACK_EXACT
+    return platform.machine() in ("x86_64", "AMD64") and tensor_types(path) <= exact
 
 
 @lru_cache(maxsize=1)
@@ -250,7 +259,8 @@ class LlamaCppModel:
         """What the kernel settings are, for the results' record."""
         tiled = os.environ.get("GGML_CPU_TILED_MM", "default")
         sgemm = ("at every row count" if SGEMM_EVERY_ROW in self.exact_kernels else "on") if self.sgemm else "off"
-        repack = ("on, Q4_0 rows in one gemv" if Q4_0_ROWS in self.exact_kernels else "on") if self.repack else "off"
+        rows = "/".join(kernel.split("-")[0].upper() for kernel in (Q4_0_ROWS, Q4_K_ROWS) if kernel in self.exact_kernels)
+        repack = (f"on, {rows} rows in one gemv" if rows else "on") if self.repack else "off"
         return (f"llama.cpp {self.weight_type}, AMX {'on' if self.amx else 'off'}, sgemm {sgemm}, "
                 f"repack {repack}, tiled MM {'off' if tiled == '0' else tiled}")
 

@@ -27,7 +27,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import ClassVar
 
-from draftlab.backends.gguf import EXACT_ENV, EXACT_KERNELS, repack_keeps_rows
+from draftlab.backends.gguf import EXACT_ENV, EXACT_KERNELS, REPACK_EXACT, repack_keeps_rows, tensor_types
 from draftlab.files import assets
 from draftlab.engine import GenerationResult, check_room
 from draftlab.errors import DraftlabError
@@ -55,14 +55,18 @@ def exact_server() -> bool:
     as `ServerConfig` starts it (flash attention off, repack off where it rounds rows apart, the tiled K-quant
     matmul off), its block rows round as its single rows and its own speculation is greedy-identical to its plain
     decoding, as draftlab's llama.cpp engine is. False for a missing binary or another build."""
+    return set(EXACT_KERNELS) <= set(server_kernels())
+
+
+def server_kernels() -> tuple[str, ...]:
+    """draftlab's exact kernels in the llama-server here (its binary, or its ggml-cpu); () for none or another build."""
     try:
         path = server_binary()
     except DraftlabError:
-        return False
+        return ()
     files = [path, *(f.resolve() for f in sorted(path.parent.glob("libggml-cpu.so*")))]  # static, or its ggml-cpu
-    found = {name for f in dict.fromkeys(files) if f.is_file()
-             for name in _kernels_in(f, f.stat().st_mtime_ns, f.stat().st_size)}
-    return set(EXACT_KERNELS) <= found
+    return tuple(dict.fromkeys(name for f in dict.fromkeys(files) if f.is_file()
+                               for name in _kernels_in(f, f.stat().st_mtime_ns, f.stat().st_size)))
 
 
 @lru_cache(maxsize=8)
@@ -129,16 +133,22 @@ class ServerConfig:
         return args + list(self.extra)
 
     def _repack_exact(self) -> bool:
-        """Whether the model's repacked weights keep rows exact (a file the server cannot read: let it say so)."""
+        """Whether the model's repacked weights keep rows exact on the server's kernels (a file the server cannot
+        read: let it say so)."""
         try:
-            return repack_keeps_rows(self.model)
+            return repack_keeps_rows(self.model, server_kernels())
         except DraftlabError:
             return True
 
     def env(self) -> dict[str, str]:
         """What the server's environment needs beyond the user's: the tiled K-quant matmul off, as for draftlab's
-        own llama.cpp engine (it serves 8+ rows only, so rows would round unlike the rows alone)."""
-        return {} if self._repack_exact() else dict(EXACT_ENV)
+        own llama.cpp engine (it serves 8+ rows of K-quants it does not repack, so rows would round unlike the rows
+        alone), for every file with a type outside `REPACK_EXACT`."""
+        try:
+            untiled = tensor_types(self.model) <= REPACK_EXACT
+        except DraftlabError:
+            untiled = True
+        return {} if untiled else dict(EXACT_ENV)
 
     def server(self, log_dir: Path) -> "LlamaServer":
         """A server of this configuration (not started)."""
