@@ -123,3 +123,25 @@ def test_seeded_sampling_is_reproducible(tiny_target):
     c = run(tiny_target, drafter(), FixedK(3), PROMPTS[0], sampling=SamplingConfig(1.0), seed=8)
     assert a.token_ids == b.token_ids
     assert a.token_ids != c.token_ids
+
+
+class DelayedBackend(HFBackend):
+    """A draft backend that takes 1 ms more per token it scores: its prefill of a long prompt is slow to see."""
+
+    def score(self, token_ids, last_only=False):
+        import time
+
+        time.sleep(0.001 * len(token_ids))
+        return super().score(token_ids, last_only=last_only)
+
+
+def test_the_first_steps_drafting_holds_a_draft_models_prefill(tiny_target):
+    """The first step's drafting is recorded apart (`first_draft_s`): a draft model's prefill of the prompt runs in
+    it, and `draft_prefill_s` (what the pilot spreads over a cell's output length) finds it there."""
+    drafter = ModelDrafter(DelayedBackend(noisy_copy(tiny_target, 0.3).model))
+    prompt = [(i * 7) % 60 + 1 for i in range(300)]
+    stats = run(tiny_target, drafter, FixedK(3), prompt, max_new_tokens=24).stats
+    assert stats.steps >= 2 and 0.0 < stats.first_draft_s <= stats.draft_s
+    assert stats.draft_prefill_s >= 0.25  # 300 tokens at 1 ms each, beyond a later step's few
+    plain = run(tiny_target, NGramDrafter(max_n=3), FixedK(3), prompt, max_new_tokens=24).stats
+    assert plain.draft_prefill_s < 0.05  # n-gram lookup reads no prompt through a model

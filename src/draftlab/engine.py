@@ -205,9 +205,12 @@ class SpeculativeEngine:
     def plan(self, run: "Generation") -> "Plan":
         """The step's draft: the block the target scores next (the last committed token and the proposal)."""
         budget = min(self.policy.next_k(), self._room(run))
+        drafted_s = run.watch.seconds.get("draft", 0.0)
         with run.watch.time("draft"):
             proposal = (self.drafter.propose(run.tokens, budget, run.config.sampling, run.generator) if budget > 0
                         else Proposal([]))
+        if run.stats.steps == 0:  # the step in which a draft model prefills the prompt
+            run.stats.first_draft_s = run.watch.seconds["draft"] - drafted_s
         proposal = proposal.within(budget)  # K is the depth: a chain's length, a tree's levels
         return Plan(Block.of(run.tokens[-1], proposal), proposal)
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 
-from draftlab.study.run.budget import PILOT_REASON, PLAN_REASON, Deadline, Pilot, PlanLimits, make_plan, pilot_drops
+from draftlab.decoding.metrics import GenerationStats
+from draftlab.measure import RunRecord
+from draftlab.study.run.budget import (PILOT_REASON, PLAN_REASON, Deadline, Pilot, PlanLimits, decode_rate, make_plan,
+                                      pilot_drops)
 from draftlab.study.run.cells import Cell
 from draftlab.study.run.store import ResultsStore
 from draftlab.study.run.sweep import SweepConfig, run_sweep
@@ -22,6 +25,21 @@ def test_the_pilot_drops_a_hopeless_cell_never_a_baseline_nor_a_peers_plain_deco
     drops = pilot_drops([ar, fast, slow, llama, lookup], pilot)
     assert set(drops) == {slow.key} and drops[slow.key].startswith(PILOT_REASON)  # 5x slower; ar is the baseline
     assert "20.0 tok/s" in drops[slow.key] and "100.0 tok/s" in drops[slow.key]
+
+
+def test_the_pilot_spreads_a_draft_models_prefill_over_the_cells_output_not_its_own_16_tokens():
+    """A 16-token pilot of a 64-token cell: the draft's prefill of the prompt (in the first step) counts once per
+    output, so a quarter of it per pilot token; a cell without one keeps its plain rate."""
+    spec = Cell("m", "model:d", 3, "sps", "d", 0.0, 64)
+    # 5 steps: the first drafted in 1.0 s, the other four in 0.1 s each: 0.9 s of it is the draft's prefill
+    stats = GenerationStats(steps=5, draft_s=1.4, first_draft_s=1.0)
+    assert abs(stats.draft_prefill_s - 0.9) < 1e-9
+    record = RunRecord(spec.key, "p", "c", list(range(16)), stats, True)
+    assert abs(decode_rate(record, 2.0, spec) - ((2.0 - 0.9) / 16 + 0.9 / 64)) < 1e-9
+    ngram = RunRecord(spec.key, "p", "c", list(range(16)), GenerationStats(steps=5, draft_s=0.01, first_draft_s=0.002),
+                      True)
+    assert abs(decode_rate(ngram, 2.0, spec) - 2.0 / 16) < 1e-9
+    assert GenerationStats(steps=1, draft_s=1.0, first_draft_s=1.0).draft_prefill_s == 0.0  # no later step to compare
 
 
 def test_the_plan_takes_the_most_prompts_that_fit_and_at_least_the_races_first():

@@ -28,6 +28,7 @@ class GenerationStats:
     levels_per_step_list: list[list[int]] = field(default_factory=list)  # drafted tokens per level, each step
     prefill_s: float = 0.0
     draft_s: float = 0.0
+    first_draft_s: float = 0.0  # of draft_s, the first step's: a draft model's own prompt prefill is in it
     target_s: float = 0.0
     wall_s: float = 0.0
     stop_reason: str = ""
@@ -44,6 +45,14 @@ class GenerationStats:
         self.drafted_per_step_list.append(num_drafted)
         self.accepted_per_step_list.append(num_accepted)
         self.levels_per_step_list.append(list(levels))
+
+    @property
+    def draft_prefill_s(self) -> float:
+        """What the first step's drafting cost beyond a later step's mean: a draft model's prefill of the prompt
+        (charged to decoding, as it runs in the first step); 0 with fewer than 2 steps."""
+        if self.steps < 2:
+            return 0.0
+        return max(0.0, self.first_draft_s - (self.draft_s - self.first_draft_s) / (self.steps - 1))
 
     @property
     def depth_per_step_list(self) -> list[int]:

@@ -2,7 +2,8 @@
 
 The pilot runs through the measurement loop on one prompt of the group (its median length): each engine prefills it
 once (timed: seconds per prompt token) and each cell decodes `PILOT_TOKENS` from that prefill (timed: seconds per
-new token). From these the plan estimates what each prompt costs: its prefill on every engine, every cell's decode
+new token; a draft model's own prefill of the prompt, which runs in a cell's first step, spread over the cell's
+output length, not over the pilot's tokens). From these the plan estimates what each prompt costs: its prefill on every engine, every cell's decode
 of the study's output length and the baseline's re-checks, every cell on the race's first prompts and, after them,
 the cells the race is expected to keep (those within `RACE_KEEPS` of the fastest pilot of their model). It takes the
 most prompts of the group that fit the time the budget has left, and says so in one line. With a race it keeps at
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from draftlab.backends.routes import cpu_flags
 from draftlab.contenders.methods import is_baseline, method_of
 from draftlab.errors import DraftlabError
-from draftlab.measure import EncodedPrompt, pilot as measure_pilot
+from draftlab.measure import EncodedPrompt, RunRecord, pilot as measure_pilot
 from draftlab.study.run.cells import Cell
 from draftlab.study.run.race import deploy_references, keep_peer_references, model_of
 from draftlab.study.run.runner import CellRunner
@@ -102,11 +103,20 @@ def time_pilot(runner: CellRunner, cells: list[Cell], prompt: EncodedPrompt) -> 
     for cell, record in records.items():
         decode_s = record.stats.wall_s - (record.stats.prefill_s if record.times_prefill else 0.0)
         if decode_s > 0:  # (a prefill timed apart longer than a whole call: noise, no rate)
-            pilot.decode[cell.key] = decode_s / max(record.new_tokens, 1) * cell.concurrency
+            pilot.decode[cell.key] = decode_rate(record, decode_s, cell) * cell.concurrency
         pilot.keys[cell.key] = contenders[cell].prefill_key
         if not pilot.keys[cell.key] and record.times_prefill:  # its own prefill, in each of its runs
             pilot.own_prefill[cell.key] = record.stats.prefill_s / max(len(prompt.ids), 1)
     return pilot
+
+
+def decode_rate(record: RunRecord, decode_s: float, cell: Cell) -> float:
+    """Seconds per new token of a cell's decode, from its pilot's `decode_s`: a draft model's own prefill of the
+    prompt (in the first step, `GenerationStats.draft_prefill_s`) spread over the cell's output length, not over the
+    pilot's `PILOT_TOKENS`, which would charge a 64-token run four times its share."""
+    new_tokens = max(record.new_tokens, 1)
+    draft_prefill_s = min(record.stats.draft_prefill_s, decode_s)
+    return (decode_s - draft_prefill_s) / new_tokens + draft_prefill_s / max(cell.max_new_tokens, new_tokens)
 
 
 def pilot_drops(cells: list[Cell], pilot: Pilot) -> dict[str, str]:
