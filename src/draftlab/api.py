@@ -96,7 +96,8 @@ class SpeculativeDecoder:
         is, in llama.cpp; drafts then run there too).
         numerics: "auto" (the exact route measured fastest on this host) or a route label for the fast backend;
         on llama.cpp "auto"/"exact" (kernels whose block rows equal single rows, repacked where that holds) or "repack"
-        (llama.cpp's repacked weights for every type: for K-quants, block rows of 4+ round differently). For the fast backend
+        (llama.cpp's repacked weights for every type: where their kernels round rows apart, Q2_K or IQ4_NL or K-quants on a
+        library without draftlab's Q4_K kernel, block rows of 4+ round differently). For the fast backend
         e.g. "fp32 exact-wm/4", or "fp32 linear" (faster on some hosts, but block rows then round differently
         from single rows: output equals plain decoding only up to rounding). Its dtype is loaded when dtype is auto.
         """

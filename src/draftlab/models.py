@@ -186,7 +186,8 @@ def load_model(spec: ModelSpec | str, *, device: str = ModelSpec.device, dtype: 
     `backend`: 'llamacpp' loads the GGUF file itself into llama.cpp (no de-quantization; a short name or a .gguf
     path); any other loads it into torch. `repack` (llama.cpp only): llama.cpp's repacked weights, faster where the
     file's types have repacked kernels; None: repacked where rows stay exact (`LlamaCppModel.load`), True: always
-    (rows of a K-quant block then round differently from single rows; drafts use it), False: never.
+    (where the file's repacked kernels round rows apart, a block's rows then round differently from single rows;
+    drafts use it), False: never.
     `verbose`: let transformers print its per-load progress bar and notes.
     """
     if isinstance(spec, str):

@@ -121,7 +121,7 @@ class ServerConfig:
         args = ["-m", str(self.model), "-t", threads, "-tb", threads, "-np", str(self.slots), "-c", str(self.context),
                 "-fa", "off", "--no-webui"]
         if not self._repack_exact() and "--no-repack" not in self.extra:
-            args += ["--no-repack"]  # the K-quants' repacked kernels round a block's rows unlike the rows alone
+            args += ["--no-repack"]  # these types' repacked kernels round a block's rows unlike the rows alone
         if self.draft is not None:
             args += ["-md", str(self.draft)]
         if self.spec_type:
