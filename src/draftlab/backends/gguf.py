@@ -259,7 +259,8 @@ class LlamaCppModel:
         """What the kernel settings are, for the results' record."""
         tiled = os.environ.get("GGML_CPU_TILED_MM", "default")
         sgemm = ("at every row count" if SGEMM_EVERY_ROW in self.exact_kernels else "on") if self.sgemm else "off"
-        rows = "/".join(kernel.split("-")[0].upper() for kernel in (Q4_0_ROWS, Q4_K_ROWS) if kernel in self.exact_kernels)
+        rows = "/".join(kernel.split("-")[0].upper() for kernel in (Q4_0_ROWS, Q4_K_ROWS)
+                        if kernel in self.exact_kernels)
         repack = (f"on, {rows} rows in one gemv" if rows else "on") if self.repack else "off"
         return (f"llama.cpp {self.weight_type}, AMX {'on' if self.amx else 'off'}, sgemm {sgemm}, "
                 f"repack {repack}, tiled MM {'off' if tiled == '0' else tiled}")

@@ -55,7 +55,7 @@ class LlamaCppBatch:
         self._batch = self.lib.llama_batch_init(MAX_BATCH, 0, 1)
         self._lengths = [0] * slots  # cached tokens per slot
         self._starts = [0] * slots  # where each slot's last scored block began
-        self._prefiller: LlamaCppBatch | None = None  # the repacked twin's slots, for prefills (K-quants)
+        self._prefiller: LlamaCppBatch | None = None  # the repacked twin's slots, for prefills (a file loaded without repack)
 
     def view(self, slot: int) -> "SlotView":
         """The slot as a `Backend`, for its engine."""

@@ -3,7 +3,8 @@
 The pilot runs through the measurement loop on one prompt of the group (its median length): each engine prefills it
 once (timed: seconds per prompt token) and each cell decodes `PILOT_TOKENS` from that prefill (timed: seconds per
 new token; a draft model's own prefill of the prompt, which runs in a cell's first step, spread over the cell's
-output length, not over the pilot's tokens). From these the plan estimates what each prompt costs: its prefill on every engine, every cell's decode
+output length, not over the pilot's tokens). From these the plan estimates what each prompt costs: its prefill on
+every engine, every cell's decode
 of the study's output length and the baseline's re-checks, every cell on the race's first prompts and, after them,
 the cells the race is expected to keep (those within `RACE_KEEPS` of the fastest pilot of their model). It takes the
 most prompts of the group that fit the time the budget has left, and says so in one line. With a race it keeps at
