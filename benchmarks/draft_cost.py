@@ -2,7 +2,9 @@
 
 For the target (on draftlab's exact kernels) and each draft file: one row's step after a 300-token prefix (the median
 of 24), llama_decode's share of it, and for the drafts a step of `ModelDrafter` drafting K tokens (what the engine
-runs: its catch-up, each token's decode, logits copy and pick), per drafted token. The ratio a drafted token / a
+runs: its catch-up, each token's decode, logits copy and pick), per drafted token; and K greedy tokens fed in one
+call into llama.cpp (`greedy_chain`, scripts/llama-cpp/draft-chain.patch) against the Python loop of one `score` a
+token (`greedy_rows`), per token, alternating in one run. The ratio a drafted token / a
 target row is what decides whether a draft can pay: at acceptance a, K drafted tokens and a block of K+1 rows
 costing B(K) rows, a step gives E(a, K) tokens for K x ratio + B(K) rows. The host's CPU flags come with the figures;
 the last line is one JSON document.
@@ -22,6 +24,7 @@ import time
 import torch
 
 from draftlab.backends import make_backend
+from draftlab.backends.base import greedy_rows
 from draftlab.backends.gguf_head import derive_trimmed_head
 from draftlab.backends.routes import cpu_flags
 from draftlab.decoding.sampling import SamplingConfig
@@ -50,21 +53,24 @@ def main() -> None:
     for name in args.drafts:
         source = name.removesuffix("@Q4_K_M_SHIPPED") if name.endswith("@Q4_K_M_SHIPPED") else gguf_draft(name)
         model = load_model(source, backend="llamacpp", repack=True)  # as `model:NAME` loads a draft
-        rows.append({"file": source, "role": "draft", **row_costs(model), **draft_costs(model, args.k)})
+        rows.append({"file": source, "role": "draft", **row_costs(model), **draft_costs(model, args.k),
+                     **chain_costs(model, args.k)})
         if args.cut and source != name:
             kept = torch.arange(args.cut)  # [V'] token ids
             trimmed = load_model(str(derive_trimmed_head(gguf_path(source), kept, assets.cache_dir())),
                                  backend="llamacpp", repack=True)
             rows.append({"file": f"{source}/v{args.cut}", "role": "draft", **row_costs(trimmed, kept),
-                         **draft_costs(trimmed, args.k, kept)})
+                         **draft_costs(trimmed, args.k, kept), **chain_costs(trimmed, args.k, kept)})
     flags = " ".join(sorted(cpu_flags() & set(HOST_FLAGS))) or "no avx2"
     print(f"host: {flags}; K={args.k}; 300 cached tokens; medians of 24 steps")
-    print(f"{'file':<42}{'role':>7}{'row ms':>8}{'decode ms':>11}{'ms/drafted':>12}{'x target row':>14}")
+    print(f"{'file':<42}{'role':>7}{'row ms':>8}{'decode ms':>11}{'ms/drafted':>12}{'x target row':>14}"
+          f"{'one call':>10}{'py loop':>9}")
     for row in rows:
         per = row.get("drafted_token_ms")
         drafted, ratio = ("-", "-") if per is None else (f"{per:.1f}", f"{per / target['row_ms']:.2f}x")
+        chain = (f"{row['native_token_ms']:.2f}", f"{row['python_token_ms']:.2f}") if per is not None else ("-", "-")
         print(f"{row['file']:<42}{row['role']:>7}{row['row_ms']:>8.1f}{row['decode_ms']:>11.1f}{drafted:>12}"
-              f"{ratio:>14}")
+              f"{ratio:>14}{chain[0]:>10}{chain[1]:>9}")
     print(json.dumps({"flags": flags, "k": args.k, "rows": rows}))
 
 
@@ -104,6 +110,23 @@ def draft_costs(model, k: int, head_rows: torch.Tensor | None = None) -> dict:
         drafter.propose(context, k, SamplingConfig(0.0), None)
         steps.append(time.perf_counter() - start)
     return {"drafted_token_ms": 1e3 * statistics.median(steps) / k}
+
+
+def chain_costs(model, k: int, head_rows: torch.Tensor | None = None) -> dict:
+    """k greedy tokens fed after the prefix, in one native call (`greedy_chain`) and one `score` a token
+    (`greedy_rows`), alternating; ms per token (medians of 8 each)."""
+    backend = make_backend(model.model, model.device, "llamacpp", head_rows=head_rows)
+    backend.reset()
+    backend.score(PREFIX, last_only=True)
+    ways = {"native_token_ms": backend.greedy_chain, "python_token_ms": lambda *a: greedy_rows(backend, *a)}
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    for i in range(8):
+        for name, chain in ways.items():
+            backend.rollback(len(PREFIX))
+            start = time.perf_counter()
+            chain(1000 + i, k, head_rows)
+            times[name].append(time.perf_counter() - start)
+    return {name: 1e3 * statistics.median(t) / k for name, t in times.items()}
 
 
 if __name__ == "__main__":

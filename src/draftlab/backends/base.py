@@ -79,6 +79,23 @@ class Backend(Protocol):
         """Wait for queued device work, so that wall-clock timings are honest."""
         ...
 
+    def greedy_chain(self, token: int, n: int, row_tokens: torch.Tensor | None = None) -> list[int]:
+        """Append `token`, then each greedy pick after it: n tokens fed in all, the n picks returned as output rows
+        (a row's token is `row_tokens[row]` [V'] where the logits are a cut vocabulary's). A draft model's K tokens
+        a step: `greedy_rows`, or one call into a native loop that decodes the same tokens."""
+        ...
+
+
+def greedy_rows(backend: Backend, token: int, n: int, row_tokens: torch.Tensor | None = None) -> list[int]:
+    """`Backend.greedy_chain` one `score` a token: each pick the first of the largest logits (`choose`'s greedy
+    pick) after the token before it."""
+    rows: list[int] = []
+    for _ in range(n):
+        row = int(backend.score([token], last_only=True)[-1].argmax())  # logits [V'] after `token`
+        rows.append(row)
+        token = row if row_tokens is None else int(row_tokens[row])
+    return rows
+
 
 def all_rows(block: Block) -> set[int]:
     """Every row of a block: `exact_rows` of a backend whose rows do not depend on the tree's shape."""

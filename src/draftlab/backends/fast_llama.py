@@ -29,15 +29,9 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from draftlab.backends.attention import (
-    BlockAttention,
-    MaskedAttention,
-    RowAttention,
-    gathered_keys,
-    key_order,
-    visible_bias,
-)
-from draftlab.backends.base import ROUNDING, all_rows, is_prefix
+from draftlab.backends.attention import (BlockAttention, MaskedAttention, RowAttention, gathered_keys, key_order,
+                                        visible_bias)
+from draftlab.backends.base import ROUNDING, all_rows, greedy_rows, is_prefix
 from draftlab.backends.numerics import (
     INVARIANT_ROWS,
     UpcastLinear,
@@ -62,6 +56,7 @@ class FastLlamaBackend:
     """Batch-1 Llama decoding with a static, rollback-by-length KV cache."""
 
     provides_hidden = True  # score_block(..., with_hidden=True) also returns the final hidden states
+    greedy_chain = greedy_rows  # a draft's greedy tokens, one `score` each
 
     def __init__(
         self,

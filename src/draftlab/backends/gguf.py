@@ -45,6 +45,7 @@ Q4_0_ROWS = "q4_0-rows"  # scripts/llama-cpp/q4_0-rows.patch: one gemv over a bl
 Q4_K_ROWS = "q4_K-rows"  # scripts/llama-cpp/q4_K-rows.patch: the same for repacked Q4_K, at every row count
 EXACT_KERNELS = (SGEMM_EVERY_ROW, Q4_0_ROWS, Q4_K_ROWS)  # each patch exports ggml_cpu_draftlab_<its name, "-" as "_">
 TRIMMED_HEAD_SYMBOL = "llama_draftlab_trimmed_head"  # libllama of scripts/llama-cpp/trimmed-head.patch exports it
+DRAFT_CHAIN_SYMBOL = "llama_draftlab_draft_greedy"  # scripts/llama-cpp/draft-chain.patch: greedy draft tokens, one call
 HEAD_ROWS_KEY = "draftlab.head_rows"  # uint32 key of a GGUF whose output.weight keeps that many rows
 # Tensor types whose repacked kernels on x86 keep rows exact at every row count (Q4_0's 8x8 gemm and gemv; the others
 # are not repacked on x86), proven bitwise per file type by tests/integration/test_exact_kernels.py.
@@ -114,6 +115,23 @@ def loads_trimmed_heads() -> bool:
     which exports `TRIMMED_HEAD_SYMBOL`; `draftlab.backends.gguf_head`)."""
     library = _loaded_library("libllama")
     return library is not None and hasattr(library, TRIMMED_HEAD_SYMBOL)
+
+
+@lru_cache(maxsize=1)
+def greedy_chain_call():
+    """The loaded libllama's greedy draft loop (`DRAFT_CHAIN_SYMBOL`, draftlab's scripts/llama-cpp/draft-chain.patch)
+    as a ctypes function (context, token, position, n, logits per row, row tokens or None, out rows [n]) -> n fed,
+    or -(i + 1) where the i-th decode failed; None on a library without it."""
+    library = _loaded_library("libllama")
+    try:
+        call = library[DRAFT_CHAIN_SYMBOL] if library is not None else None
+    except AttributeError:  # a libllama without the patch
+        return None
+    if call is not None:
+        call.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
+                         ctypes.c_void_p, ctypes.c_void_p]
+        call.restype = ctypes.c_int32
+    return call
 
 
 def _loaded_library(prefix: str) -> ctypes.CDLL | None:

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from draftlab.backends.base import ROUNDING, all_rows, is_prefix
+from draftlab.backends.base import ROUNDING, all_rows, greedy_rows, is_prefix
 from draftlab.backends.numerics import checked_rows
 from draftlab.decoding.step import Block, Scores
 
@@ -20,6 +20,7 @@ class HFBackend:
     """A transformers causal LM with a DynamicCache, batch size 1."""
 
     provides_hidden = True  # from output_hidden_states: the last entry is after the final norm
+    greedy_chain = greedy_rows  # a draft's greedy tokens, one `score` each
 
     def __init__(self, model: torch.nn.Module, device: torch.device | str = "cpu",
                  batch_invariant: bool | None = None, head_rows: torch.Tensor | None = None) -> None:

@@ -28,8 +28,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from draftlab.backends.base import ROUNDING
-from draftlab.backends.gguf import INSTALL_HINT, LlamaCppModel, llama_lib, threads
+from draftlab.backends.base import ROUNDING, greedy_rows
+from draftlab.backends.gguf import INSTALL_HINT, LlamaCppModel, greedy_chain_call, llama_lib, threads
 from draftlab.errors import DraftlabError
 from draftlab.decoding.step import Block, Scores
 
@@ -73,6 +73,8 @@ class LlamaCppBackend:
         self._remember([], [], None)
         self._fast_prefill = fast_prefill and not model.repack
         self._prefiller: LlamaCppBackend | None = None
+        self._rows_of: torch.Tensor | None = None  # the row_tokens whose int32 copy `_table` is (`greedy_chain`)
+        self._table: np.ndarray | None = None
 
     @staticmethod
     def numerics_of(model: LlamaCppModel) -> str:
@@ -139,6 +141,33 @@ class LlamaCppBackend:
             tokens = [self._tokens[i] for i in indices[in_place:]]
             self.rollback(base + in_place)
             self._score_chain(tokens, last_only=True)
+
+    def greedy_chain(self, token: int, n: int, row_tokens: torch.Tensor | None = None) -> list[int]:
+        """n greedy tokens after `token` in one call into llama.cpp where libllama holds draftlab's draft loop
+        (`greedy_chain_call`): the one-token decodes and picks of `greedy_rows`, no round trip to Python a token."""
+        call = greedy_chain_call()
+        if call is None or n <= 0:
+            return greedy_rows(self, token, n, row_tokens)
+        if self._len + n > self.n_ctx:
+            raise DraftlabError(f"the llama.cpp context holds {self.n_ctx} tokens; {self._len + n} asked for")
+        rows = np.empty(n, dtype=np.int32)  # [n] the picks
+        table = None if row_tokens is None else self._row_table(row_tokens)  # [V'] int32
+        status = call(self._ctx, token, self._len, n, self.out_rows, None if table is None else table.ctypes.data,
+                      rows.ctypes.data)
+        picks = rows.tolist()
+        fed = [token] + [pick if table is None else int(table[pick]) for pick in picks[:-1]]
+        done = n if status == n else -status - 1  # tokens in the cache now
+        self._remember(fed[:done], list(range(done)), None)
+        self._len += done
+        if status != n:
+            raise DraftlabError(f"llama_decode failed drafting token {done + 1} of {n} after {self._len}")
+        return picks
+
+    def _row_table(self, row_tokens: torch.Tensor) -> np.ndarray:
+        """`row_tokens` [V'] as int32 for llama.cpp, converted once per tensor."""
+        if self._rows_of is not row_tokens:
+            self._rows_of, self._table = row_tokens, np.ascontiguousarray(row_tokens.cpu().numpy(), dtype=np.int32)
+        return self._table
 
     def row_check(self) -> str:
         """Nothing checked op by op here: this backend's numerics already say what its rows promise."""

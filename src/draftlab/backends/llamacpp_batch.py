@@ -26,6 +26,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from draftlab.backends.base import greedy_rows
 from draftlab.backends.gguf import LlamaCppModel, llama_lib
 from draftlab.backends.gguf import threads as default_threads
 from draftlab.backends.llamacpp import MAX_BATCH, MAX_CONTEXT, LlamaCppBackend, free_native
@@ -170,6 +171,7 @@ class SlotView:
     backend of its own; the scheduler scores every slot's block together (`LlamaCppBatch.score`)."""
 
     provides_hidden = False
+    greedy_chain = greedy_rows  # a draft's greedy tokens, one `score` each
 
     def __init__(self, batch: LlamaCppBatch, slot: int) -> None:
         self.batch, self.slot = batch, slot

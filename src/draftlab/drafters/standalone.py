@@ -49,9 +49,13 @@ class ModelDrafter(BlindDrafter):
         self._skip = max(0, len(prompt_ids) - self.window) if self.window else 0
 
     def propose(self, context, k, sampling, generator) -> Proposal:
-        """Draft k tokens one at a time; probabilities [k, V] when sampling."""
-        logits = self._catch_up(context)  # [V]
-        proposal = draft_chain(logits, k, lambda row: self._choose(row, sampling, generator), self._advance)
+        """Draft k tokens one at a time; probabilities [k, V] when sampling. Greedy: the first from the context's
+        logits, the k - 1 after it in one `greedy_chain` (one call into llama.cpp, where it is the draft's engine)."""
+        logits = self._catch_up(context)  # [V']
+        if sampling.greedy and k > 0:
+            proposal = self._greedy(logits, k)
+        else:
+            proposal = draft_chain(logits, k, lambda row: self._choose(row, sampling, generator), self._advance)
         self._stable = len(context) - self._skip
         return proposal
 
@@ -91,6 +95,17 @@ class ModelDrafter(BlindDrafter):
     def pick(self, logits: torch.Tensor, sampling, generator) -> tuple[int, torch.Tensor | None]:
         """Pick a token from the draft's logits [V'] and express it (and its probabilities [V]) in target ids."""
         return self._choose(logits, sampling, generator)
+
+    def _greedy(self, logits: torch.Tensor, k: int) -> Proposal:
+        """k greedy tokens (target ids) after the context's logits [V']: `draft_chain`'s greedy picks and feeds."""
+        tokens = [self._token(int(logits.argmax()))]
+        tokens += [self._token(row) for row in self.backend.greedy_chain(tokens[0], k - 1, self.vocab_map)]
+        self._fed.extend(tokens[:-1])
+        return Proposal(tokens, None, None)
+
+    def _token(self, row: int) -> int:
+        """The token id of a draft output row."""
+        return row if self.vocab_map is None else int(self.vocab_map[row])
 
     def _advance(self, token: int) -> torch.Tensor:
         """Feed one drafted token; the draft's logits [V] after it."""
