@@ -26,9 +26,10 @@ ROOT = Path(__file__).resolve().parents[2]
 PREFIX = [100 + (i * 37) % 20000 for i in range(600)]
 # Q4_1 (shipped): vec_dot; Q4_K_M: on SmolLM2's row length (576) mostly Q5_0, whose one row takes vec_dot and whose
 # blocks take tinyBLAS (the patch's claim that both do the same per output), beside Q8_0, Q6_K's vec_dot and the
-# repacked Q4_K of the MLP's down products (row length 1536: the one-gemv kernel)
+# repacked Q4_K of the MLP's down products (row length 1536: the one-gemv kernel); IQ4_NL: loaded without repack (its
+# repacked gemm rounds apart), tinyBLAS at every row count beside Q5_K's vec_dot
 TYPES = ["smollm2-135m", "smollm2-135m@Q4_0_PURE", "smollm2-135m@Q4_0", "smollm2-135m@Q8_0", "smollm2-135m@BF16",
-         "smollm2-135m@Q4_K_M"]
+         "smollm2-135m@Q4_K_M", "smollm2-135m@IQ4_NL"]
 
 
 BLOCKS = (*range(2, 17), 20, 24)  # every decode block size, and two past the one-gemv kernel's 16 rows (gemm there)

@@ -213,10 +213,11 @@ def test_the_deploy_lines_command_run_as_printed_serves_the_measured_tokens(tmp_
 
 
 @pytest.mark.slow
-def test_a_k_quant_prefills_on_its_twin_and_decodes_as_alone(prompts):
-    """A K-quant (no repacked kernels on the exact route) prefills each request on its repacked twin, whose slots are
-    copied into the server's (the same layout of streams): 4 requests at once equal `draftlab generate`."""
-    target = "smollm2-135m@Q4_K_M"
+def test_a_type_loaded_without_repack_prefills_on_its_twin_and_decodes_as_alone(prompts):
+    """A file with a type whose repacked kernels round rows apart (IQ4_NL; K-quants load repacked since 0.35.0) loads
+    without repack and prefills each request on its repacked twin, whose slots are copied into the server's (the same
+    layout of streams): 4 requests at once equal `draftlab generate`."""
+    target = "smollm2-135m@IQ4_NL"
     decoder = SpeculativeDecoder.from_names(target, drafter="none", k=1, backend="llamacpp")
     assert not decoder.target.model.repack  # the twin's path
     plain_k = [decoder.generate(ids, max_new_tokens=24, temperature=0).token_ids for ids in prompts[:4]]

@@ -23,7 +23,7 @@ WEIGHT_TYPES = {  # the name users give -> llama.cpp's file type constant
     "F32": "LLAMA_FTYPE_ALL_F32", "F16": "LLAMA_FTYPE_MOSTLY_F16", "BF16": "LLAMA_FTYPE_MOSTLY_BF16",
     "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q6_K": "LLAMA_FTYPE_MOSTLY_Q6_K", "Q5_K_M": "LLAMA_FTYPE_MOSTLY_Q5_K_M",
     "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "Q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "Q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1",
-    "Q4_0_PURE": "LLAMA_FTYPE_MOSTLY_Q4_0",
+    "Q4_0_PURE": "LLAMA_FTYPE_MOSTLY_Q4_0", "IQ4_NL": "LLAMA_FTYPE_MOSTLY_IQ4_NL",
 }
 # Types whose every tensor gets the file's type (llama-quantize --pure): Q4_0 keeps its LM head in Q8_0 otherwise,
 # which no repacked kernel serves on x86; pure, every product of a decode step runs the repacked Q4_0 kernels.
