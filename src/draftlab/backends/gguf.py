@@ -123,14 +123,12 @@ def greedy_chain_call():
     as a ctypes function (context, token, position, n, logits per row, row tokens or None, out rows [n]) -> n fed,
     or -(i + 1) where the i-th decode failed; None on a library without it."""
     library = _loaded_library("libllama")
-    try:
-        call = library[DRAFT_CHAIN_SYMBOL] if library is not None else None
-    except AttributeError:  # a libllama without the patch
+    if library is None or not hasattr(library, DRAFT_CHAIN_SYMBOL):
         return None
-    if call is not None:
-        call.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
-                         ctypes.c_void_p, ctypes.c_void_p]
-        call.restype = ctypes.c_int32
+    call = library[DRAFT_CHAIN_SYMBOL]
+    call.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
+                     ctypes.c_void_p, ctypes.c_void_p]
+    call.restype = ctypes.c_int32
     return call
 
 
