@@ -15,8 +15,14 @@
 # refused, a cached one rebuilt.
 #   scripts/build-llama-cpp.sh [PYTHON]   build unless built, install llama-cpp-python into PYTHON's environment
 #                                         (default python3) unless it is there, copy the libraries in, check them
+#   scripts/build-llama-cpp.sh --avx2 [PYTHON]  after that build, its ggml-cpu again for AVX2 only (no AVX-512, whatever
+#                                         this CPU has) into $out/avx2/ beside the same other libraries (~3 minutes,
+#                                         once): the kernels' AVX2 path, tested bitwise on any x86 host
+#                                         (tests/integration/test_exact_kernels.py); prints the directory
 set -euo pipefail
 VERSION=0.3.36
+avx2_only=""
+if [ "${1:-}" = --avx2 ]; then avx2_only=1; shift; fi
 PYTHON=${1:-${PYTHON:-python3}}
 here=$(cd "$(dirname "$0")" && pwd)
 cache=${DRAFTLAB_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/draftlab}
@@ -148,7 +154,37 @@ install_python_package() {
   cp -a "$out/lib/"*.so* "$libdir/"
 }
 
+# The AVX2-only ggml-cpu: the patched source's one target, with llama.cpp's instruction-set switches instead of
+# -march=native (AVX, AVX2, FMA, F16C, BMI2; no AVX-512, VNNI or AMX), linked to the exact build's libggml-base.
+build_avx2() {
+  local avx2="$out/avx2" log="$out/build-avx2.log" src
+  [ -f "$avx2/built" ] && [ "$(cat "$avx2/built")" = "$kernels_id" ] && { echo "$avx2"; return; }
+  work=$(mktemp -d "$out/.build.XXXXXX")
+  tar -xzf "$sdist" -C "$work"
+  src="$work/llama_cpp_python-$VERSION/vendor/llama.cpp"
+  patch_exact_kernels "$src"
+  if ! { CFLAGS="$NO_AMX" CXXFLAGS="$NO_AMX" cmake -G "Unix Makefiles" -S "$src" -B "$work/avx2" \
+           -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DGGML_LLAMAFILE=ON -DGGML_NATIVE=OFF -DGGML_AVX=ON \
+           -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DCMAKE_INSTALL_RPATH='$ORIGIN' \
+           -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+           -DLLAMA_BUILD_SERVER=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF \
+         && mkdir -p "$work/avx2/bin" && cp -a "$out/lib/"libggml-base.so* "$work/avx2/bin/" \
+         && make -C "$work/avx2" ggml-cpu/fast -j"$(nproc)"; } >"$log" 2>&1; then
+    echo "build-llama-cpp: the AVX2-only ggml-cpu failed to build; the last lines of $log:" >&2; tail -5 "$log" >&2
+    exit 1
+  fi
+  rm -rf "$avx2" && mkdir -p "$avx2"
+  cp -a "$out/lib/"*.so* "$avx2/"
+  cp -a "$work/avx2/bin/"libggml-cpu.so* "$avx2/"
+  echo "$kernels_id" >"$avx2/built"
+  echo "$avx2"
+}
+
 built_without_amx || build
+if [ -n "$avx2_only" ]; then
+  build_avx2
+  exit 0
+fi
 install_python_package
 bash "$here/check-no-amx.sh" "$PYTHON"
 echo "$out/server/llama-server"

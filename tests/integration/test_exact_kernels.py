@@ -130,6 +130,49 @@ def test_on_llamas_stock_kernels_the_same_check_finds_differing_rows():
     assert kernels == "()" and int(differing) > 0
 
 
+def avx2_build() -> Path:
+    """The exact build's ggml-cpu compiled again for AVX2 only (scripts/build-llama-cpp.sh --avx2; once, cached)."""
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "build-llama-cpp.sh"), "--avx2", sys.executable],
+                          capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return Path(done.stdout.strip().splitlines()[-1])
+
+
+def holds_avx512(library: Path) -> bool:
+    """Whether the library holds any instruction on 512-bit registers (objdump names them zmm)."""
+    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(library)], capture_output=True, text=True,
+                             check=True).stdout
+    return "%zmm" in listing
+
+
+@pytest.mark.slow
+def test_the_kernels_avx2_path_is_exact_on_an_avx2_only_build():
+    """Whatever this host has, the kernels' AVX2 path (without AVX-512 or VNNI: the repacked Q4_0 and Q4_K rows'
+    16-bit partial sums, 8 columns a pass) keeps every row of blocks of 2-16, 20 and 24 bitwise the row alone, with 1
+    and 2 threads: on pure Q4_0 (every product on the Q4_0 kernel) and Q4_K_M (the Q4_K kernel beside vec_dot)."""
+    lib_dir = avx2_build()
+    assert not holds_avx512(lib_dir / "libggml-cpu.so")  # AVX2 only, whatever the native build holds
+    sources = ("smollm2-135m@Q4_0_PURE", "smollm2-135m@Q4_K_M")
+    for source in sources:
+        load_model(source, backend="llamacpp")  # derived (cached) in this process
+    script = ("import sys, warnings; warnings.simplefilter('ignore')\n"
+              "import draftlab.backends.llamacpp as llamacpp_module\n"
+              "from draftlab.models import load_model\n"
+              "from draftlab.backends.llamacpp import LlamaCppBackend\n"
+              "from tests.integration.test_exact_kernels import rows_alone_and_blocks\n"
+              "llamacpp_module.threads = lambda: int(sys.argv[2])\n"
+              "target = load_model(sys.argv[1], backend='llamacpp')\n"
+              "print(len(target.model.exact_kernels), len(rows_alone_and_blocks(LlamaCppBackend(target.model))))\n")
+    env = {**os.environ, "LLAMA_CPP_LIB_PATH": str(lib_dir)}
+    for source in sources:
+        for threads in (1, 2):
+            done = subprocess.run([sys.executable, "-c", script, source, str(threads)], env=env, cwd=ROOT,
+                                  capture_output=True, text=True, timeout=600)
+            assert done.returncode == 0, done.stderr[-2000:]
+            kernels, differing = done.stdout.split()[-2:]
+            assert int(kernels) >= 3 and differing == "0", (source, threads, differing)
+
+
 STUDY_TARGET = "smollm2-135m@Q4_0_PURE"  # the quick study's llama.cpp target (study/config.py)
 
 
