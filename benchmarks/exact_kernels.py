@@ -16,6 +16,7 @@ against the build before it, in one run, the machine's drift shared by both.
 
     python benchmarks/exact_kernels.py
     python benchmarks/exact_kernels.py --types shipped Q4_0 Q8_0 BF16 --rounds 9
+    python benchmarks/exact_kernels.py --target qwen2.5-coder-1.5b --types Q4_0_PURE --turns 3
     python benchmarks/exact_kernels.py --types BF16 --libs OLD_BUILD/lib installed --repeat 5
 """
 
@@ -45,6 +46,8 @@ def main() -> None:
     parser.add_argument("--libs", nargs="+", metavar="DIR", help="the exact side on each library directory in turn "
                         "('installed': llama-cpp-python's own)")
     parser.add_argument("--repeat", type=int, default=3, help="turns of --libs")
+    parser.add_argument("--turns", type=int, default=1, help="turns of the exact and the stock side, alternating "
+                        "(medians: a drifting machine's speed shared by both)")
     parser.add_argument("--child", choices=("exact", "stock"), help=argparse.SUPPRESS)
     parser.add_argument("--gguf", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -69,12 +72,37 @@ def type_path(args, kind: str) -> Path:
 
 
 def measure_type(args, kind: str) -> dict:
-    """Both sides of one weight type, each in its own process."""
+    """Both sides of one weight type, each in its own process, `--turns` times in alternation (medians)."""
     path = type_path(args, kind)
-    row = {"type": kind, "file": path.name, "size_mb": round(path.stat().st_size / 1e6)}
-    for side in ("exact", "stock"):
-        row[side] = run_side(args, side, path)
+    row = {"type": kind, "file": path.name, "size_mb": round(path.stat().st_size / 1e6), "turns": args.turns}
+    runs: dict[str, list[dict]] = {"exact": [], "stock": []}
+    for _ in range(args.turns):
+        for side in runs:
+            runs[side].append(run_side(args, side, path))
+    for side, done in runs.items():
+        failed = [run for run in done if "error" in run]
+        row[side] = failed[0] if failed else merge_loops(done) if side == "exact" else merge_stock(done)
     return row
+
+
+def median(values) -> float:
+    return round(statistics.median(values), 2)
+
+
+def merge_loops(done: list[dict]) -> dict:
+    """One engine loop's turns as one: medians of its times, its rows compared and differing summed."""
+    return {"kernels": done[0]["kernels"], "rows_compared": sum(run["rows_compared"] for run in done),
+            "rows_differing": sum(run["rows_differing"] for run in done),
+            "one_row_ms": median(run["one_row_ms"] for run in done),
+            "block_x": {str(n): median(run["block_x"][str(n)] for run in done) for n in BLOCKS},
+            "prefill_tok_s": median(run["prefill_tok_s"] for run in done)}
+
+
+def merge_stock(done: list[dict]) -> dict:
+    """The stock side's turns as one (its engine loop and llama-cpp-python's own step and prefill)."""
+    return {"loop": merge_loops([run["loop"] for run in done]), "system_info": done[0]["system_info"],
+            "step_ms": median(run["step_ms"] for run in done),
+            "prefill_tok_s": median(run["prefill_tok_s"] for run in done)}
 
 
 def compare_libs(args, kind: str) -> dict:
