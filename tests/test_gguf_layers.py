@@ -49,13 +49,17 @@ def test_a_layer_list_out_of_order_repeated_or_beyond_the_model_is_refused(tmp_p
         derive_layer_draft(gguf_path("smollm2-135m"), (0, 30), tmp_path)  # the model's 30 layers, read from it
 
 
-@pytest.mark.parametrize("spec", ["layers:0-3", "layers:0-29:6"])
-def test_a_layer_draft_on_llama_cpp_drafts_losslessly_from_its_own_file(spec):
+# (spec, whether its drafts must agree with the target somewhere): the first 25 of SmolLM2's 30 layers drafted 36-37
+# tokens here with 10-12 accepted on AVX-512 and AVX2 builds alike; 5 spread layers agree with the target by chance
+# only (0 or 1 of 63-66 drafts, by the host's rounding), so that case checks the lossless output and the name
+@pytest.mark.parametrize("spec, agrees", [("layers:0-24", True), ("layers:0-29:6", False)])
+def test_a_layer_draft_on_llama_cpp_drafts_losslessly_from_its_own_file(spec, agrees):
     target = load_model("smollm2-135m", backend="llamacpp")
     expected = SpeculativeDecoder.from_names(target, drafter="none", k=1).generate(PROMPT, max_new_tokens=24)
     decoder = SpeculativeDecoder.from_names(target, drafter=spec, k=3)
     result = decoder.generate(PROMPT, max_new_tokens=24)
-    assert result.token_ids == expected.token_ids and result.stats.drafted > 0 and result.stats.accepted > 0
+    assert result.token_ids == expected.token_ids and result.stats.drafted > 0
+    assert result.stats.accepted > 0 or not agrees
     assert decoder.drafter.name == spec.replace("0-29:6", "0.6.12.18.24")
     with pytest.raises(DraftlabError, match="drop @bf16"):
         SpeculativeDecoder.from_names(target, drafter="layers:0-3@bf16", k=3)
