@@ -81,13 +81,13 @@ patch_exact_kernels() {
   done
 }
 
-# configure SRC BUILD SGEMM: shared libraries that find each other beside themselves ($ORIGIN), no AMX.
+# configure SRC BUILD SGEMM [CMAKE_ARG ...]: shared libraries finding each other beside themselves ($ORIGIN), no AMX.
 configure() {
   CFLAGS="${CFLAGS:-} $NO_AMX" CXXFLAGS="${CXXFLAGS:-} $NO_AMX" cmake -G "Unix Makefiles" -S "$1" -B "$2" \
     -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DGGML_LLAMAFILE="$3" \
     -DCMAKE_INSTALL_RPATH='$ORIGIN' -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_USE_PREBUILT_UI=OFF \
-    -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF
+    -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF "${@:4}"
 }
 
 build() {
@@ -163,11 +163,8 @@ build_avx2() {
   tar -xzf "$sdist" -C "$work"
   src="$work/llama_cpp_python-$VERSION/vendor/llama.cpp"
   patch_exact_kernels "$src"
-  if ! { CFLAGS="$NO_AMX" CXXFLAGS="$NO_AMX" cmake -G "Unix Makefiles" -S "$src" -B "$work/avx2" \
-           -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DGGML_LLAMAFILE=ON -DGGML_NATIVE=OFF -DGGML_AVX=ON \
-           -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DCMAKE_INSTALL_RPATH='$ORIGIN' \
-           -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-           -DLLAMA_BUILD_SERVER=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF \
+  if ! { configure "$src" "$work/avx2" ON -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
+           -DGGML_F16C=ON -DGGML_BMI2=ON \
          && mkdir -p "$work/avx2/bin" && cp -a "$out/lib/"libggml-base.so* "$work/avx2/bin/" \
          && make -C "$work/avx2" ggml-cpu/fast -j"$(nproc)"; } >"$log" 2>&1; then
     echo "build-llama-cpp: the AVX2-only ggml-cpu failed to build; the last lines of $log:" >&2; tail -5 "$log" >&2
