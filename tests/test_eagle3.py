@@ -146,6 +146,22 @@ def test_bad_drafts_and_shapes_are_refused(tiny_target, trained, tmp_path):
         build_drafter("eagle3", tiny_target)
 
 
+def test_eagle3_finds_the_draft_built_for_a_target_none_ships_for(tiny_target, trained, tmp_path, monkeypatch):
+    from draftlab.drafters.shipped import built_draft_dir
+
+    monkeypatch.setenv("DRAFTLAB_CACHE", str(tmp_path))
+    with pytest.raises(DraftlabError, match=f"nor was one built in {built_draft_dir(tiny_target.name, 'eagle3')}"):
+        build_drafter("eagle3", tiny_target)
+    built = built_draft_dir(tiny_target.name, "eagle3")
+    built.mkdir(parents=True)
+    for name in ("draftlab_draft.json", "weights.safetensors"):
+        (built / name).write_bytes((trained[2] / name).read_bytes())
+    drafter = build_drafter("eagle3", tiny_target).drafter
+    assert drafter.name == "eagle3" and drafter.target_taps == TAPS
+    ours = run(tiny_target, AnchoredDrafter(trained[0], "eagle3"), 3, PROMPTS[0])
+    assert run(tiny_target, drafter, 3, PROMPTS[0]).token_ids == ours.token_ids
+
+
 @pytest.mark.parametrize("name", ["t1", exhaustive("t1-top0.85")])  # CI keeps [t1]
 @pytest.mark.slow  # statistical: `pytest -m slow`, which CI runs too
 def test_eagle3_keeps_the_joint_distribution(name):

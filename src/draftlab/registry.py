@@ -34,7 +34,8 @@ from draftlab.drafters.tree import TreeDrafter, TreeShape, TreeSource
 from draftlab.errors import DraftlabError
 from draftlab.files import assets
 from draftlab.drafters.spec import SPEC_HELP, DraftPlan, parse_drafter_spec, parse_layers  # noqa: F401 (API)
-from draftlab.models import DTYPES, LoadedModel, ModelSpec, dtype_name, dtype_suffix, gguf_path, load_model
+from draftlab.models import (DTYPES, LoadedModel, ModelSpec, dtype_name, dtype_suffix, gguf_path, load_model,
+                             split_weight_type)
 
 
 @dataclass
@@ -70,6 +71,13 @@ def _needs_torch_target(target: LoadedModel, what: str) -> None:
                             "--backend fast)")
 
 
+def _needs_tapped_target(target: LoadedModel, what: str) -> None:
+    """Refuse drafts reading the inputs of target layers (EAGLE-3) on an engine that hands none over."""
+    if not target.engine.tapped_drafts:
+        raise DraftlabError(f"{what} reads the inputs of the target's layers, which {target.engine} does not hand "
+                            "over; use --backend fast or llamacpp")
+
+
 def _build_none(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
     return BuiltDraft(NoDrafter())
 
@@ -102,11 +110,13 @@ def _build_model(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDra
     if fmt is not None:
         if fmt not in DRAFT_FORMATS:
             raise DraftlabError(f"{plan.model} holds a draft of unknown format {fmt!r}; known: {sorted(DRAFT_FORMATS)}")
-        if fmt != cut.FORMAT:  # a cut draft is a stand-alone model: llama.cpp runs it from a trimmed GGUF
+        if fmt == eagle3.FORMAT:
+            _needs_tapped_target(target, f"the EAGLE-3 draft in {plan.model}")
+        elif fmt != cut.FORMAT:  # a cut draft is a stand-alone model: llama.cpp runs it from a trimmed GGUF
             _needs_torch_target(target, f"the {fmt} draft in {plan.model}")
         return DRAFT_FORMATS[fmt](plan, target, backend)
     if eagle3_checkpoint.is_checkpoint(plan.model):  # the engines' EAGLE-3 checkpoint (vLLM, SGLang, SpecForge)
-        _needs_torch_target(target, f"the EAGLE-3 checkpoint in {plan.model}")
+        _needs_tapped_target(target, f"the EAGLE-3 checkpoint in {plan.model}")
         return _load_eagle3(plan, target, backend)
     if target.engine.runs_gguf:  # a GGUF draft in its own context of the target's engine
         # Repacked weights: a draft's rounding never decides what is committed, and they draft faster.
@@ -122,8 +132,12 @@ def _build_model(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDra
 
 def _build_designed(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
     """The draft shipped for the target under this kind's name (`designed`, `eagle3`)."""
-    _needs_torch_target(target, f"the {plan.kind} draft")
-    built = _build_model(DraftPlan("model", model=str(shipped_draft(target.name, plan.kind))), target, backend)
+    if plan.kind == "eagle3":
+        _needs_tapped_target(target, "the eagle3 draft")
+    else:
+        _needs_torch_target(target, f"the {plan.kind} draft")
+    model = split_weight_type(target.name)[0]  # the draft shipped for a model serves it in every weight type
+    built = _build_model(DraftPlan("model", model=str(shipped_draft(model, plan.kind))), target, backend)
     built.drafter.name = plan.kind
     return built
 

@@ -56,18 +56,19 @@ def test_bad_grids_are_refused(tmp_path):
 def test_family_preset_is_the_seeds_grid_on_the_qwen_pair_on_llamacpp():
     """The seeds' study on CPU: the 1.5B in pure Q4_0 on llama.cpp, the 0.5B stand-alone draft (whole and
     trimmed head), two layer
-    self-drafts, n-gram and suffix lookup, SpS and llama-cpp-python's prompt lookup, K 1..6, HumanEval and code
+    self-drafts, the EAGLE-3 draft built for the 1.5B, n-gram and suffix lookup, SpS and llama-cpp-python's prompt lookup, K 1..6, HumanEval and code
     edits, within a budget, then the calibration and microbenchmark its findings read."""
     config = make_config("family")
     assert config.targets == ("llamacpp:qwen2.5-coder-1.5b@Q4_0_PURE",)
-    assert {"model:qwen2.5-coder-0.5b", "model:qwen2.5-coder-0.5b,head=32768", "ngram", "suffix"} <= set(config.drafters)
+    assert {"model:qwen2.5-coder-0.5b", "model:qwen2.5-coder-0.5b,head=32768", "eagle3", "ngram",
+            "suffix"} <= set(config.drafters)
     assert sum(d.startswith("layers:") for d in config.drafters) == 2
     assert config.ks == tuple(range(1, 7)) and set(config.methods) == {"sps", "lcp"}
     assert set(config.datasets) == {"humaneval", "code-edit"} and config.limit == 8
     assert set(config.seed_inputs) == {"calibrate", "microbench"} and 0 < config.budget_s < 3600
     cells = replace(config, host_baselines=False).cells(config.targets[0], "d", 0.0)
-    # ar, llama-cpp-python's plain, SpS x 6 drafts x 6 K, its prompt lookup x n-gram x 6 K
-    assert len(cells) == 2 + 6 * 6 + 6 and {c.method for c in cells} == {"ar", "llama", "sps", "lcp"}
+    # ar, llama-cpp-python's plain, SpS x 7 drafts x 6 K, its prompt lookup x n-gram x 6 K
+    assert len(cells) == 2 + 7 * 6 + 6 and {c.method for c in cells} == {"ar", "llama", "sps", "lcp"}
     assert all(c.backend == "llamacpp" and c.dtype == "gguf" for c in cells)
     with pytest.raises(DraftlabError, match="unknown seed input"):
         SweepConfig(seed_inputs=("correlate",))

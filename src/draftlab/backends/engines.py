@@ -30,6 +30,7 @@ class Engine:
     runs_gguf: bool  # loads GGUF files as they are (no de-quantization into torch)
     torch_drafts: bool  # drafts built from the target's torch weights (layer, designed, feature, heads) run on it
     numerics: tuple[str, ...]  # the --numerics it takes; empty: the torch backend's routes
+    tapped_drafts: bool = False  # drafts reading the inputs of target layers (EAGLE-3) run on it
     served: bool = False  # an OpenAI-compatible server (a process of its own), not a backend in this process
     methods_from: str = ""  # the module whose `METHODS` a study races on it ('': none; `contenders.methods`)
 
@@ -38,9 +39,10 @@ class Engine:
 
 
 # draftlab's own decoder: its methods run on the target's in-process engine, torch or llama.cpp
-TORCH = Engine("torch", "torch", "auto", runs_gguf=False, torch_drafts=True, numerics=(),
+TORCH = Engine("torch", "torch", "auto", runs_gguf=False, torch_drafts=True, numerics=(), tapped_drafts=True,
                methods_from="draftlab.contenders.plain")
-LLAMACPP = Engine("llamacpp", "llama.cpp", "llamacpp", runs_gguf=True, torch_drafts=False, numerics=LLAMACPP_NUMERICS)
+LLAMACPP = Engine("llamacpp", "llama.cpp", "llamacpp", runs_gguf=True, torch_drafts=False, numerics=LLAMACPP_NUMERICS,
+                  tapped_drafts=True)  # layer inputs recorded by llama.cpp itself (backends/llamacpp.py)
 IN_PROCESS = (TORCH, LLAMACPP)  # the backends' engines: a target loads on one of them in this process
 HF_GENERATE = Engine("hf-generate", "HF generate", "", runs_gguf=False, torch_drafts=True, numerics=(),
                      methods_from="draftlab.contenders.hf")  # a peer in this process: transformers' `generate`

@@ -46,6 +46,10 @@ Q4_K_ROWS = "q4_K-rows"  # scripts/llama-cpp/q4_K-rows.patch: the same for repac
 EXACT_KERNELS = (SGEMM_EVERY_ROW, Q4_0_ROWS, Q4_K_ROWS)  # each patch exports ggml_cpu_draftlab_<its name, "-" as "_">
 TRIMMED_HEAD_SYMBOL = "llama_draftlab_trimmed_head"  # libllama of scripts/llama-cpp/trimmed-head.patch exports it
 DRAFT_CHAIN_SYMBOL = "llama_draftlab_draft_greedy"  # scripts/llama-cpp/draft-chain.patch: greedy draft tokens, one call
+# llama.cpp's own calls that hand over the inputs of chosen layers (what its EAGLE-3 drafting reads), declared in its
+# src/llama-ext.h without extern "C": exported under their C++ (Itanium ABI) names, which only their signatures fix.
+LAYER_INPUTS_ENABLE = "_Z30llama_set_embeddings_layer_inpP13llama_contextjb"  # (ctx, uint32 layer, bool on)
+LAYER_INPUTS_READ = "_Z30llama_get_embeddings_layer_inpP13llama_contextj"  # (ctx, uint32 layer) -> float [n, D]
 HEAD_ROWS_KEY = "draftlab.head_rows"  # uint32 key of a GGUF whose output.weight keeps that many rows
 # Tensor types whose repacked kernels on x86 keep rows exact at every row count (Q4_0's 8x8 gemm and gemv; the others
 # are not repacked on x86), proven bitwise per file type by tests/integration/test_exact_kernels.py.
@@ -130,6 +134,27 @@ def greedy_chain_call():
                      ctypes.c_void_p, ctypes.c_void_p]
     call.restype = ctypes.c_int32
     return call
+
+
+@dataclass(frozen=True)
+class LayerInputCalls:
+    """libllama's calls that record the inputs of chosen layers at every decode: `enable(ctx, layer, on)`, then
+    `read(ctx, layer)` points at the last decode's [n_tokens, n_embd] floats (llama.cpp's buffer, reused)."""
+
+    enable: object
+    read: object
+
+
+@lru_cache(maxsize=1)
+def layer_input_calls() -> LayerInputCalls | None:
+    """`LayerInputCalls` of the loaded libllama; None on a library without them."""
+    library = _loaded_library("libllama")
+    if library is None or not hasattr(library, LAYER_INPUTS_ENABLE) or not hasattr(library, LAYER_INPUTS_READ):
+        return None
+    enable, read = library[LAYER_INPUTS_ENABLE], library[LAYER_INPUTS_READ]
+    enable.argtypes, enable.restype = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_bool], None
+    read.argtypes, read.restype = [ctypes.c_void_p, ctypes.c_uint32], ctypes.POINTER(ctypes.c_float)
+    return LayerInputCalls(enable, read)
 
 
 def _loaded_library(prefix: str) -> ctypes.CDLL | None:

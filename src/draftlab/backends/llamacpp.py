@@ -17,6 +17,11 @@ A tree's accepted path is in position order inside the block, but when it is not
 its cells are scattered; `keep` then re-scores those tokens as a chain into contiguous cells (an extra pass of
 at most K tokens, only on such steps). The block order put first children first (`dfs_order`), so the draft's
 own top path, the usual accepted one, needs no extra pass.
+
+Hidden states: the inputs of chosen target layers (`taps`, what EAGLE-3 drafts read), recorded by llama.cpp itself
+at every decode (`layer_input_calls`: the calls its own EAGLE-3 drafting uses; the graph only marks those tensors as
+outputs, so the logits are those of a decode without them). Not the final hidden states that feature drafts and
+decoder heads read: llama.cpp's embeddings are post-norm and need a context of their own.
 """
 
 from __future__ import annotations
@@ -29,19 +34,21 @@ import numpy as np
 import torch
 
 from draftlab.backends.base import ROUNDING, greedy_rows
-from draftlab.backends.gguf import INSTALL_HINT, LlamaCppModel, greedy_chain_call, llama_lib, threads
+from draftlab.backends.gguf import (INSTALL_HINT, LlamaCppModel, greedy_chain_call, layer_input_calls, llama_lib,
+                                    threads)
 from draftlab.errors import DraftlabError
 from draftlab.decoding.step import Block, Scores
 
 MAX_CONTEXT = 8192  # KV cells per context (the model's training context if smaller)
 MAX_BATCH = 512  # tokens per llama_decode call (a longer prefill is split)
 MAX_LEAVES = 64  # leaf sequences of a token tree
+# Model types whose llama.cpp graph hands over its layers' inputs in draftlab's build (llama's own; qwen2's through
+# scripts/build-llama-cpp.sh's hook): llama.cpp aborts the process on a tap of any other graph.
+TAPPED_MODEL_TYPES = ("llama", "qwen2")
 
 
 class LlamaCppBackend:
     """A GGUF model in llama.cpp with its own context and KV cache, batch size 1."""
-
-    provides_hidden = False  # llama.cpp's embeddings are post-norm only and need a context of their own
 
     def __init__(self, model: LlamaCppModel, device: str = "cpu", batch_invariant: bool | None = None,
                  head_rows: torch.Tensor | None = None, flash_attention: bool = False, fast_prefill: bool = True) -> None:
@@ -56,6 +63,9 @@ class LlamaCppBackend:
             raise DraftlabError(f"the llamacpp backend runs on the CPU here, not {device}")
         check_head(model, head_rows)
         self.lib = llama_lib()
+        self._layer_inputs = layer_input_calls()
+        self.provides_hidden = self._layer_inputs is not None  # the inputs of tapped layers only (see above)
+        self._taps: tuple[int, ...] = ()  # the layers whose inputs llama.cpp records at every decode
         self.model = model
         self.vocab_size = model.vocab_size
         self.out_rows = model.head_rows or model.vocab_size  # logits per row: the GGUF's head rows
@@ -117,15 +127,18 @@ class LlamaCppBackend:
 
     def score_block(self, block: Block, with_hidden: bool = False, last_only: bool = False,
                     taps: tuple[int, ...] = ()) -> Scores:
-        """Append a tree-shaped block in one pass; logits [n, V] ([1, V] if last_only)."""
-        if with_hidden:
-            raise DraftlabError("the llamacpp backend does not return hidden states; feature drafts and decoder "
-                                "heads need --backend fast")
-        if block.is_chain and last_only and self._fast_prefill and self._len == 0 and len(block.tokens) > 1:
+        """Append a tree-shaped block in one pass; logits [n, V] ([1, V] if last_only); with `with_hidden`, the
+        inputs of the `taps` layers [n, len(taps) * D] too."""
+        if with_hidden and not taps:
+            raise DraftlabError("llama.cpp hands over the inputs of chosen target layers (EAGLE-3 drafts), not the "
+                                "final hidden states feature drafts and decoder heads read: use --backend fast")
+        self._tap(tuple(taps) if with_hidden else ())
+        if (block.is_chain and last_only and self._fast_prefill and self._len == 0 and len(block.tokens) > 1
+                and not self._taps):
             return Scores(self._prefill_on_twin(block.tokens))
         if block.is_chain:
-            return Scores(self._score_chain(block.tokens, last_only))
-        return Scores(self._score_tree(block))
+            return self._score_chain(block.tokens, last_only)
+        return self._score_tree(block)
 
     def keep(self, indices: Sequence[int]) -> None:
         """Keep the cache before the last block plus the block's tokens at `indices` (ascending)."""
@@ -141,6 +154,33 @@ class LlamaCppBackend:
             tokens = [self._tokens[i] for i in indices[in_place:]]
             self.rollback(base + in_place)
             self._score_chain(tokens, last_only=True)
+
+    def _tap(self, taps: tuple[int, ...]) -> None:
+        """Have llama.cpp record the inputs of exactly these layers at every decode from now on."""
+        if taps == self._taps:
+            return
+        if taps and not self.provides_hidden:
+            raise DraftlabError(f"this llama.cpp library hands over no layer inputs; {INSTALL_HINT}")
+        model_type = self.model.config.model_type
+        if taps and model_type not in TAPPED_MODEL_TYPES:
+            raise DraftlabError(f"llama.cpp's {model_type} graph hands over no layer inputs (drafts reading the "
+                                f"target's layers run on targets of types {', '.join(TAPPED_MODEL_TYPES)})")
+        if any(not 0 <= layer < self.model.n_layer for layer in taps):
+            raise DraftlabError(f"{self.model.path.name} has layers 0-{self.model.n_layer - 1}, not {list(taps)}")
+        for layer in self._taps:
+            self._layer_inputs.enable(self._ctx, layer, False)
+        for layer in taps:
+            self._layer_inputs.enable(self._ctx, layer, True)
+        self._taps = taps
+
+    def _tapped(self, rows: int) -> torch.Tensor | None:
+        """The last decode's inputs of the tapped layers [rows, len(taps) * D] in batch order; None untapped."""
+        if not self._taps:
+            return None
+        width = self.lib.llama_model_n_embd(self.model.handle)
+        parts = [np.ctypeslib.as_array(self._layer_inputs.read(self._ctx, layer), shape=(rows, width))
+                 for layer in self._taps]  # each [rows, D], llama.cpp's buffer
+        return torch.from_numpy(np.concatenate(parts, axis=1))  # [rows, len(taps) * D], a copy
 
     def greedy_chain(self, token: int, n: int, row_tokens: torch.Tensor | None = None) -> list[int]:
         """n greedy tokens after `token` in one call into llama.cpp where libllama holds draftlab's draft loop
@@ -186,12 +226,13 @@ class LlamaCppBackend:
 
     # chains ------------------------------------------------------------------------------------------------------
 
-    def _score_chain(self, tokens: list[int], last_only: bool) -> torch.Tensor:
-        """Decode consecutive tokens in seq 0, split in batches of MAX_BATCH; logits [n, V] or [1, V]."""
+    def _score_chain(self, tokens: list[int], last_only: bool) -> Scores:
+        """Decode consecutive tokens in seq 0, split in batches of MAX_BATCH; logits [n, V] or [1, V] (and the
+        tapped layers' inputs [n, len(taps) * D] of every token)."""
         if not tokens:
             raise DraftlabError("a block needs at least one token")
         self._remember(tokens, list(range(len(tokens))), None)
-        rows = []
+        rows, hidden = [], []
         for start in range(0, len(tokens), MAX_BATCH):
             part = tokens[start:start + MAX_BATCH]
             last = start + len(part) == len(tokens)
@@ -199,8 +240,10 @@ class LlamaCppBackend:
             self._fill(part, [self._len + i for i in range(len(part))], [[0]] * len(part), wanted)
             self._decode(len(part))
             rows.append(self._logits(sum(wanted)))
+            hidden.append(self._tapped(len(part)))
             self._len += len(part)
-        return rows[0] if len(rows) == 1 else torch.cat(rows)  # [n, V] or [1, V]
+        join = lambda parts: parts[0] if len(parts) == 1 else torch.cat(parts)  # noqa: E731
+        return Scores(join(rows), join(hidden) if self._taps else None)  # [n, V] or [1, V]; [n, D'] or None
 
     def _prefill_on_twin(self, tokens: list[int]) -> torch.Tensor:
         """Prefill on the repacked twin, then copy its cache of seq 0 here; the last row's logits [1, V]."""
@@ -208,7 +251,7 @@ class LlamaCppBackend:
             self._prefiller = LlamaCppBackend(self.model.twin(), fast_prefill=False)
         twin = self._prefiller
         twin.reset()
-        logits = twin._score_chain(tokens, last_only=True)  # [1, V]
+        logits = twin._score_chain(tokens, last_only=True).logits  # [1, V]
         size = self.lib.llama_state_seq_get_size(twin._ctx, 0)
         state = (ctypes.c_uint8 * size)()
         written = self.lib.llama_state_seq_get_data(twin._ctx, state, size, 0)
@@ -226,8 +269,8 @@ class LlamaCppBackend:
 
     # trees -------------------------------------------------------------------------------------------------------
 
-    def _score_tree(self, block: Block) -> torch.Tensor:
-        """Decode a tree block with one sequence per leaf; logits [n, V] in the block's order."""
+    def _score_tree(self, block: Block) -> Scores:
+        """Decode a tree block with one sequence per leaf; logits [n, V] (and tapped inputs) in the block's order."""
         layout = block.layout()
         order = dfs_order(block.parents, layout.children)
         leaves = [i for i in order if not layout.children[i]]
@@ -241,11 +284,12 @@ class LlamaCppBackend:
         self._fill([block.tokens[i] for i in order], [self._len + depths[i] for i in order],
                    [[seq_of_leaf[leaf] for leaf in below[i]] for i in order], [True] * len(order))
         self._decode(len(order))
-        logits = self._logits(len(order))  # [n, V] in batch order
+        logits, hidden = self._logits(len(order)), self._tapped(len(order))  # [n, V], [n, D'] in batch order
         rows = inverse(order)
         self._remember(list(block.tokens), rows, (seq_of_leaf, below))
         self._len += len(order)
-        return logits[torch.tensor(rows)]  # [n, V] in block order
+        where = torch.tensor(rows)
+        return Scores(logits[where], None if hidden is None else hidden[where])  # in block order
 
     def _path_to_seq0(self, base: int, indices: list[int]) -> None:
         """Add seq 0 to the kept path's cells (through a leaf below its end), then drop every leaf sequence."""

@@ -118,7 +118,8 @@ class Scores:
     """What the target says about a block."""
 
     logits: torch.Tensor  # [n, V] fp32 on the CPU; row i scores the token after block token i
-    hidden: torch.Tensor | None = None  # [n, D] final hidden states (after the final norm), when asked for
+    hidden: torch.Tensor | None = None  # [n, D] final hidden states (after the final norm), or the inputs of tapped
+    # layers [n, len(taps) * D], when asked for
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from draftlab.backends.gguf_parts import gguf_target_parts
 from draftlab.errors import DraftlabError
 from draftlab.files.safeio import write_atomic
 
@@ -101,8 +102,11 @@ def write_draft_files(out: str | Path, state: dict[str, torch.Tensor], record: d
 @torch.no_grad()
 def target_parts(target, vocab_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """What a one-layer draft borrows from its Llama-family target: input embeddings [V, D], the LM-head rows of
-    the draft vocabulary [V', D], and the rotary tables cos, sin [P, hd] over the target's context length."""
+    the draft vocabulary [V', D], and the rotary tables cos, sin [P, hd] over the target's context length (of a
+    target in llama.cpp: from its GGUF, `draftlab.backends.gguf_parts`)."""
     model = target.model
+    if target.engine.runs_gguf:
+        return gguf_target_parts(model.path, model.config, vocab_map)
     positions = torch.arange(model.config.max_position_embeddings, device=target.device)[None]
     probe = torch.zeros(1, dtype=target.dtype, device=target.device)
     cos, sin = model.model.rotary_emb(probe, positions)  # [1, P, hd]

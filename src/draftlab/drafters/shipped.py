@@ -2,7 +2,8 @@
 
 `--drafter designed` selects the feature draft of `scripts/build-draft.sh`
 and `--drafter eagle3` the EAGLE-3 draft of `scripts/build-eagle3.sh`, both
-for `smollm2-135m` today. Every file of the draft directory is hashed at load
+for `smollm2-135m` today; for another target, the draft of that kind built on this machine into draftlab's cache
+(`built_draft_dir`: `scripts/build-eagle3.sh --target NAME` writes it), unpinned. Every file of the draft directory is hashed at load
 and compared with the values pinned here, so a damaged or modified file is
 refused with a clear error instead of silently drafting worse (or
 differently) than the records say.
@@ -12,7 +13,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from draftlab.drafters.files import RECORD
 from draftlab.errors import DraftlabError
+from draftlab.files import assets
 from draftlab.files.assets import sha256_file
 
 DRAFTS_DIR = Path(__file__).resolve().parent.parent / "drafts"
@@ -36,17 +39,28 @@ BUILDERS = {"designed": "`draftlab design feature`", "eagle3": "`draftlab design
 
 
 def shipped_draft(target_name: str, kind: str = "designed") -> Path:
-    """The checked directory of the draft of `kind` (designed, eagle3) shipped for `target_name`."""
+    """The checked directory of the draft of `kind` (designed, eagle3) shipped for `target_name`; for a target none
+    ships for, the one built on this machine into draftlab's cache (`built_draft_dir`), if any."""
     drafts = SHIPPED[kind]
     if target_name not in drafts:
+        built = built_draft_dir(target_name, kind)
+        if (built / RECORD).is_file():
+            return built
+        script = f"`bash scripts/build-eagle3.sh --target {target_name}` writes it there" if kind == "eagle3" else ""
         raise DraftlabError(
             f"no {kind} draft ships for target {target_name!r} (they ship for: {', '.join(sorted(drafts)) or 'none'}, "
-            f"loaded by those short names); build one with {BUILDERS[kind]} and use --drafter model:DIR"
+            f"loaded by those short names) nor was one built in {built}{' (' + script + ')' if script else ''}; "
+            f"build one with {BUILDERS[kind]} and use --drafter model:DIR"
         )
     name, manifest = drafts[target_name]
     directory = DRAFTS_DIR / name
     check_files(directory, manifest)
     return directory
+
+
+def built_draft_dir(target_name: str, kind: str) -> Path:
+    """Where `--drafter KIND` finds the draft built on this machine for a target none ships for."""
+    return assets.cache_dir() / "drafts" / f"{target_name}-{kind}"
 
 
 def check_files(directory: Path, manifest: dict[str, str]) -> None:

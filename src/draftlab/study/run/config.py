@@ -184,7 +184,10 @@ PRESETS = {
     # once from the shipped Q4_K_M, ~1.6 GB of downloads in all) on draftlab's exact kernels. Drafts with parameters:
     # the 0.5B stand-alone draft (its own pure Q4_0 file), with its whole head and with a head of its 32768 lowest token
     # ids (as FR-Spec trims a head; backends/gguf_head.py), and layer self-drafts of the 1.5B (its first 4 layers;
-    # every other layer), written as GGUFs of their own (backends/gguf_layers.py); and n-gram and suffix lookup.
+    # every other layer), written as GGUFs of their own (backends/gguf_layers.py); the EAGLE-3 draft of the 1.5B,
+    # reading the inputs of three of its layers as llama.cpp records them (backends/llamacpp.py), where it was built
+    # on this machine (`scripts/build-eagle3.sh --target qwen2.5-coder-1.5b`, ~45 min once; else its cells are skipped
+    # with that line); and n-gram and suffix lookup.
     # SpS, and llama-cpp-python's prompt lookup, K 1..6, on 8 HumanEval stubs and 8 code edits, 64 tokens each,
     # within a 45-minute budget; then the calibration profile and the depth-vs-width microbenchmark the seeds'
     # findings read (study/run/seed_inputs.py). On torch (and a GPU), with HF's AsG beside SpS: `--targets
@@ -192,7 +195,7 @@ PRESETS = {
     "family": SweepConfig(
         targets=(f"{LLAMACPP_TARGET}qwen2.5-coder-1.5b@Q4_0_PURE",),
         drafters=("model:qwen2.5-coder-0.5b", "model:qwen2.5-coder-0.5b,head=32768", "layers:0-3", "layers:0-27:2",
-                  "ngram", "suffix"),
+                  "eagle3", "ngram", "suffix"),
         methods=("sps", "lcp"),
         ks=(1, 2, 3, 4, 5, 6),
         datasets=("humaneval", "code-edit"),
