@@ -50,7 +50,7 @@ def test_a_trees_tapped_rows_come_in_block_order(target, prompt):
     # the block order puts the wrong branch first; llama.cpp's batch order (first children first) differs from it
     tree = backend.score_block(Block([a, wrong, b, c], (-1, 0, 0, 2)), True, taps=TAPS).hidden  # [4, D']
     assert torch.equal(tree[0], chain[-3])
-    assert torch.equal(tree[1, :576], tree[2, :576]) is False  # layer 2's input differs between the branches
+    assert not torch.equal(tree[1, :576], tree[2, :576])  # layer 2's input differs between the branches
     backend.keep([0, 2, 3])
     assert backend.cache_len == len(prompt)
 
