@@ -85,9 +85,11 @@ def test_acceptance_comes_from_a_studys_lossless_greedy_records(tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": " ".join(f"w{(i + j) % 9}" for j in range(20)),
                                            "category": "code", "id": f"q{i}"}) + "\n" for i in range(2)))
+    # fp32 as the profile below: 'auto' times the host's routes and picks bf16 on some hosts, which would make the
+    # profile's route unlike the study's (no error figure)
     config = SweepConfig(targets=(str(model),), drafters=("ngram",), ks=(1, 3), methods=("sps",),
                          datasets=(str(prompts),), limit=2, max_new_tokens=24, warmup=0, baseline_every=0,
-                         host_baselines=False, preflight_s=0)
+                         host_baselines=False, preflight_s=0, dtype="fp32")
     store = ResultsStore(tmp_path / "s.sqlite")
     run_sweep(config, store, progress=False)
     store.close()
