@@ -130,6 +130,17 @@ def test_saved_draft_loads_back_and_drafts_the_same(tiny_target, trained):
         assert ours.stats.acceptance_rate == theirs.stats.acceptance_rate
 
 
+def test_a_built_draft_counts_its_weights_and_the_target_parts_it_reads(tiny_target, trained):
+    draft, _, out = trained
+    own = sum(p.numel() for p in draft.layer.parameters())
+    built = build_drafter(f"model:{out}", tiny_target)
+    assert built.parameters == own + draft.embed.numel() + draft.head.numel() > own  # as a layer draft's count
+    assert build_drafter(f"tree:2x2:model:{out}", tiny_target).parameters == built.parameters
+    assert build_drafter("ngram", tiny_target).parameters == 0
+    layers = build_drafter("layers:0-1", tiny_target)
+    assert layers.parameters == layers.model.num_parameters() > 0
+
+
 def test_bad_drafts_and_shapes_are_refused(tiny_target, trained, tmp_path):
     with pytest.raises(DraftlabError, match="exactly 3 target layers"):
         Eagle3Shape.of(tiny_target.model.config, aux_layers=(0, 1))

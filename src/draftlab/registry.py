@@ -49,6 +49,13 @@ class BuiltDraft:
     tree_source: TreeSource | None = None
     model_drafter: ModelDrafter | None = None
     learnable: FeatureDrafter | heads.HeadsDrafter | None = None
+    weights: int = 0  # parameters of a draft that is no causal LM (EAGLE-3, feature, heads), target parts it reads too
+
+    @property
+    def parameters(self) -> int:
+        """The draft's parameters, the target's embeddings and head rows it reads included (as a layer draft's
+        count includes them); 0: a draft without weights (n-gram, suffix)."""
+        return self.model.num_parameters() if self.model is not None else self.weights
 
 
 def _draft_dtype(plan: DraftPlan, target: LoadedModel) -> torch.dtype:
@@ -148,7 +155,7 @@ def _build_tree(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraf
         raise DraftlabError(f"drafter {inner.drafter.name} has no logits to grow a tree from; "
                             "use a model, layer or designed draft inside tree:SHAPE:SPEC")
     return BuiltDraft(TreeDrafter(inner.tree_source, plan.tree, target.vocab_size), inner.model,
-                      learnable=inner.learnable)
+                      learnable=inner.learnable, weights=inner.weights)
 
 
 def _build_staged(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
@@ -174,7 +181,7 @@ def _build_merged(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDr
                             "use a model, layer or designed draft inside tree:SHAPE:SPEC")
     guide = NGramDrafter(max_n=plan.helper.ngram[1], min_n=plan.helper.ngram[0])
     return BuiltDraft(TreeDrafter(source.tree_source, inner_plan.tree, target.vocab_size, guide), source.model,
-                      learnable=source.learnable)
+                      learnable=source.learnable, weights=source.weights)
 
 
 def _build_adapt(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
@@ -183,7 +190,7 @@ def _build_adapt(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDra
         raise DraftlabError(f"adapt learns feature drafts and decoder heads (designed, model:DIR of either, or a "
                             f"tree of one); {inner.drafter.name} is neither")
     return BuiltDraft(AdaptingDrafter(inner.drafter, inner.learnable, plan.adapt, target.name,
-                                      base=inner.drafter.name), inner.model)
+                                      base=inner.drafter.name), inner.model, weights=inner.weights)
 
 
 def can_adapt(spec: str) -> bool:
@@ -251,8 +258,10 @@ def _built_cut(plan: DraftPlan, record: cut.CutDraft, target: LoadedModel, backe
 def _load_feature(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
     _refuse_dtype(plan, "a feature draft")
     path = plan.model
-    drafter = FeatureDrafter(feature.load_feature_draft(path, target), name=f"feature:{path}")
-    return BuiltDraft(drafter, tree_source=drafter, learnable=drafter)
+    draft = feature.load_feature_draft(path, target)
+    drafter = FeatureDrafter(draft, name=f"feature:{path}")
+    return BuiltDraft(drafter, tree_source=drafter, learnable=drafter,
+                      weights=_weights(draft.layer, draft.embed, draft.head))
 
 
 def _load_eagle3(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
@@ -260,15 +269,22 @@ def _load_eagle3(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDra
     _refuse_dtype(plan, "an EAGLE-3 draft")
     path = plan.model
     read = eagle3_checkpoint.read_checkpoint if eagle3_checkpoint.is_checkpoint(path) else eagle3.load_eagle3_draft
-    drafter = AnchoredDrafter(read(path, target), name=f"eagle3:{path}")
-    return BuiltDraft(drafter, tree_source=drafter)
+    draft = read(path, target)
+    drafter = AnchoredDrafter(draft, name=f"eagle3:{path}")
+    return BuiltDraft(drafter, tree_source=drafter, weights=_weights(draft.layer, draft.embed, draft.head))
 
 
 def _load_heads(plan: DraftPlan, target: LoadedModel, backend: str) -> BuiltDraft:
     _refuse_dtype(plan, "decoder heads")
     path = plan.model
-    drafter = heads.HeadsDrafter(heads.load_heads_draft(path, target), name=f"heads:{path}")
-    return BuiltDraft(drafter, tree_source=drafter, learnable=drafter)
+    draft = heads.load_heads_draft(path, target)
+    drafter = heads.HeadsDrafter(draft, name=f"heads:{path}")
+    return BuiltDraft(drafter, tree_source=drafter, learnable=drafter, weights=_weights(draft.heads, draft.head))
+
+
+def _weights(module: torch.nn.Module, *tensors: torch.Tensor) -> int:
+    """Parameters of a draft's own module and of the tensors (target parts) it reads."""
+    return sum(p.numel() for p in module.parameters()) + sum(t.numel() for t in tensors)
 
 
 def _refuse_dtype(plan: DraftPlan, what: str) -> None:

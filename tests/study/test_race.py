@@ -160,7 +160,9 @@ def test_a_real_sweep_races_stores_its_decisions_and_resumes_with_nothing_to_do(
     skips, done = store.skips(), store.done()
     assert run_sweep(config, store, progress=False) == 0  # decisions are stored: a resume has nothing to do
     store.close()
-    rows, _, _ = load_study(db)
+    rows, params, _ = load_study(db)
+    # the layer draft's weights counted (the target's embeddings and head it reads too); n-gram has none
+    assert params[f"{model}::layers:0-1"] > 0 and f"{model}::ngram" not in params
     cells = {r["cell"] for r in rows}
     assert all((c, f"q{i}") in done for c in cells for i in range(4))  # every cell ends every prompt
     assert all(s["reason"].startswith("dropped by the race after") for s in skips)

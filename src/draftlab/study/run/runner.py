@@ -59,6 +59,7 @@ class CellRunner:
         self.baseline = SpeculativeDecoder.from_names(target, drafter="none", k=1,
                                                       backend=self.backend).with_prompt_cache("draftlab")
         self.by_drafter: dict[str, SpeculativeDecoder] = {}
+        self.parameters: dict[str, int] = {}  # per drafter: its parameters (`BuiltDraft.parameters`), 0: none
         self.by_route: dict[str, SpeculativeDecoder] = {}  # plain decoding in the host's other modes
         self.built: dict[str, Any] = {}  # what methods share per target (`shared`): a peer's loaded instance
         self.servers = servers
@@ -69,11 +70,17 @@ class CellRunner:
             return self.baseline
         if drafter not in self.by_drafter:
             built = build_drafter(drafter, self.target, self.backend)
+            self.parameters[drafter] = built.parameters
             self.by_drafter[drafter] = SpeculativeDecoder(
                 self.target, built.drafter, FixedK(1), self.baseline.target_backend, built.model, self.backend,
                 self.baseline.prompt_cache,
             )
         return self.by_drafter[drafter].with_policy(FixedK(k))
+
+    def draft_parameters(self, drafter: str) -> int:
+        """The parameters of a drafter's draft, the target parts it reads included; 0: one without weights."""
+        self.decoder(drafter, 1)
+        return self.parameters.get(drafter, 0)
 
     def cell_decoder(self, cell: Cell) -> SpeculativeDecoder:
         """The cell's decoder. A drafter that learns across requests gets the cell's own copy, which learns the

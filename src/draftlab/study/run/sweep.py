@@ -282,13 +282,12 @@ def _left_out(target: str, config: SweepConfig, server_died: bool) -> frozenset[
 
 def _record_params(store: ResultsStore, runner: CellRunner, config: SweepConfig, target_name: str,
                    gone: set[str] = frozenset()) -> None:
-    """Parameter counts of the target and of every model draft that runs (`gone`: those that do not), for the
-    scaling ratio."""
+    """Parameter counts of the target and of every draft with weights that runs (`gone`: those that do not), for
+    the scaling ratio and the seeds' "smallest draft" finding."""
     store.set_params(target_name, runner.target.num_parameters())
     for drafter in set(config.drafters) - gone:
-        draft = runner.decoder(drafter, 1).draft_model
-        if draft is not None:
-            store.set_params(f"{target_name}::{drafter}", draft.num_parameters())
+        if parameters := runner.draft_parameters(drafter):
+            store.set_params(f"{target_name}::{drafter}", parameters)
 
 
 def plan(config: SweepConfig) -> list[Group]:
