@@ -79,10 +79,13 @@ def test_k_per_load_reads_the_studys_rows_and_refuses_gaps():
 
 def test_metrics_are_prometheus_text():
     metrics = ServeMetrics(k_rows="1:4")
-    metrics.step(2, 4)
+    metrics.step(2, [4, 0], 6)
     metrics.tokens(4, 3, 0.02)
     metrics.finished("ok")
     text = metrics.text()
     assert 'draftlab:request_total{outcome="ok"} 1' in text
     assert "draftlab:spec_decode_num_accepted_tokens_total 2" in text and "draftlab:k_in_use 4" in text
+    assert "draftlab:rows_per_step 6" in text and "draftlab:requests_drafting 1" in text
+    metrics.idle()
+    assert "draftlab:num_requests_running 0" in metrics.text() and "draftlab:k_in_use 0" in metrics.text()
     assert all(line.startswith("#") or len(line.split()) == 2 for line in text.splitlines())

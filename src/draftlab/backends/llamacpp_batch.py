@@ -30,6 +30,7 @@ from draftlab.backends.base import greedy_rows
 from draftlab.backends.gguf import LlamaCppModel, llama_lib
 from draftlab.backends.gguf import threads as default_threads
 from draftlab.backends.llamacpp import MAX_BATCH, MAX_CONTEXT, LlamaCppBackend, free_native
+from draftlab.decoding.kchoice import llama_passes
 from draftlab.decoding.step import Block, Scores
 from draftlab.errors import DraftlabError
 
@@ -57,6 +58,7 @@ class LlamaCppBatch:
         self._lengths = [0] * slots  # cached tokens per slot
         self._starts = [0] * slots  # where each slot's last scored block began
         self._prefiller: LlamaCppBatch | None = None  # the repacked twin's slots, for prefills (a file loaded without repack)
+        self._prefilling = [False] * slots  # a prompt part-prefilled in the twin's stream of the slot
 
     def view(self, slot: int) -> "SlotView":
         """The slot as a `Backend`, for its engine."""
@@ -67,7 +69,10 @@ class LlamaCppBatch:
         return self._lengths[slot]
 
     def rollback(self, slot: int, length: int) -> None:
-        """Keep only the first `length` tokens of a slot."""
+        """Keep only the first `length` tokens of a slot (0: empty, a prompt's prefill on the twin dropped too)."""
+        if length == 0 and self._prefilling[slot]:
+            self._prefiller.rollback(slot, 0)
+            self._prefilling[slot] = False
         if length < self._lengths[slot]:
             self.lib.llama_memory_seq_rm(self._memory, slot, length, -1)
             self._lengths[slot] = length
@@ -77,21 +82,40 @@ class LlamaCppBatch:
         accepted path)."""
         self.rollback(slot, self._starts[slot] + count)
 
-    def prefill(self, slot: int, tokens: list[int]) -> torch.Tensor:
-        """Fill an empty slot with a prompt (on the repacked twin where the model has one, as `LlamaCppBackend`
-        prefills: the same kernels, chunks and cells, so the same cache); the last row's logits [1, V]."""
-        self.rollback(slot, 0)
+    prefill_chunk = MAX_BATCH  # prompt tokens a chunk prefills, at multiples of it: a whole prefill's own calls
+
+    def prefill(self, slot: int, tokens: Sequence[int], final: bool) -> None:
+        """The next chunk of a prompt into a slot, as `LlamaCppBackend` prefills it: on the repacked twin where the
+        model has one (the twin's stream of the same slot, its cache copied into the slot once `final`), in
+        `MAX_BATCH` chunks at fixed offsets, so the same kernels, chunks and cells give the same cache."""
         if self.model.repack:  # no twin: llama.cpp's own kernels already
-            return self.score({slot: tokens}, last_only=True)[slot]
+            self.score({slot: list(tokens)}, last_only=True)
+            return
         if self._prefiller is None:  # as many streams as here: llama.cpp copies a sequence between equal layouts
             self._prefiller = LlamaCppBatch(self.model.twin(), self.slots, self.n_ctx, self._threads)
         twin = self._prefiller
-        twin.rollback(0, 0)
-        logits = twin.score({0: tokens}, last_only=True)[0]  # [1, V]
-        self._copy_from(twin, slot)
-        twin.rollback(0, 0)
-        self._starts[slot], self._lengths[slot] = 0, len(tokens)
-        return logits
+        if self._lengths[slot] or (twin.length(slot) and not self._prefilling[slot]):
+            raise DraftlabError(f"slot {slot} is not empty: a prompt prefills into an empty slot")
+        self._prefilling[slot] = True
+        twin.score({slot: list(tokens)}, last_only=True)
+        if final:
+            self._copy_from(twin, slot)
+            self._starts[slot], self._lengths[slot] = 0, twin.length(slot)
+            twin.rollback(slot, 0)
+            self._prefilling[slot] = False
+
+    def score_blocks(self, blocks: dict[int, Block], with_hidden: bool = False, taps: tuple[int, ...] = ()
+                     ) -> dict[int, Scores]:
+        """Every slot's chain in one decode (no trees, no hidden states); logits [n, V] per slot."""
+        if with_hidden or not all(block.is_chain for block in blocks.values()):
+            raise DraftlabError("draftlab serve scores chains of tokens only (no token trees, no hidden states)")
+        logits = self.score({slot: block.tokens for slot, block in blocks.items()})
+        return {slot: Scores(rows) for slot, rows in logits.items()}
+
+    def passes(self, lengths: dict[int, int]) -> list[int]:
+        """Rows per pass over the weights: llama.cpp decodes blocks of unequal length, or of slots with a gap
+        between them, in passes of their own (`draftlab.decoding.kchoice.llama_passes`)."""
+        return llama_passes(lengths, MAX_BATCH)
 
     def score(self, blocks: dict[int, Sequence[int]], last_only: bool = False) -> dict[int, torch.Tensor]:
         """Append each slot's chain of tokens in one decode (split in batches of MAX_BATCH tokens); each slot's logits
@@ -140,10 +164,10 @@ class LlamaCppBatch:
         return {slot: logits[start:start + slots.count(slot)] for slot, start in first.items()}  # [n, V] each
 
     def _copy_from(self, twin: "LlamaCppBatch", slot: int) -> None:
-        """Copy the twin's cache of its slot 0 into a slot (llama.cpp's sequence state, byte for byte)."""
-        size = self.lib.llama_state_seq_get_size(twin._ctx, 0)
+        """Copy the twin's cache of the same slot into the slot (llama.cpp's sequence state, byte for byte)."""
+        size = self.lib.llama_state_seq_get_size(twin._ctx, slot)
         state = (ctypes.c_uint8 * size)()
-        written = self.lib.llama_state_seq_get_data(twin._ctx, state, size, 0)
+        written = self.lib.llama_state_seq_get_data(twin._ctx, state, size, slot)
         if not written or self.lib.llama_state_seq_set_data(self._ctx, state, written, slot) == 0:
             raise DraftlabError("llama.cpp could not copy a prefilled cache into a slot")
 
@@ -201,8 +225,11 @@ class SlotView:
         """A chain alone in the batch; a prompt into an empty slot prefills as `LlamaCppBackend` does."""
         if with_hidden or not block.is_chain:
             raise DraftlabError("draftlab serve scores chains of tokens only (no token trees, no hidden states)")
-        if last_only and self.cache_len == 0 and len(block.tokens) > 1:
-            return Scores(self.batch.prefill(self.slot, list(block.tokens)))
+        if last_only and self.cache_len == 0 and len(block.tokens) > 1:  # a whole prompt, in the batch's chunks
+            chunk = self.batch.prefill_chunk
+            for start in range(0, len(block.tokens), chunk):
+                self.batch.prefill(self.slot, block.tokens[start:start + chunk], start + chunk >= len(block.tokens))
+            return Scores(torch.empty(0))  # a prefill's logits are never read
         return Scores(self.batch.score({self.slot: block.tokens}, last_only)[self.slot])
 
     def keep(self, indices: Sequence[int]) -> None:

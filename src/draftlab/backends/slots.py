@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 import torch
 
 from draftlab.backends.base import Backend
-from draftlab.decoding.step import Block
+from draftlab.decoding.step import Block, Scores
 from draftlab.errors import DraftlabError
 
 
@@ -43,6 +43,26 @@ class BackendSlots:
                                     "asked for")
             out[slot] = backend.score_block(Block.chain(list(tokens)), last_only=last_only).logits  # [n, V]
         return out
+
+    prefill_chunk = None  # a prompt prefills whole, as `draftlab generate` prefills it on the same route
+
+    def score_blocks(self, blocks: dict[int, Block], with_hidden: bool = False, taps: tuple[int, ...] = ()
+                     ) -> dict[int, Scores]:
+        """Every slot's chain, slot by slot (no trees, no hidden states); logits [n, V] per slot."""
+        if with_hidden or not all(block.is_chain for block in blocks.values()):
+            raise DraftlabError("draftlab serve scores chains of tokens only (no token trees, no hidden states)")
+        logits = self.score({slot: block.tokens for slot, block in blocks.items()})
+        return {slot: Scores(rows) for slot, rows in logits.items()}
+
+    def prefill(self, slot: int, tokens: Sequence[int], final: bool) -> None:
+        """A whole prompt into an empty slot."""
+        if not final or self.backends[slot].cache_len:
+            raise DraftlabError("a torch slot prefills a prompt whole, into an empty slot")
+        self.backends[slot].score_block(Block.chain(list(tokens)), last_only=True)
+
+    def passes(self, lengths: dict[int, int]) -> list[int]:
+        """A pass per slot: the slots take turns."""
+        return [n for n in lengths.values() if n]
 
     def rollback(self, slot: int, length: int) -> None:
         """Keep only the first `length` tokens of a slot."""

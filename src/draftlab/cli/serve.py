@@ -26,7 +26,10 @@ def add_serve_commands(sub) -> None:
                             f"directory (default {SERVE_TARGET}; on torch {TORCH_TARGET})")
     serve.add_argument("--drafter", default=None, help="none (plain decoding; the default), ngram, ngram:MIN-MAX or "
                                                       "suffix[:OPTIONS]")
-    serve.add_argument("--k", type=int, default=None, help="draft tokens per step (default 4 with a drafter)")
+    serve.add_argument("--k", default=None, help="draft tokens per step, or auto (the default with a drafter): each "
+                                                 "request's K chosen at every step by expected tokens per second, "
+                                                 "from its acceptance so far and this host's cost of a step's rows")
+    serve.add_argument("--k-max", type=int, default=8, help="--k auto's deepest draft (default 8)")
     serve.add_argument("--k-per-load", default=None, metavar="ROWS",
                        help="K by requests in flight, rows LO-HI:K from 1 on, e.g. 1-2:6,3-4:3,5-8:0 (0: plain decoding)")
     serve.add_argument("--backend", default="llamacpp",
@@ -73,12 +76,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from draftlab.serving.build import ServeSettings, build_served
 
     target, drafter, ks = _what_to_serve(args)
-    settings = ServeSettings(target, drafter, ks, args.max_in_flight, args.max_queue, args.context, args.numerics,
-                             args.served_model_name, args.api_key, args.suffix_cache, args.threads, args.backend,
-                             args.device, args.dtype)
+    settings = ServeSettings(target, drafter, ks, args.k_max, args.max_in_flight, args.max_queue, args.context,
+                             args.numerics, args.served_model_name, args.api_key, args.suffix_cache, args.threads,
+                             args.backend, args.device, args.dtype)
     served = build_served(settings)
-    print(f"draftlab serve: {settings.target} on {served.numerics} with {settings.drafter}, K per requests in flight "
-          f"{settings.ks.text()}, {settings.slots} slots, on http://{args.host}:{args.port}/v1", flush=True)
+    k = f"K per requests in flight {settings.ks.text()}" if settings.ks else "K chosen each step (auto)"
+    print(f"draftlab serve: {settings.target} on {served.numerics} with {settings.drafter}, {k}, {settings.slots} "
+          f"slots, on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(create_app(served), host=args.host, port=args.port, log_level="warning",
                 timeout_graceful_shutdown=GRACE_S)
 
@@ -87,7 +91,7 @@ def _what_to_serve(args: argparse.Namespace):
     """(target, drafter, K per load): a study's answer with --from, else the flags."""
     from draftlab.backends import engine_of_backend
     from draftlab.errors import DraftlabError
-    from draftlab.serving.scheduler import LoadK
+    from draftlab.decoding.kchoice import LoadK
 
     if args.from_study is None:
         drafter = args.drafter or "none"
@@ -100,22 +104,28 @@ def _what_to_serve(args: argparse.Namespace):
     config = serve_from_study(args.from_study, args.target)
     print(f"draftlab serve: the answer of {args.from_study}: {config.target} with {config.drafter}, K per requests in "
           f"flight {config.k_per_load}", flush=True)
-    return config.target, config.drafter, LoadK.parse(config.k_per_load)
+    return config.target, config.drafter, None if config.k_per_load == "auto" else LoadK.parse(config.k_per_load)
 
 
 def _serve_ks(args: argparse.Namespace, drafter: str):
-    """--k-per-load, else --k for every load (plain decoding without a drafter)."""
+    """--k-per-load, else --k for every load (plain decoding without a drafter; None: auto, the default with one)."""
     from draftlab.drafters.kinds import is_plain_drafter
     from draftlab.errors import DraftlabError
-    from draftlab.serving.scheduler import LoadK
+    from draftlab.decoding.kchoice import LoadK
 
     if args.k_per_load:
         if args.k is not None:
             raise DraftlabError("give --k or --k-per-load, not both")
         return LoadK.parse(args.k_per_load)
-    if args.k is not None and args.k < 0:
-        raise DraftlabError(f"--k must be >= 0, got {args.k}")
-    return LoadK.fixed(0 if is_plain_drafter(drafter) else (4 if args.k is None else args.k))
+    if is_plain_drafter(drafter):
+        return LoadK.fixed(0)
+    if args.k is None or args.k == "auto":
+        if args.k_max < 1:
+            raise DraftlabError(f"--k-max must be >= 1, got {args.k_max}")
+        return None
+    if not args.k.isdigit():
+        raise DraftlabError(f"--k takes a number >= 0 or auto, not {args.k!r}")
+    return LoadK.fixed(int(args.k))
 
 
 def cmd_serve_check(args: argparse.Namespace) -> None:

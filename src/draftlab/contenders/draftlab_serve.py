@@ -40,7 +40,7 @@ class ServeConfig:
 
     target: str  # the GGUF's short name (NAME@TYPE) or path
     drafter: str = "none"
-    k_per_load: str = "1:0"  # `--k-per-load` rows (plain decoding: K 0 at every load)
+    k_per_load: str = "1:0"  # `--k-per-load` rows (plain decoding: K 0 at every load), or auto (`--k auto`)
     slots: int = 1  # --max-in-flight
     context: int = 4096  # --context: KV cells per slot
     queue: int = 64  # --max-queue: requests waiting beyond the slots before a 429
@@ -50,7 +50,8 @@ class ServeConfig:
 
     def flags(self) -> list[str]:
         """`draftlab serve`'s arguments (the host and port come from `launch`)."""
-        flags = ["--target", self.target, "--drafter", self.drafter, "--k-per-load", self.k_per_load,
+        k = ["--k", "auto"] if self.k_per_load == "auto" else ["--k-per-load", self.k_per_load]
+        flags = ["--target", self.target, "--drafter", self.drafter, *k,
                  "--max-in-flight", str(self.slots), "--max-queue", str(self.queue), "--context", str(self.context)]
         if self.backend != LLAMACPP.backend:
             flags += ["--backend", self.backend, "--device", self.device]

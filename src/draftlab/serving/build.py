@@ -4,6 +4,7 @@ beside the others), the scheduler and the app."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from draftlab.api import eos_ids
@@ -11,6 +12,9 @@ from draftlab.backends import LLAMACPP, engine_of_backend, make_backend
 from draftlab.backends.llamacpp_batch import LlamaCppBatch
 from draftlab.backends.routes import parse_route
 from draftlab.backends.slots import BackendSlots
+from draftlab.backends.sequences import Sequences
+from draftlab.decoding.kchoice import AutoK, BlockCost, LoadK
+from draftlab.decoding.step import Block
 from draftlab.drafters.kinds import learns_across_requests, with_suffix_store
 from draftlab.engine import SpeculativeEngine
 from draftlab.errors import DraftlabError
@@ -19,7 +23,7 @@ from draftlab.registry import build_drafter
 from draftlab.serving.app import Served
 from draftlab.serving.metrics import ServeMetrics
 from draftlab.serving.protocol import ApiError
-from draftlab.serving.scheduler import LoadK, LoadPolicy, Scheduler, SlotBatch
+from draftlab.serving.scheduler import Scheduler
 
 
 @dataclass(frozen=True)
@@ -28,7 +32,8 @@ class ServeSettings:
 
     target: str  # a short name, a GGUF file (a short name's pure Q4_0: NAME@Q4_0_PURE)
     drafter: str = "none"
-    ks: LoadK = LoadK.fixed(0)  # K per requests in flight (0: plain decoding)
+    ks: LoadK | None = LoadK.fixed(0)  # K per requests in flight (0: plain decoding); None: `--k auto`
+    k_max: int = 8  # `--k auto`'s deepest draft
     slots: int = 4  # requests decoded at once
     max_waiting: int = 64  # requests queued beyond the slots before a 429
     context: int | None = None  # KV cells per slot (None: the model's, at most 8192)
@@ -72,33 +77,50 @@ def build_served(settings: ServeSettings) -> Served:
     """Load the target and build everything the app serves (the scheduler not yet started)."""
     loaded, batch = (_llamacpp_slots if settings.on_llamacpp else _torch_slots)(settings)
     drafter = build_drafter(settings.drafter_spec, loaded, settings.backend).drafter
-    metrics = ServeMetrics(k_rows=settings.ks.text())
+    chooser = settings.ks or AutoK(block_cost(batch, loaded.vocab_size), batch.passes, settings.k_max)
+    metrics = ServeMetrics(k_rows=settings.ks.text() if settings.ks else "auto")
     context = min(loaded.context_length, batch.n_ctx)
     tokenizer = loaded.tokenizer
 
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
 
-    engines: list[SpeculativeEngine] = []
-    scheduler = Scheduler(batch, engines, settings.max_waiting, metrics)
-    for slot in range(settings.slots):
-        policy = LoadPolicy(settings.ks, lambda: scheduler.in_flight)
-        engines.append(SpeculativeEngine(batch.view(slot), drafter.beside(), policy, context_length=context,
-                                         decode=decode))
+    engine = SpeculativeEngine(batch.view(0), drafter, context_length=context, decode=decode, sequences=batch,
+                               chooser=chooser)
+    scheduler = Scheduler(engine, settings.slots, settings.max_waiting, metrics)
     return Served(model=settings.name or settings.target, encode_text=lambda text: _encode(tokenizer, text),
                   encode_chat=lambda messages: _chat(tokenizer, messages), decode=decode,
                   vocab_size=loaded.vocab_size, context_length=context, eos_ids=eos_ids(loaded),
                   scheduler=scheduler, metrics=metrics, api_key=settings.api_key, numerics=batch.view(0).numerics)
 
 
-def _llamacpp_slots(settings: ServeSettings) -> tuple[LoadedModel, SlotBatch]:
+def block_cost(batch: Sequences, vocab_size: int, rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32), repeats: int = 3
+               ) -> BlockCost:
+    """The target's seconds per pass of 1-32 rows on this host, timed at startup in sequence 0 (then emptied): the
+    cost curve `--k auto` weighs each step's rows by (the fastest of `repeats` each)."""
+    tokens = [i % vocab_size for i in range(1, max(rows) + 1)]
+    batch.prefill(0, tokens[:1], final=True)  # a first cell, as a prompt leaves one
+    points = []
+    for n in rows:
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            batch.score_blocks({0: Block.chain(tokens[:n])})
+            best = min(best, time.perf_counter() - started)
+            batch.rollback(0, 1)
+        points.append((n, best))
+    batch.rollback(0, 0)
+    return BlockCost(tuple(points))
+
+
+def _llamacpp_slots(settings: ServeSettings) -> tuple[LoadedModel, Sequences]:
     """The target's GGUF in llama.cpp and a KV stream per slot, every slot's block in one decode."""
     loaded = load_model(settings.target, backend=LLAMACPP.backend,
                         repack=True if settings.numerics == "repack" else None)
     return loaded, LlamaCppBatch(loaded.model, settings.slots, settings.context, settings.threads)
 
 
-def _torch_slots(settings: ServeSettings) -> tuple[LoadedModel, SlotBatch]:
+def _torch_slots(settings: ServeSettings) -> tuple[LoadedModel, Sequences]:
     """The target in torch on its exact route (as `draftlab generate` loads it; None: the one measured fastest here,
     kept in the route cache, so every slot runs the same), a backend per slot on its weights."""
     route = None if settings.numerics == "exact" else parse_route(

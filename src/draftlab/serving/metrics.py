@@ -20,6 +20,11 @@ class ServeMetrics:
     steps: int = 0  # sequence-steps: each active sequence's draft-verify step
     batches: int = 0  # batched decodes (one per scheduler step)
     k_in_use: int = 0  # the deepest draft of the last step
+    rows: int = 0  # rows the target scored, over every step
+    rows_last: int = 0  # rows of the last step
+    drafting_last: int = 0  # requests that drafted (K > 0) in the last step
+    prefill_chunks: int = 0  # prompt chunks prefilled
+    prefill_chunks_beside: int = 0  # of them, chunks prefilled between the steps of requests decoding
     in_flight: int = 0
     waiting: int = 0
     ttft_s: float = 0.0  # time to first token: sum over requests
@@ -33,9 +38,22 @@ class ServeMetrics:
         self.ttft_s += waited_s
         self.ttft_count += 1
 
-    def step(self, in_flight: int, deepest: int) -> None:
+    def step(self, in_flight: int, drafted: list[int], rows: int) -> None:
+        """One engine step: requests in it, tokens each drafted, rows scored."""
         self.batches += 1
-        self.in_flight, self.k_in_use = in_flight, deepest
+        self.in_flight, self.k_in_use = in_flight, max(drafted, default=0)
+        self.rows += rows
+        self.rows_last = rows
+        self.drafting_last = sum(1 for d in drafted if d)
+
+    def prefilled(self, beside: int) -> None:
+        """A prompt chunk prefilled while `beside` requests were decoding."""
+        self.prefill_chunks += 1
+        self.prefill_chunks_beside += beside > 0
+
+    def idle(self) -> None:
+        """Nothing in flight: the gauges say so."""
+        self.in_flight = self.k_in_use = self.rows_last = self.drafting_last = 0
 
     def tokens(self, drafted: int, committed: int, gap_s: float) -> None:
         """One sequence's step: drafted tokens, tokens committed (accepted + the target's), seconds since its last."""
@@ -69,12 +87,19 @@ class ServeMetrics:
         metric("tokens_per_step", "gauge", "Tokens committed per sequence step, on average.",
                {"": round(self.generation_tokens / self.steps, 4) if self.steps else 0})
         metric("k_in_use", "gauge", "The deepest draft of the last step.", {"": self.k_in_use})
+        metric("rows_total", "counter", "Rows the target scored.", {"": self.rows})
+        metric("rows_per_step", "gauge", "Rows the target scored in the last step.", {"": self.rows_last})
+        metric("requests_drafting", "gauge", "Requests that drafted (K > 0) in the last step.",
+               {"": self.drafting_last})
+        metric("prefill_chunks_total", "counter", "Prompt chunks prefilled.", {"": self.prefill_chunks})
+        metric("prefill_chunks_beside_decoding_total", "counter",
+               "Prompt chunks prefilled between the steps of requests decoding.", {"": self.prefill_chunks_beside})
         metric("num_requests_running", "gauge", "Requests decoding now.", {"": self.in_flight})
         metric("num_requests_waiting", "gauge", "Requests waiting for a slot.", {"": self.waiting})
         metric("time_to_first_token_seconds", "summary", "From a request's arrival to its prefilled prompt.",
                {"_sum": round(self.ttft_s, 6), "_count": self.ttft_count})
         metric("time_per_output_token_seconds", "summary", "Seconds between a sequence's steps per token.",
                {"_sum": round(self.token_gap_s, 6), "_count": self.token_gap_count})
-        metric("k_policy_info", "gauge", "The K per requests in flight (rows lo-hi:K).",
+        metric("k_policy_info", "gauge", "How K is chosen: auto (by expected tokens per second) or rows lo-hi:K.",
                {f'{{k_per_load="{self.k_rows}"}}': 1})
         return "\n".join(lines) + "\n"

@@ -1,0 +1,79 @@
+"""The target as a batch of sequences: the one contract the engine's step scores through.
+
+A step scores every run's block in one call (`score_blocks`), each sequence in cells of its own: `OneSequence` is a
+backend holding one sequence (`draftlab generate`, a study's cell), `LlamaCppBatch` holds a KV stream per sequence
+in one llama.cpp context (one decode for all), `BackendSlots` a torch backend per sequence (their blocks in turn).
+Each sequence's view (`view`) is a `Backend` of its own, through which its run keeps, rolls back and prefills.
+`passes` says how the backend splits a step's blocks into passes over the weights, for the cost of a step
+(`draftlab.decoding.kchoice`); `prefill_chunk` is how many prompt tokens it prefills at a time at fixed offsets
+(None: a prompt whole), so that a long prompt prefills across the steps of the others.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+from draftlab.backends.base import Backend
+from draftlab.decoding.step import Block, Scores
+from draftlab.errors import DraftlabError
+
+
+class Sequences(Protocol):
+    """Several sequences of one target, each bitwise as it decodes alone."""
+
+    n_ctx: int  # tokens a sequence holds
+    prefill_chunk: int | None  # prompt tokens a chunk prefills (chunks at multiples of it); None: whole prompts
+
+    def view(self, seq: int) -> Backend:
+        """The sequence as a backend of its own (prefill, keep, rollback)."""
+        ...
+
+    def score_blocks(self, blocks: dict[int, Block], with_hidden: bool = False, taps: tuple[int, ...] = ()
+                     ) -> dict[int, Scores]:
+        """Every sequence's block appended to its cache, in one call; logits [n, V] per sequence."""
+        ...
+
+    def prefill(self, seq: int, tokens: Sequence[int], final: bool) -> None:
+        """The next chunk of a prompt into an empty or prefilling sequence; once `final`, its cache holds the prompt
+        as a whole prefill leaves it."""
+        ...
+
+    def passes(self, lengths: dict[int, int]) -> list[int]:
+        """Rows of each pass over the weights that blocks of these lengths (by sequence) cost."""
+        ...
+
+    def rollback(self, seq: int, length: int) -> None:
+        """Keep a sequence's first `length` tokens."""
+        ...
+
+
+class OneSequence:
+    """A backend holding one sequence, as `Sequences` (sequence 0)."""
+
+    prefill_chunk = None
+
+    def __init__(self, backend: Backend, n_ctx: int = 1 << 30) -> None:
+        self.backend, self.n_ctx = backend, n_ctx
+
+    def view(self, seq: int) -> Backend:
+        return self.backend
+
+    def score_blocks(self, blocks: dict[int, Block], with_hidden: bool = False, taps: tuple[int, ...] = ()
+                     ) -> dict[int, Scores]:
+        (seq, block), = blocks.items()
+        return {seq: self.backend.score_block(block, with_hidden, taps=taps)}
+
+    def prefill(self, seq: int, tokens: Sequence[int], final: bool) -> None:
+        """A whole prompt (one backend prefills whole)."""
+        if not final or self.backend.cache_len:
+            raise DraftlabError("a single backend prefills a prompt whole")
+        self.backend.score_block(Block.chain(list(tokens)), last_only=True)
+
+    def passes(self, lengths: dict[int, int]) -> list[int]:
+        return [sum(lengths.values())]
+
+    def rollback(self, seq: int, length: int) -> None:
+        if length == 0:
+            self.backend.reset()
+        else:
+            self.backend.rollback(length)

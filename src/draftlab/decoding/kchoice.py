@@ -1,0 +1,251 @@
+"""K for every run of a step, chosen at the step: the runs' own policies (`draftlab generate`), a table by the number
+of runs in flight (`--k-per-load`), or the seeds' model used online (`--k auto`).
+
+`AutoK` picks the step's Ks to maximise the tokens the step is expected to commit per second of its target pass:
+each run's expected tokens for a draft of depth k are 1 + p(1) + ... + p(k), where p(d) is that run's probability
+that its first d drafts are all accepted (its `AcceptanceRecord`, drawn towards the record of every run so far), and
+the step's seconds are the target's block-cost curve (`BlockCost`, calibrated on this host at startup) summed over
+the passes the backend splits the step's blocks into (`passes`: llama.cpp's KV streams decode blocks of unequal
+length in separate passes over the weights, `LlamaCppBatch.passes`). K = 0 is plain decoding for that run this step.
+
+The search first covers every step in which the drafting runs draft to one depth K (each run at most its room) and
+the others draft nothing: for each K it takes the m runs that gain most from drafting, for every m (exact over those
+steps when every run has room for K). It then moves one run's K at a time while the rate grows: on llama.cpp each
+further depth costs another pass over the weights, about a row's weight reads, so one depth is the optimum in most
+steps (tests/test_kchoice.py compares the search with a brute force over every K per run).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+from draftlab.errors import DraftlabError
+
+PRIOR_WEIGHT = 2.0  # a run's record starts as this many steps of the record of every run
+
+
+@dataclass
+class AcceptanceRecord:
+    """Per draft position d (1-based): steps that asked for d or more drafts, and steps whose first d were accepted."""
+
+    asked: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+
+    def observe(self, asked: int, accepted: int) -> None:
+        """A step that asked for `asked` drafts and accepted the first `accepted` of them."""
+        while len(self.asked) < asked:
+            self.asked.append(0)
+            self.accepted.append(0)
+        for d in range(asked):
+            self.asked[d] += 1
+            self.accepted[d] += d < accepted
+
+    def survival(self, depth: int, prior: "AcceptanceRecord | None" = None, weight: float = PRIOR_WEIGHT
+                 ) -> list[float]:
+        """p(1..depth): the chance that the first d drafts are all accepted, non-increasing in d; drawn towards the
+        prior's (an optimistic 1 where neither has seen position d: unseen depths are worth one try)."""
+        out, last = [], 1.0
+        for d in range(depth):
+            base = prior.survival(d + 1, None)[d] if prior is not None else 1.0
+            asked = self.asked[d] if d < len(self.asked) else 0
+            accepted = self.accepted[d] if d < len(self.accepted) else 0
+            value = (accepted + weight * base) / (asked + weight) if asked + weight > 0 else last
+            last = min(last, value)
+            out.append(last)
+        return out
+
+
+@dataclass(frozen=True)
+class StepRun:
+    """What the choice needs of one run of the step."""
+
+    seq: int  # its sequence in the target's batch
+    wanted: int  # K its own policy asks for
+    room: int  # the deepest draft it can still use
+    record: AcceptanceRecord
+
+
+class StepK(Protocol):
+    """Chooses every run's K before a step (0: plain decoding for that run this step)."""
+
+    def choose(self, runs: Sequence[StepRun]) -> list[int]:
+        """K per run, in the runs' order."""
+        ...
+
+    def observe(self, asked: int, accepted: int) -> None:
+        """One run's outcome: drafts asked for, drafts accepted."""
+        ...
+
+
+class PerRunK:
+    """Each run's own policy (`draftlab generate`: FixedK, DynamicK, ...)."""
+
+    def choose(self, runs: Sequence[StepRun]) -> list[int]:
+        return [run.wanted for run in runs]
+
+    def observe(self, asked: int, accepted: int) -> None:
+        """Each run's policy hears its own outcome."""
+
+
+@dataclass(frozen=True)
+class LoadK:
+    """K by the number of runs in flight: rows [lo, hi, K] as `deploy.per_batch_size` writes them (vLLM's
+    `num_speculative_tokens_per_batch_size`); above the last row, its K."""
+
+    rows: tuple[tuple[int, int, int], ...]
+
+    @classmethod
+    def fixed(cls, k: int) -> "LoadK":
+        return cls(((1, 1 << 30, k),))
+
+    @classmethod
+    def parse(cls, text: str) -> "LoadK":
+        """'1-2:6,3-4:3,5-8:0' -> rows; one line for anything else."""
+        rows = []
+        try:
+            for item in text.split(","):
+                span, k = item.split(":")
+                lo, _, hi = span.partition("-")
+                rows.append((int(lo), int(hi or lo), int(k)))
+        except ValueError:
+            raise DraftlabError(f"--k-per-load takes rows like 1-2:6,3-4:3,5-8:0, not {text!r}") from None
+        if any(lo < 1 or hi < lo or k < 0 for lo, hi, k in rows) or rows[0][0] != 1 or any(
+                b[0] != a[1] + 1 for a, b in zip(rows, rows[1:])):
+            raise DraftlabError(f"--k-per-load rows must run on from 1 without gaps, each K >= 0: {text!r}")
+        return cls(tuple(rows))
+
+    def at(self, in_flight: int) -> int:
+        """K with that many runs in flight."""
+        return next((k for lo, hi, k in self.rows if lo <= in_flight <= hi), self.rows[-1][2])
+
+    def text(self) -> str:
+        """The flag's value."""
+        return ",".join(f"{lo}-{hi}:{k}" if hi > lo else f"{lo}:{k}" for lo, hi, k in self.rows)
+
+    def choose(self, runs: Sequence[StepRun]) -> list[int]:
+        return [self.at(len(runs))] * len(runs)
+
+    def observe(self, asked: int, accepted: int) -> None:
+        """K does not adapt to acceptance."""
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """Seconds of one target pass of `rows` rows: measured points, linear between them and beyond the last two."""
+
+    points: tuple[tuple[int, float], ...]  # (rows, seconds), rows increasing from 1
+
+    def __post_init__(self) -> None:
+        if len(self.points) < 2 or self.points[0][0] != 1 or any(
+                b[0] <= a[0] for a, b in zip(self.points, self.points[1:])):
+            raise DraftlabError(f"a block-cost curve needs rows increasing from 1 at two points or more: {self.points}")
+
+    def seconds(self, rows: int) -> float:
+        """One pass of `rows` rows."""
+        pts = self.points
+        for (r0, s0), (r1, s1) in zip(pts, pts[1:]):
+            if rows <= r1 or (r1, s1) == pts[-1]:
+                return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
+        return pts[-1][1]
+
+    def relative(self) -> dict[int, float]:
+        """Each point's seconds over one row's (for people and /metrics)."""
+        return {rows: round(s / self.points[0][1], 3) for rows, s in self.points}
+
+
+Passes = Callable[[dict[int, int]], list[int]]  # {seq: block length} -> rows of each pass the backend runs
+
+
+def one_pass(lengths: dict[int, int]) -> list[int]:
+    """Every block in one pass (a single sequence, or a backend that mixes lengths)."""
+    return [sum(lengths.values())]
+
+
+@dataclass
+class AutoK:
+    """`--k auto`: every run's K chosen at each step by expected tokens per second (see the module's text)."""
+
+    cost: BlockCost
+    passes: Passes
+    k_max: int = 8
+    overall: AcceptanceRecord = field(default_factory=AcceptanceRecord)
+
+    def choose(self, runs: Sequence[StepRun]) -> list[int]:
+        survival = [run.record.survival(self.k_max, self.overall) for run in runs]
+        caps = [max(0, min(self.k_max, run.room)) for run in runs]
+        return best_ks(survival, caps, [run.seq for run in runs], self.step_seconds)
+
+    def observe(self, asked: int, accepted: int) -> None:
+        self.overall.observe(asked, accepted)
+
+    def step_seconds(self, lengths: dict[int, int]) -> float:
+        """The target's seconds for blocks of these lengths by sequence."""
+        return sum(self.cost.seconds(rows) for rows in self.passes(lengths))
+
+
+def expected_tokens(survival: Sequence[float], k: int) -> float:
+    """Tokens a step commits for a draft of depth k: the target's own, and each accepted draft."""
+    return 1.0 + sum(survival[:k])
+
+
+def best_ks(survival: Sequence[Sequence[float]], caps: Sequence[int], seqs: Sequence[int],
+            seconds: Callable[[dict[int, int]], float]) -> list[int]:
+    """The Ks that maximise expected tokens per second: the best step with one depth K for the drafting runs (each
+    capped, 0 for the rest), then each run's K moved alone while that pays; among equals, the fewest rows."""
+    n = len(caps)
+
+    def rate(ks: list[int]) -> float:
+        return (n + sum(expected_tokens(p, k) - 1.0 for p, k in zip(survival, ks))) / seconds(
+            {s: 1 + k for s, k in zip(seqs, ks)})
+
+    best, best_rate = [0] * n, rate([0] * n)
+    for k in range(1, max(caps, default=0) + 1):
+        depth = [min(k, cap) for cap in caps]
+        ks = [0] * n
+        for i in sorted(range(n), key=lambda i: -expected_tokens(survival[i], depth[i])):
+            if depth[i]:
+                ks[i] = depth[i]
+                if _better(rate(ks), ks, best_rate, best):
+                    best, best_rate = list(ks), rate(ks)
+    return _improve(best, best_rate, caps, rate)
+
+
+def _better(value: float, ks: list[int], best_value: float, best: list[int]) -> bool:
+    return value > best_value + 1e-12 or (abs(value - best_value) <= 1e-12 and sum(ks) < sum(best))
+
+
+def _improve(ks: list[int], value: float, caps: Sequence[int], rate: Callable[[list[int]], float]) -> list[int]:
+    """Move one run's K at a time to its best while the step's rate grows (a few sweeps at most)."""
+    for _ in range(3):
+        moved = False
+        for i, cap in enumerate(caps):
+            for k in range(cap + 1):
+                trial = ks[:i] + [k] + ks[i + 1:]
+                if k != ks[i] and _better(rate(trial), trial, value, ks):
+                    ks, value, moved = trial, rate(trial), True
+        if not moved:
+            break
+    return ks
+
+
+def llama_passes(lengths: dict[int, int], n_ubatch: int = 512) -> list[int]:
+    """Rows of each pass llama.cpp runs for blocks in KV streams of their own (`llama_batch_allocr::split_equal`,
+    sequential): a pass takes the run of consecutive sequence ids from the lowest with tokens left, the same number of
+    tokens from each (the fewest any has left)."""
+    left = dict(sorted((s, n) for s, n in lengths.items() if n > 0))
+    out = []
+    while left:
+        seqs = list(left)
+        group = [seqs[0]]
+        for s in seqs[1:]:
+            if s != group[-1] + 1 or len(group) >= n_ubatch:
+                break
+            group.append(s)
+        take = max(1, min(min(left[s] for s in group), n_ubatch // len(group)))
+        out.append(take * len(group))
+        for s in group:
+            left[s] -= take
+            if left[s] == 0:
+                del left[s]
+    return out

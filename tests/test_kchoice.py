@@ -1,0 +1,112 @@
+"""`--k auto`: every run's K chosen at the step by expected tokens per second, against brute force; the passes
+llama.cpp splits a step into; the acceptance record."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from draftlab.decoding.kchoice import (AcceptanceRecord, AutoK, BlockCost, LoadK, StepRun, best_ks, expected_tokens,
+                                       llama_passes, one_pass)
+from draftlab.errors import DraftlabError
+
+# One row 7 ms, then about 1 ms a row: SmolLM2's pure Q4_0 on the exact kernels (blocks of 16 at ~3.1x one row).
+COST = BlockCost(((1, 0.007), (2, 0.0078), (4, 0.0092), (8, 0.0128), (16, 0.0216), (32, 0.039)))
+
+
+def rate(survival, ks, seqs, seconds) -> float:
+    return sum(expected_tokens(p, k) for p, k in zip(survival, ks)) / seconds({s: 1 + k for s, k in zip(seqs, ks)})
+
+
+def brute(survival, caps, seqs, seconds, family: bool) -> float:
+    """The best rate over every K per run (family: the drafting runs at one depth K, each capped)."""
+    if family:
+        vectors = ([min(k, c) if on else 0 for c, on in zip(caps, mask)]
+                   for k in range(0, max(caps) + 1) for mask in itertools.product((0, 1), repeat=len(caps)))
+    else:
+        vectors = itertools.product(*[range(c + 1) for c in caps])
+    return max(rate(survival, list(ks), seqs, seconds) for ks in vectors)
+
+
+def random_case(rng: random.Random, n: int, k_max: int):
+    survival = []
+    for _ in range(n):
+        alpha = rng.choice([0.0, 0.2, 0.5, 0.8, 0.95, 1.0])
+        survival.append([alpha ** (d + 1) for d in range(k_max)])
+    caps = [rng.randint(0, k_max) for _ in range(n)]
+    return survival, caps
+
+
+@pytest.mark.parametrize("passes", [llama_passes, one_pass], ids=["llama-streams", "one-pass"])
+def test_the_choice_equals_brute_force_over_one_depth_per_step(passes):
+    """Every run with room for K_max drafts (a request not near its end): the search is exact over one depth per
+    step, and within 5% of the best K per run; near their ends (rooms apart), within 5% of the best K per run."""
+    rng = random.Random(0)
+    seconds = lambda lengths: sum(COST.seconds(r) for r in passes(lengths))  # noqa: E731
+    full_wins = 0
+    for case in range(300):
+        n = rng.randint(1, 4)
+        survival, caps = random_case(rng, n, 5)
+        if case % 2:
+            caps = [5] * n
+        seqs = list(range(n))
+        ks = best_ks(survival, caps, seqs, seconds)
+        assert all(0 <= k <= c for k, c in zip(ks, caps))
+        chosen, full = rate(survival, ks, seqs, seconds), brute(survival, caps, seqs, seconds, False)
+        if case % 2:
+            assert chosen >= brute(survival, caps, seqs, seconds, True) - 1e-9
+        assert chosen >= 0.95 * full
+        full_wins += chosen < full - 1e-9
+    assert full_wins <= 6  # of 300: the search is the optimum over every K per run in nearly every step
+
+
+def test_k_falls_as_rows_get_dearer():
+    survival = [[0.8 ** (d + 1) for d in range(8)]] * 4
+    ks = []
+    for per_row in (0.0, 0.0005, 0.002, 0.004, 0.007):  # up to a row as dear as a pass over the weights
+        cost = BlockCost(((1, 0.007), (64, 0.007 + 63 * per_row)))
+        seconds = lambda lengths, cost=cost: sum(cost.seconds(r) for r in llama_passes(lengths))  # noqa: E731
+        ks.append(max(best_ks(survival, [8] * 4, range(4), seconds)))
+    assert ks == sorted(ks, reverse=True) and ks[0] == 8 and ks[-1] == 0
+
+
+def test_a_run_whose_drafts_are_never_accepted_stops_drafting():
+    chooser = AutoK(COST, llama_passes, k_max=6)
+    copying, never = AcceptanceRecord(), AcceptanceRecord()
+    for _ in range(20):
+        copying.observe(6, 6)
+        chooser.observe(6, 6)
+        never.observe(6, 0)
+        chooser.observe(6, 0)
+    ks = chooser.choose([StepRun(0, 1, 100, copying)] + [StepRun(s, 1, 100, never) for s in (1, 2, 3)])
+    assert ks[0] > 0 and ks[1:] == [0, 0, 0]
+    # Alone, it never drafts either; a fresh run (no record) drafts on what every run so far accepted.
+    assert chooser.choose([StepRun(0, 1, 100, never)]) == [0]
+    assert chooser.choose([StepRun(0, 1, 3, AcceptanceRecord())])[0] in (1, 2, 3)
+
+
+def test_the_record_is_the_share_of_steps_whose_first_d_drafts_were_accepted():
+    record = AcceptanceRecord()
+    record.observe(3, 3)
+    record.observe(3, 1)
+    record.observe(2, 0)
+    assert record.asked == [3, 3, 2] and record.accepted == [2, 1, 1]
+    assert record.survival(3, None, weight=0) == [2 / 3, 1 / 3, 1 / 3]
+    assert record.survival(4, None, weight=0)[3] == 1 / 3  # never asked: no higher than the depth before it
+
+
+def test_llama_cpp_splits_unequal_blocks_and_gaps_into_passes():
+    assert llama_passes({0: 3, 1: 3, 2: 3}) == [9]
+    assert llama_passes({0: 1, 1: 4}) == [2, 3]
+    assert llama_passes({0: 2, 2: 2}) == [2, 2]  # slot 1 free: not consecutive
+    assert llama_passes({0: 1000}) == [512, 488]
+
+
+def test_a_cost_curve_needs_rows_from_one_and_load_rows_still_parse():
+    assert COST.seconds(1) == 0.007 and COST.seconds(3) == pytest.approx(0.0085)
+    assert COST.seconds(64) > COST.seconds(32)
+    with pytest.raises(DraftlabError):
+        BlockCost(((2, 0.1), (4, 0.2)))
+    assert LoadK.parse("1-2:6,3-4:3").choose([StepRun(0, 1, 9, AcceptanceRecord())] * 3) == [3, 3, 3]
