@@ -1,0 +1,84 @@
+"""The engine's one batched step under `draftlab serve` on the real SmolLM2 (pure Q4_0 on the exact kernels): the
+step that `draftlab generate`, a study's cell and a served request all run; `--k auto`; prompts of 20-2000 tokens
+prefilled in chunks between the steps of the requests decoding, each request's tokens still those it gets alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from draftlab.api import SpeculativeDecoder, prompt_ids
+from draftlab.engine import SpeculativeEngine
+from draftlab.files.datasets import load_prompts
+from draftlab.measure import EncodedPrompt, RunSettings, measure_prompt
+from draftlab.models import load_model
+from draftlab.serving.build import ServeSettings, build_served
+from tests.serve_jobs import serve_jobs
+
+pytestmark = pytest.mark.integration
+TARGET = "smollm2-135m@Q4_0_PURE"
+TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_model(TARGET, backend="llamacpp")
+
+
+@pytest.fixture(scope="module")
+def prompts(target):
+    return [prompt_ids(target.tokenizer, p) for p in load_prompts("heldout", 8)]
+
+
+@pytest.fixture(scope="module")
+def decoder(target):
+    return SpeculativeDecoder.from_names(target, drafter="none", k=1, backend="llamacpp")
+
+
+def test_generate_a_cell_and_a_served_request_run_the_one_step(monkeypatch, decoder, prompts):
+    calls: list[int] = []
+    step = SpeculativeEngine.step
+
+    def counted(engine, runs):
+        calls.append(len(runs))
+        return step(engine, runs)
+
+    monkeypatch.setattr(SpeculativeEngine, "step", counted)
+    out = decoder.generate(prompts[0], max_new_tokens=12, temperature=0)
+    assert len(calls) == out.stats.steps == 12
+    measure_prompt({"plain": decoder}, EncodedPrompt("p", "qa", prompts[1]), RunSettings(10, temperature=0))
+    assert len(calls) == 12 + 10
+    served = build_served(ServeSettings(TARGET, "ngram", None, slots=2, context=2048))
+    served.scheduler.start()
+    try:
+        answers = serve_jobs(served, [(prompts[0], 12, 0.0), (prompts[2], 12, 0.0)])
+    finally:
+        served.scheduler.stop()
+    assert answers[0] == out.token_ids
+    served_steps = calls[22:]
+    assert served_steps and served.metrics.batches == len(served_steps) and max(served_steps) == 2
+
+
+@pytest.mark.parametrize("target_name, drafter", [(TARGET, "ngram"), (TARGET, "suffix"), ("smollm2-135m@IQ4_NL", "ngram")])
+def test_long_prompts_prefill_in_chunks_beside_decoding_and_each_request_decodes_as_alone(prompts, target_name,
+                                                                                         drafter):
+    """Prompts of 20 to ~2000 tokens, the long ones joining while short ones decode, `--k auto`: each request's
+    greedy tokens equal `draftlab generate`'s plain decoding, and the long prompts' chunks were prefilled between
+    the steps of requests decoding. IQ4_NL prefills on its repacked twin, whose rows depend on the chunks: they lie
+    where a whole prefill puts them."""
+    decoder = SpeculativeDecoder.from_names(target_name, drafter="none", k=1, backend="llamacpp")
+    long = [prompts[5] + prompts[1] + prompts[0] + prompts[4], prompts[5] + prompts[3]]  # ~1790 and ~1410 tokens
+    assert 1700 <= len(long[0]) <= 2000 and len(long[1]) > 1024
+    mixed = [prompts[2][:20], long[0], prompts[6], long[1], prompts[7]]
+    alone = [decoder.generate(ids, max_new_tokens=TOKENS, temperature=0).token_ids for ids in mixed]
+    served = build_served(ServeSettings(target_name, drafter, None, slots=4, context=4096))
+    served.scheduler.start()
+    try:
+        answers = serve_jobs(served, [(mixed[0], TOKENS, 0.0), (mixed[2], TOKENS, 0.0), (mixed[1], TOKENS, 0.05),
+                                      (mixed[3], TOKENS, 0.0), (mixed[4], TOKENS, 0.3)])
+    finally:
+        served.scheduler.stop()
+    assert [answers[0], answers[2], answers[1], answers[3], answers[4]] == alone
+    metrics = served.metrics
+    assert metrics.prefill_chunks >= 4 + 3 + 3  # 1790 tokens in 4 chunks of 512, 1410 in 3, and the short ones
+    assert metrics.prefill_chunks_beside >= 4  # long prompts' chunks between the steps of requests decoding
+    assert metrics.drafted > 0
