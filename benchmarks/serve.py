@@ -1,8 +1,10 @@
-"""draftlab serve against llama-server, both started here on 127.0.0.1, at 1, 2 and 4 requests in flight, in one run.
+"""draftlab serve against llama-server, both started here on 127.0.0.1, at 1, 4, 8 and 16 requests in flight, in one run.
 
-Servers, one at a time (none runs beside another): llama-server's plain decoding and its own speculation (each type at
-the pick's length), draftlab serve's plain decoding and its pick (a drafter and K per requests in flight). Each serves
-the same prompt sets in windows of c requests at once (every request prefills), greedy. Per server, level and set:
+Servers of `--slots` slots (levels above it queue), one at a time (none runs beside another), a fresh server per set
+and level (so no server answers a prompt twice: a drafter that learns across requests would know the answer):
+llama-server's plain decoding and its own speculation (each type at the pick's length), draftlab serve's plain
+decoding, `--k auto` with the pick's drafter, and its pick (a drafter and K per requests in flight). Each serves the
+same prompt sets in windows of c requests at once (every request prefills), greedy. Per server, level and set:
 aggregate tokens/s (every request's tokens over the windows' wall time), mean latency per request, and how many
 outputs equal draftlab's plain decoding (`draftlab generate`, in this process). The host's CPU flags are printed
 with the figures; the last line is one JSON document.
@@ -45,7 +47,8 @@ def main() -> None:
     parser.add_argument("--datasets", default="heldout,code-edit")
     parser.add_argument("--limit", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--levels", default="1,2,4")
+    parser.add_argument("--levels", default="1,4,8,16")
+    parser.add_argument("--slots", type=int, default=4, help="every server's slots (requests decoded at once)")
     parser.add_argument("--pick", default="suffix", help="draftlab serve's drafter")
     parser.add_argument("--k-per-load", default="1-4:6", help="its K per requests in flight")
     parser.add_argument("--server-types", default="ngram-simple,ngram-mod", help="llama-server's own, at the pick's K")
@@ -54,7 +57,7 @@ def main() -> None:
     args = parser.parse_args()
 
     levels = [int(c) for c in args.levels.split(",")]
-    slots = max(levels)
+    slots = args.slots
     k = int(args.k_per_load.split(",")[0].split(":")[1])
     reference = SpeculativeDecoder.from_names(args.target, drafter="none", k=1, backend="llamacpp")
     sets = {name: [prompt_ids(reference.target.tokenizer, p) for p in load_prompts(name, args.limit)]
@@ -68,20 +71,22 @@ def main() -> None:
             lambda logs, t=spec_type: LlamaServer(spec_config(model, t, k, slots), logs))
     servers["draftlab serve plain"] = lambda logs: DraftlabServer(
         ServeConfig(args.target, "none", "1:0", slots, CONTEXT), logs)
+    servers[f"draftlab serve {args.pick} auto"] = lambda logs: DraftlabServer(
+        ServeConfig(args.target, args.pick, "auto", slots, CONTEXT), logs)
     servers[f"draftlab serve {args.pick} {args.k_per_load}"] = lambda logs: DraftlabServer(
         ServeConfig(args.target, args.pick, args.k_per_load, slots, CONTEXT), logs)
     settings = RunSettings(args.max_new_tokens, temperature=0.0)
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for name, make in servers.items():
-            with make(Path(scratch)) as server:
-                run = server.contender(CONTEXT, reuse=False)
-                run.run(sets[next(iter(sets))][0], RunSettings(8, temperature=0.0))  # warm-up
-                for dataset, prompts in sets.items():
-                    for level in levels:
+            for dataset, prompts in sets.items():
+                for level in levels:
+                    with make(Path(scratch)) as server:  # fresh: it has answered none of these prompts
+                        run = server.contender(CONTEXT, reuse=False)
+                        run.run([1, 2, 3], RunSettings(8, temperature=0.0))  # warm-up, on no prompt of a set
                         rows.append({"server": name, "dataset": dataset, "level": level,
                                      **_windows(run, prompts, plain[dataset], level, settings)})
-                        print(_row(rows[-1]), flush=True)
+                    print(_row(rows[-1]), flush=True)
         soak = _soak(servers, sets, args, Path(scratch)) if args.soak else None
     print(_table(rows))
     flags = " ".join(sorted(cpu_flags() & set(HOST_FLAGS)))

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from draftlab.api import prompt_ids
 from draftlab.backends import LLAMA_SERVER, engine_of_backend
 from draftlab.backends.base import ROUNDING
-from draftlab.files.datasets import load_prompts
+from draftlab.files.datasets import Prompt, load_prompts
 from draftlab.errors import DraftlabError, NothingToMeasure
 from draftlab.contenders.served import ServerExited
 from draftlab.contenders.server_configs import ServerPool
@@ -124,7 +124,9 @@ def _start_group(run: SweepRun, group: Group) -> GroupRun:
             first = min(encoded[name].values(), key=lambda p: len(p.ids))  # the cheapest; it fits if any does
             run.targets[name].runner.warm_up(pending, first, lambda cell: run.crashes.start(cell.key, "its warm-up"))
     order = _race_order(group, encoded) if run.config.race_after else [p.id for p in group.prompts]
-    return GroupRun(group, cells, encoded, plan_prompts(run, group, cells, encoded, order))
+    companions = {name: [EncodedPrompt(p.id, p.category, prompt_ids(run.targets[name].runner.target.tokenizer, p))
+                         for p in group.companions] for name in cells}
+    return GroupRun(group, cells, encoded, plan_prompts(run, group, cells, encoded, order), companions)
 
 
 def _run_group(run: SweepRun, group: Group) -> int:
@@ -157,7 +159,7 @@ def _run_index(run: SweepRun, going: GroupRun, index: int) -> int:
     load = max(run.config.concurrency) - 1
     prompt_id = going.order[index]
     return sum(_run_prompt(run, run.targets[name], its_cells, going.encoded[name][prompt_id],
-                           tuple(going.encoded[name][p] for p in _companions(going.order, index, load)))
+                           companions(going.companions.get(name, []), index, load))
                for name, its_cells in going.cells.items())
 
 
@@ -169,9 +171,10 @@ def _race_order(group: Group, encoded: dict[str, dict[str, EncodedPrompt]]) -> l
     return race_order([p.id for p in group.prompts], lengths, {p.id: p.category for p in group.prompts})
 
 
-def _companions(prompts: list[str], index: int, count: int) -> list[str]:
-    """The prompts sent beside prompt `index` under load: the next `count` of its group, wrapping around."""
-    return [prompts[(index + j) % len(prompts)] for j in range(1, count + 1)]
+def companions(pool: list[EncodedPrompt], index: int, count: int) -> tuple[EncodedPrompt, ...]:
+    """The prompts sent beside timed prompt `index` under load: `count` of the group's companions (never timed),
+    taken in turn."""
+    return tuple(pool[(index + j) % len(pool)] for j in range(count)) if pool else ()
 
 
 def _run_prompt(run: SweepRun, target: TargetRun, cells: list[Cell], prompt: EncodedPrompt,
@@ -291,10 +294,31 @@ def _record_params(store: ResultsStore, runner: CellRunner, config: SweepConfig,
 
 
 def plan(config: SweepConfig) -> list[Group]:
-    """One group per (dataset, temperature), with the cells of every target."""
+    """One group per (dataset, temperature), with the cells of every target, and the companions its prompts are
+    timed beside under load."""
+    load = max(config.concurrency) - 1
     prompts = {d: load_prompts(d, config.limit, config.skip) for d in config.datasets}
-    return [Group(d, temp, prompts[d], {t: config.cells(t, d, temp) for t in config.targets})
+    pools = {d: companion_pool(d, prompts[d], load, config.skip) for d in config.datasets}
+    return [Group(d, temp, [p for p in prompts[d] if p not in pools[d]], {t: config.cells(t, d, temp)
+                                                                            for t in config.targets}, pools[d])
             for d in config.datasets for temp in config.temperatures]
+
+
+def companion_pool(dataset: str, timed: list[Prompt], load: int, skip: int) -> list[Prompt]:
+    """`load` prompts of the dataset past the timed ones, never timed themselves; where it has none left, the last
+    of the timed prompts are held back as companions instead (untimed); none without load."""
+    if load <= 0:
+        return []
+    try:
+        spare = load_prompts(dataset, load + len(timed), skip + len(timed))
+    except DraftlabError:  # the dataset holds no more prompts
+        spare = []
+    ids = {p.id for p in timed}
+    spare = [p for p in spare if p.id not in ids][:load]
+    if spare:
+        return spare
+    held = min(load, len(timed) - 1)
+    return timed[-held:] if held > 0 else []
 
 
 def _identical(store: ResultsStore, cell: Cell, prompt_id: str, output_sha: str) -> bool | None:

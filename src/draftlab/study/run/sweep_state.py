@@ -44,6 +44,8 @@ class Group:
     temperature: float
     prompts: list[Prompt]
     cells: dict[str, list[Cell]]  # target name -> its cells
+    companions: list[Prompt] = field(default_factory=list)  # sent beside a timed prompt under load, never timed:
+    # a server never answers a prompt before its timed run (a drafter that learns across requests would know it)
 
 
 @dataclass
@@ -79,6 +81,7 @@ class GroupRun:
     cells: dict[str, list[Cell]]
     encoded: dict[str, dict[str, EncodedPrompt]]
     order: list[str]
+    companions: dict[str, list[EncodedPrompt]] = field(default_factory=dict)  # per target, the group's companions
 
 
 def words(cell: Cell) -> str:
