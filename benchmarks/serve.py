@@ -13,7 +13,7 @@ with the figures; the last line is one JSON document.
 --soak-requests in all), counting answers, 429s, other errors and requests lost, and the server's memory before
 and after.
 
-    python benchmarks/serve.py                                   # SmolLM2 pure Q4_0, suffix K=6, quick + code edits
+    python benchmarks/serve.py --repeat 3                        # SmolLM2 pure Q4_0, quick, code edits, long context
     python benchmarks/serve.py --pick suffix --k-per-load 1-2:6,3-4:4 --soak 300
 """
 
@@ -44,8 +44,10 @@ CONTEXT = 4096  # per slot
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="smollm2-135m@Q4_0_PURE")
-    parser.add_argument("--datasets", default="heldout,code-edit")
-    parser.add_argument("--limit", type=int, default=8)
+    parser.add_argument("--datasets", default="heldout,code-edit,long-context")
+    parser.add_argument("--limit", type=int, default=16)
+    parser.add_argument("--repeat", type=int, default=1, help="runs of everything, in turns: each figure's median "
+                                                              "and range")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--levels", default="1,4,8,16")
     parser.add_argument("--slots", type=int, default=4, help="every server's slots (requests decoded at once)")
@@ -78,15 +80,16 @@ def main() -> None:
     settings = RunSettings(args.max_new_tokens, temperature=0.0)
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
-        for name, make in servers.items():
-            for dataset, prompts in sets.items():
-                for level in levels:
-                    with make(Path(scratch)) as server:  # fresh: it has answered none of these prompts
-                        run = server.contender(CONTEXT, reuse=False)
-                        run.run([1, 2, 3], RunSettings(8, temperature=0.0))  # warm-up, on no prompt of a set
-                        rows.append({"server": name, "dataset": dataset, "level": level,
-                                     **_windows(run, prompts, plain[dataset], level, settings)})
-                    print(_row(rows[-1]), flush=True)
+        for repeat in range(args.repeat):
+            for name, make in servers.items():
+                for dataset, prompts in sets.items():
+                    for level in levels:
+                        with make(Path(scratch)) as server:  # fresh: it has answered none of these prompts
+                            run = server.contender(CONTEXT, reuse=False)
+                            run.run([1, 2, 3], RunSettings(8, temperature=0.0))  # warm-up, on no prompt of a set
+                            rows.append({"server": name, "dataset": dataset, "level": level, "repeat": repeat,
+                                         **_windows(run, prompts, plain[dataset], level, settings)})
+                        print(_row(rows[-1]), flush=True)
         soak = _soak(servers, sets, args, Path(scratch)) if args.soak else None
     print(_table(rows))
     flags = " ".join(sorted(cpu_flags() & set(HOST_FLAGS)))
@@ -148,17 +151,29 @@ def _soak(servers, sets, args, logs: Path) -> dict:
 
 
 def _row(row: dict) -> str:
-    return (f"{row['server']:<40}{row['dataset']:<10}{row['level']:>3}{row['tokens_per_s']:>9.1f}"
+    return (f"{row['server']:<40}{row['dataset']:<13}{row['level']:>3}{row['tokens_per_s']:>9.1f}"
             f"{row['latency_s']:>9.2f}{row['identical']:>4}/{row['prompts']}")
 
 
 def _table(rows: list[dict]) -> str:
-    """Each row, and its aggregate tok/s over llama-server's plain decoding at the same set and level."""
-    base = {(r["dataset"], r["level"]): r["tokens_per_s"] for r in rows if r["server"] == "llama-server plain"}
-    lines = [f"{'server':<40}{'set':<10}{'c':>3}{'tok/s':>9}{'lat s':>9}{'same':>6}  x llama-server plain"]
-    for r in sorted(rows, key=lambda r: (r["dataset"], r["level"], -r["tokens_per_s"])):
-        ratio = r["tokens_per_s"] / base[(r["dataset"], r["level"])] if (r["dataset"], r["level"]) in base else 0
-        lines.append(f"{_row(r)}  {ratio:.2f}x")
+    """Per server, set and level over the repeats: median tok/s (range), median latency, outputs equal to plain,
+    and the median's ratio to llama-server's plain decoding and to draftlab serve's plain at the same set and level."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["server"], r["dataset"], r["level"]), []).append(r)
+    median = {key: statistics.median(r["tokens_per_s"] for r in runs) for key, runs in groups.items()}
+    lines = [f"{'server':<40}{'set':<13}{'c':>3}{'tok/s':>8}{'range':>15}{'lat s':>7}{'same':>8}  x llama plain  "
+             "x draftlab plain"]
+    for (server, dataset, level), runs in sorted(groups.items(), key=lambda g: (g[0][1], g[0][2], -median[g[0]])):
+        tps = [r["tokens_per_s"] for r in runs]
+        same = sum(r["identical"] for r in runs)
+        llama = median.get(("llama-server plain", dataset, level))
+        own = median.get(("draftlab serve plain", dataset, level))
+        lines.append(f"{server:<40}{dataset:<13}{level:>3}{median[(server, dataset, level)]:>8.1f}"
+                     f"{f'{min(tps):.1f}-{max(tps):.1f}':>15}{statistics.median(r['latency_s'] for r in runs):>7.2f}"
+                     f"{same:>4}/{sum(r['prompts'] for r in runs):<3}"
+                     f"  {median[(server, dataset, level)] / llama if llama else 0:>6.2f}x"
+                     f"  {median[(server, dataset, level)] / own if own else 0:>12.2f}x")
     return "\n".join(lines)
 
 

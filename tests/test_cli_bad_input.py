@@ -163,6 +163,17 @@ def cases(root):
                                     str(root / "prompts.jsonl" / "x.csv")],
         "sweep db under a file": ["sweep", "--db", str(root / "prompts.jsonl" / "s.sqlite"), "--targets",
                                   str(root / "tiny"), "--datasets", str(root / "prompts.jsonl")],
+        # draftlab serve: refused before it loads anything or listens
+        "serve k -1": ["serve", "--drafter", "ngram", "--k", "-1"],
+        "serve k not a number": ["serve", "--drafter", "ngram", "--k", "many"],
+        "serve k-max 0": ["serve", "--drafter", "suffix", "--k-max", "0"],
+        "serve k and k-per-load": ["serve", "--drafter", "ngram", "--k", "3", "--k-per-load", "1:3"],
+        "serve k-per-load with a gap": ["serve", "--drafter", "ngram", "--k-per-load", "1:3,3-4:2"],
+        "serve max-in-flight 0": ["serve", "--max-in-flight", "0"],
+        "serve torch dtype on llama.cpp": ["serve", "--dtype", "bf16"],
+        "serve repack on torch": ["serve", "--backend", "auto", "--numerics", "repack"],
+        "serve from a missing study": ["serve", "--from", str(root / "nowhere")],
+        "serve from with a drafter": ["serve", "--from", str(root), "--drafter", "ngram"],
         # trees larger than a block may hold
         "generate tree past the block limit": [*gen, "--drafter", "tree:40x40:layers:0-1", "--k", "2"],
         "generate tree deeper than a block": [*gen, "--drafter", "tree:63:layers:0-1", "--k", "10",

@@ -17,6 +17,8 @@ from __future__ import annotations
 import itertools
 
 import pytest
+
+from tests.required import ARCTIC, module_or_skip
 import torch
 from scipy.stats import chisquare
 
@@ -101,10 +103,11 @@ SAMPLINGS = {
     "t1": SamplingConfig(1.0),
     "t0.8-top3": SamplingConfig(0.8, top_k=3),
     "t1-top0.85": SamplingConfig(1.0, top_p=0.85),
+    "t0.9-top5-minp0.1": SamplingConfig(0.9, top_k=5, min_p=0.1),  # what draftlab serve's top_k and min_p set
 }
 
 
-@pytest.mark.parametrize("draft, name", matrix({("noisy", "t1"), ("adversarial", "t0.8-top3")}, ["noisy", "adversarial"],
+@pytest.mark.parametrize("draft, name", matrix({("noisy", "t1"), ("adversarial", "t0.8-top3"), ("noisy", "t0.9-top5-minp0.1")}, ["noisy", "adversarial"],
                                               sorted(SAMPLINGS)))
 @pytest.mark.slow  # statistical: `pytest -m slow`, which CI runs too
 def test_engine_joint_distribution_equals_target(toy, name, draft):
@@ -134,7 +137,7 @@ def test_ngram_drafts_keep_the_joint_distribution(toy, name):
 def test_suffix_drafts_keep_the_joint_distribution(toy, spec):
     """Suffix decoding (chains, and trees of the continuations earlier runs took) over a cache that learns from
     every earlier run: what it proposes changes from run to run, and the output distribution does not."""
-    pytest.importorskip("arctic_inference")
+    module_or_skip("arctic_inference", ARCTIC, "suffix decoding needs arctic-inference (./run.sh installs it)")
     drafter = build_drafter(spec, toy).drafter
     engine = SpeculativeEngine(FastLlamaBackend(toy.model), drafter, FixedK(K), context_length=512)
     counts, first_drafted = empirical_joint(engine, SAMPLINGS["t1"])

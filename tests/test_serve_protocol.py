@@ -8,7 +8,8 @@ import pytest
 
 from draftlab.errors import DraftlabError
 from draftlab.serving.metrics import ServeMetrics
-from draftlab.serving.protocol import ApiError, TextStream, parse_request
+from draftlab.serving.answers import TextStream
+from draftlab.serving.protocol import ApiError, parse_request
 from draftlab.serving.scheduler import LoadK
 
 
@@ -20,13 +21,13 @@ def test_a_completion_request_keeps_what_users_send():
     request = parse({"model": "m", "prompt": "Hi", "max_tokens": 5, "temperature": 0, "top_p": 0.9, "seed": 3,
                      "stop": "\n", "stream": True, "stream_options": {"include_usage": True}, "n": 1,
                      "logprobs": None})
-    assert (request.prompt, request.max_tokens, request.temperature, request.top_p, request.seed) == ("Hi", 5, 0, 0.9, 3)
-    assert request.stop == ("\n",) and request.stream and request.include_usage and not request.chat
+    assert (request.prompt, request.max_new, request.temperature, request.top_p, request.seed) == ("Hi", 5, 0, 0.9, 3)
+    assert request.stops == ("\n",) and request.stream and request.include_usage and not request.chat
     assert parse({"prompt": [[1, 2, 3]]}).prompt == [1, 2, 3]  # token ids, one prompt in a list
     chat = parse({"messages": [{"role": "developer", "content": [{"type": "text", "text": "be brief"}]},
                                {"role": "user", "content": "Hi"}], "max_completion_tokens": 4}, chat=True)
-    assert chat.messages == ({"role": "system", "content": "be brief"}, {"role": "user", "content": "Hi"})
-    assert chat.max_tokens == 4
+    assert chat.turns == ({"role": "system", "content": "be brief"}, {"role": "user", "content": "Hi"})
+    assert chat.max_new == 4 and chat.chat
 
 
 @pytest.mark.parametrize("body, chat, field", [
@@ -42,6 +43,14 @@ def test_a_completion_request_keeps_what_users_send():
     ({"prompt": "x", "logprobs": 2}, False, "logprobs"),
     ({"prompt": "x", "echo": True}, False, "echo"),
     ({"prompt": "x", "presence_penalty": 0.5}, False, "presence_penalty"),
+    ({"prompt": "x", "repetition_penalty": 1.1}, False, "repetition_penalty"),
+    ({"prompt": "x", "min_tokens": 4}, False, "min_tokens"),
+    ({"prompt": "x", "stop_token_ids": [2]}, False, "stop_token_ids"),
+    ({"prompt": "x", "guided_json": {"type": "object"}}, False, "guided_json"),
+    ({"prompt": "x", "top_k": 2.5}, False, "top_k"),
+    ({"prompt": "x", "top_k": -2}, False, "top_k"),
+    ({"prompt": "x", "min_p": 1.5}, False, "min_p"),
+    ({"prompt": "x", "ignore_eos": "yes"}, False, "ignore_eos"),
     ({"prompt": "x", "temperature": 3}, False, "temperature"),
     ({"prompt": "x", "temperature": "hot"}, False, "temperature"),
     ({"prompt": "x", "stop": ["a", 1]}, False, "stop"),
@@ -58,14 +67,35 @@ def test_each_bad_field_is_one_error_naming_it(body, chat, field):
     assert caught.value.status == 400 and error["param"] == field and error["message"] and "\n" not in error["message"]
 
 
-def test_text_streams_whole_characters_and_stops_before_a_stop_string():
+def test_top_k_min_p_and_ignore_eos_are_honoured_and_unknown_fields_logged(caplog):
+    request = parse({"prompt": "x", "top_k": 5, "min_p": 0.1, "ignore_eos": True, "repetition_penalty": 1.0,
+                     "user": "me", "frobnicate": 3})
+    assert (request.top_k_or_off, request.min_p, request.ignore_eos) == (5, 0.1, True)
+    assert parse({"prompt": "x", "top_k": -1}).top_k_or_off == 0 and not parse({"prompt": "x"}).ignore_eos
+    assert "frobnicate" in caplog.text and "user" not in caplog.text
+
+
+def test_text_streams_each_token_once_and_stops_before_a_stop_string():
     pieces = {1: "Hel", 2: "lo", 3: " wor", 4: "ld", 5: "!"}
-    stream = TextStream(lambda ids: "".join(pieces[i] for i in ids), ("wor",))
+    decoded = []
+    stream = TextStream(lambda token: decoded.append(token) or pieces[token], ("wor",))
     out = "".join(stream.push([i]) for i in (1, 2, 3, 4)) + stream.close()
-    assert out == "Hello " and stream.text == "Hello "
-    texts = {(1,): "a", (1, 2): "a\ufffd", (1, 2, 3): "aé"}  # a character whose bytes came in two tokens
-    stream = TextStream(lambda ids: texts[tuple(ids)], ())
+    assert out == "Hello " and stream.text == "Hello " and decoded == [1, 2, 3, 4]  # each token decoded once
+    stream = TextStream(lambda token: pieces[token], ("lo w", "!"))  # a stop string across tokens
+    assert "".join(stream.push([i]) for i in (1, 2, 3, 4, 5)) + stream.close() == "Hel"
+    held = {1: "a", 2: None, 3: "é"}  # a character whose bytes came in two tokens: the detokenizer holds it back
+    stream = TextStream(lambda token: held[token], ())
     assert [stream.push([1]), stream.push([2]), stream.push([3]), stream.close()] == ["a", "", "é", ""]
+
+
+def test_the_served_detokenizer_streams_what_the_tokenizer_decodes_whole():
+    from draftlab.models import gguf_tokenizer
+    from draftlab.serving.build import stream_decoder
+
+    tokenizer = gguf_tokenizer("smollm2-135m")
+    ids = tokenizer("naïve café 🍕 def f(x):\n    return x  <|im_end|> 中文")["input_ids"] + list(range(30000, 30200))
+    stream = TextStream(stream_decoder(tokenizer)(), ())
+    assert "".join(stream.push([i]) for i in ids) + stream.close() == tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def test_k_per_load_reads_the_studys_rows_and_refuses_gaps():
@@ -77,15 +107,25 @@ def test_k_per_load_reads_the_studys_rows_and_refuses_gaps():
             LoadK.parse(bad)
 
 
-def test_metrics_are_prometheus_text():
+def test_metrics_are_prometheus_text_with_vllms_names_and_histograms():
+    from prometheus_client.parser import text_string_to_metric_families
+
     metrics = ServeMetrics(k_rows="1:4")
     metrics.step(2, [4, 0], 6)
     metrics.tokens(4, 3, 0.02)
-    metrics.finished("ok")
+    metrics.first_token(0.3)
+    metrics.finished("ok", 1.5)
     text = metrics.text()
-    assert 'draftlab:request_total{outcome="ok"} 1' in text
-    assert "draftlab:spec_decode_num_accepted_tokens_total 2" in text and "draftlab:k_in_use 4" in text
-    assert "draftlab:rows_per_step 6" in text and "draftlab:requests_drafting 1" in text
+    families = {f.name: f for f in text_string_to_metric_families(text)}  # parses as Prometheus text
+    assert 'draftlab:request_total{outcome="ok"} 1.0' in text
+    assert "draftlab:spec_decode_num_accepted_tokens_total 2.0" in text and "draftlab:k_in_use 4.0" in text
+    assert "draftlab:rows_per_step 6.0" in text and "draftlab:requests_drafting 1.0" in text
+    for name in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds",
+                 "tokens_per_step"):
+        assert families[f"draftlab:{name}"].type == "histogram"
+    assert 'draftlab:e2e_request_latency_seconds_bucket{le="2.5"} 1.0' in text
     metrics.idle()
-    assert "draftlab:num_requests_running 0" in metrics.text() and "draftlab:k_in_use 0" in metrics.text()
-    assert all(line.startswith("#") or len(line.split()) == 2 for line in text.splitlines())
+    assert "draftlab:num_requests_running 0.0" in metrics.text() and "draftlab:k_in_use 0.0" in metrics.text()
+    assert ServeMetrics().text() != text  # each server its own registry
+
+

@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from tests.required import ARCTIC, unless
+
 from draftlab.measure import RunSettings
 from draftlab.drafters import suffix
 from draftlab.drafters.suffix import SuffixCache, SuffixDrafter, SuffixOptions
@@ -15,7 +17,7 @@ from draftlab.decoding.policy import FixedK
 from draftlab.registry import parse_drafter_spec
 from draftlab.decoding.sampling import SamplingConfig
 
-pytestmark = pytest.mark.skipif(not suffix.available(), reason=suffix.INSTALL_HINT)
+pytestmark = unless(suffix.available(), ARCTIC, suffix.INSTALL_HINT)
 
 GREEDY = SamplingConfig()
 TEXT = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.required import LLAMA_CPP, module_or_skip
+
 ROOT = Path(__file__).resolve().parents[2]
 AMX = "ggml_backend_amx"
 
@@ -24,7 +26,7 @@ def installed_ggml() -> list[Path]:
 
     spec = find_spec("llama_cpp")
     if spec is None:
-        pytest.skip("llama-cpp-python is not installed (./run.sh installs it)")
+        module_or_skip("llama_cpp", LLAMA_CPP, "llama-cpp-python is not installed (./run.sh installs it)")
     return sorted((Path(spec.origin).parent / "lib").glob("libggml*.so"))
 
 

@@ -24,11 +24,13 @@ from draftlab.models import gguf_path, load_model
 from draftlab.serving.build import ServeSettings, build_served
 from draftlab.serving.scheduler import Job, LoadK
 from tests.serve_jobs import serve_jobs
+from tests.required import OPENAI, module_or_skip
 from tests.tiers import exhaustive
 
 pytestmark = pytest.mark.integration
 TARGET = "smollm2-135m@Q4_0_PURE"
 TOKENS = 40
+KEY = "sk-draftlab-test"
 
 
 @pytest.fixture(scope="module")
@@ -68,14 +70,15 @@ def test_each_request_decodes_as_alone_whatever_is_in_flight(prompts, plain, dra
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    config = ServeConfig(TARGET, "suffix", "1-2:4,3:2", slots=2, context=2048)
+    """Suffix decoding with `--k auto`, 4 slots, an API key: what the main job deploys."""
+    config = ServeConfig(TARGET, "suffix", "auto", slots=4, context=2048, api_key=KEY)
     with DraftlabServer(config, tmp_path_factory.mktemp("serve")) as running:
         yield running
 
 
-def post(server, path: str, body: bytes, timeout: float = 60) -> tuple[int, dict]:
-    request = urllib.request.Request(f"http://127.0.0.1:{server.port}{path}", data=body,
-                                     headers={"Content-Type": "application/json"})
+def post(server, path: str, body: bytes, timeout: float = 60, key: str = KEY) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    request = urllib.request.Request(f"http://127.0.0.1:{server.port}{path}", data=body, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, json.loads(response.read())
@@ -89,8 +92,8 @@ def metrics_text(server) -> str:
 
 
 def test_the_openai_client_gets_completions_chats_and_streams(server, target, prompts, plain):
-    openai = pytest.importorskip("openai")
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none", max_retries=0)
+    openai = module_or_skip("openai", OPENAI, "the official openai client is not installed (pip install -e .[test])")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY, max_retries=0)
     assert [m.id for m in client.models.list().data] == [SERVED_NAME]
     for ids, expected in zip(prompts, plain):  # greedy over the API: draftlab generate's tokens
         answer = client.completions.create(model=SERVED_NAME, prompt=ids, max_tokens=TOKENS, temperature=0,
@@ -113,18 +116,101 @@ def test_the_openai_client_gets_completions_chats_and_streams(server, target, pr
     assert sampled.usage.completion_tokens == 16 and sampled.choices[0].finish_reason == "length"
 
 
+def test_the_openai_client_with_4_in_flight_gets_each_answer_as_alone(server, prompts, plain):
+    """4 requests at once through the official client: /metrics shows the 4 running together, and each answer is
+    draftlab generate's plain decoding of its prompt alone."""
+    openai = module_or_skip("openai", OPENAI, "the official openai client is not installed (pip install -e .[test])")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY, max_retries=0)
+    chosen = [i for i, ids in enumerate(plain) if len(ids) == TOKENS][:4]  # answers that run to max_tokens
+    assert len(chosen) == 4
+    running, done = [], threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            running.append(gauge(metrics_text(server), "num_requests_running"))
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda i: client.completions.create(
+                model=SERVED_NAME, prompt=prompts[i], max_tokens=TOKENS, temperature=0,
+                extra_body={"return_token_ids": True}).choices[0].token_ids, chosen))
+    finally:
+        done.set()
+        watcher.join()
+    assert answers == [plain[i] for i in chosen]
+    assert max(running) == 4
+
+
+def test_the_api_key_is_required(server):
+    for path, body in (("/v1/models", None), ("/v1/completions", b'{"prompt": "hi", "max_tokens": 2}')):
+        request = urllib.request.Request(f"http://127.0.0.1:{server.port}{path}", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        assert refused.value.code == 401 and json.loads(refused.value.read())["error"]["code"] == 401
+    assert post(server, "/v1/completions", b'{"prompt": "hi", "max_tokens": 2}', key="wrong")[0] == 401
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("body, status", [
     (b"{oops", 400), (b'{"model": "gpt-5", "prompt": "hi"}', 404), (b'{"prompt": "hi", "max_tokens": 0}', 400),
     (b'{"prompt": "hi", "max_tokens": -1}', 400), (b'{"prompt": "hi", "max_tokens": 100000000}', 400),
     (json.dumps({"prompt": [1] * 2100}).encode(), 400), (b'{"prompt": "hi", "n": 2}', 400),
     (b'{"prompt": "hi", "logprobs": 3}', 400), (b'{"prompt": [99999999]}', 400),
+    (b'{"prompt": "hi", "top_k": "five"}', 400), (b'{"prompt": "hi", "repetition_penalty": 1.3}', 400),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "min_p": 2}', 400),
 ])
 def test_each_bad_input_is_one_json_error_and_the_next_request_is_served(server, body, status):
     code, answer = post(server, "/v1/completions", body)
     assert code == status and answer["error"]["message"] and answer["error"]["code"] == status
     code, answer = post(server, "/v1/completions", b'{"prompt": "hi", "max_tokens": 2}')
     assert code == 200 and answer["usage"]["completion_tokens"] == 2
+
+
+def test_top_k_and_min_p_are_used_and_ignore_eos_runs_on(server, prompts, plain):
+    """top_k 1 (or min_p 1) at temperature 1 leaves one token a step, the likeliest: greedy's tokens; ignore_eos
+    decodes past the end of an answer that stops early."""
+    for extra in ({"top_k": 1}, {"min_p": 1.0}):
+        code, answer = post(server, "/v1/completions", json.dumps(
+            {"prompt": prompts[0], "max_tokens": TOKENS, "temperature": 1.0, "seed": 5, "return_token_ids": True,
+             **extra}).encode())
+        assert code == 200 and answer["choices"][0]["token_ids"] == plain[0]
+    chat = {"messages": [{"role": "user", "content": "Is water wet? Answer yes or no."}], "max_tokens": TOKENS,
+            "temperature": 0, "return_token_ids": True}
+    code, short = post(server, "/v1/chat/completions", json.dumps(chat).encode())
+    assert code == 200 and short["choices"][0]["finish_reason"] == "stop"
+    assert short["usage"]["completion_tokens"] < TOKENS  # the answer ends at its end-of-sequence token
+    code, longer = post(server, "/v1/chat/completions", json.dumps({**chat, "ignore_eos": True}).encode())
+    ids = short["choices"][0]["token_ids"]
+    assert code == 200 and longer["choices"][0]["token_ids"][:len(ids)] == ids
+    assert longer["usage"]["completion_tokens"] == TOKENS and longer["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_20_mb_body_sent_chunked_is_refused_within_a_second(server):
+    import http.client
+
+    def chunks():
+        yield b'{"prompt": "'
+        for _ in range(20):
+            yield b"a" * (1 << 20)
+        yield b'"}'
+
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    began = time.perf_counter()
+    try:
+        connection.request("POST", "/v1/completions", body=chunks(), encode_chunked=True,  # no Content-Length
+                           headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the server answered and closed before the whole body was sent
+    response = connection.getresponse()
+    body = json.loads(response.read())
+    assert response.status == 413 and body["error"]["code"] == 413
+    assert time.perf_counter() - began < 1.0
+    code, answer = post(server, "/v1/completions", b'{"prompt": "hi", "max_tokens": 2}')
+    assert code == 200
 
 
 @pytest.mark.slow
@@ -152,23 +238,59 @@ def test_a_full_queue_answers_429_and_a_client_gone_frees_its_slot(tmp_path, pro
 
 
 @pytest.mark.slow
+def test_the_suffix_cache_survives_a_restart_and_still_learns(tmp_path, prompts, plain):
+    """--suffix-cache DIR: an answer served before a restart is drafted from the cache after it (more drafts
+    accepted than the first time), and an answer served after the restart is kept for the next; greedy answers stay
+    draftlab generate's."""
+    cache = tmp_path / "suffix-cache"
+
+    def serve_once(index: int) -> dict:
+        config = ServeConfig(TARGET, "suffix", "auto", slots=1, context=2048, suffix_cache=str(cache))
+        with DraftlabServer(config, tmp_path) as running:
+            code, answer = post(running, "/v1/completions", json.dumps(
+                {"prompt": prompts[index], "max_tokens": TOKENS, "temperature": 0, "return_token_ids": True}).encode(),
+                key="")
+        assert code == 200 and answer["choices"][0]["token_ids"] == plain[index]
+        return answer["draftlab"]
+
+    first_a = serve_once(0)
+    again_a = serve_once(0)  # a new server on the same cache: it knows the answer
+    assert again_a["accepted"] > first_a["accepted"] and again_a["steps"] < first_a["steps"]
+    first_b = serve_once(3)
+    again_b = serve_once(3)  # learnt after the first restart, kept for the next
+    assert again_b["accepted"] > first_b["accepted"]
+
+
+def gauge(text: str, name: str) -> float:
+    """A gauge's value in a /metrics page."""
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith(f"draftlab:{name} ")))
+
+
+@pytest.mark.slow
 def test_sigterm_drains_what_is_in_flight(tmp_path, prompts):
+    """SIGTERM while /metrics shows two requests decoding and one waiting: each is answered whole, then the process
+    exits (status 0, or -SIGTERM: uvicorn ends by the signal it drained for) within the drain time."""
     server = DraftlabServer(ServeConfig(TARGET, "ngram", "1:3", slots=2, context=2048), tmp_path)
     server.start()
     try:
-        body = json.dumps({"prompt": prompts[2], "max_tokens": 64, "temperature": 0}).encode()
+        body = json.dumps({"prompt": prompts[2], "max_tokens": 400, "temperature": 0, "ignore_eos": True}).encode()
         with ThreadPoolExecutor(3) as pool:
             futures = [pool.submit(post, server, "/v1/completions", body, 120) for _ in range(3)]
-            time.sleep(1.0)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                page = metrics_text(server)
+                if gauge(page, "num_requests_running") == 2 and gauge(page, "num_requests_waiting") == 1:
+                    break
+                time.sleep(0.02)
+            else:
+                pytest.fail("the three requests were never two running and one waiting at once")
             os.kill(server.process.pid, signal.SIGTERM)
-            results = []
-            for future in futures:
-                try:
-                    results.append(future.result(timeout=120)[0])
-                except OSError:  # refused: the server had stopped listening
-                    results.append("refused")
-        assert results == [200, 200, 200]  # two decoding and one waiting when the signal came: each answered
-        assert server.process.wait(timeout=60) in (0, -signal.SIGTERM)  # uvicorn ends by the signal it drained for
+            signalled = time.monotonic()
+            answers = [future.result(timeout=120) for future in futures]
+        assert [code for code, _ in answers] == [200, 200, 200]
+        assert all(answer["usage"]["completion_tokens"] == 400 for _, answer in answers)  # each whole
+        assert server.process.wait(timeout=60) in (0, -signal.SIGTERM)
+        assert time.monotonic() - signalled < 120  # GRACE_S, the drain time
     finally:
         server.stop()
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import pytest
 
+from tests.required import ARCTIC, unless
+
 from draftlab.api import SpeculativeDecoder
 from draftlab.backends import gguf
 from draftlab.drafters import suffix
 from draftlab.models import load_model
 from tests.tiers import exhaustive
 
-pytestmark = [pytest.mark.integration, pytest.mark.skipif(not suffix.available(), reason=suffix.INSTALL_HINT)]
+pytestmark = [pytest.mark.integration, unless(suffix.available(), ARCTIC, suffix.INSTALL_HINT)]
 SLOW = pytest.mark.slow
 
 PROMPTS = [

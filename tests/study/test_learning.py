@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from tests.required import ARCTIC, unless
+
 from draftlab.drafters import suffix
 from draftlab.study.answer.learning import format_learning, learning_rows
 from draftlab.study.answer.page import build_report
@@ -14,7 +16,7 @@ from draftlab.study.run.store import ResultsStore
 from draftlab.study.run.sweep import SweepConfig, run_sweep
 from tests.conftest import tiny_model_dir
 
-pytestmark = pytest.mark.skipif(not suffix.available(), reason=suffix.INSTALL_HINT)
+pytestmark = unless(suffix.available(), ARCTIC, suffix.INSTALL_HINT)
 
 
 @pytest.mark.slow

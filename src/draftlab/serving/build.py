@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from draftlab.api import eos_ids
 from draftlab.backends import LLAMACPP, engine_of_backend, make_backend
@@ -90,6 +91,7 @@ def build_served(settings: ServeSettings) -> Served:
     scheduler = Scheduler(engine, settings.slots, settings.max_waiting, metrics)
     return Served(model=settings.name or settings.target, encode_text=lambda text: _encode(tokenizer, text),
                   encode_chat=lambda messages: _chat(tokenizer, messages), decode=decode,
+                  stream_decoder=stream_decoder(tokenizer),
                   vocab_size=loaded.vocab_size, context_length=context, eos_ids=eos_ids(loaded),
                   scheduler=scheduler, metrics=metrics, api_key=settings.api_key, numerics=batch.view(0).numerics)
 
@@ -130,6 +132,19 @@ def _torch_slots(settings: ServeSettings) -> tuple[LoadedModel, Sequences]:
     n_ctx = min(settings.context or loaded.context_length, loaded.context_length)
     return loaded, BackendSlots(lambda: make_backend(loaded.model, loaded.device, settings.backend, route=route),
                                 settings.slots, n_ctx)
+
+
+def stream_decoder(tokenizer) -> Callable[[], Callable[[int], str | None]]:
+    """A new incremental detokenizer per answer (`tokenizers`' DecodeStream on the fast tokenizer's backend): each
+    token decoded once, a character whose bytes have not all come held back, the text `decode` gives whole."""
+    from tokenizers.decoders import DecodeStream
+
+    backend = tokenizer.backend_tokenizer
+
+    def new() -> Callable[[int], str | None]:
+        stream = DecodeStream(skip_special_tokens=True)
+        return lambda token: stream.step(backend, token)
+    return new
 
 
 def _encode(tokenizer, text: str) -> list[int]:

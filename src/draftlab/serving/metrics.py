@@ -1,105 +1,148 @@
-"""What `draftlab serve` counts, and its `/metrics` page in Prometheus' text format (as vLLM's and llama-server's)."""
+"""What `draftlab serve` counts, and its `/metrics` page, through `prometheus_client` as vLLM exports them: vLLM's
+names under the `draftlab:` prefix where vLLM has one (requests running and waiting, prompt and generated tokens,
+drafted and accepted tokens, histograms of time to first token, time per output token and end-to-end latency),
+draftlab's own beside them (tokens per step, rows per step, the K chosen, prompt chunks prefilled beside decoding).
+
+Each server has a registry of its own (no global state). The scheduler's thread and the app's write; the few
+numbers read back in-process (by tests and benchmarks) are kept under a lock beside the Prometheus metrics.
+"""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
 PREFIX = "draftlab:"
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+STEP_TOKEN_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
+
+
+class _Exported:
+    """The Prometheus metrics of one server, in its own registry."""
+
+    def __init__(self, k_policy: str) -> None:
+        self.registry = registry = CollectorRegistry(auto_describe=True)
+
+        def counter(name: str, text: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, text, labels, registry=registry)
+
+        def gauge(name: str, text: str, labels: tuple[str, ...] = ()) -> Gauge:
+            return Gauge(PREFIX + name, text, labels, registry=registry)
+
+        def histogram(name: str, text: str, buckets: tuple) -> Histogram:
+            return Histogram(PREFIX + name, text, buckets=buckets, registry=registry)
+
+        self.requests = counter("request", "Requests ended, by outcome (ok, cancelled, error, rejected).", ("outcome",))
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.drafted = counter("spec_decode_num_draft_tokens", "Draft tokens scored.")
+        self.accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.steps = counter("steps", "Draft-verify steps, one per request per engine step.")
+        self.batches = counter("batches", "Engine steps (one batched target pass each).")
+        self.rows = counter("rows", "Rows the target scored.")
+        self.prefill_chunks = counter("prefill_chunks", "Prompt chunks prefilled.")
+        self.prefill_beside = counter("prefill_chunks_beside_decoding",
+                                      "Prompt chunks prefilled between the steps of requests decoding.")
+        self.running = gauge("num_requests_running", "Requests decoding now.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting for a slot.")
+        self.k_in_use = gauge("k_in_use", "The deepest draft of the last step.")
+        self.rows_per_step = gauge("rows_per_step", "Rows the target scored in the last step.")
+        self.drafting = gauge("requests_drafting", "Requests that drafted (K > 0) in the last step.")
+        self.k_policy = gauge("k_policy_info", "How K is chosen: auto (by expected tokens per second) or rows lo-hi:K.",
+                              ("k_per_load",))
+        self.k_policy.labels(k_policy).set(1)
+        self.ttft = histogram("time_to_first_token_seconds", "From a request's arrival to its first token.",
+                              LATENCY_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds", "Seconds between a request's steps per token committed.",
+                              LATENCY_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "From a request's arrival to its end.", LATENCY_BUCKETS)
+        self.tokens_per_step = histogram("tokens_per_step", "Tokens a request's step committed.", STEP_TOKEN_BUCKETS)
 
 
 @dataclass
 class ServeMetrics:
-    """Counters and gauges; written on the scheduler's thread and the app's, read by `/metrics`."""
+    """What a server counts: Prometheus' metrics for `/metrics`, and the numbers read back in-process."""
 
     k_rows: str = ""  # the K policy, for the info line
     requests: dict[str, int] = field(default_factory=dict)  # by outcome: ok, cancelled, error, rejected
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
     drafted: int = 0
     accepted: int = 0
-    steps: int = 0  # sequence-steps: each active sequence's draft-verify step
-    batches: int = 0  # batched decodes (one per scheduler step)
-    k_in_use: int = 0  # the deepest draft of the last step
-    rows: int = 0  # rows the target scored, over every step
-    rows_last: int = 0  # rows of the last step
-    drafting_last: int = 0  # requests that drafted (K > 0) in the last step
-    prefill_chunks: int = 0  # prompt chunks prefilled
-    prefill_chunks_beside: int = 0  # of them, chunks prefilled between the steps of requests decoding
+    batches: int = 0  # engine steps
     in_flight: int = 0
-    waiting: int = 0
-    ttft_s: float = 0.0  # time to first token: sum over requests
-    ttft_count: int = 0
-    token_gap_s: float = 0.0  # seconds between a sequence's steps, per token committed: sum
-    token_gap_count: int = 0
+    prefill_chunks: int = 0
+    prefill_chunks_beside: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    exported: _Exported = field(init=False, repr=False, compare=False)
 
-    def admitted(self, prompt_tokens: int, waited_s: float) -> None:
-        """A request got a slot and its prompt was prefilled after `waited_s` since it arrived."""
-        self.prompt_tokens += prompt_tokens
-        self.ttft_s += waited_s
-        self.ttft_count += 1
+    def __post_init__(self) -> None:
+        self.exported = _Exported(self.k_rows)
+
+    def queued(self, waiting: int) -> None:
+        """Requests waiting for a slot now."""
+        self.exported.waiting.set(waiting)
+
+    def admitted(self, prompt_tokens: int) -> None:
+        """A request's prompt was prefilled."""
+        self.exported.prompt_tokens.inc(prompt_tokens)
+
+    def first_token(self, waited_s: float) -> None:
+        """A request's first token came `waited_s` after it arrived."""
+        self.exported.ttft.observe(waited_s)
 
     def step(self, in_flight: int, drafted: list[int], rows: int) -> None:
         """One engine step: requests in it, tokens each drafted, rows scored."""
-        self.batches += 1
-        self.in_flight, self.k_in_use = in_flight, max(drafted, default=0)
-        self.rows += rows
-        self.rows_last = rows
-        self.drafting_last = sum(1 for d in drafted if d)
+        with self.lock:
+            self.batches += 1
+            self.in_flight = in_flight
+        e = self.exported
+        e.batches.inc()
+        e.rows.inc(rows)
+        e.running.set(in_flight)
+        e.k_in_use.set(max(drafted, default=0))
+        e.rows_per_step.set(rows)
+        e.drafting.set(sum(1 for d in drafted if d))
 
     def prefilled(self, beside: int) -> None:
         """A prompt chunk prefilled while `beside` requests were decoding."""
-        self.prefill_chunks += 1
-        self.prefill_chunks_beside += beside > 0
+        with self.lock:
+            self.prefill_chunks += 1
+            self.prefill_chunks_beside += beside > 0
+        self.exported.prefill_chunks.inc()
+        if beside:
+            self.exported.prefill_beside.inc()
 
     def idle(self) -> None:
         """Nothing in flight: the gauges say so."""
-        self.in_flight = self.k_in_use = self.rows_last = self.drafting_last = 0
+        with self.lock:
+            self.in_flight = 0
+        e = self.exported
+        for gauge in (e.running, e.waiting, e.k_in_use, e.rows_per_step, e.drafting):
+            gauge.set(0)
 
     def tokens(self, drafted: int, committed: int, gap_s: float) -> None:
-        """One sequence's step: drafted tokens, tokens committed (accepted + the target's), seconds since its last."""
-        self.steps += 1
-        self.drafted += drafted
-        self.accepted += max(committed - 1, 0)
-        self.generation_tokens += committed
+        """One request's step: drafted tokens, tokens committed (accepted + the target's), seconds since its last."""
+        with self.lock:
+            self.drafted += drafted
+            self.accepted += max(committed - 1, 0)
+        e = self.exported
+        e.steps.inc()
+        e.drafted.inc(drafted)
+        e.accepted.inc(max(committed - 1, 0))
+        e.generation_tokens.inc(committed)
         if committed:
-            self.token_gap_s += gap_s
-            self.token_gap_count += committed
+            e.tokens_per_step.observe(committed)
+            e.tpot.observe(gap_s / committed)
 
-    def finished(self, outcome: str) -> None:
-        self.requests[outcome] = self.requests.get(outcome, 0) + 1
+    def finished(self, outcome: str, latency_s: float | None = None) -> None:
+        """A request ended (`latency_s`: since it arrived, where it was served)."""
+        with self.lock:
+            self.requests[outcome] = self.requests.get(outcome, 0) + 1
+        self.exported.requests.labels(outcome).inc()
+        if latency_s is not None:
+            self.exported.e2e.observe(latency_s)
 
     def text(self) -> str:
         """The Prometheus exposition."""
-        lines = []
-
-        def metric(name: str, kind: str, help_text: str, values: dict[str, float]) -> None:
-            lines.extend([f"# HELP {PREFIX}{name} {help_text}", f"# TYPE {PREFIX}{name} {kind}"])
-            lines.extend(f"{PREFIX}{name}{labels} {value}" for labels, value in values.items())
-
-        metric("request_total", "counter", "Requests ended, by outcome.",
-               {f'{{outcome="{k}"}}': v for k, v in sorted(self.requests.items())} or {'{outcome="ok"}': 0})
-        metric("prompt_tokens_total", "counter", "Prompt tokens prefilled.", {"": self.prompt_tokens})
-        metric("generation_tokens_total", "counter", "Tokens generated.", {"": self.generation_tokens})
-        metric("spec_decode_num_draft_tokens_total", "counter", "Draft tokens scored.", {"": self.drafted})
-        metric("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.", {"": self.accepted})
-        metric("steps_total", "counter", "Draft-verify steps, one per sequence per batched decode.", {"": self.steps})
-        metric("batches_total", "counter", "Batched decodes.", {"": self.batches})
-        metric("tokens_per_step", "gauge", "Tokens committed per sequence step, on average.",
-               {"": round(self.generation_tokens / self.steps, 4) if self.steps else 0})
-        metric("k_in_use", "gauge", "The deepest draft of the last step.", {"": self.k_in_use})
-        metric("rows_total", "counter", "Rows the target scored.", {"": self.rows})
-        metric("rows_per_step", "gauge", "Rows the target scored in the last step.", {"": self.rows_last})
-        metric("requests_drafting", "gauge", "Requests that drafted (K > 0) in the last step.",
-               {"": self.drafting_last})
-        metric("prefill_chunks_total", "counter", "Prompt chunks prefilled.", {"": self.prefill_chunks})
-        metric("prefill_chunks_beside_decoding_total", "counter",
-               "Prompt chunks prefilled between the steps of requests decoding.", {"": self.prefill_chunks_beside})
-        metric("num_requests_running", "gauge", "Requests decoding now.", {"": self.in_flight})
-        metric("num_requests_waiting", "gauge", "Requests waiting for a slot.", {"": self.waiting})
-        metric("time_to_first_token_seconds", "summary", "From a request's arrival to its prefilled prompt.",
-               {"_sum": round(self.ttft_s, 6), "_count": self.ttft_count})
-        metric("time_per_output_token_seconds", "summary", "Seconds between a sequence's steps per token.",
-               {"_sum": round(self.token_gap_s, 6), "_count": self.token_gap_count})
-        metric("k_policy_info", "gauge", "How K is chosen: auto (by expected tokens per second) or rows lo-hi:K.",
-               {f'{{k_per_load="{self.k_rows}"}}': 1})
-        return "\n".join(lines) + "\n"
+        return generate_latest(self.exported.registry).decode()

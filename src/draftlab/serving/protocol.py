@@ -1,25 +1,45 @@
-"""The OpenAI API's requests and answers as `draftlab serve` speaks them (the subset vLLM and llama-server serve).
+"""The OpenAI API's requests as `draftlab serve` takes them: pydantic models FastAPI validates each body against (and
+publishes at `/docs`), the subset vLLM and llama-server serve.
 
-A request body becomes a `CompletionRequest`, or one `ApiError` naming the field; the fields the server cannot
-honour (`n` > 1, `logprobs`, penalties, tools, ...) are refused, never ignored. Answers are built here too: whole
-ones, stream chunks, and the error body `{"error": {"message", "type", "code"}}`.
+Every field of the OpenAI API and of vLLM's and llama-server's extras is honoured (`top_k`, `min_p`, `ignore_eos`
+among them) or, where the server cannot honour it (`n` > 1, `logprobs`, penalties, tools, ...), refused with a 400
+naming it, never ignored; a field no API it speaks defines is ignored with one line in the log, as vLLM does. A bad
+body is one `ApiError` naming the field (`api_error`), in the OpenAI shape `{"error": {"message", "type", "param",
+"code"}}`. Answers are built in `draftlab.serving.answers`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import numbers
-import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, StrictBool, StrictStr,
+                      ValidationError, field_validator, model_validator)
+
+LOG = logging.getLogger("draftlab.serve")
 
 # Fields that change what a model must do, which this server cannot do: refused with a 400 when set to anything but
-# their default (the value given).
+# their defaults (the values given).
 UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
                "suffix": (None, ""), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
                "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None,),
-               "response_format": (None, {"type": "text"}), "n": (None, 1)}
-FINISH = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length"}
+               "response_format": (None, {"type": "text"}), "n": (None, 1),
+               # vLLM's and llama-server's extras that change what is generated
+               "repetition_penalty": (None, 1, 1.0), "length_penalty": (None, 1, 1.0), "min_tokens": (None, 0),
+               "stop_token_ids": (None, []), "bad_words": (None, []), "allowed_token_ids": (None,),
+               "use_beam_search": (None, False), "prompt_logprobs": (None,), "include_stop_str_in_output": (None, False),
+               "skip_special_tokens": (None, True), "guided_json": (None,), "guided_regex": (None,),
+               "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
+               "logits_processors": (None,), "truncate_prompt_tokens": (None,), "typical_p": (None, 1, 1.0),
+               "repeat_penalty": (None, 1, 1.0), "mirostat": (None, 0), "grammar": (None, ""), "json_schema": (None,),
+               "dry_multiplier": (None, 0, 0.0), "xtc_probability": (None, 0, 0.0), "n_probs": (None, 0)}
+# What a server may leave aside without changing an answer: taken, not logged.
+IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "cache_prompt", "request_id",
+           "priority"}
 
 
 @dataclass
@@ -35,223 +55,180 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
 
 
-@dataclass(frozen=True)
-class CompletionRequest:
-    """A completion or chat completion, checked."""
-
-    chat: bool
-    model: str
-    prompt: str | list[int] | None  # text, or token ids used as they are (completions)
-    messages: tuple[dict, ...]  # chat turns: role and content
-    max_tokens: int | None
-    temperature: float
-    top_p: float
-    seed: int | None
-    stop: tuple[str, ...]
-    stream: bool
-    include_usage: bool
-    return_token_ids: bool
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
-
-
-def parse_request(raw: bytes, chat: bool) -> CompletionRequest:
-    """A request body; an `ApiError` naming what is wrong."""
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(f"the request body is not JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise ApiError("the request body must be a JSON object")
-    _refuse_unsupported(body)
-    stream_options = body.get("stream_options") or {}
-    if not isinstance(stream_options, dict):
-        raise ApiError("stream_options must be an object", param="stream_options")
-    return CompletionRequest(
-        chat=chat, model=_text(body, "model", required=False) or "",
-        prompt=None if chat else _prompt(body), messages=_messages(body) if chat else (),
-        max_tokens=_count(body, "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"),
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0), top_p=_number(body, "top_p", 1.0, 1e-6, 1.0),
-        seed=_integer(body, "seed"), stop=_stop(body), stream=_flag(body, "stream"),
-        include_usage=bool(stream_options.get("include_usage", False)),
-        return_token_ids=_flag(body, "return_token_ids"))
-
-
-def _refuse_unsupported(body: dict) -> None:
-    for name, defaults in UNSUPPORTED.items():
-        if name in body and not any(body[name] == d and type(body[name]) is type(d) or body[name] is d
-                                    for d in defaults):
-            raise ApiError(f"{name}={json.dumps(body[name])} is not supported by draftlab serve", param=name)
-
-
-def _text(body: dict, name: str, required: bool = True) -> str | None:
-    value = body.get(name)
-    if value is None and not required:
-        return None
-    if not isinstance(value, str):
-        raise ApiError(f"{name} must be a string", param=name)
-    return value
-
-
-def _prompt(body: dict) -> str | list[int]:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # one prompt in a list
-    if isinstance(prompt, str):
-        if not prompt:
-            raise ApiError("the prompt is empty", param="prompt")
-        return prompt
-    if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
-        return [int(t) for t in prompt]
-    raise ApiError("prompt must be one non-empty string or one non-empty list of token ids (one prompt per request)",
-                   param="prompt")
-
-
-def _messages(body: dict) -> tuple[dict, ...]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError("messages must be a non-empty list", param="messages")
-    turns = []
-    for message in messages:
-        if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant", "developer"):
-            raise ApiError("each message needs a role: system, developer, user or assistant", param="messages")
-        turns.append({"role": "system" if message["role"] == "developer" else message["role"],
-                      "content": _content(message.get("content"))})
-    return tuple(turns)
-
-
-def _content(content) -> str:
-    """A message's text: a string, or a list of text parts."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and
-                                         isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
-    raise ApiError("message content must be text (a string or text parts)", param="messages")
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _count(body: dict, name: str) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not _is_int(value) or value < 1:
-        raise ApiError(f"{name} must be an integer >= 1, got {json.dumps(value)}", param=name)
-    return int(value)
-
-
-def _integer(body: dict, name: str) -> int | None:
-    value = body.get(name)
-    if value is not None and not _is_int(value):
-        raise ApiError(f"{name} must be an integer", param=name)
-    return None if value is None else int(value)
-
-
-def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not low <= value <= high:
-        raise ApiError(f"{name} must be a number in [{low:g}, {high:g}], got {json.dumps(value)}", param=name)
+def _number(value: Any) -> float:
+    """A JSON number (not a string, not a bool)."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise ValueError(f"must be a number, got {json.dumps(value)}")
     return float(value)
 
 
-def _flag(body: dict, name: str) -> bool:
-    value = body.get(name, False)
-    if not isinstance(value, bool):
-        raise ApiError(f"{name} must be true or false", param=name)
-    return value
+def _integer(value: Any) -> int:
+    """A JSON integer (not 2.5, not a string, not a bool)."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise ValueError(f"must be an integer, got {json.dumps(value)}")
+    return int(value)
 
 
-def _stop(body: dict) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
-        return ()
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
-        raise ApiError("stop must be a non-empty string or a list of up to 4 of them", param="stop")
-    return tuple(stops)
+Number = Annotated[float, BeforeValidator(_number)]
+Integer = Annotated[int, BeforeValidator(_integer)]
 
 
-class TextStream:
-    """New tokens to new text: decodes the whole answer each time and hands out what is settled, holding back an
-    unfinished character and anything that may begin a stop string; the text ends before the first stop string."""
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: StrictStr
 
-    def __init__(self, decode, stops: tuple[str, ...]) -> None:
-        self.decode, self.stops = decode, stops
-        self.ids: list[int] = []
-        self.sent = 0  # characters handed out
-        self.hold = max((len(s) for s in stops), default=1) - 1
 
-    def push(self, ids: list[int]) -> str:
-        """The text the new tokens settle."""
-        self.ids.extend(ids)
-        text = self._text()
-        settled = len(text) - self.hold if self.hold else len(text)
-        if text.endswith("\ufffd"):  # a character whose bytes have not all come
-            settled = min(settled, len(text) - 1)
-        return self._hand_out(text, settled)
+class Message(BaseModel):
+    """One chat turn (a `developer` turn is a system turn)."""
 
-    def close(self) -> str:
-        """The rest of the text, at the end of the answer."""
-        return self._hand_out(self._text(), None)
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | list[TextPart]
+
+    def turn(self) -> dict:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class StreamOptions(BaseModel):
+    include_usage: StrictBool = False
+
+
+class Sampling(BaseModel):
+    """The fields completions and chats share: length, sampling, stops, streaming; the refused and unknown ones."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: StrictStr | None = None
+    max_tokens: Integer | None = Field(None, ge=1)
+    temperature: Number = Field(1.0, ge=0.0, le=2.0)
+    top_p: Number = Field(1.0, ge=1e-6, le=1.0)
+    top_k: Integer = Field(0, ge=-1, description="-1 and 0: off")
+    min_p: Number = Field(0.0, ge=0.0, le=1.0)
+    seed: Integer | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: StrictBool = False
+    ignore_eos: StrictBool = False
+    _request_id: str = PrivateAttr(default_factory=lambda: uuid.uuid4().hex[:24])
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, stop):
+        stops = [stop] if isinstance(stop, str) else stop
+        if stops is not None and (len(stops) > 4 or not all(stops)):
+            raise ValueError("stop must be a non-empty string or a list of up to 4 of them")
+        return stop
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_and_log(cls, body):
+        if isinstance(body, dict):
+            for name, defaults in UNSUPPORTED.items():
+                value = body.get(name)
+                if name in body and not any(value == d and type(value) is type(d) or value is d for d in defaults):
+                    raise _Refused(name, f"{name}={json.dumps(value)} is not supported by draftlab serve")
+            unknown = sorted(set(body) - set(cls.model_fields) - set(UNSUPPORTED) - IGNORED)
+            if unknown:
+                LOG.warning("draftlab serve: ignoring unknown request field(s) %s", ", ".join(unknown))
+        return body
 
     @property
-    def text(self) -> str:
-        return self._text()
+    def chat(self) -> bool:
+        return False
 
-    def _text(self) -> str:
-        text = self.decode(self.ids)
-        cut = min((text.find(s) for s in self.stops if s in text), default=-1)
-        return text[:cut] if cut >= 0 else text
+    @property
+    def request_id(self) -> str:
+        return self._request_id
 
-    def _hand_out(self, text: str, upto: int | None) -> str:
-        upto = len(text) if upto is None else max(upto, self.sent)
-        delta = text[self.sent:upto]
-        self.sent = upto
-        return delta
+    @property
+    def stops(self) -> tuple[str, ...]:
+        return () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
 
-def answer(request: CompletionRequest, model: str, text: str, token_ids: list[int], finish: str,
-           prompt_tokens: int, extra: dict) -> dict:
-    """The whole answer of a request."""
-    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-               "logprobs": None} if request.chat else
-              {"index": 0, "text": text, "finish_reason": finish, "logprobs": None})
-    if request.return_token_ids:
-        choice["token_ids"] = token_ids
-    return {"id": _id(request), "object": "chat.completion" if request.chat else "text_completion",
-            "created": int(time.time()), "model": model, "choices": [choice],
-            "usage": usage(prompt_tokens, len(token_ids)), "draftlab": extra}
+    @property
+    def top_k_or_off(self) -> int:
+        """top_k with -1 (vLLM's off) as 0."""
+        return max(self.top_k, 0)
 
 
-def chunk(request: CompletionRequest, model: str, text: str | None, finish: str | None, token_ids: list[int],
-          first: bool = False) -> dict:
-    """One server-sent event's object of a stream (`text` None with only a usage to follow: no choice)."""
-    if request.chat:
-        delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-    else:
-        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-    if request.return_token_ids:
-        choice["token_ids"] = token_ids
-    return {"id": _id(request), "object": "chat.completion.chunk" if request.chat else "text_completion",
-            "created": int(time.time()), "model": model, "choices": [choice]}
+class CompletionBody(Sampling):
+    """`POST /v1/completions`: one prompt, text or token ids (a one-element list of either too)."""
+
+    prompt: StrictStr | list[Integer] | list[StrictStr] | list[list[Integer]]
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt):
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # one prompt in a list
+        if isinstance(prompt, str) and prompt:
+            return prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and t >= 0 for t in prompt):
+            return prompt
+        raise ValueError("prompt must be one non-empty string or one non-empty list of token ids (one prompt per "
+                         "request)")
+
+    @property
+    def max_new(self) -> int | None:
+        return self.max_tokens
 
 
-def usage_chunk(request: CompletionRequest, model: str, prompt_tokens: int, completion_tokens: int) -> dict:
-    """The last event with `stream_options.include_usage`: no choices, the usage."""
-    return {"id": _id(request), "object": "chat.completion.chunk" if request.chat else "text_completion",
-            "created": int(time.time()), "model": model, "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens)}
+class ChatBody(Sampling):
+    """`POST /v1/chat/completions`: the turns, through the model's chat template."""
+
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: Integer | None = Field(None, ge=1)
+
+    @property
+    def chat(self) -> bool:
+        return True
+
+    @property
+    def turns(self) -> tuple[dict, ...]:
+        return tuple(m.turn() for m in self.messages)
+
+    @property
+    def max_new(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+Body = CompletionBody | ChatBody
 
 
-def _id(request: CompletionRequest) -> str:
-    return ("chatcmpl-" if request.chat else "cmpl-") + request.request_id
+class _Refused(ValueError):
+    """A field set to what the server cannot do (its name, for the error's `param`)."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.name = name
+
+
+def parse_request(raw: bytes, chat: bool) -> Body:
+    """A request body (what FastAPI does for the routes); an `ApiError` naming what is wrong."""
+    model = ChatBody if chat else CompletionBody
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise api_error(exc.errors(include_url=False), ()) from None
+
+
+def api_error(errors: list[dict], prefix: tuple = ("body",)) -> ApiError:
+    """The first of pydantic's errors as one line naming its field (`prefix`: the location's head FastAPI adds)."""
+    first = errors[0]
+    loc = tuple(first.get("loc", ()))[len(prefix):]
+    refused = (first.get("ctx") or {}).get("error")
+    if isinstance(refused, _Refused):
+        return ApiError(str(refused), param=refused.name)
+    if first.get("type") == "json_invalid":
+        return ApiError(f"the request body is not JSON: {(first.get('ctx') or {}).get('error', first['msg'])}")
+    if first.get("type") in ("model_type", "model_attributes_type", "dict_type") and not loc:
+        return ApiError("the request body must be a JSON object")
+    param = next((str(part) for part in loc if isinstance(part, str)), None)
+    message = str(first.get("msg", "is not valid")).removeprefix("Value error, ")
+    if first.get("type") == "missing":
+        message = "is required"
+    return ApiError(f"{param}: {message}" if param else message, param=param)

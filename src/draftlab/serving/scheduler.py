@@ -87,7 +87,7 @@ class Scheduler:
                 raise Busy(f"the server is busy: {len(self._active)} requests in flight and {len(self._waiting)} "
                            f"waiting (the most it holds); retry later")
             self._waiting.append(job)
-            self.metrics.waiting = len(self._waiting)
+            self.metrics.queued(len(self._waiting))
             self._lock.notify()
 
     def stop(self) -> None:
@@ -122,7 +122,7 @@ class Scheduler:
                 if not self._waiting:
                     return
                 job = self._waiting.popleft()
-                self.metrics.waiting = len(self._waiting)
+                self.metrics.queued(len(self._waiting))
             slot = min(set(range(len(self.lanes))) - set(self._active))
             if job.cancelled:
                 self.metrics.finished("cancelled")
@@ -156,7 +156,7 @@ class Scheduler:
         if active.run.ready:
             now = time.perf_counter()
             active.last_token_at = now
-            self.metrics.admitted(active.run.prompt_length, now - active.job.submitted)
+            self.metrics.admitted(active.run.prompt_length)
 
     def _step(self) -> None:
         """One engine step of every prefilled job."""
@@ -172,6 +172,8 @@ class Scheduler:
         now = time.perf_counter()
         self.metrics.step(len(ready), stepped.drafted, stepped.rows)
         for (slot, active), drafted, committed in zip(ready.items(), stepped.drafted, stepped.committed):
+            if active.run.stats.steps == 1:
+                self.metrics.first_token(now - active.job.submitted)
             self.metrics.tokens(drafted, committed, now - active.last_token_at)
             active.last_token_at = now
             if active.run.done or active.job.cancelled:
@@ -182,7 +184,8 @@ class Scheduler:
         active = self._active.pop(slot)
         result: GenerationResult = self.engine.finish(active.run)
         self.engine.sequences.rollback(slot, 0)
-        self.metrics.finished(error or ("cancelled" if active.job.cancelled else "ok"))
+        outcome = "error" if error else "cancelled" if active.job.cancelled else "ok"
+        self.metrics.finished(outcome, time.perf_counter() - active.job.submitted)
         if error:
             active.job.emit("error", error)
         else:
