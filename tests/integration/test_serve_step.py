@@ -13,6 +13,7 @@ from draftlab.measure import EncodedPrompt, RunSettings, measure_prompt
 from draftlab.models import load_model
 from draftlab.serving.build import ServeSettings, build_served
 from tests.serve_jobs import serve_jobs
+from tests.tiers import slow
 
 pytestmark = pytest.mark.integration
 TARGET = "smollm2-135m@Q4_0_PURE"
@@ -58,7 +59,8 @@ def test_generate_a_cell_and_a_served_request_run_the_one_step(monkeypatch, deco
     assert served_steps and served.metrics.batches == len(served_steps) and max(served_steps) == 2
 
 
-@pytest.mark.parametrize("target_name, drafter", [(TARGET, "ngram"), (TARGET, "suffix"), ("smollm2-135m@IQ4_NL", "ngram")])
+@pytest.mark.parametrize("target_name, drafter", [(TARGET, "ngram"), slow(TARGET, "suffix"),
+                                                  slow("smollm2-135m@IQ4_NL", "ngram")])
 def test_long_prompts_prefill_in_chunks_beside_decoding_and_each_request_decodes_as_alone(prompts, target_name,
                                                                                          drafter):
     """Prompts of 20 to ~2000 tokens, the long ones joining while short ones decode, `--k auto`: each request's

@@ -72,6 +72,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     """Load, then serve until SIGINT/SIGTERM (uvicorn drains what is in flight first)."""
     import uvicorn
 
+    from draftlab.decoding.kchoice import LoadK
     from draftlab.serving.app import create_app
     from draftlab.serving.build import ServeSettings, build_served
 
@@ -80,7 +81,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
                              args.numerics, args.served_model_name, args.api_key, args.suffix_cache, args.threads,
                              args.backend, args.device, args.dtype)
     served = build_served(settings)
-    k = f"K per requests in flight {settings.ks.text()}" if settings.ks else "K chosen each step (auto)"
+    k = ("K chosen each step (auto)" if settings.ks is None else "plain decoding" if settings.ks == LoadK.fixed(0)
+         else f"K per requests in flight {settings.ks.text()}")
     print(f"draftlab serve: {settings.target} on {served.numerics} with {settings.drafter}, {k}, {settings.slots} "
           f"slots, on http://{args.host}:{args.port}/v1", flush=True)
     uvicorn.run(create_app(served), host=args.host, port=args.port, log_level="warning",
