@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.tiers import slow
+
 from draftlab.api import SpeculativeDecoder
 from draftlab.backends.gguf_layers import derive_layer_draft, layers_label
 from draftlab.errors import DraftlabError
@@ -40,7 +42,7 @@ def test_a_layer_draft_holds_the_kept_layers_renumbered_byte_for_byte(tmp_path):
     assert derive_layer_draft(source, (0, 2, 5), tmp_path) == out and out.stat().st_mtime_ns == stamp  # cached
 
 
-@pytest.mark.parametrize("layers", [(), (2, 1), (1, 1), (-1, 0)])
+@pytest.mark.parametrize("layers", [(), slow((2, 1)), slow((1, 1)), slow((-1, 0))])  # each loads the model: one here
 def test_a_layer_list_out_of_order_repeated_or_beyond_the_model_is_refused(tmp_path, layers):
     with pytest.raises(DraftlabError, match="distinct layers in ascending order"):
         derive_layer_draft(gguf_path("smollm2-135m"), layers, tmp_path)
@@ -52,7 +54,7 @@ def test_a_layer_list_out_of_order_repeated_or_beyond_the_model_is_refused(tmp_p
 # (spec, whether its drafts must agree with the target somewhere): the first 25 of SmolLM2's 30 layers drafted 36-37
 # tokens here with 10-12 accepted on AVX-512 and AVX2 builds alike; 5 spread layers agree with the target by chance
 # only (0 or 1 of 63-66 drafts, by the host's rounding), so that case checks the lossless output and the name
-@pytest.mark.parametrize("spec, agrees", [("layers:0-24", True), ("layers:0-29:6", False)])
+@pytest.mark.parametrize("spec, agrees", [("layers:0-24", True), slow("layers:0-29:6", False)])
 def test_a_layer_draft_on_llama_cpp_drafts_losslessly_from_its_own_file(spec, agrees):
     target = load_model("smollm2-135m", backend="llamacpp")
     expected = SpeculativeDecoder.from_names(target, drafter="none", k=1).generate(PROMPT, max_new_tokens=24)

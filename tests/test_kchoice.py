@@ -80,11 +80,16 @@ def test_a_run_whose_drafts_are_never_accepted_stops_drafting():
         chooser.observe(6, 6)
         never.observe(6, 0)
         chooser.observe(6, 0)
-    ks = chooser.choose([StepRun(0, 1, 100, copying)] + [StepRun(s, 1, 100, never) for s in (1, 2, 3)])
+    runs = [StepRun(0, 1, 100, copying)] + [StepRun(s, 1, 100, never) for s in (1, 2, 3)]
+    assert chooser.caps(runs) == [6] * 4  # every run drafts to K_max, then the choice keeps what pays
+    ks = chooser.choose(runs, [6, 6, 6, 6])
     assert ks[0] > 0 and ks[1:] == [0, 0, 0]
-    # Alone, it never drafts either; a fresh run (no record) drafts on what every run so far accepted.
-    assert chooser.choose([StepRun(0, 1, 100, never)]) == [0]
-    assert chooser.choose([StepRun(0, 1, 3, AcceptanceRecord())])[0] in (1, 2, 3)
+    # Alone, it never drafts either; a fresh run (no record) keeps a draft on what every run so far accepted; a run
+    # without a draft this step (no match) drafts nothing.
+    assert chooser.choose([StepRun(0, 1, 100, never)], [6]) == [0]
+    fresh = StepRun(0, 1, 3, AcceptanceRecord())
+    assert chooser.caps([fresh]) == [3] and chooser.choose([fresh], [3])[0] in (1, 2, 3)
+    assert chooser.choose([StepRun(0, 1, 100, copying)], [0]) == [0]
 
 
 def test_the_record_is_the_share_of_steps_whose_first_d_drafts_were_accepted():
@@ -109,4 +114,5 @@ def test_a_cost_curve_needs_rows_from_one_and_load_rows_still_parse():
     assert COST.seconds(64) > COST.seconds(32)
     with pytest.raises(DraftlabError):
         BlockCost(((2, 0.1), (4, 0.2)))
-    assert LoadK.parse("1-2:6,3-4:3").choose([StepRun(0, 1, 9, AcceptanceRecord())] * 3) == [3, 3, 3]
+    runs = [StepRun(0, 1, 9, AcceptanceRecord())] * 3
+    assert LoadK.parse("1-2:6,3-4:3").caps(runs) == [3, 3, 3] and LoadK.fixed(4).choose(runs, [4, 2, 0]) == [4, 2, 0]

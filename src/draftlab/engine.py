@@ -123,12 +123,13 @@ class SpeculativeEngine:
         run.prefilled = end
 
     def step(self, runs: Sequence[Generation]) -> Stepped:
-        """One step of every run: K chosen for each, each drafts, one call scores every block, each verifies and
-        commits (a run whose stop fires is done)."""
+        """One step of every run: each drafts to its cap, the chooser keeps each draft's first K levels, one call
+        scores every block, each verifies and commits (a run whose stop fires is done)."""
         self.steps += 1
-        ks = self.chooser.choose([StepRun(run.lane.seq, run.lane.policy.next_k(), self._room(run), run.record)
-                                  for run in runs])
-        plans = [self.plan(run, k) for run, k in zip(runs, ks)]
+        steps = [StepRun(run.lane.seq, run.lane.policy.next_k(), self._room(run), run.record) for run in runs]
+        plans = [self.plan(run, cap) for run, cap in zip(runs, self.chooser.caps(steps))]
+        kept_depths = self.chooser.choose(steps, [len(plan.proposal.levels) for plan in plans])
+        plans = [plan.within(depth) for plan, depth in zip(plans, kept_depths)]
         blocks = {run.lane.seq: plan.block for run, plan in zip(runs, plans)}
         started = time.perf_counter()
         scores = self.sequences.score_blocks(blocks, self.reads_hidden, taps=self.taps)  # logits [n, V] per run
@@ -154,8 +155,8 @@ class SpeculativeEngine:
     def settle(self, run: Generation, plan: Plan, scores: Scores) -> list[int]:
         """Verify the scored block, keep its accepted rows, commit its tokens up to a stop; the tokens kept."""
         committed, levels, num_accepted = self._verify(run, plan, scores)
-        run.record.observe(plan.asked, num_accepted)
-        self.chooser.observe(plan.asked, num_accepted)
+        run.record.observe(len(levels), num_accepted)
+        self.chooser.observe(len(levels), num_accepted)
         kept, run.stats.stop_reason = self._commit(committed, run.new, run.stop)
         # A stop inside the block drops what follows it: count only accepted tokens that were kept.
         run.stats.record_step(levels, min(num_accepted, len(kept)))

@@ -105,7 +105,14 @@ class Plan:
 
     block: Block
     proposal: Proposal
-    asked: int  # the K chosen (the proposal may hold fewer levels)
+    asked: int  # the depth drafted to (the proposal may hold fewer levels)
+
+    def within(self, depth: int) -> "Plan":
+        """The plan with its draft's first `depth` levels (itself where it holds no more)."""
+        if depth >= len(self.proposal.levels):
+            return self
+        proposal = self.proposal.within(depth)
+        return Plan(Block.of(self.block.tokens[0], proposal), proposal, depth)
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,13 @@
 """K for every run of a step, chosen at the step: the runs' own policies (`draftlab generate`), a table by the number
 of runs in flight (`--k-per-load`), or the seeds' model used online (`--k auto`).
 
-`AutoK` picks the step's Ks to maximise the tokens the step is expected to commit per second of its target pass:
-each run's expected tokens for a draft of depth k are 1 + p(1) + ... + p(k), where p(d) is that run's probability
-that its first d drafts are all accepted (its `AcceptanceRecord`, drawn towards the record of every run so far), and
+A step first has every run draft to its cap (`caps`: the run's own K, the load's, or `--k auto`'s deepest), then
+keeps the first K levels of each draft (`choose`, given each draft's depth). The policies keep every draft whole;
+`AutoK` keeps the Ks that maximise the tokens the step is expected to commit per second of its target pass. Drafting
+first costs nothing worth weighing for the drafters served (n-gram and suffix lookups) and tells the choice which
+runs have a draft at all (suffix decoding proposes nothing where its trees hold no match): each run's expected
+tokens for a draft kept to depth k are 1 + p(1) + ... + p(k), where p(d) is that run's probability that the first d
+levels of a draft of d or more are all accepted (its `AcceptanceRecord`, drawn towards the record of every run), and
 the step's seconds are the target's block-cost curve (`BlockCost`, calibrated on this host at startup) summed over
 the passes the backend splits the step's blocks into (`passes`: llama.cpp's KV streams decode blocks of unequal
 length in separate passes over the weights, `LlamaCppBatch.passes`). K = 0 is plain decoding for that run this step.
@@ -27,13 +31,13 @@ PRIOR_WEIGHT = 2.0  # a run's record starts as this many steps of the record of 
 
 @dataclass
 class AcceptanceRecord:
-    """Per draft position d (1-based): steps that asked for d or more drafts, and steps whose first d were accepted."""
+    """Per draft position d (1-based): steps whose draft reached depth d, and steps whose first d were accepted."""
 
     asked: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
 
     def observe(self, asked: int, accepted: int) -> None:
-        """A step that asked for `asked` drafts and accepted the first `accepted` of them."""
+        """A step whose draft was `asked` levels deep and whose first `accepted` levels were accepted."""
         while len(self.asked) < asked:
             self.asked.append(0)
             self.accepted.append(0)
@@ -67,29 +71,41 @@ class StepRun:
 
 
 class StepK(Protocol):
-    """Chooses every run's K before a step (0: plain decoding for that run this step)."""
+    """Sets every run's K at a step: the depth each drafts to, then the depth of each draft kept (0: plain decoding
+    for that run this step)."""
 
-    def choose(self, runs: Sequence[StepRun]) -> list[int]:
-        """K per run, in the runs' order."""
+    def caps(self, runs: Sequence[StepRun]) -> list[int]:
+        """The depth each run drafts to, in the runs' order."""
+        ...
+
+    def choose(self, runs: Sequence[StepRun], drafted: Sequence[int]) -> list[int]:
+        """The depth of each run's draft kept (at most `drafted`, each draft's depth)."""
         ...
 
     def observe(self, asked: int, accepted: int) -> None:
-        """One run's outcome: drafts asked for, drafts accepted."""
+        """One run's outcome: its draft's depth as scored, the levels accepted."""
         ...
 
 
-class PerRunK:
+class KeepAll:
+    """The policies' part of `StepK`: every draft kept whole, nothing learnt at the step."""
+
+    def choose(self, runs: Sequence[StepRun], drafted: Sequence[int]) -> list[int]:
+        return list(drafted)
+
+    def observe(self, asked: int, accepted: int) -> None:
+        """The policies learn nothing at the step (a run's own policy hears its own outcome)."""
+
+
+class PerRunK(KeepAll):
     """Each run's own policy (`draftlab generate`: FixedK, DynamicK, ...)."""
 
-    def choose(self, runs: Sequence[StepRun]) -> list[int]:
+    def caps(self, runs: Sequence[StepRun]) -> list[int]:
         return [run.wanted for run in runs]
-
-    def observe(self, asked: int, accepted: int) -> None:
-        """Each run's policy hears its own outcome."""
 
 
 @dataclass(frozen=True)
-class LoadK:
+class LoadK(KeepAll):
     """K by the number of runs in flight: rows [lo, hi, K] as `deploy.per_batch_size` writes them (vLLM's
     `num_speculative_tokens_per_batch_size`); above the last row, its K."""
 
@@ -123,11 +139,8 @@ class LoadK:
         """The flag's value."""
         return ",".join(f"{lo}-{hi}:{k}" if hi > lo else f"{lo}:{k}" for lo, hi, k in self.rows)
 
-    def choose(self, runs: Sequence[StepRun]) -> list[int]:
+    def caps(self, runs: Sequence[StepRun]) -> list[int]:
         return [self.at(len(runs))] * len(runs)
-
-    def observe(self, asked: int, accepted: int) -> None:
-        """K does not adapt to acceptance."""
 
 
 @dataclass(frozen=True)
@@ -171,10 +184,12 @@ class AutoK:
     k_max: int = 8
     overall: AcceptanceRecord = field(default_factory=AcceptanceRecord)
 
-    def choose(self, runs: Sequence[StepRun]) -> list[int]:
+    def caps(self, runs: Sequence[StepRun]) -> list[int]:
+        return [max(0, min(self.k_max, run.room)) for run in runs]
+
+    def choose(self, runs: Sequence[StepRun], drafted: Sequence[int]) -> list[int]:
         survival = [run.record.survival(self.k_max, self.overall) for run in runs]
-        caps = [max(0, min(self.k_max, run.room)) for run in runs]
-        return best_ks(survival, caps, [run.seq for run in runs], self.step_seconds)
+        return best_ks(survival, list(drafted), [run.seq for run in runs], self.step_seconds)
 
     def observe(self, asked: int, accepted: int) -> None:
         self.overall.observe(asked, accepted)
