@@ -52,8 +52,7 @@ class Job:
 class _Active:
     job: Job
     run: Generation
-    admitted: float  # when it got its slot
-    last_token_at: float = 0.0
+    last_token_at: float = 0.0  # when its prompt was prefilled, then its last step
 
 
 class Scheduler:
@@ -135,7 +134,7 @@ class Scheduler:
                 self.metrics.finished("error")
                 job.emit("error", str(exc))
                 continue
-            self._active[slot] = _Active(job, run, time.perf_counter())
+            self._active[slot] = _Active(job, run)
 
     def _prefill_one(self) -> None:
         """One chunk of the prompt admitted first among those still prefilling (beside the decoding requests'
