@@ -33,7 +33,8 @@ def prompts(tmp_path_factory) -> Path:
            "    return area(width, height) * depth\n"
     path.write_text("".join(json.dumps({"id": f"e{i}", "category": "code", "prompt": f"{ask}\n\n{code}"}) + "\n"
                             for i, ask in enumerate(["Rename width to w in this code.", "Add type hints to this code.",
-                                                     "Add a docstring to each function."])))
+                                                     "Add a docstring to each function.",
+                                                     "Add a test of each function."])))  # e3: the companion
     return path
 
 
@@ -73,7 +74,8 @@ def test_server_cells_run_beside_draftlabs_engine_and_under_load(binary, prompts
     # much depends on the host's kernels): its outputs, and so their lengths, need not equal draftlab's
     plain = [r for r in rows if r["method"] == "server-ar" and r["concurrency"] == 1]
     assert len(plain) == 3 and all(0 < r["new_tokens"] <= 48 and 0 < r["prefill_s"] < r["wall_s"] for r in plain)
-    loaded = [r for r in rows if r["concurrency"] == 2]  # each prompt sent with the next one of the dataset
+    loaded = [r for r in rows if r["concurrency"] == 2]  # each prompt sent beside e3, which is never timed
+    assert {r["prompt_id"] for r in rows} == {"e0", "e1", "e2"}
     assert all(r["new_tokens"] < r["window_tokens"] <= r["new_tokens"] + 48 and 0 < r["latency_s"] <= r["wall_s"]
                for r in loaded)
     speculative = [r for r in rows if r["method"] == "server"]
