@@ -131,6 +131,7 @@ class SpeculativeEngine:
         kept_depths = self.chooser.choose(steps, [len(plan.proposal.levels) for plan in plans])
         plans = [plan.within(depth) for plan, depth in zip(plans, kept_depths)]
         blocks = {run.lane.seq: plan.block for run, plan in zip(runs, plans)}
+        runs[0].lane.target.synchronize()  # the drafts' device work is the draft's time, not the target's
         started = time.perf_counter()
         scores = self.sequences.score_blocks(blocks, self.reads_hidden, taps=self.taps)  # logits [n, V] per run
         runs[0].lane.target.synchronize()
