@@ -30,6 +30,7 @@ from draftlab.backends.base import greedy_rows
 from draftlab.backends.gguf import LlamaCppModel, llama_lib
 from draftlab.backends.gguf import threads as default_threads
 from draftlab.backends.llamacpp import MAX_BATCH, MAX_CONTEXT, LlamaCppBackend, free_native
+from draftlab.backends.sequences import score_chains
 from draftlab.decoding.kchoice import llama_passes
 from draftlab.decoding.step import Block, Scores
 from draftlab.errors import DraftlabError
@@ -107,10 +108,7 @@ class LlamaCppBatch:
     def score_blocks(self, blocks: dict[int, Block], with_hidden: bool = False, taps: tuple[int, ...] = ()
                      ) -> dict[int, Scores]:
         """Every slot's chain in one decode (no trees, no hidden states); logits [n, V] per slot."""
-        if with_hidden or not all(block.is_chain for block in blocks.values()):
-            raise DraftlabError("draftlab serve scores chains of tokens only (no token trees, no hidden states)")
-        logits = self.score({slot: block.tokens for slot, block in blocks.items()})
-        return {slot: Scores(rows) for slot, rows in logits.items()}
+        return score_chains(self.score, blocks, with_hidden)
 
     def passes(self, lengths: dict[int, int]) -> list[int]:
         """Rows per pass over the weights: llama.cpp decodes blocks of unequal length, or of slots with a gap

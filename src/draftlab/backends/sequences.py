@@ -11,7 +11,9 @@ Each sequence's view (`view`) is a `Backend` of its own, through which its run k
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
+
+import torch
 
 from draftlab.backends.base import Backend
 from draftlab.decoding.step import Block, Scores
@@ -45,6 +47,15 @@ class Sequences(Protocol):
     def rollback(self, seq: int, length: int) -> None:
         """Keep a sequence's first `length` tokens."""
         ...
+
+
+def score_chains(score: Callable[[dict[int, Sequence[int]]], dict[int, torch.Tensor]], blocks: dict[int, Block],
+                 with_hidden: bool) -> dict[int, Scores]:
+    """Every sequence's chain through `score` ({seq: tokens} -> {seq: logits [n, V]}): the batches `draftlab serve`
+    runs score chains of tokens only (no token trees, no hidden states)."""
+    if with_hidden or not all(block.is_chain for block in blocks.values()):
+        raise DraftlabError("draftlab serve scores chains of tokens only (no token trees, no hidden states)")
+    return {seq: Scores(rows) for seq, rows in score({seq: block.tokens for seq, block in blocks.items()}).items()}
 
 
 class OneSequence:

@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 import torch
 
 from draftlab.backends.base import Backend
+from draftlab.backends.sequences import score_chains
 from draftlab.decoding.step import Block, Scores
 from draftlab.errors import DraftlabError
 
@@ -49,10 +50,7 @@ class BackendSlots:
     def score_blocks(self, blocks: dict[int, Block], with_hidden: bool = False, taps: tuple[int, ...] = ()
                      ) -> dict[int, Scores]:
         """Every slot's chain, slot by slot (no trees, no hidden states); logits [n, V] per slot."""
-        if with_hidden or not all(block.is_chain for block in blocks.values()):
-            raise DraftlabError("draftlab serve scores chains of tokens only (no token trees, no hidden states)")
-        logits = self.score({slot: block.tokens for slot, block in blocks.items()})
-        return {slot: Scores(rows) for slot, rows in logits.items()}
+        return score_chains(self.score, blocks, with_hidden)
 
     def prefill(self, slot: int, tokens: Sequence[int], final: bool) -> None:
         """A whole prompt into an empty slot."""
