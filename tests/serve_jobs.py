@@ -1,12 +1,30 @@
-"""Requests submitted to a served scheduler in-process, as the serve tests drive it."""
+"""What the serve tests share: the served SmolLM2 and its held-out prompts (module fixtures), and requests submitted
+to a served scheduler in-process."""
 
 from __future__ import annotations
 
 import threading
 import time
 
+import pytest
+
+from draftlab.api import prompt_ids
 from draftlab.engine import GenerationConfig
+from draftlab.files.datasets import load_prompts
+from draftlab.models import load_model
 from draftlab.serving.scheduler import Job
+
+TARGET = "smollm2-135m@Q4_0_PURE"  # the served target: SmolLM2 in pure Q4_0 on the exact kernels
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_model(TARGET, backend="llamacpp")
+
+
+@pytest.fixture(scope="module")
+def prompts(target):
+    return [prompt_ids(target.tokenizer, p) for p in load_prompts("heldout", 8)]
 
 
 def serve_jobs(served, jobs: list[tuple[list[int], int, float]]) -> list[list[int]]:

@@ -16,31 +16,19 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from draftlab.api import SpeculativeDecoder, prompt_ids
+from draftlab.api import SpeculativeDecoder
 from draftlab.contenders.draftlab_serve import SERVED_NAME, DraftlabServer, ServeConfig
 from draftlab.engine import GenerationConfig
-from draftlab.files.datasets import load_prompts
-from draftlab.models import gguf_path, load_model
+from draftlab.models import gguf_path
 from draftlab.serving.build import ServeSettings, build_served
 from draftlab.serving.scheduler import Job, LoadK
-from tests.serve_jobs import serve_jobs
+from tests.serve_jobs import TARGET, prompts, serve_jobs, target  # noqa: F401 (the fixtures)
 from tests.required import OPENAI, module_or_skip
 from tests.tiers import exhaustive
 
 pytestmark = pytest.mark.integration
-TARGET = "smollm2-135m@Q4_0_PURE"
 TOKENS = 40
 KEY = "sk-draftlab-test"
-
-
-@pytest.fixture(scope="module")
-def target():
-    return load_model(TARGET, backend="llamacpp")
-
-
-@pytest.fixture(scope="module")
-def prompts(target):
-    return [prompt_ids(target.tokenizer, p) for p in load_prompts("heldout", 8)]
 
 
 @pytest.fixture(scope="module")

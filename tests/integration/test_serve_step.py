@@ -6,28 +6,15 @@ from __future__ import annotations
 
 import pytest
 
-from draftlab.api import SpeculativeDecoder, prompt_ids
+from draftlab.api import SpeculativeDecoder
 from draftlab.engine import SpeculativeEngine
-from draftlab.files.datasets import load_prompts
 from draftlab.measure import EncodedPrompt, RunSettings, measure_prompt
-from draftlab.models import load_model
 from draftlab.serving.build import ServeSettings, build_served
-from tests.serve_jobs import serve_jobs
+from tests.serve_jobs import TARGET, prompts, serve_jobs, target  # noqa: F401 (the fixtures)
 from tests.tiers import slow
 
 pytestmark = pytest.mark.integration
-TARGET = "smollm2-135m@Q4_0_PURE"
 TOKENS = 32
-
-
-@pytest.fixture(scope="module")
-def target():
-    return load_model(TARGET, backend="llamacpp")
-
-
-@pytest.fixture(scope="module")
-def prompts(target):
-    return [prompt_ids(target.tokenizer, p) for p in load_prompts("heldout", 8)]
 
 
 @pytest.fixture(scope="module")
