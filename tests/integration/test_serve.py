@@ -177,7 +177,7 @@ def test_top_k_and_min_p_are_used_and_ignore_eos_runs_on(server, prompts, plain)
     assert longer["usage"]["completion_tokens"] == TOKENS and longer["choices"][0]["finish_reason"] == "length"
 
 
-def test_a_20_mb_body_sent_chunked_is_refused_within_a_second(server):
+def test_a_20_mb_body_sent_chunked_is_refused_as_it_arrives(server):
     import http.client
 
     def chunks():
@@ -196,7 +196,7 @@ def test_a_20_mb_body_sent_chunked_is_refused_within_a_second(server):
     response = connection.getresponse()
     body = json.loads(response.read())
     assert response.status == 413 and body["error"]["code"] == 413
-    assert time.perf_counter() - began < 1.0
+    assert time.perf_counter() - began < 5.0  # refused as it arrives (0.0 s here), not read whole (19 s at 0.39.0)
     code, answer = post(server, "/v1/completions", b'{"prompt": "hi", "max_tokens": 2}')
     assert code == 200
 
