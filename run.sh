@@ -23,7 +23,7 @@ fi
 # llama.cpp, compiled once here (~6 minutes on 2 cores, cached in ~/.cache/draftlab) for both of its engines:
 # llama-cpp-python (the llamacpp backend) and llama-server, the server CPU users deploy, load the same libraries, with
 # draftlab's exact kernels (scripts/llama-cpp/*.patch: a row of a block rounds as the row scored alone, at every block
-# size); llama.cpp's stock ggml-cpu is built beside them for the benchmarks. Both without ggml's AMX kernels, which crash every
+# size); llama.cpp's stock ggml-cpu is built beside them only when a benchmark asks (--stock). Both without ggml's AMX kernels, which crash every
 # decode on AMX CPUs; what is installed is checked (docs/backends.md). The study races llama-server's own
 # speculation beside draftlab's; a failed build leaves the llama.cpp engines out, with one line.
 if ! bash scripts/build-llama-cpp.sh .venv/bin/python >/dev/null; then

@@ -4,7 +4,7 @@ Per weight type of the target (the shipped file and each type derived from it wi
 - draftlab's exact route (the libraries scripts/build-llama-cpp.sh patches, `LlamaCppBackend`): one row's time
   after a cached prefix, blocks of 2/4/8/16 rows as multiples of it, whether every row of every block is bitwise
   the same row scored alone, and prefill tok/s;
-- llama.cpp's stock kernels (the same build's unpatched ggml-cpu, `$cache/llama.cpp/*/stock`, loaded through
+- llama.cpp's stock kernels (the same build's unpatched ggml-cpu, `$cache/llama.cpp/*/stock`, built on demand, loaded through
   LLAMA_CPP_LIB_PATH; repack on, tiled matmul at its default, flash attention off): llama-cpp-python's own decode
   step (`Llama.eval` of one token) and prefill tok/s of the same file, and draftlab's engine on those kernels (the
   same loop as the exact route's: the kernels alone differ), whose rows are compared with single rows too.
@@ -127,15 +127,23 @@ def summarize_runs(lib: str, done: list[dict]) -> dict:
                          for n in BLOCKS}}
 
 
+def stock_build() -> str:
+    """llama.cpp's stock ggml-cpu beside draftlab's build (scripts/build-llama-cpp.sh --stock: ~2 minutes once, cached):
+    its directory."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "build-llama-cpp.sh"
+    done = subprocess.run(["bash", str(script), "--stock", sys.executable], capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"exact_kernels: llama.cpp's stock ggml-cpu did not build: {done.stderr.strip()[-300:]}")
+    return done.stdout.strip().splitlines()[-1]
+
+
 def run_side(args, side: str, path: Path, lib: str | None = None) -> dict:
     """One child process (on the libraries in `lib` where given): its JSON line, or the reason it gave none."""
     env = dict(os.environ)
     if lib is not None:
         env["LLAMA_CPP_LIB_PATH"] = lib
     if side == "stock":
-        from draftlab.contenders.llama_server import build_dir
-
-        env["LLAMA_CPP_LIB_PATH"] = str(build_dir() / "stock")
+        env["LLAMA_CPP_LIB_PATH"] = stock_build()
         env.pop("GGML_CPU_TILED_MM", None)
     command = [sys.executable, __file__, "--child", side, "--gguf", str(path), "--prefix", str(args.prefix),
                "--prefill", str(args.prefill), "--rounds", str(args.rounds)]

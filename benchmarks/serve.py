@@ -4,9 +4,10 @@ Servers of `--slots` slots (levels above it queue), one at a time (none runs bes
 and level (so no server answers a prompt twice: a drafter that learns across requests would know the answer):
 llama-server's plain decoding and its own speculation (each type at the pick's length), draftlab serve's plain
 decoding, `--k auto` with the pick's drafter, and its pick (a drafter and K per requests in flight). Each serves the
-same prompt sets in windows of c requests at once (every request prefills), greedy. Per server, level and set:
-aggregate tokens/s (every request's tokens over the windows' wall time), mean latency per request, and how many
-outputs equal draftlab's plain decoding (`draftlab generate`, in this process). The host's CPU flags are printed
+same prompt sets in windows of c requests at once (every request prefills), greedy, each request streamed. Per
+server, level and set: aggregate tokens/s (every request's tokens over the windows' wall time), mean time to first
+token and latency per request (from sending it), and how many outputs equal draftlab's plain decoding (`draftlab
+generate`, in this process). The host's CPU flags are printed
 with the figures; the last line is one JSON document.
 
 `--soak S`: then 16 clients send requests to draftlab serve's pick for S seconds (each at most 64 tokens, at most
@@ -24,13 +25,14 @@ import json
 import statistics
 import tempfile
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from draftlab.api import SpeculativeDecoder, prompt_ids
 from draftlab.backends.routes import cpu_flags
 from draftlab.study.run.budget import HOST_FLAGS
-from draftlab.contenders.draftlab_serve import DraftlabServer, ServeConfig
+from draftlab.contenders.draftlab_serve import SERVED_NAME, DraftlabServer, ServeConfig
 from draftlab.contenders.llama_server import LlamaServer
 from draftlab.contenders.server_configs import spec_config
 from draftlab.errors import DraftlabError
@@ -67,28 +69,28 @@ def main() -> None:
     plain = {name: [reference.generate(ids, max_new_tokens=args.max_new_tokens, temperature=0).token_ids
                     for ids in prompts] for name, prompts in sets.items()}
     model = gguf_path(args.target)
-    servers = {"llama-server plain": lambda logs: LlamaServer(spec_config(model, "none", 0, slots), logs)}
+    servers = {"llama-server plain": (lambda logs: LlamaServer(spec_config(model, "none", 0, slots), logs), LLAMA)}
     for spec_type in filter(None, args.server_types.split(",")):
         servers[f"llama-server {spec_type} K={k}"] = (
-            lambda logs, t=spec_type: LlamaServer(spec_config(model, t, k, slots), logs))
-    servers["draftlab serve plain"] = lambda logs: DraftlabServer(
-        ServeConfig(args.target, "none", "1:0", slots, CONTEXT), logs)
-    servers[f"draftlab serve {args.pick} auto"] = lambda logs: DraftlabServer(
-        ServeConfig(args.target, args.pick, "auto", slots, CONTEXT), logs)
-    servers[f"draftlab serve {args.pick} {args.k_per_load}"] = lambda logs: DraftlabServer(
-        ServeConfig(args.target, args.pick, args.k_per_load, slots, CONTEXT), logs)
-    settings = RunSettings(args.max_new_tokens, temperature=0.0)
+            lambda logs, t=spec_type: LlamaServer(spec_config(model, t, k, slots), logs), LLAMA)
+    servers["draftlab serve plain"] = (lambda logs: DraftlabServer(
+        ServeConfig(args.target, "none", "1:0", slots, CONTEXT), logs), DRAFTLAB)
+    servers[f"draftlab serve {args.pick} auto"] = (lambda logs: DraftlabServer(
+        ServeConfig(args.target, args.pick, "auto", slots, CONTEXT), logs), DRAFTLAB)
+    servers[f"draftlab serve {args.pick} {args.k_per_load}"] = (lambda logs: DraftlabServer(
+        ServeConfig(args.target, args.pick, args.k_per_load, slots, CONTEXT), logs), DRAFTLAB)
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for repeat in range(args.repeat):
-            for name, make in servers.items():
+            for name, (make, protocol) in servers.items():
                 for dataset, prompts in sets.items():
                     for level in levels:
                         with make(Path(scratch)) as server:  # fresh: it has answered none of these prompts
                             run = server.contender(CONTEXT, reuse=False)
                             run.run([1, 2, 3], RunSettings(8, temperature=0.0))  # warm-up, on no prompt of a set
+                            stream = Streamed(server.port, protocol, args.max_new_tokens)
                             rows.append({"server": name, "dataset": dataset, "level": level, "repeat": repeat,
-                                         **_windows(run, prompts, plain[dataset], level, settings)})
+                                         **_windows(stream, prompts, plain[dataset], level)})
                         print(_row(rows[-1]), flush=True)
         soak = _soak(servers, sets, args, Path(scratch)) if args.soak else None
     print(_table(rows))
@@ -98,28 +100,56 @@ def main() -> None:
     print(json.dumps({"target": args.target, "flags": flags, "rows": rows, "soak": soak}))
 
 
-def _windows(run, prompts: list[list[int]], plain: list[list[int]], level: int, settings: RunSettings) -> dict:
-    """The prompts in windows of `level` requests at once: aggregate tok/s, latency, outputs equal to plain."""
-    tokens, wall, latencies, identical = 0, 0.0, [], 0
+# How each server streams a greedy completion of token ids: (path, body's fields, a chunk's tokens, the end's mark)
+LLAMA = ("/completion", lambda ids, n: {"prompt": ids, "n_predict": n, "temperature": 0.0, "cache_prompt": False,
+                                        "return_tokens": True, "stream": True},
+         lambda chunk: chunk.get("tokens") or [])
+DRAFTLAB = ("/v1/completions", lambda ids, n: {"model": SERVED_NAME, "prompt": ids, "max_tokens": n, "temperature": 0,
+                                               "return_token_ids": True, "stream": True},
+            lambda chunk: [t for c in chunk.get("choices") or [] for t in c.get("token_ids") or []])
+
+
+class Streamed:
+    """Greedy completions streamed from one server: each request's tokens, time to first token and latency."""
+
+    def __init__(self, port: int, protocol: tuple, max_new_tokens: int) -> None:
+        self.url, self.body, self.tokens_of = f"http://127.0.0.1:{port}{protocol[0]}", protocol[1], protocol[2]
+        self.max_new_tokens = max_new_tokens
+
+    def request(self, ids: list[int]) -> tuple[list[int], float, float]:
+        """(tokens, seconds to the first chunk that carries tokens, seconds to the last)."""
+        data = json.dumps(self.body(list(ids), self.max_new_tokens)).encode()
+        request = urllib.request.Request(self.url, data=data, headers={"Content-Type": "application/json"})
+        tokens, first, began = [], None, time.perf_counter()
+        with urllib.request.urlopen(request, timeout=600) as response:
+            for line in response:
+                text = line.decode().strip()
+                if not text.startswith("data: ") or text == "data: [DONE]":
+                    continue
+                new = self.tokens_of(json.loads(text[len("data: "):]))
+                if new and first is None:
+                    first = time.perf_counter() - began
+                tokens += new
+        return tokens, first if first is not None else time.perf_counter() - began, time.perf_counter() - began
+
+
+def _windows(stream: Streamed, prompts: list[list[int]], plain: list[list[int]], level: int) -> dict:
+    """The prompts in windows of `level` requests at once: aggregate tok/s, time to first token, latency, outputs
+    equal to plain."""
+    tokens, wall, firsts, latencies, identical = 0, 0.0, [], [], 0
     with ThreadPoolExecutor(level) as pool:
         for start in range(0, len(prompts), level):
             window = list(range(start, min(start + level, len(prompts))))
             began = time.perf_counter()
-            futures = [pool.submit(_timed, run, prompts[i], settings) for i in window]
-            results = [f.result() for f in futures]
+            results = list(pool.map(stream.request, [prompts[i] for i in window]))
             wall += time.perf_counter() - began
-            for i, (result, seconds) in zip(window, results):
-                tokens += len(result.token_ids)
+            for i, (answer, first, seconds) in zip(window, results):
+                tokens += len(answer)
+                firsts.append(first)
                 latencies.append(seconds)
-                identical += result.token_ids == plain[i]
-    return {"tokens_per_s": tokens / wall, "latency_s": statistics.mean(latencies), "identical": identical,
-            "prompts": len(prompts)}
-
-
-def _timed(run, ids: list[int], settings: RunSettings):
-    began = time.perf_counter()
-    result = run.run(ids, settings)
-    return result, time.perf_counter() - began
+                identical += answer == plain[i]
+    return {"tokens_per_s": tokens / wall, "ttft_s": statistics.mean(firsts), "latency_s": statistics.mean(latencies),
+            "identical": identical, "prompts": len(prompts)}
 
 
 def _soak(servers, sets, args, logs: Path) -> dict:
@@ -129,7 +159,7 @@ def _soak(servers, sets, args, logs: Path) -> dict:
     counts = {"ok": 0, "429": 0, "error": 0, "lost": 0}
     deadline = time.monotonic() + args.soak
     sent = iter(range(args.soak_requests))
-    with servers[name](logs) as server:
+    with servers[name][0](logs) as server:
         before = server.memory_gib()
 
         def client(seed: int) -> None:
@@ -152,17 +182,19 @@ def _soak(servers, sets, args, logs: Path) -> dict:
 
 def _row(row: dict) -> str:
     return (f"{row['server']:<40}{row['dataset']:<13}{row['level']:>3}{row['tokens_per_s']:>9.1f}"
-            f"{row['latency_s']:>9.2f}{row['identical']:>4}/{row['prompts']}")
+            f"{row['ttft_s']:>8.2f}{row['latency_s']:>9.2f}{row['identical']:>4}/{row['prompts']}")
 
 
 def _table(rows: list[dict]) -> str:
-    """Per server, set and level over the repeats: median tok/s (range), median latency, outputs equal to plain,
+    """Per server, set and level over the repeats: median tok/s (range), median time to first token and latency,
+    outputs equal to plain,
     and the median's ratio to llama-server's plain decoding and to draftlab serve's plain at the same set and level."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["server"], r["dataset"], r["level"]), []).append(r)
     median = {key: statistics.median(r["tokens_per_s"] for r in runs) for key, runs in groups.items()}
-    lines = [f"{'server':<40}{'set':<13}{'c':>3}{'tok/s':>8}{'range':>15}{'lat s':>7}{'same':>8}  x llama plain  "
+    lines = [f"{'server':<40}{'set':<13}{'c':>3}{'tok/s':>8}{'range':>15}{'ttft s':>7}{'lat s':>7}{'same':>8}"
+             "  x llama plain  "
              "x draftlab plain"]
     for (server, dataset, level), runs in sorted(groups.items(), key=lambda g: (g[0][1], g[0][2], -median[g[0]])):
         tps = [r["tokens_per_s"] for r in runs]
@@ -170,7 +202,8 @@ def _table(rows: list[dict]) -> str:
         llama = median.get(("llama-server plain", dataset, level))
         own = median.get(("draftlab serve plain", dataset, level))
         lines.append(f"{server:<40}{dataset:<13}{level:>3}{median[(server, dataset, level)]:>8.1f}"
-                     f"{f'{min(tps):.1f}-{max(tps):.1f}':>15}{statistics.median(r['latency_s'] for r in runs):>7.2f}"
+                     f"{f'{min(tps):.1f}-{max(tps):.1f}':>15}{statistics.median(r['ttft_s'] for r in runs):>7.2f}"
+                     f"{statistics.median(r['latency_s'] for r in runs):>7.2f}"
                      f"{same:>4}/{sum(r['prompts'] for r in runs):<3}"
                      f"  {median[(server, dataset, level)] / llama if llama else 0:>6.2f}x"
                      f"  {median[(server, dataset, level)] / own if own else 0:>12.2f}x")

@@ -5,9 +5,6 @@
 #   $out/lib/      libllama, libggml*, libmtmd: what llama-cpp-python loads (copied into its package's lib/): every
 #                  kernel serves every row count of a block, so a row of a block rounds as the row scored alone;
 #   $out/server/   llama-server on the same libraries, so its own speculation is exact too;
-#   $out/stock/    the same libraries with llama.cpp's own ggml-cpu (no patch, sgemm gated to 2+ rows): the stock
-#                  kernels that benchmarks/exact_kernels.py compares with (LLAMA_CPP_LIB_PATH); the one target
-#                  compiled twice;
 #   $out/convert/  the same llama.cpp's GGUF converter (EAGLE-3 drafts for llama-server, `draftlab design eagle3`).
 # $out is $DRAFTLAB_CACHE/llama.cpp/0.3.36 (default ~/.cache/draftlab). ~7 minutes on 2 cores, once; no network
 # beyond the package index (the server's web UI, which the default build downloads, is left out). ggml's AMX kernels
@@ -19,10 +16,15 @@
 #                                         this CPU has) into $out/avx2/ beside the same other libraries (~3 minutes,
 #                                         once): the kernels' AVX2 path, tested bitwise on any x86 host
 #                                         (tests/integration/test_exact_kernels.py); prints the directory
+#   scripts/build-llama-cpp.sh --stock [PYTHON]  after that build, llama.cpp's own ggml-cpu (no patch, sgemm gated to 2+
+#                                         rows) into $out/stock/ beside the same other libraries (~2 minutes, once):
+#                                         the stock kernels benchmarks/exact_kernels.py compares with
+#                                         (LLAMA_CPP_LIB_PATH); prints the directory. Only the benchmark and its
+#                                         tests need it, so the main build leaves it out.
 set -euo pipefail
 VERSION=0.3.36
-avx2_only=""
-if [ "${1:-}" = --avx2 ]; then avx2_only=1; shift; fi
+extra=""
+if [ "${1:-}" = --avx2 ] || [ "${1:-}" = --stock ]; then extra=${1#--}; shift; fi
 PYTHON=${1:-${PYTHON:-python3}}
 here=$(cd "$(dirname "$0")" && pwd)
 cache=${DRAFTLAB_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/draftlab}
@@ -37,14 +39,13 @@ trap '[ -z "$work" ] || rm -rf "$work"' EXIT
 holds_amx() { nm -D "$1" 2>/dev/null | grep -q 'ggml_backend_amx'; }
 
 built_without_amx() {
-  [ -f "$stamp" ] && [ -x "$out/server/llama-server" ] && [ -f "$out/lib/libllama.so" ] && [ -f "$out/stock/libggml-cpu.so" ] \
-    || return 1
+  [ -f "$stamp" ] && [ -x "$out/server/llama-server" ] && [ -f "$out/lib/libllama.so" ] || return 1
   if [ "$(cat "$stamp")" != "$kernels_id" ]; then
     echo "build-llama-cpp: the cached build holds other kernels than scripts/llama-cpp/*.patch; rebuilding" >&2
     return 1
   fi
   local lib
-  for lib in "$out"/lib/libggml*.so "$out"/server/libggml*.so "$out"/stock/libggml*.so; do
+  for lib in "$out"/lib/libggml*.so "$out"/server/libggml*.so; do
     if holds_amx "$lib"; then
       echo "build-llama-cpp: the cached $lib holds ggml's AMX kernels; rebuilding without them" >&2
       return 1
@@ -103,9 +104,7 @@ build() {
       || { echo "build-llama-cpp: could not download llama-cpp-python $VERSION's source package; see $log" >&2; exit 1; }
     mv "$work/llama_cpp_python-$VERSION.tar.gz" "$sdist"
   fi
-  mkdir -p "$work/stock-src"
   tar -xzf "$sdist" -C "$work"
-  tar -xzf "$sdist" -C "$work/stock-src"
   src="$work/llama_cpp_python-$VERSION/vendor/llama.cpp"
   patch_qwen2 "$src"
   patch_exact_kernels "$src"
@@ -114,24 +113,14 @@ build() {
          && cmake --build "$work/exact" --target llama mtmd llama-server -j"$jobs"; } >>"$log" 2>&1; then
     echo "build-llama-cpp: the build failed; the last lines of $log:" >&2; tail -5 "$log" >&2; exit 1
   fi
-  # ... then only ggml-cpu again from the unpatched source (llama.cpp's stock kernels), for the benchmarks:
-  # `ggml-cpu/fast` builds the target without rebuilding what it links to; it links to the first build's
-  # libggml-base, the same switches.
-  if ! { configure "$work/stock-src/llama_cpp_python-$VERSION/vendor/llama.cpp" "$work/stock" ON \
-         && mkdir -p "$work/stock/bin" && cp -a "$work/exact/bin/"libggml-base.so* "$work/stock/bin/" \
-         && make -C "$work/stock" ggml-cpu/fast -j"$jobs"; } >>"$log" 2>&1; then
-    echo "build-llama-cpp: the build of the stock ggml-cpu failed; the last lines of $log:" >&2; tail -5 "$log" >&2
-    exit 1
-  fi
-  rm -rf "$out/lib" "$out/server" "$out/stock" "$out/convert" "$stamp"
-  mkdir -p "$out/lib" "$out/server" "$out/stock"
+  # the stock and AVX2-only ggml-cpu built beside an earlier build link to its libraries: built again on demand
+  rm -rf "$out/lib" "$out/server" "$out/stock" "$out/avx2" "$out/convert" "$stamp"
+  mkdir -p "$out/lib" "$out/server"
   cp -a "$work/exact/bin/"lib{llama,ggml,ggml-base,ggml-cpu,mtmd}.so* "$out/lib/"
   cp -a "$work/exact/bin/"*.so* "$work/exact/bin/llama-server" "$out/server/"
-  cp -a "$out/lib/"*.so* "$out/stock/"
-  cp -a "$work/stock/bin/"libggml-cpu.so* "$out/stock/"
   mkdir -p "$out/convert"
   cp -r "$src/convert_hf_to_gguf.py" "$src/conversion" "$src/gguf-py" "$out/convert/"
-  for lib in "$out"/lib/libggml*.so "$out"/server/libggml*.so "$out"/stock/libggml*.so; do
+  for lib in "$out"/lib/libggml*.so "$out"/server/libggml*.so; do
     if holds_amx "$lib"; then
       echo "build-llama-cpp: the build still holds ggml's AMX kernels ($lib: nm -D shows ggml_backend_amx_*)" >&2
       exit 1
@@ -152,6 +141,30 @@ install_python_package() {
   mkdir -p "$libdir"
   rm -f "$libdir"/lib*.so*
   cp -a "$out/lib/"*.so* "$libdir/"
+}
+
+# llama.cpp's stock ggml-cpu: the unpatched source's one target, the same switches; `ggml-cpu/fast` builds the target
+# without rebuilding what it links to (the exact build's libggml-base).
+build_stock() {
+  local stock="$out/stock" log="$out/build-stock.log"
+  [ -f "$stock/built" ] && [ "$(cat "$stock/built")" = "$kernels_id" ] && ! holds_amx "$stock/libggml-cpu.so" \
+    && { echo "$stock"; return; }
+  work=$(mktemp -d "$out/.build.XXXXXX")
+  tar -xzf "$sdist" -C "$work"
+  if ! { configure "$work/llama_cpp_python-$VERSION/vendor/llama.cpp" "$work/stock" ON \
+         && mkdir -p "$work/stock/bin" && cp -a "$out/lib/"libggml-base.so* "$work/stock/bin/" \
+         && make -C "$work/stock" ggml-cpu/fast -j"$(nproc)"; } >"$log" 2>&1; then
+    echo "build-llama-cpp: the stock ggml-cpu failed to build; the last lines of $log:" >&2; tail -5 "$log" >&2
+    exit 1
+  fi
+  if holds_amx "$work/stock/bin/libggml-cpu.so"; then
+    echo "build-llama-cpp: the stock ggml-cpu holds ggml's AMX kernels (nm -D shows ggml_backend_amx_*)" >&2; exit 1
+  fi
+  rm -rf "$stock" && mkdir -p "$stock"
+  cp -a "$out/lib/"*.so* "$stock/"
+  cp -a "$work/stock/bin/"libggml-cpu.so* "$stock/"
+  echo "$kernels_id" >"$stock/built"
+  echo "$stock"
 }
 
 # The AVX2-only ggml-cpu: the patched source's one target, with llama.cpp's instruction-set switches instead of
@@ -178,8 +191,8 @@ build_avx2() {
 }
 
 built_without_amx || build
-if [ -n "$avx2_only" ]; then
-  build_avx2
+if [ -n "$extra" ]; then
+  "build_$extra"
   exit 0
 fi
 install_python_package

@@ -11,6 +11,7 @@ from draftlab.engine import GenerationConfig, SpeculativeEngine
 from draftlab.backends import make_backend
 from draftlab.decoding.policy import DynamicK, FixedK
 from tests.conftest import noisy_copy
+from tests.tiers import slow
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 9, 10, 9, 10, 11], [42]]
 K_VALUES = [1, 2, 3, 5, 8]
@@ -62,7 +63,7 @@ def test_dynamic_k_is_lossless(tiny_target, baselines):
     assert result.token_ids == baselines[0]
 
 
-@pytest.mark.parametrize("backend", ["hf", "fast"])
+@pytest.mark.parametrize("backend", [slow("hf"), "fast"])
 def test_target_cache_matches_fresh_prefill_after_every_step(tiny_target, backend):
     """The cache holds every committed token but the last, and gives the logits a fresh prefill gives."""
     backend = make_backend(tiny_target.model, kind=backend)

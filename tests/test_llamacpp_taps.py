@@ -55,6 +55,7 @@ def test_a_trees_tapped_rows_come_in_block_order(target, prompt):
     assert backend.cache_len == len(prompt)
 
 
+@pytest.mark.slow
 def test_eagle3_drafts_losslessly_on_a_llama_cpp_target(target):
     expected = SpeculativeDecoder.from_names(target, drafter="none", k=1).generate(PROMPT, max_new_tokens=32)
     for spec in ("eagle3", "tree:2x2:eagle3"):

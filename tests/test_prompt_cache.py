@@ -15,6 +15,7 @@ from draftlab.engine import GenerationConfig, PromptCache, SpeculativeEngine
 from draftlab.decoding.policy import FixedK
 from draftlab.decoding.sampling import SamplingConfig
 from tests.conftest import noisy_copy
+from tests.tiers import slow
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 9, 10, 9, 10, 11], [42], [1, 2, 3, 4, 5, 6, 7, 8]]
 
@@ -28,7 +29,7 @@ def drafters(target):
     }
 
 
-@pytest.mark.parametrize("backend", ["hf", "fast"])
+@pytest.mark.parametrize("backend", [slow("hf"), "fast"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_engines_sharing_a_prompt_cache_decode_as_a_fresh_prefill_does_and_prefill_once(tiny_target, backend,
                                                                                           temperature):

@@ -18,6 +18,7 @@ from draftlab.backends.gguf import Q4_0_ROWS, Q4_K_ROWS, SGEMM_EVERY_ROW
 from draftlab.backends.llamacpp import LlamaCppBackend
 from draftlab.contenders.llama_server import build_dir
 from draftlab.models import load_model
+from tests.integration.test_no_amx import symbols
 from tests.tiers import exhaustive, slow
 
 pytestmark = pytest.mark.integration
@@ -115,7 +116,12 @@ def test_block_rows_are_bitwise_single_rows_on_real_model_shapes(shape, weight_t
 @pytest.mark.slow
 def test_on_llamas_stock_kernels_the_same_check_finds_differing_rows():
     """The check can fail: the same comparison on llama.cpp's stock ggml-cpu (sgemm gated to 2+ rows, built beside
-    draftlab's for the benchmarks) finds rows of Q4_0 blocks that differ from the same rows alone."""
+    draftlab's for the benchmarks, apart from it and without its patches) finds rows of Q4_0 blocks that differ from
+    the same rows alone."""
+    stock = extra_build("--stock")
+    stock_symbols = symbols(stock / "libggml-cpu.so", dynamic=True)
+    assert "llamafile_sgemm" in stock_symbols and "ggml_cpu_draftlab" not in stock_symbols
+    assert (stock / "libggml-cpu.so").read_bytes() != (build_dir() / "lib" / "libggml-cpu.so").read_bytes()
     load_model("smollm2-135m@Q4_0", backend="llamacpp")  # derived (cached) in this process
     script = ("from draftlab.models import load_model\n"
               "from draftlab.backends.llamacpp import LlamaCppBackend\n"
@@ -123,16 +129,17 @@ def test_on_llamas_stock_kernels_the_same_check_finds_differing_rows():
               "import warnings; warnings.simplefilter('ignore')\n"
               "target = load_model('smollm2-135m@Q4_0', backend='llamacpp')\n"
               "print(target.model.exact_kernels, len(rows_alone_and_blocks(LlamaCppBackend(target.model))))\n")
-    env = {**os.environ, "LLAMA_CPP_LIB_PATH": str(build_dir() / "stock")}
+    env = {**os.environ, "LLAMA_CPP_LIB_PATH": str(stock)}
     done = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     kernels, differing = done.stdout.split()[-2:]
     assert kernels == "()" and int(differing) > 0
 
 
-def avx2_build() -> Path:
-    """The exact build's ggml-cpu compiled again for AVX2 only (scripts/build-llama-cpp.sh --avx2; once, cached)."""
-    done = subprocess.run(["bash", str(ROOT / "scripts" / "build-llama-cpp.sh"), "--avx2", sys.executable],
+def extra_build(which: str) -> Path:
+    """A ggml-cpu built beside the exact build on demand (scripts/build-llama-cpp.sh --avx2: the exact kernels for AVX2
+    only; --stock: llama.cpp's own; once, cached): its directory."""
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "build-llama-cpp.sh"), which, sys.executable],
                           capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stderr[-2000:]
     return Path(done.stdout.strip().splitlines()[-1])
@@ -150,7 +157,7 @@ def test_the_kernels_avx2_path_is_exact_on_an_avx2_only_build():
     """Whatever this host has, the kernels' AVX2 path (without AVX-512 or VNNI: the repacked Q4_0 and Q4_K rows'
     16-bit partial sums, 8 columns a pass) keeps every row of blocks of 2-16, 20 and 24 bitwise the row alone, with 1
     and 2 threads: on pure Q4_0 (every product on the Q4_0 kernel) and Q4_K_M (the Q4_K kernel beside vec_dot)."""
-    lib_dir = avx2_build()
+    lib_dir = extra_build("--avx2")
     assert not holds_avx512(lib_dir / "libggml-cpu.so")  # AVX2 only, whatever the native build holds
     sources = ("smollm2-135m@Q4_0_PURE", "smollm2-135m@Q4_K_M")
     for source in sources:

@@ -50,20 +50,16 @@ def test_the_built_llama_server_holds_no_amx_kernels(binary):
     assert not [name for name, text in table.items() if AMX in text]
 
 
-def test_llama_server_and_the_backend_share_draftlabs_exact_kernels_and_the_stock_ones_stay_apart(binary):
+def test_llama_server_and_the_backend_share_draftlabs_exact_kernels(binary):
     """One build: llama-server and the library llama-cpp-python loads are the same files, whose ggml-cpu holds
     draftlab's kernel patches (llamafile's sgemm at every row count, its float jobs without barriers); llama.cpp's
-    stock ggml-cpu, for the benchmarks, lies apart in stock/ without them."""
+    stock ggml-cpu, for the benchmarks, is built apart on demand (tests/integration/test_exact_kernels.py)."""
     installed = {lib.name: lib for lib in installed_ggml()}
     for name in ("libggml-cpu.so", "libggml-base.so"):
         assert (binary.parent / name).read_bytes() == installed[name].read_bytes()
     assert "ggml_cpu_draftlab_sgemm_every_row" in symbols(installed["libggml-cpu.so"], dynamic=True)
     assert "ggml_cpu_draftlab_q4_0_rows" in symbols(installed["libggml-cpu.so"], dynamic=True)
     assert "ggml_cpu_draftlab_sgemm_static_jobs" in symbols(installed["libggml-cpu.so"], dynamic=True)
-    stock = binary.parent.parent / "stock" / "libggml-cpu.so"
-    stock_symbols = symbols(stock, dynamic=True)
-    assert "llamafile_sgemm" in stock_symbols and "ggml_cpu_draftlab" not in stock_symbols
-    assert stock.read_bytes() != installed["libggml-cpu.so"].read_bytes()
 
 
 def test_run_shs_check_finds_amx_kernels_in_a_cached_wheels_library(tmp_path):

@@ -284,45 +284,6 @@ def test_sigterm_drains_what_is_in_flight(tmp_path, prompts):
 
 
 @pytest.mark.slow
-def test_the_deploy_lines_command_run_as_printed_serves_the_measured_tokens(tmp_path, prompts, plain):
-    """A study's Deploy line for draftlab serve (`ServeConfig.command`), run by a shell with the venv's `draftlab`
-    first on PATH, on another port: greedy answers equal draftlab's plain decoding."""
-    import shlex
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from draftlab.contenders.served import die_with_parent, free_port
-
-    command = ServeConfig(TARGET, "suffix", "1:6,2-64:3", slots=2, context=2048).command()
-    port = free_port()
-    words = shlex.split(command)
-    words[words.index("--port") + 1] = str(port)
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    with open(tmp_path / "serve.log", "wb") as log:
-        process = subprocess.Popen(["bash", "-c", "exec " + shlex.join(words)], env=env, stdout=log,
-                                   stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                assert process.poll() is None, (tmp_path / "serve.log").read_text()
-                time.sleep(0.3)
-        for ids, expected in list(zip(prompts, plain))[:3]:
-            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", headers={
-                "Content-Type": "application/json"}, data=json.dumps({"prompt": ids, "max_tokens": TOKENS,
-                                                                     "temperature": 0, "return_token_ids": True}).encode())
-            with urllib.request.urlopen(request, timeout=120) as response:
-                assert json.loads(response.read())["choices"][0]["token_ids"] == expected
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
-
-
-@pytest.mark.slow
 def test_a_type_loaded_without_repack_prefills_on_its_twin_and_decodes_as_alone(prompts):
     """A file with a type whose repacked kernels round rows apart (IQ4_NL; K-quants load repacked since 0.35.0) loads
     without repack and prefills each request on its repacked twin, whose slots are copied into the server's (the same

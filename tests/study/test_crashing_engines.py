@@ -77,6 +77,7 @@ def test_a_study_whose_every_engine_fails_its_preflight_exits_1_with_a_line_per_
     assert "Traceback" not in result.stdout + result.stderr and "draftlab sweep" not in result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_a_preflight_reports_a_nonzero_exit_with_its_last_error_line(models):
     _, one, _ = models
     os.environ[FAULT_ENV] = f"torch:exit:{one}"

@@ -29,6 +29,21 @@ def test_draftlab_serve_wins_alone_and_k_follows_the_load():
     assert (unsure.drafter, unsure.k_per_load) == ("none", "1:0")
 
 
+def test_k_auto_measured_under_load_deploys_as_k_auto_for_the_levels_measured():
+    """`--k auto` raced alone and at 4 in flight: deployed with `--k auto --max-in-flight 4` where it kept within the
+    drift of the fastest fixed K and plain decoding at each level; else K per load from the fixed K."""
+    raced = [cell("server-ar", 1, 150), cell("serve-ar", 1, 140), cell("serve", 1, 230, "suffix", 3),
+             cell("serve", 1, 220, "suffix", 0), cell("serve-ar", 4, 330), cell("serve", 4, 335, "suffix", 0)]
+    [line] = serve_sentences(raced, margin=0.05)
+    assert "--drafter suffix --k auto --max-in-flight 4" in line and "suffix K=3" in line
+    slower = [*raced[:-1], cell("serve", 4, 290, "suffix", 0)]  # auto under load trails plain decoding there
+    [line] = serve_sentences(slower, margin=0.05)
+    assert "--drafter suffix --k-per-load 1:3,2-64:0 --max-in-flight 4" in line
+    best_auto = [*raced[:2], cell("serve", 1, 240, "suffix", 0), raced[-2], raced[-1]]
+    [line] = serve_sentences(best_auto, margin=0.05)
+    assert "suffix K auto" in line and "--k auto --max-in-flight 4" in line
+
+
 def test_no_line_where_llama_server_is_as_fast_or_an_output_differed():
     close = [cell("server-ar", 1, 150), cell("serve-ar", 1, 150), cell("serve", 1, 155, "suffix", 6)]
     assert serve_sentences(close, margin=0.05) == []

@@ -91,6 +91,24 @@ def test_the_grid_gives_gguf_targets_server_cells_at_every_concurrency():
         SweepConfig(concurrency=(64,))
 
 
+def test_load_methods_and_load_ks_race_draftlab_serve_alone_with_k_auto_under_load():
+    """The quick study's grid under load: draftlab serve's plain decoding and `--k auto` (K 0) at 4 in flight, its fixed
+    K and `--k auto` alone, llama-server alone only."""
+    config = SweepConfig(targets=("llamacpp:smollm2-135m",), drafters=("suffix",), ks=(2, 3), methods=("serve",),
+                         servers=("ngram-mod:3",), concurrency=(1, 4), load_methods=("serve", "serve-ar"),
+                         load_ks=(0,), host_baselines=False)
+    cells = {(c.method, c.drafter, c.k, c.concurrency) for c in config.cells("llamacpp:smollm2-135m", "code", 0.0)}
+    served = {cell for cell in cells if cell[0] != "ar"}
+    assert served == {("serve-ar", "none", 0, 1), ("serve-ar", "none", 0, 4), ("serve", "suffix", 2, 1),
+                      ("serve", "suffix", 3, 1), ("serve", "suffix", 0, 1), ("serve", "suffix", 0, 4),
+                      ("server-ar", "none", 0, 1), ("server", "ngram-mod", 3, 1)}
+    from draftlab.contenders.draftlab_serve import ServeConfig
+
+    assert ServeConfig("x.gguf", "suffix", "auto").command().count("--k auto") == 1
+    with pytest.raises(DraftlabError, match="load_ks"):
+        SweepConfig(load_ks=(-1,))
+
+
 def test_a_cell_alone_keeps_the_key_older_studies_stored():
     cell = Cell("smollm2-135m", "ngram", 3, "sps", "code", 0.0, 64)
     assert cell.key == "smollm2-135m|sps|ngram|k=3|code|t=0.0|n=64|seed=0|fp32|auto|cpu|skip=0"

@@ -148,7 +148,8 @@ def server_slots(drafter: str, concurrency: int, most_in_flight: int) -> int:
 
 def _server(source: ContenderSource, cell, companions: tuple) -> Contender:
     slots = server_slots(cell.drafter, cell.concurrency, source.servers.most_in_flight if source.servers else 1)
-    config = ServeConfig(str(gguf_path(source.target.source)), cell.drafter, f"1:{cell.k}", slots)
+    k_per_load = "auto" if cell.k == 0 and serves(cell.drafter) else f"1:{cell.k}"  # K 0 with a drafter: `--k auto`
+    config = ServeConfig(str(gguf_path(source.target.source)), cell.drafter, k_per_load, slots)
     return served_contender(source, cell, companions, config)
 
 

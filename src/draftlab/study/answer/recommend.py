@@ -11,7 +11,7 @@ from draftlab.deploy import Deployable
 from draftlab.study.run.race import model_of
 from draftlab.study.answer.report import ALL, CellSummary, Drift, engine_words, pace
 from draftlab.study.answer.summary import interval_words
-from draftlab.study.run.cells import LLAMACPP_TARGET
+from draftlab.study.run.cells import LLAMACPP_TARGET, k_words
 from draftlab.contenders.draftlab_serve import SERVE_DEPLOY, ServeConfig
 from draftlab.contenders.methods import AR, PLAIN, SERVE, SERVE_AR, SPS, VLLM, method_of
 from draftlab.drafters.kinds import serves_batched
@@ -144,7 +144,7 @@ def _sentence(where: str, cells: list[CellSummary], dropped: list[CellSummary], 
                 f"differed from it, or is exact only up to rounding: see llama-server below){warning}.")
     best = max(lossless, key=_judged_speedup)
     gain, (low, high) = _judged_speedup(best), _judged_interval(best)
-    name = f"{best.drafter} at K={best.k} ({method_of(best.method)}) on {engine_words(best)}"
+    name = f"{best.drafter} at {k_words(best.k)} ({method_of(best.method)}) on {engine_words(best)}"
     measured = (f"{gain:.2f}x ({interval_words(low, high, best.prompts)}) {plain_words}, {_paces(best, plain, gain)}"
                 f"{_end_to_end(best, plain, output_tokens)}")
     if gain <= 1.0 or low <= 1.0:
@@ -179,9 +179,11 @@ def chosen(summaries: list[CellSummary], drift: Drift = Drift(0, 0.0), output_to
 
 
 def deploy_notes(summaries: list[CellSummary], drift: Drift = Drift(0, 0.0), output_tokens: int | None = None,
-                 served_as: Callable[[CellSummary], tuple[str, int]] = lambda s: ("fp32", 1)) -> list[str]:
+                 served_as: Callable[[CellSummary], tuple[str, int]] = lambda s: ("fp32", 1),
+                 raced: dict[str, ServeConfig] | None = None) -> list[str]:
     """A line per model whose answer (greedy) is not on llama-server: the command of a vLLM answer, exactly as the
-    study served it (`served_as`: the dtype its records ran in and the study's most requests at once), or why the
+    study served it (`served_as`: the dtype its records ran in and the study's most requests at once), the command of
+    a draftlab serve answer (with K per load as `raced`, per GGUF, found at the levels the study served), or why the
     Deploy line, llama-server's own best measured beside it, names another engine."""
     notes = []
     for (model, temperature), choice in sorted(chosen(summaries, drift, output_tokens).items()):
@@ -192,7 +194,8 @@ def deploy_notes(summaries: list[CellSummary], drift: Drift = Drift(0, 0.0), out
             notes.append(f"Deploy {model} on vLLM, the answer, as the study served it (llama-server's best measured "
                          f"beside it follows): {command}")
         elif temperature == 0 and _serves(choice):
-            notes.append(_serve_note(model, choice, served_as(choice)[1]))
+            notes.append(_serve_note(model, choice, served_as(choice)[1], (raced or {}).get(
+                choice.target.removeprefix(LLAMACPP_TARGET))))
         elif temperature == 0 and not method.served:
             notes.append(f"The answer for {model} runs on {engine_words(choice)}, draftlab's own loop or library, "
                          "which has no server of its own to deploy: the Deploy line below is llama-server's best "
@@ -210,11 +213,15 @@ def _serves(choice: CellSummary) -> bool:
             and serves_batched(choice.drafter))
 
 
-def _serve_note(model: str, choice: CellSummary, most_in_flight: int) -> str:
-    """The answer's `draftlab serve` command: the same engine, drafter and K, exact at every load."""
+def _serve_note(model: str, choice: CellSummary, most_in_flight: int, raced: ServeConfig | None) -> str:
+    """The answer's `draftlab serve` command: the same engine, drafter and K, exact at every load (K per load as
+    `raced` found it, where the study served that drafter at several levels)."""
     plain = method_of(choice.method).plain
+    k_per_load = "1:0" if plain else f"1:{choice.k}" if choice.k else "auto"  # K 0 of draftlab serve: `--k auto`
     config = ServeConfig(choice.target.removeprefix(LLAMACPP_TARGET), "none" if plain else choice.drafter,
-                         f"1:{0 if plain else choice.k}", slots=max(most_in_flight, 1), name="")
+                         k_per_load, slots=max(most_in_flight, 1), name="")
+    if raced is not None and raced.drafter == config.drafter:
+        config = raced
     return (f"Deploy {model} {SERVE_DEPLOY}, the answer, on the engine and drafter it was measured with (exact: each "
             f"request's tokens as alone, at every load; llama-server's best measured beside it follows): "
             f"{config.command()}")
@@ -252,7 +259,7 @@ def _named(s: CellSummary) -> str:
     """A pick in words: its draft, K, method and engine, or plain decoding and its engine."""
     if method_of(s.method).plain:
         return f"plain decoding on {_mode(s)}"
-    return f"{s.drafter} at K={s.k} ({method_of(s.method)}) on {engine_words(s)}"
+    return f"{s.drafter} at {k_words(s.k)} ({method_of(s.method)}) on {engine_words(s)}"
 
 
 def _sooner(cells: list[CellSummary], plain: CellSummary | None, drift: Drift, output_tokens: int | None
@@ -323,7 +330,7 @@ def _all_dropped(where: str, cells: list[CellSummary], plain: str) -> str:
     best = max(cells, key=_judged_speedup)
     low, high = _judged_interval(best)
     return (f"Use {plain} for {where} on this machine: every lossless configuration trailed the fastest cell by "
-            f"more than the margin and was dropped by the race (the closest, {best.drafter} at K={best.k} "
+            f"more than the margin and was dropped by the race (the closest, {best.drafter} at {k_words(best.k)} "
             f"({method_of(best.method)}) on {engine_words(best)}, ran at {_judged_speedup(best):.2f}x "
             f"({interval_words(low, high, best.prompts)}) {plain}, paired, over the {best.prompts} prompts it ran; "
             f"{_identical_text(best)}; the report gives each cell's ratio to the leader).")

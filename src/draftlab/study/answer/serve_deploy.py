@@ -2,9 +2,11 @@
 
 Over all of a target's prompts: draftlab serve's fastest exact configuration alone (plain decoding, or a drafter whose
 every greedy output equalled draftlab's plain decoding) against the fastest llama-server configuration alone. Where
-draftlab serve is ahead by more than the study's drift, the Deploy line is its command, with K per requests in
-flight: at each level measured, the drafter's fastest K where it beats draftlab serve's own plain decoding there,
-else 0 (plain decoding), in `--k-per-load` rows.
+draftlab serve is ahead by more than the study's drift, the Deploy line is its command, for as many requests in
+flight as the study measured (`--max-in-flight`): with `--k auto` (K chosen each step) where the study raced it
+and at every level it kept within the drift of the fastest of that drafter's fixed K and plain decoding there; else
+with K per requests in flight: at each level, the drafter's fastest K where it beats draftlab serve's own plain
+decoding there, else 0 (plain decoding), in `--k-per-load` rows.
 """
 
 from __future__ import annotations
@@ -64,10 +66,24 @@ def _best_alone(cells: list[LoadSummary]) -> LoadSummary | None:
 def _config(model: str, best: LoadSummary, cells: list[LoadSummary], margin: float) -> ServeConfig:
     """The configuration to deploy: the best one's drafter with K per load (plain decoding where no level pays)."""
     levels = sorted({s.concurrency for s in cells if s.method == SERVE_AR.name}) or [1]
+    if best.method == SERVE.name and _auto_holds(best.drafter, cells, levels, margin):
+        return ServeConfig(model, best.drafter, "auto", slots=max(levels), name="")
     rows = _k_per_load(best, cells, margin)
     paying = best.method == SERVE.name and any(not row.endswith(":0") for row in rows.split(","))
     return ServeConfig(model, best.drafter if paying else "none", rows if paying else "1:0", slots=max(levels),
                        name="")
+
+
+def _auto_holds(drafter: str, cells: list[LoadSummary], levels: list[int], margin: float) -> bool:
+    """Whether the drafter's `--k auto` ran exact at every level measured, within `margin` of the fastest of plain
+    decoding and the drafter's fixed K there."""
+    for level in levels:
+        here = [s for s in cells if s.concurrency == level and _exact_serve(s)
+                and (s.method == SERVE_AR.name or s.drafter == drafter)]
+        auto = [s for s in here if s.method == SERVE.name and s.k == 0]
+        if not auto or auto[0].tokens_per_s * (1 + margin) < max(s.tokens_per_s for s in here):
+            return False
+    return True
 
 
 def _deploy_line(model: str, cells: list[LoadSummary], margin: float) -> str:
@@ -99,7 +115,7 @@ def _k_per_load(best: LoadSummary, cells: list[LoadSummary], margin: float) -> s
     for level in levels:
         plain = next(s for s in cells if s.method == SERVE_AR.name and s.concurrency == level)
         same = [s for s in cells if s.method == SERVE.name and s.drafter == best.drafter and s.concurrency == level
-                and _exact_serve(s)]
+                and s.k > 0 and _exact_serve(s)]  # fixed K (K 0 is `--k auto`)
         fastest = max(same, key=lambda s: s.tokens_per_s, default=None)
         paying = fastest is not None and best.method == SERVE.name and \
             fastest.tokens_per_s > plain.tokens_per_s * (1 + margin)

@@ -19,8 +19,8 @@ from pathlib import Path
 from draftlab.deploy import Deployable, per_batch_size
 from draftlab.contenders.llama_server import ServerConfig
 from draftlab.contenders.server_configs import spec_config
-from draftlab.study.run.cells import LLAMACPP_TARGET
-from draftlab.contenders.methods import PLAIN, SERVER, SERVER_AR, is_baseline, method_of
+from draftlab.study.run.cells import LLAMACPP_TARGET, k_words
+from draftlab.contenders.methods import PLAIN, SERVE, SERVER, SERVER_AR, is_baseline, method_of
 from draftlab.perf.baselines import interval
 from draftlab.study.answer.report import ALL
 from draftlab.study.answer.summary import interval_words
@@ -61,7 +61,7 @@ class LoadSummary:
         if method.plain:
             engine = self.drafter if method is PLAIN else method.engine
             return f"plain decoding ({engine})"
-        length = f" K={self.k}" if self.k else " (default length)"
+        length = f" {k_words(self.k)}" if self.k or self.method == SERVE.name else " (default length)"
         where = method.engine if method.served else self.method.upper()
         return f"{where} {self.drafter}{length}"
 

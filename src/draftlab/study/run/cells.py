@@ -17,13 +17,18 @@ from draftlab.contenders.methods import AR, method_of
 LLAMACPP_TARGET = "llamacpp:"  # a target name's prefix: the target runs on llama.cpp (`--backend llamacpp` for one)
 
 
+def k_words(k: int) -> str:
+    """A speculative cell's K in words: K 0 is draftlab serve's K chosen each step (`--k auto`)."""
+    return f"K={k}" if k else "K auto"
+
+
 @dataclass(frozen=True)
 class Cell:
     """One point of the grid."""
 
     target: str
     drafter: str  # 'none' for ar; for 'server', the speculative type (and its draft: 'draft-simple/NAME')
-    k: int  # 0 for ar; for 'server', the draft length flag (0: the server's default)
+    k: int  # 0 for ar; for 'server', the draft length flag (0: the server's default); for 'serve', 0 is `--k auto`
     method: str  # a name of contenders.methods' table
     dataset: str
     temperature: float

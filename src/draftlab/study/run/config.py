@@ -29,7 +29,7 @@ from draftlab.models import (LoadedModel, ModelSpec, auto_dtype, check_device, c
 from draftlab.contenders.preflight import TIMEOUT_S as PREFLIGHT_TIMEOUT_S
 from draftlab.decoding.sampling import SamplingConfig
 from draftlab.study.run.cells import LLAMACPP_TARGET, Cell
-from draftlab.contenders.methods import AR, PLAIN, SERVER, SERVER_AR, choices, method_of, methods
+from draftlab.contenders.methods import AR, PLAIN, SERVE, SERVER, SERVER_AR, choices, method_of, methods
 from draftlab.contenders.server_configs import check_concurrency, parse_server_spec
 
 
@@ -70,6 +70,9 @@ class SweepConfig:
     # (draftlab.contenders.server_configs); with any, the server's plain decoding runs too
     concurrency: tuple[int, ...] = (1,)  # requests in flight for the served engines' cells (llama-server, vLLM):
     # each level its own servers
+    load_methods: tuple[str, ...] = ()  # the served methods whose cells run above one request in flight ((): all)
+    load_ks: tuple[int, ...] = ()  # draftlab serve's K above one request in flight ((): the grid's); 0 is `--k auto`
+    # (K chosen each step), which then also races alone
     seed_inputs: tuple[str, ...] = ()  # what the seeds' findings need beyond the cells, made after the sweep by
     # `draftlab study` (study/run/seed_inputs.py): 'calibrate' (a profile), 'microbench' (depth vs width)
     preflight_s: float = PREFLIGHT_TIMEOUT_S  # each engine decodes a few tokens in a child first, within this many
@@ -99,6 +102,9 @@ class SweepConfig:
         for spec in self.servers:
             parse_server_spec(spec)
         check_concurrency(self.concurrency)
+        if min(self.load_ks, default=0) < 0 or set(self.load_methods) - set(methods()):
+            raise DraftlabError(f"load_ks must be >= 0 (0: K chosen each step) and load_methods known methods, got "
+                                f"{list(self.load_ks)} and {list(self.load_methods)}")
         if set(self.seed_inputs) - set(SEED_INPUTS):
             raise DraftlabError(f"unknown seed input(s) {sorted(set(self.seed_inputs) - set(SEED_INPUTS))}; use "
                                 f"{', '.join(SEED_INPUTS)}")
@@ -121,14 +127,25 @@ class SweepConfig:
             replace(base, drafter=drafter, k=k, method=method.name, concurrency=c)
             for method in chosen if method.swept
             for drafter in self.drafters if method.runs(drafter)
-            for k in self.ks
             for c in self.levels(method)
+            for k in self.ks_at(method, c)
         ]
         return [base, *peers, *host, *others, *(self.server_cells(base) if on_gguf else [])]
 
     def levels(self, method) -> tuple[int, ...]:
-        """The concurrency levels a method's cells run at: every level for a served engine, one request else."""
-        return self.concurrency if method.served else (1,)
+        """The concurrency levels a method's cells run at: every level for a served engine (of `load_methods`, where
+        named), one request else."""
+        loaded = method.served and (not self.load_methods or method.name in self.load_methods)
+        return self.concurrency if loaded else tuple(c for c in self.concurrency if c == 1) or (1,)
+
+    def ks_at(self, method, concurrency: int) -> tuple[int, ...]:
+        """A swept method's K at a level: the grid's, and draftlab serve's `load_ks` above one request in flight (K 0,
+        `--k auto`, alone too)."""
+        if method.name != SERVE.name or not self.load_ks:
+            return self.ks
+        if concurrency > 1:
+            return self.load_ks
+        return (*self.ks, *(k for k in self.load_ks if k == 0))
 
     def server_cells(self, base: Cell) -> list[Cell]:
         """llama-server's plain decoding and each of its configurations, at every concurrency level (a type given
@@ -136,7 +153,7 @@ class SweepConfig:
         if not self.servers:
             return []
         specs = [parse_server_spec(text) for text in self.servers]
-        return [cell for c in self.concurrency for cell in [
+        return [cell for c in self.levels(SERVER_AR) for cell in [
             replace(base, method=SERVER_AR.name, concurrency=c),
             *(replace(base, method=SERVER.name, drafter=drafter, k=k, concurrency=c)
               for spec in specs for drafter, k in spec.configurations(tuple(self.ks)))]]
@@ -179,7 +196,10 @@ PRESETS = {
                          methods=("sps", "asg", "lcp", "serve"), ks=(1, 2, 3), datasets=("heldout",), limit=8,
                          race_after=2,
                          max_new_tokens=128, baseline_every=2, budget_s=480.0,
-                         servers=("ngram-mod:3", "ngram-simple:3")),  # llama-server's types at the grid's longest K
+                         servers=("ngram-mod:3", "ngram-simple:3"),  # llama-server's types at the grid's longest K
+                         # draftlab serve alone and at 4 in flight (its plain decoding and `--k auto`), so that its
+                         # Deploy line is a server for load; llama-server alone
+                         concurrency=(1, 4), load_methods=("serve", "serve-ar"), load_ks=(0,)),
     # The seeds' study on CPU (issue 83): the Qwen2.5-Coder pair on llama.cpp, the 1.5B target in pure Q4_0 (derived
     # once from the shipped Q4_K_M, ~1.6 GB of downloads in all) on draftlab's exact kernels. Drafts with parameters:
     # the 0.5B stand-alone draft (its own pure Q4_0 file), with its whole head and with a head of its 32768 lowest token
