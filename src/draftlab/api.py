@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from draftlab.backends import Backend, Engine, engine_of_backend, make_backend
-from draftlab.backends.routes import parse_route
+from draftlab.backends import Backend
+from draftlab.compose import TargetSpec, given_target, load_target, one_sequence, target_drafter
 from draftlab.files.datasets import Prompt
 from draftlab.drafters.adapt import AdaptSettings
 from draftlab.drafters.base import Drafter
@@ -21,7 +21,7 @@ from draftlab.engine import GenerationConfig, GenerationResult, PromptCache, Spe
 from draftlab.errors import DraftlabError
 from draftlab.measure import RunSettings
 from draftlab.defaults import DEFAULT_BACKEND, DraftSettings
-from draftlab.models import DEFAULT_TARGET, LoadedModel, ModelSpec, eos_ids, load_model  # noqa: F401 (eos_ids: API)
+from draftlab.models import DEFAULT_TARGET, LoadedModel, ModelSpec, eos_ids, load_model  # noqa: F401 (API)
 from draftlab.decoding.policy import DraftLengthPolicy, DynamicK, FixedK
 from draftlab.registry import DraftPlan, adapt_spec, build_drafter, parse_drafter_spec, parse_layers  # noqa: F401 (API)
 from draftlab.decoding.sampling import SamplingConfig
@@ -103,36 +103,10 @@ class SpeculativeDecoder:
         """
         policy = make_policy(k, dynamic_k)
         drafter = adapt_spec(drafter, adapt.label if adapt is not None else None)
-        engine = engine_of_backend(backend) if isinstance(target, str) else target.engine
-        if engine.runs_gguf:
-            return cls._on_gguf_engine(target, drafter, policy, dtype, numerics, engine)
-        route = None if numerics == "auto" else parse_route(numerics, None if dtype == "auto" else dtype)
-        if route is not None and dtype not in ("auto", route.dtype):
-            raise DraftlabError(f"--numerics {route.label} runs {route.dtype}, not --dtype {dtype}")
-        load_dtype = route.dtype if route is not None else dtype
-        loaded = load_model(target, device=device, dtype=load_dtype, backend=backend) if isinstance(target, str) \
-            else target
-        target_backend = make_backend(loaded.model, loaded.device, backend, route=route)
-        built = build_drafter(drafter, loaded, backend)
-        return cls(loaded, built.drafter, policy, target_backend, built.model, backend)
-
-    @classmethod
-    def _on_gguf_engine(cls, target: str | LoadedModel, drafter: str, policy: DraftLengthPolicy, dtype: str,
-                        numerics: str, engine: Engine) -> "SpeculativeDecoder":
-        """The target's GGUF in llama.cpp (exact kernels unless numerics is 'repack'), drafts there too."""
-        if numerics not in engine.numerics:
-            raise DraftlabError(f"--numerics on {engine} is one of {', '.join(engine.numerics)}, not {numerics!r}")
-        repack = True if numerics == "repack" else None  # exact: repacked only where rows stay exact
-        if isinstance(target, str):
-            loaded = load_model(target, dtype=dtype, backend=engine.backend, repack=repack)
-        elif (numerics == "repack" and not target.model.repack) or (numerics == "exact" and not target.model.rows_exact):
-            raise DraftlabError(f"the target was loaded with repack={target.model.repack}; --numerics {numerics} "
-                                "needs it loaded again")
-        else:
-            loaded = target
-        built = build_drafter(drafter, loaded, engine.backend)
-        return cls(loaded, built.drafter, policy, make_backend(loaded.model, loaded.device, engine.backend),
-                   built.model, engine.backend)
+        parts = load_target(TargetSpec(target, backend, device, dtype, numerics)) if isinstance(target, str) \
+            else given_target(target, numerics, backend, dtype)
+        built = target_drafter(drafter, parts)
+        return cls(parts.loaded, built.drafter, policy, one_sequence(parts), built.model, parts.backend)
 
     def generate(
         self,

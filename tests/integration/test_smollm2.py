@@ -39,7 +39,7 @@ def baseline(target):
 @pytest.mark.parametrize("drafter", ["ngram", exhaustive("layers:0-3"), exhaustive("layers:0-29:3"),
                                      slow("model:smollm2-135m")])  # ngram: the README's smoke test for torch
 def test_greedy_equals_autoregressive_fp32(target, baseline, drafter):
-    for k in (1, 2, 3, 5, 8):
+    for k in (1, 3, 8):  # K 2 and 5: the unit tests' tiny models, and the slow tier's study cells
         decoder = SpeculativeDecoder.from_names(target, drafter=drafter, k=k)
         for prompt, expected in zip(PROMPTS, baseline):
             result = decoder.generate(prompt, max_new_tokens=32)

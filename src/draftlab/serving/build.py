@@ -1,6 +1,6 @@
 """A `draftlab serve` from its settings: the target on llama.cpp's exact kernels (its GGUF) or on the torch backend's
-exact route (CPU or CUDA), a slot per request in flight, an engine per slot (the drafter `draftlab generate` builds,
-beside the others), the scheduler and the app."""
+exact route (CPU or CUDA) and the drafter, composed as `draftlab generate` composes them (`draftlab.compose`), a
+sequence per slot scored in one call, one engine stepping every request in flight, the scheduler and the app."""
 
 from __future__ import annotations
 
@@ -9,18 +9,14 @@ from dataclasses import dataclass
 from typing import Callable
 
 from draftlab.api import eos_ids
-from draftlab.backends import LLAMACPP, engine_of_backend, make_backend
-from draftlab.backends.llamacpp_batch import LlamaCppBatch
-from draftlab.backends.routes import parse_route
-from draftlab.backends.slots import BackendSlots
+from draftlab.backends import LLAMACPP, engine_of_backend
 from draftlab.backends.sequences import Sequences
+from draftlab.compose import TargetSpec, load_target, slot_sequences, target_drafter
 from draftlab.decoding.kchoice import AutoK, BlockCost, LoadK
 from draftlab.decoding.step import Block
 from draftlab.drafters.kinds import learns_across_requests, with_suffix_store
 from draftlab.engine import SpeculativeEngine
 from draftlab.errors import DraftlabError
-from draftlab.models import LoadedModel, ModelSpec, load_model
-from draftlab.registry import build_drafter
 from draftlab.serving.app import Served
 from draftlab.serving.metrics import ServeMetrics
 from draftlab.serving.protocol import ApiError
@@ -76,8 +72,10 @@ class ServeSettings:
 
 def build_served(settings: ServeSettings) -> Served:
     """Load the target and build everything the app serves (the scheduler not yet started)."""
-    loaded, batch = (_llamacpp_slots if settings.on_llamacpp else _torch_slots)(settings)
-    drafter = build_drafter(settings.drafter_spec, loaded, settings.backend).drafter
+    target = load_target(TargetSpec(settings.target, settings.backend, settings.device, settings.dtype,
+                                    settings.numerics))
+    loaded, batch = target.loaded, slot_sequences(target, settings.slots, settings.context, settings.threads)
+    drafter = target_drafter(settings.drafter_spec, target).drafter
     chooser = settings.ks or AutoK(block_cost(batch, loaded.vocab_size), batch.passes, settings.k_max)
     metrics = ServeMetrics(k_rows=settings.ks.text() if settings.ks else "auto")
     context = min(loaded.context_length, batch.n_ctx)
@@ -113,25 +111,6 @@ def block_cost(batch: Sequences, vocab_size: int, rows: tuple[int, ...] = (1, 2,
         points.append((n, best))
     batch.rollback(0, 0)
     return BlockCost(tuple(points))
-
-
-def _llamacpp_slots(settings: ServeSettings) -> tuple[LoadedModel, Sequences]:
-    """The target's GGUF in llama.cpp and a KV stream per slot, every slot's block in one decode."""
-    loaded = load_model(settings.target, backend=LLAMACPP.backend,
-                        repack=True if settings.numerics == "repack" else None)
-    return loaded, LlamaCppBatch(loaded.model, settings.slots, settings.context, settings.threads)
-
-
-def _torch_slots(settings: ServeSettings) -> tuple[LoadedModel, Sequences]:
-    """The target in torch on its exact route (as `draftlab generate` loads it; None: the one measured fastest here,
-    kept in the route cache, so every slot runs the same), a backend per slot on its weights."""
-    route = None if settings.numerics == "exact" else parse_route(
-        settings.numerics, None if settings.dtype == "auto" else settings.dtype)
-    dtype = route.dtype if route is not None else settings.dtype
-    loaded = load_model(ModelSpec(settings.target, device=settings.device, dtype=dtype), backend=settings.backend)
-    n_ctx = min(settings.context or loaded.context_length, loaded.context_length)
-    return loaded, BackendSlots(lambda: make_backend(loaded.model, loaded.device, settings.backend, route=route),
-                                settings.slots, n_ctx)
 
 
 def stream_decoder(tokenizer) -> Callable[[], Callable[[int], str | None]]:
