@@ -1,7 +1,8 @@
 """draftlab serve against llama-server, both started here on 127.0.0.1, at 1, 4, 8 and 16 requests in flight, in one run.
 
 Servers of `--slots` slots (levels above it queue), one at a time (none runs beside another), a fresh server per set
-and level (so no server answers a prompt twice: a drafter that learns across requests would know the answer):
+and level (so no server answers a prompt twice: a drafter that learns across requests would know the answer), every prompt
+prefilled whole (llama-server's `cache_prompt` and draftlab serve's prompt cache off):
 llama-server's plain decoding and its own speculation (each type at the pick's length), draftlab serve's plain
 decoding, `--k auto` with the pick's drafter, and its pick (a drafter and K per requests in flight). Each serves the
 same prompt sets in windows of c requests at once (every request prefills), greedy, each request streamed. Per
@@ -74,11 +75,11 @@ def main() -> None:
         servers[f"llama-server {spec_type} K={k}"] = (
             lambda logs, t=spec_type: LlamaServer(spec_config(model, t, k, slots), logs), LLAMA)
     servers["draftlab serve plain"] = (lambda logs: DraftlabServer(
-        ServeConfig(args.target, "none", "1:0", slots, CONTEXT), logs), DRAFTLAB)
+        ServeConfig(args.target, "none", "1:0", slots, CONTEXT, prompt_cache=False), logs), DRAFTLAB)
     servers[f"draftlab serve {args.pick} auto"] = (lambda logs: DraftlabServer(
-        ServeConfig(args.target, args.pick, "auto", slots, CONTEXT), logs), DRAFTLAB)
+        ServeConfig(args.target, args.pick, "auto", slots, CONTEXT, prompt_cache=False), logs), DRAFTLAB)
     servers[f"draftlab serve {args.pick} {args.k_per_load}"] = (lambda logs: DraftlabServer(
-        ServeConfig(args.target, args.pick, args.k_per_load, slots, CONTEXT), logs), DRAFTLAB)
+        ServeConfig(args.target, args.pick, args.k_per_load, slots, CONTEXT, prompt_cache=False), logs), DRAFTLAB)
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for repeat in range(args.repeat):

@@ -97,9 +97,10 @@ class SpeculativeEngine:
 
     def start(self, prompt_ids: Sequence[int], config: GenerationConfig,
               on_tokens: Callable[[list[int]], None] | None = None, lane: Lane | None = None,
-              prefill: bool = True) -> Generation:
+              prefill: bool = True, cached: int = 0) -> Generation:
         """A run from `prompt_ids` on a lane (default: the engine's own), its prompt prefilled whole (or, with
-        `prefill=False`, left to `prefill_part`): what `step` advances."""
+        `prefill=False`, left to `prefill_part`, after the first `cached` tokens its sequence holds already): what
+        `step` advances."""
         lane = lane or self.lane
         tokens = self._check_prompt(prompt_ids, config)
         stats = GenerationStats(prompt_tokens=len(tokens), cache_held=lane.drafter.held())
@@ -110,7 +111,11 @@ class SpeculativeEngine:
             self._prefill(tokens, run.watch, lane)
             run.prefilled = len(tokens) - 1
         else:
+            if not 0 <= cached < len(tokens) or lane.target.cache_len != cached:
+                raise DraftlabError(f"a run may reuse up to all but the last of its {len(tokens)} prompt tokens, "
+                                    f"held in its sequence; {cached} asked for, {lane.target.cache_len} held")
             self._begin(lane, tokens)
+            run.prefilled = cached
         return run
 
     def prefill_part(self, run: Generation) -> None:

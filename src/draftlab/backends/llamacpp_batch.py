@@ -61,6 +61,13 @@ class LlamaCppBatch:
         self._prefiller: LlamaCppBatch | None = None  # the repacked twin's slots, for prefills (a file loaded without repack)
         self._prefilling = [False] * slots  # a prompt part-prefilled in the twin's stream of the slot
 
+    @property
+    def keeps_prefixes(self) -> bool:
+        """On the exact kernels without a twin (the model loaded repacked, rows as alone at every row count), a
+        token's cells are the same whether a prefill chunk or a step's block computed them: a slot's cells serve a
+        later prompt that starts with its tokens (a chat's next turn), as a prefill of them would."""
+        return self.model.rows_exact and self.model.repack
+
     def view(self, slot: int) -> "SlotView":
         """The slot as a `Backend`, for its engine."""
         return SlotView(self, slot)

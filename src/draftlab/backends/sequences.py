@@ -25,6 +25,8 @@ class Sequences(Protocol):
 
     n_ctx: int  # tokens a sequence holds
     prefill_chunk: int | None  # prompt tokens a chunk prefills (chunks at multiples of it); None: whole prompts
+    keeps_prefixes: bool  # a sequence's cells, once its request ends, are those a prefill of its tokens leaves (every
+    # row as alone, prefilled on the same kernels): a later prompt that starts with them reuses them
 
     def view(self, seq: int) -> Backend:
         """The sequence as a backend of its own (prefill, keep, rollback)."""
@@ -48,6 +50,10 @@ class Sequences(Protocol):
         """Keep a sequence's first `length` tokens."""
         ...
 
+    def length(self, seq: int) -> int:
+        """Tokens a sequence's cells hold."""
+        ...
+
 
 def score_chains(score: Callable[[dict[int, Sequence[int]]], dict[int, torch.Tensor]], blocks: dict[int, Block],
                  with_hidden: bool) -> dict[int, Scores]:
@@ -62,6 +68,7 @@ class OneSequence:
     """A backend holding one sequence, as `Sequences` (sequence 0)."""
 
     prefill_chunk = None
+    keeps_prefixes = False  # one sequence: `engine.PromptCache` keeps its prompt's prefill instead
 
     def __init__(self, backend: Backend, n_ctx: int = 1 << 30) -> None:
         self.backend, self.n_ctx = backend, n_ctx
@@ -88,3 +95,6 @@ class OneSequence:
             self.backend.reset()
         else:
             self.backend.rollback(length)
+
+    def length(self, seq: int) -> int:
+        return self.backend.cache_len

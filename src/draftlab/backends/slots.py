@@ -46,6 +46,7 @@ class BackendSlots:
         return out
 
     prefill_chunk = None  # a prompt prefills whole, as `draftlab generate` prefills it on the same route
+    keeps_prefixes = False  # a prompt prefills whole, into an empty slot
 
     def score_blocks(self, blocks: dict[int, Block], with_hidden: bool = False, taps: tuple[int, ...] = ()
                      ) -> dict[int, Scores]:
@@ -68,3 +69,7 @@ class BackendSlots:
             self.backends[slot].reset()
         else:
             self.backends[slot].rollback(length)
+
+    def length(self, slot: int) -> int:
+        """Tokens cached in a slot."""
+        return self.backends[slot].cache_len

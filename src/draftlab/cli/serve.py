@@ -49,6 +49,9 @@ def add_serve_commands(sub) -> None:
     serve.add_argument("--served-model-name", default="", help="the model's name in the API (default: --target)")
     serve.add_argument("--suffix-cache", default="", metavar="DIR",
                        help="keep suffix decoding's cache of answers in DIR across restarts")
+    serve.add_argument("--no-prompt-cache", dest="prompt_cache", action="store_false",
+                       help="prefill every prompt whole (default: a prompt that starts with an earlier request's "
+                            "tokens, a chat's next turn, reuses its slot's cells)")
     serve.set_defaults(run=cmd_serve)
     check = sub.add_parser("serve-check", help="re-measure a llama-server command against its own plain decoding")
     check.add_argument("server_command", metavar="COMMAND",
@@ -79,12 +82,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
     target, drafter, ks = _what_to_serve(args)
     settings = ServeSettings(target, drafter, ks, args.k_max, args.max_in_flight, args.max_queue, args.context,
                              args.numerics, args.served_model_name, args.api_key, args.suffix_cache, args.threads,
-                             args.backend, args.device, args.dtype)
+                             args.backend, args.device, args.dtype, args.prompt_cache)
     served = build_served(settings)
     k = ("K chosen each step (auto)" if settings.ks is None else "plain decoding" if settings.ks == LoadK.fixed(0)
          else f"K per requests in flight {settings.ks.text()}")
     print(f"draftlab serve: {settings.target} on {served.numerics} with {settings.drafter}, {k}, {settings.slots} "
-          f"slots, on http://{args.host}:{args.port}/v1", flush=True)
+          f"slots{'' if served.scheduler.prefixes else ', no prompt cache'}, on http://{args.host}:{args.port}/v1",
+          flush=True)
     uvicorn.run(create_app(served), host=args.host, port=args.port, log_level="warning",
                 timeout_graceful_shutdown=GRACE_S)
 

@@ -49,6 +49,7 @@ class ServeConfig:
     device: str = "cpu"  # --device, on a torch backend
     api_key: str = ""  # --api-key ('': none)
     suffix_cache: str = ""  # --suffix-cache: suffix decoding's cache kept in this directory across restarts
+    prompt_cache: bool = True  # False: --no-prompt-cache (every prompt prefilled whole)
 
     def flags(self) -> list[str]:
         """`draftlab serve`'s arguments (the host and port come from `launch`)."""
@@ -59,6 +60,7 @@ class ServeConfig:
             flags += ["--backend", self.backend, "--device", self.device]
         flags += ["--api-key", self.api_key] if self.api_key else []
         flags += ["--suffix-cache", self.suffix_cache] if self.suffix_cache else []
+        flags += [] if self.prompt_cache else ["--no-prompt-cache"]
         return flags + (["--served-model-name", self.name] if self.name else [])
 
     def command(self) -> str:
@@ -109,7 +111,7 @@ class DraftlabServer(ServedProcess):
         return self.post("/v1/completions", body, self.config.api_key)
 
     def prefill(self, prompt_ids: list[int]) -> None:
-        """Nothing kept: the server prefills each request (no prompt cache across requests yet)."""
+        """Nothing kept: the server prefills each request (its prompt cache off, `_server`)."""
 
     def contender(self, context_length: int, reuse: bool = True, share: PrefillShare | None = None
                   ) -> "DraftlabServeRun":
@@ -149,7 +151,9 @@ def server_slots(drafter: str, concurrency: int, most_in_flight: int) -> int:
 def _server(source: ContenderSource, cell, companions: tuple) -> Contender:
     slots = server_slots(cell.drafter, cell.concurrency, source.servers.most_in_flight if source.servers else 1)
     k_per_load = "auto" if cell.k == 0 and serves(cell.drafter) else f"1:{cell.k}"  # K 0 with a drafter: `--k auto`
-    config = ServeConfig(str(gguf_path(source.target.source)), cell.drafter, k_per_load, slots)
+    # no prompt cache: each prompt prefills whole, as llama-server's cells run (cache_prompt off), whatever the prompts
+    # share (a chat template's system turn); the Deploy line's server keeps it on
+    config = ServeConfig(str(gguf_path(source.target.source)), cell.drafter, k_per_load, slots, prompt_cache=False)
     return served_contender(source, cell, companions, config)
 
 

@@ -43,6 +43,7 @@ class ServeSettings:
     backend: str = LLAMACPP.backend  # llamacpp, or a torch backend (auto, fast, hf)
     device: str = "cpu"  # torch backends: cpu or cuda
     dtype: str = "auto"  # torch backends: the weights' dtype (auto: the exact route measured fastest here)
+    prompt_cache: bool = True  # a retired request's cells stay in its slot for a prompt that starts with its tokens
 
     def __post_init__(self) -> None:
         if self.slots < 1 or self.max_waiting < 0:
@@ -86,7 +87,7 @@ def build_served(settings: ServeSettings) -> Served:
 
     engine = SpeculativeEngine(batch.view(0), drafter, context_length=context, decode=decode, sequences=batch,
                                chooser=chooser)
-    scheduler = Scheduler(engine, settings.slots, settings.max_waiting, metrics)
+    scheduler = Scheduler(engine, settings.slots, settings.max_waiting, metrics, settings.prompt_cache)
     return Served(model=settings.name or settings.target, encode_text=lambda text: _encode(tokenizer, text),
                   encode_chat=lambda messages: _chat(tokenizer, messages), decode=decode,
                   stream_decoder=stream_decoder(tokenizer),

@@ -36,6 +36,8 @@ class _Exported:
 
         self.requests = counter("request", "Requests ended, by outcome (ok, cancelled, error, rejected).", ("outcome",))
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the slots' cached prompts.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found cached in a slot (not prefilled again).")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.drafted = counter("spec_decode_num_draft_tokens", "Draft tokens scored.")
         self.accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
@@ -72,6 +74,7 @@ class ServeMetrics:
     batches: int = 0  # engine steps
     in_flight: int = 0
     prefill_chunks: int = 0
+    prefix_hits: int = 0  # prompt tokens found in a slot's cells
     prefill_chunks_beside: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     exported: _Exported = field(init=False, repr=False, compare=False)
@@ -86,6 +89,13 @@ class ServeMetrics:
     def admitted(self, prompt_tokens: int) -> None:
         """A request's prompt was prefilled."""
         self.exported.prompt_tokens.inc(prompt_tokens)
+
+    def prompt_cached(self, prompt_tokens: int, cached: int) -> None:
+        """A request admitted: of its prompt's tokens, `cached` were in its slot's cells already."""
+        with self.lock:
+            self.prefix_hits += cached
+        self.exported.prefix_queries.inc(prompt_tokens)
+        self.exported.prefix_hits.inc(cached)
 
     def first_token(self, waited_s: float) -> None:
         """A request's first token came `waited_s` after it arrived."""

@@ -10,7 +10,8 @@ the number in flight).
 
 A prompt prefills a chunk at a time (the target's `prefill_chunk`, at fixed offsets, so its cache is the one a whole
 prefill leaves) between the steps of the requests decoding: a long prompt never holds the others for its whole
-prefill. The scheduler only admits, prefills, steps and retires; nothing below it reads back up. It runs in a thread
+prefill. Where the target's cells allow it (`Sequences.keeps_prefixes`), a retired request's cells stay in its slot
+and a later prompt that starts with its tokens reuses them (`serving.prefixes`: a chat's next turn). The scheduler only admits, prefills, steps and retires; nothing below it reads back up. It runs in a thread
 of its own; requests come and go through `submit`, `cancel` and each job's `emit` callback (called on the
 scheduler's thread). Waiting requests are bounded (`Busy` beyond).
 """
@@ -28,6 +29,7 @@ from draftlab.generation import Generation, GenerationResult, Lane
 from draftlab.engine import GenerationConfig, SpeculativeEngine
 from draftlab.errors import DraftlabError
 from draftlab.serving.metrics import ServeMetrics
+from draftlab.serving.prefixes import SlotPrefixes
 
 __all__ = ["Busy", "Job", "LoadK", "Scheduler"]
 
@@ -59,10 +61,14 @@ class Scheduler:
     """Admits jobs into free slots, prefills their prompts a chunk at a time, steps every prefilled one in the
     engine's step, retires the finished."""
 
-    def __init__(self, engine: SpeculativeEngine, slots: int, max_waiting: int, metrics: ServeMetrics) -> None:
-        """`engine`: over the target's sequences, one per slot; its chooser sets K."""
+    def __init__(self, engine: SpeculativeEngine, slots: int, max_waiting: int, metrics: ServeMetrics,
+                 keep_prompts: bool = True) -> None:
+        """`engine`: over the target's sequences, one per slot; its chooser sets K. `keep_prompts`: a retired
+        request's cells stay in its slot for a later prompt that starts with its tokens (where the target's cells
+        allow it)."""
         self.engine, self.max_waiting, self.metrics = engine, max_waiting, metrics
         self.lanes: list[Lane] = [engine.lane_for(slot) for slot in range(slots)]
+        self.prefixes = SlotPrefixes(slots) if keep_prompts and engine.sequences.keeps_prefixes else None
         self._waiting: deque[Job] = deque()
         self._active: dict[int, _Active] = {}  # by slot, in the order admitted: prefilling, then decoding
         self._lock = threading.Condition()
@@ -122,19 +128,33 @@ class Scheduler:
                     return
                 job = self._waiting.popleft()
                 self.metrics.queued(len(self._waiting))
-            slot = min(set(range(len(self.lanes))) - set(self._active))
             if job.cancelled:
                 self.metrics.finished("cancelled")
                 job.emit("error", "cancelled")
                 continue
+            slot, cached = self._slot_for(job.prompt)
             try:
                 run = self.engine.start(job.prompt, job.config, lambda kept, job=job: job.emit("tokens", kept),
-                                        lane=self.lanes[slot], prefill=False)
+                                        lane=self.lanes[slot], prefill=False, cached=cached)
             except DraftlabError as exc:  # a prompt it cannot take: this job alone ends
                 self.metrics.finished("error")
                 job.emit("error", str(exc))
                 continue
             self._active[slot] = _Active(job, run)
+            self.metrics.prompt_cached(len(job.prompt), cached)
+            if run.ready:  # every token but the last was cached: it steps at once
+                self._ready(self._active[slot])
+
+    def _slot_for(self, prompt: list[int]) -> tuple[int, int]:
+        """A free slot for a prompt and the tokens of its cells the prompt reuses (the rest rolled back)."""
+        free = set(range(len(self.lanes))) - set(self._active)
+        if self.prefixes is None:
+            slot, cached = min(free), 0
+        else:
+            slot, cached = self.prefixes.pick(prompt, free)
+            self.prefixes.hold(slot, prompt[:cached])
+        self.engine.sequences.rollback(slot, cached)
+        return slot, cached
 
     def _prefill_one(self) -> None:
         """One chunk of the prompt admitted first among those still prefilling (beside the decoding requests'
@@ -153,9 +173,12 @@ class Scheduler:
             return
         self.metrics.prefilled(beside=sum(a.run.ready for a in self._active.values()))
         if active.run.ready:
-            now = time.perf_counter()
-            active.last_token_at = now
-            self.metrics.admitted(active.run.prompt_length)
+            self._ready(active)
+
+    def _ready(self, active: _Active) -> None:
+        """A prompt prefilled: it joins the next step."""
+        active.last_token_at = time.perf_counter()
+        self.metrics.admitted(active.run.prompt_length)
 
     def _step(self) -> None:
         """One engine step of every prefilled job."""
@@ -182,10 +205,21 @@ class Scheduler:
         """End a slot's job (its drafter hears the sequence) and free the slot."""
         active = self._active.pop(slot)
         result: GenerationResult = self.engine.finish(active.run)
-        self.engine.sequences.rollback(slot, 0)
+        self._keep_or_empty(slot, active.run, error)
         outcome = "error" if error else "cancelled" if active.job.cancelled else "ok"
         self.metrics.finished(outcome, time.perf_counter() - active.job.submitted)
         if error:
             active.job.emit("error", error)
         else:
             active.job.emit("done", result)
+
+    def _keep_or_empty(self, slot: int, run: Generation, error: str) -> None:
+        """A retired slot keeps its cells for a later prompt that starts with its tokens (not after a fault: what its
+        cells hold is then unknown), else is emptied."""
+        sequences = self.engine.sequences
+        if self.prefixes is None or error:
+            sequences.rollback(slot, 0)
+            if self.prefixes is not None:
+                self.prefixes.forget(slot)
+            return
+        self.prefixes.hold(slot, run.tokens[:sequences.length(slot)])
