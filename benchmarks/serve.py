@@ -11,6 +11,11 @@ token and latency per request (from sending it), and how many outputs equal draf
 generate`, in this process). The host's CPU flags are printed
 with the figures; the last line is one JSON document.
 
+`--chats N`: then N conversations of 4 turns through `/v1/chat/completions` (a long-context document and its
+question, then three follow-ups), each turn resending the earlier turns and answers, greedy, one conversation at a
+time, on draftlab serve's pick with its prompt cache and without (fresh servers): time to first token per turn, and
+whether every answer is the same with the cache as without.
+
 `--soak S`: then 16 clients send requests to draftlab serve's pick for S seconds (each at most 64 tokens, at most
 --soak-requests in all), counting answers, 429s, other errors and requests lost, and the server's memory before
 and after.
@@ -57,6 +62,8 @@ def main() -> None:
     parser.add_argument("--pick", default="suffix", help="draftlab serve's drafter")
     parser.add_argument("--k-per-load", default="1-4:6", help="its K per requests in flight")
     parser.add_argument("--server-types", default="ngram-simple,ngram-mod", help="llama-server's own, at the pick's K")
+    parser.add_argument("--chats", type=int, default=0, metavar="N", help="multi-turn conversations, with and "
+                                                                            "without the prompt cache")
     parser.add_argument("--soak", type=float, default=0.0, metavar="SECONDS")
     parser.add_argument("--soak-requests", type=int, default=2000)
     args = parser.parse_args()
@@ -66,7 +73,7 @@ def main() -> None:
     k = int(args.k_per_load.split(",")[0].split(":")[1])
     reference = SpeculativeDecoder.from_names(args.target, drafter="none", k=1, backend="llamacpp")
     sets = {name: [prompt_ids(reference.target.tokenizer, p) for p in load_prompts(name, args.limit)]
-            for name in args.datasets.split(",")}
+            for name in filter(None, args.datasets.split(","))}  # '': the chats (or the soak) only
     plain = {name: [reference.generate(ids, max_new_tokens=args.max_new_tokens, temperature=0).token_ids
                     for ids in prompts] for name, prompts in sets.items()}
     model = gguf_path(args.target)
@@ -93,12 +100,15 @@ def main() -> None:
                             rows.append({"server": name, "dataset": dataset, "level": level, "repeat": repeat,
                                          **_windows(stream, prompts, plain[dataset], level)})
                         print(_row(rows[-1]), flush=True)
+        chats = _chats(args, Path(scratch)) if args.chats else None
         soak = _soak(servers, sets, args, Path(scratch)) if args.soak else None
     print(_table(rows))
+    if chats:
+        print(_chat_table(chats))
     flags = " ".join(sorted(cpu_flags() & set(HOST_FLAGS)))
     print(f"soak: {soak}" if soak else "soak: not run")
     print(f"host CPU flags: {flags}")
-    print(json.dumps({"target": args.target, "flags": flags, "rows": rows, "soak": soak}))
+    print(json.dumps({"target": args.target, "flags": flags, "rows": rows, "chats": chats, "soak": soak}))
 
 
 # How each server streams a greedy completion of token ids: (path, body's fields, a chunk's tokens, the end's mark)
@@ -151,6 +161,64 @@ def _windows(stream: Streamed, prompts: list[list[int]], plain: list[list[int]],
                 identical += answer == plain[i]
     return {"tokens_per_s": tokens / wall, "ttft_s": statistics.mean(firsts), "latency_s": statistics.mean(latencies),
             "identical": identical, "prompts": len(prompts)}
+
+
+FOLLOW_UPS = ("Summarize your answer in one sentence.", "What detail of the document matters most, and why?",
+              "Give the document a short title.")
+
+
+def _chats(args, logs: Path) -> dict:
+    """`--chats` conversations on draftlab serve's pick, with the prompt cache and without (a fresh server each):
+    per turn, the mean time to first token; the answers of both, which must be the same."""
+    documents = load_prompts("long-context", args.chats)
+    out = {}
+    for cached in (True, False):
+        config = ServeConfig(args.target, args.pick, args.k_per_load, 1, CONTEXT, prompt_cache=cached)
+        with DraftlabServer(config, logs) as server:
+            turns = [_conversation(server.port, [d.text, *FOLLOW_UPS], args.max_new_tokens) for d in documents]
+        out["cache" if cached else "no cache"] = turns
+    return out
+
+
+def _conversation(port: int, questions: list[str], max_tokens: int) -> list[dict]:
+    """One conversation, a turn per question, each resending every earlier turn: per turn its prompt's tokens, time to
+    first token, and answer."""
+    messages, turns = [], []
+    for question in questions:
+        messages.append({"role": "user", "content": question})
+        body = {"model": SERVED_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}}
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        text, first, prompt_tokens, began = "", None, 0, time.perf_counter()
+        with urllib.request.urlopen(request, timeout=600) as response:
+            for line in response:
+                data = line.decode().strip()
+                if not data.startswith("data: ") or data == "data: [DONE]":
+                    continue
+                event = json.loads(data[len("data: "):])
+                for choice in event.get("choices") or []:
+                    if choice["delta"].get("content") and first is None:
+                        first = time.perf_counter() - began
+                    text += choice["delta"].get("content") or ""
+                prompt_tokens = (event.get("usage") or {}).get("prompt_tokens", prompt_tokens)
+        turns.append({"prompt_tokens": prompt_tokens, "ttft_s": first or time.perf_counter() - began, "answer": text})
+        messages.append({"role": "assistant", "content": text})
+    return turns
+
+
+def _chat_table(chats: dict) -> str:
+    """Per turn: prompt tokens, mean time to first token with the cache and without, their ratio, answers the same."""
+    lines = [f"{'turn':>4}{'prompt tokens':>15}{'ttft cache s':>14}{'ttft no cache s':>17}{'ratio':>8}{'same':>7}"]
+    on, off = chats["cache"], chats["no cache"]
+    for turn in range(len(on[0])):
+        ttft_on = statistics.mean(c[turn]["ttft_s"] for c in on)
+        ttft_off = statistics.mean(c[turn]["ttft_s"] for c in off)
+        same = sum(a[turn]["answer"] == b[turn]["answer"] for a, b in zip(on, off))
+        tokens = statistics.mean(c[turn]["prompt_tokens"] for c in on)
+        lines.append(f"{turn + 1:>4}{tokens:>15.0f}{ttft_on:>14.3f}{ttft_off:>17.3f}{ttft_on / ttft_off:>8.2f}"
+                     f"{same:>5}/{len(on)}")
+    return "\n".join(lines)
 
 
 def _soak(servers, sets, args, logs: Path) -> dict:

@@ -95,10 +95,11 @@ def build_served(settings: ServeSettings) -> Served:
                   scheduler=scheduler, metrics=metrics, api_key=settings.api_key, numerics=batch.view(0).numerics)
 
 
-def block_cost(batch: Sequences, vocab_size: int, rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32), repeats: int = 3
-               ) -> BlockCost:
+def block_cost(batch: Sequences, vocab_size: int, rows: tuple[int, ...] = (*range(1, 10), 12, 16, 24, 32),
+               repeats: int = 3) -> BlockCost:
     """The target's seconds per pass of 1-32 rows on this host, timed at startup in sequence 0 (then emptied): the
-    cost curve `--k auto` weighs each step's rows by (the fastest of `repeats` each)."""
+    cost curve `--k auto` weighs each step's rows by (the fastest of `repeats` each). Every row count a request's
+    block takes alone (1-9 at `--k-max` 8) is timed: a kernel's cost need not be linear between powers of two."""
     tokens = [i % vocab_size for i in range(1, max(rows) + 1)]
     batch.prefill(0, tokens[:1], final=True)  # a first cell, as a prompt leaves one
     points = []
