@@ -128,7 +128,7 @@ def summarize_runs(lib: str, done: list[dict]) -> dict:
 
 
 def stock_build() -> str:
-    """llama.cpp's stock ggml-cpu beside draftlab's build (scripts/build-llama-cpp.sh --stock: ~2 minutes once, cached):
+    """llama.cpp's stock ggml-cpu beside draftlab's build (scripts/build-llama-cpp.sh --stock: ~25 s once, cached):
     its directory."""
     script = Path(__file__).resolve().parents[1] / "scripts" / "build-llama-cpp.sh"
     done = subprocess.run(["bash", str(script), "--stock", sys.executable], capture_output=True, text=True)

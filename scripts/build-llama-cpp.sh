@@ -17,7 +17,7 @@
 #                                         once): the kernels' AVX2 path, tested bitwise on any x86 host
 #                                         (tests/integration/test_exact_kernels.py); prints the directory
 #   scripts/build-llama-cpp.sh --stock [PYTHON]  after that build, llama.cpp's own ggml-cpu (no patch, sgemm gated to 2+
-#                                         rows) into $out/stock/ beside the same other libraries (~2 minutes, once):
+#                                         rows) into $out/stock/ beside the same other libraries (~25 s, once):
 #                                         the stock kernels benchmarks/exact_kernels.py compares with
 #                                         (LLAMA_CPP_LIB_PATH); prints the directory. Only the benchmark and its
 #                                         tests need it, so the main build leaves it out.
