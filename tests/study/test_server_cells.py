@@ -105,6 +105,9 @@ def test_load_methods_and_load_ks_race_draftlab_serve_alone_with_k_auto_under_lo
     from draftlab.contenders.draftlab_serve import ServeConfig
 
     assert ServeConfig("x.gguf", "suffix", "auto").command().count("--k auto") == 1
+    assert config.most_in_flight() == 4  # companions are held back for the level-4 cells
+    unserved = SweepConfig(targets=("smollm2-135m",), methods=("sps", "serve"), concurrency=(1, 4))
+    assert unserved.most_in_flight() == 1  # draftlab serve runs GGUF targets only: no prompt is held back
     with pytest.raises(DraftlabError, match="load_ks"):
         SweepConfig(load_ks=(-1,))
 

@@ -138,6 +138,19 @@ class SweepConfig:
         loaded = method.served and (not self.load_methods or method.name in self.load_methods)
         return self.concurrency if loaded else tuple(c for c in self.concurrency if c == 1) or (1,)
 
+    def most_in_flight(self) -> int:
+        """The most requests in flight any of the grid's cells runs at: the levels of its served methods that run on
+        one of its targets (and of llama-server's, on a GGUF target); 1 where none does (no prompt is then held back
+        as a companion)."""
+        most = 1
+        for target in self.targets:
+            on_gguf = engine_of_backend(target_backend(target, self.backend)[0]).runs_gguf
+            served = [m for m in map(method_of, self.methods)
+                      if m.served and not (m.torch_only if on_gguf else m.gguf_only)]
+            served += [SERVER_AR] if self.servers and on_gguf else []
+            most = max([most, *(c for m in served for c in self.levels(m))])
+        return most
+
     def ks_at(self, method, concurrency: int) -> tuple[int, ...]:
         """A swept method's K at a level: the grid's, and draftlab serve's `load_ks` above one request in flight (K 0,
         `--k auto`, alone too)."""

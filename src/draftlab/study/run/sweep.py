@@ -72,7 +72,7 @@ def _run_all(run: SweepRun, groups: list[Group], progress: bool) -> int:
     if not runnable:
         raise NothingToMeasure("every engine of this study failed its preflight (said above, one line each); "
                                "nothing was measured")
-    servers = ServerPool(run.store.path.with_name(run.store.path.stem + ".server-logs"), max(run.config.concurrency))
+    servers = ServerPool(run.store.path.with_name(run.store.path.stem + ".server-logs"), run.config.most_in_flight())
     try:
         run.targets = {name: _start_target(run, name, servers, LLAMA_SERVER.name in left_out.get(name, ()))
                        for name in runnable}
@@ -156,7 +156,7 @@ def _run_group(run: SweepRun, group: Group) -> int:
 
 def _run_index(run: SweepRun, going: GroupRun, index: int) -> int:
     """The group's prompt `index` (in its running order) on every target; returns the records added."""
-    load = max(run.config.concurrency) - 1
+    load = run.config.most_in_flight() - 1
     prompt_id = going.order[index]
     return sum(_run_prompt(run, run.targets[name], its_cells, going.encoded[name][prompt_id],
                            companions(going.companions.get(name, []), index, load))
@@ -296,7 +296,7 @@ def _record_params(store: ResultsStore, runner: CellRunner, config: SweepConfig,
 def plan(config: SweepConfig) -> list[Group]:
     """One group per (dataset, temperature), with the cells of every target, and the companions its prompts are
     timed beside under load."""
-    load = max(config.concurrency) - 1
+    load = config.most_in_flight() - 1
     prompts = {d: load_prompts(d, config.limit, config.skip) for d in config.datasets}
     pools = {d: companion_pool(d, prompts[d], load, config.skip) for d in config.datasets}
     return [Group(d, temp, [p for p in prompts[d] if p not in pools[d]], {t: config.cells(t, d, temp)
