@@ -11,9 +11,10 @@ the number in flight).
 A prompt prefills a chunk at a time (the target's `prefill_chunk`, at fixed offsets, so its cache is the one a whole
 prefill leaves) between the steps of the requests decoding: a long prompt never holds the others for its whole
 prefill. Where the target's cells allow it (`Sequences.keeps_prefixes`), a retired request's cells stay in its slot
-and a later prompt that starts with its tokens reuses them (`serving.prefixes`: a chat's next turn). The scheduler only admits, prefills, steps and retires; nothing below it reads back up. It runs in a thread
-of its own; requests come and go through `submit`, `cancel` and each job's `emit` callback (called on the
-scheduler's thread). Waiting requests are bounded (`Busy` beyond).
+and a later prompt that starts with its tokens reuses them (`serving.prefixes`: a chat's next turn). The scheduler
+only admits, prefills, steps and retires; nothing below it reads back up. It runs in a thread of its own; requests
+come and go through `submit`, `cancel` and each job's `emit` callback (called on the scheduler's thread). Waiting
+requests are bounded (`Busy` beyond).
 """
 
 from __future__ import annotations
