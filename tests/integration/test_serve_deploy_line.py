@@ -24,7 +24,6 @@ targets = ["llamacpp:smollm2-135m@Q4_0_PURE"]
 drafters = ["suffix"]
 ks = [3]
 methods = ["serve"]
-servers = ["ngram-simple:1"]
 datasets = ["code-edit"]
 limit = 4
 max_new_tokens = 64
@@ -38,9 +37,10 @@ host_baselines = false
 
 
 def deploy_command(tmp_path) -> str:
-    """`draftlab study` on 4 code edits, draftlab serve alone and at 4 in flight beside llama-server alone: its
-    Deploy line's `draftlab serve` command, as printed (the answer's, or draftlab serve's where it beat llama-server
-    alone; suffix decoding on code edits does either, 1.2-2x here)."""
+    """`draftlab study` on 4 code edits, draftlab serve alone and at 4 in flight: its Deploy line's `draftlab serve`
+    command, as printed. Every configuration it races runs on draftlab serve (draftlab's llama.cpp plain decoding,
+    draftlab serve's, suffix decoding at K 3 and `--k auto`), so whichever is fastest here, the answer's Deploy line is
+    a `draftlab serve` command: the test does not depend on which wins."""
     import subprocess
     import sys
 
@@ -66,7 +66,7 @@ def test_the_deploy_line_of_a_study_under_load_run_as_printed_serves_4_at_once_a
     from draftlab.contenders.served import die_with_parent, free_port
 
     command = deploy_command(tmp_path)
-    assert "--max-in-flight 4" in command and "--drafter suffix" in command, command
+    assert "--max-in-flight 4" in command, command  # sized for the most requests in flight the study measured
     port = free_port()
     words = shlex.split(command)
     words[words.index("--port") + 1] = str(port)
