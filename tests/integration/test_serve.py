@@ -13,6 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import pytest
 
@@ -111,23 +112,10 @@ def test_the_openai_client_with_4_in_flight_gets_each_answer_as_alone(server, pr
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY, max_retries=0)
     chosen = [i for i, ids in enumerate(plain) if len(ids) == TOKENS][:4]  # answers that run to max_tokens
     assert len(chosen) == 4
-    running, done = [], threading.Event()
-
-    def watch() -> None:
-        while not done.is_set():
-            running.append(gauge(metrics_text(server), "num_requests_running"))
-            time.sleep(0.005)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    try:
-        with ThreadPoolExecutor(4) as pool:
-            answers = list(pool.map(lambda i: client.completions.create(
-                model=SERVED_NAME, prompt=prompts[i], max_tokens=TOKENS, temperature=0,
-                extra_body={"return_token_ids": True}).choices[0].token_ids, chosen))
-    finally:
-        done.set()
-        watcher.join()
+    with running_counts(server) as running, ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda i: client.completions.create(
+            model=SERVED_NAME, prompt=prompts[i], max_tokens=TOKENS, temperature=0,
+            extra_body={"return_token_ids": True}).choices[0].token_ids, chosen))
     assert answers == [plain[i] for i in chosen]
     assert max(running) == 4
 
@@ -247,6 +235,25 @@ def test_the_suffix_cache_survives_a_restart_and_still_learns(tmp_path, prompts,
     first_b = serve_once(3)
     again_b = serve_once(3)  # learnt after the first restart, kept for the next
     assert again_b["accepted"] > first_b["accepted"]
+
+
+@contextmanager
+def running_counts(server):
+    """`draftlab:num_requests_running` read from /metrics every 5 ms while the block runs: the list of readings."""
+    running, done = [], threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            running.append(gauge(metrics_text(server), "num_requests_running"))
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        yield running
+    finally:
+        done.set()
+        watcher.join()
 
 
 def gauge(text: str, name: str) -> float:

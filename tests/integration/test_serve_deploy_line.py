@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -13,7 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.integration.test_serve import TOKENS, gauge, metrics_text, plain, post  # noqa: F401 (plain: a fixture)
+from tests.integration.test_serve import TOKENS, plain, post, running_counts  # noqa: F401 (plain: a fixture)
 from tests.serve_jobs import prompts, target  # noqa: F401 (the fixtures)
 
 pytestmark = pytest.mark.integration
@@ -85,23 +84,10 @@ def test_the_deploy_line_of_a_study_under_load_run_as_printed_serves_4_at_once_a
                 time.sleep(0.3)
         served = DeployedAt(port)
         chosen = [i for i, ids in enumerate(plain) if len(ids) == TOKENS][:4]
-        running, done = [], threading.Event()
-
-        def watch() -> None:
-            while not done.is_set():
-                running.append(gauge(metrics_text(served), "num_requests_running"))
-                time.sleep(0.005)
-
-        watcher = threading.Thread(target=watch)
-        watcher.start()
-        try:
-            with ThreadPoolExecutor(4) as pool:
-                answers = list(pool.map(lambda i: post(served, "/v1/completions", json.dumps({
-                    "prompt": prompts[i], "max_tokens": TOKENS, "temperature": 0, "return_token_ids": True}).encode(),
-                    120, key="")[1]["choices"][0]["token_ids"], chosen))
-        finally:
-            done.set()
-            watcher.join()
+        with running_counts(served) as running, ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda i: post(served, "/v1/completions", json.dumps({
+                "prompt": prompts[i], "max_tokens": TOKENS, "temperature": 0, "return_token_ids": True}).encode(),
+                120, key="")[1]["choices"][0]["token_ids"], chosen))
         assert answers == [plain[i] for i in chosen]
         assert max(running) >= 2
     finally:
