@@ -23,6 +23,8 @@ import torch
 from scipy.stats import chisquare
 
 from draftlab.backends import FastLlamaBackend
+from draftlab.backends.slots import BackendSlots
+from draftlab.drafters.served import ServedModelDrafter
 from draftlab.drafters import ModelDrafter, NGramDrafter
 from draftlab.engine import GenerationConfig, SpeculativeEngine
 from draftlab.decoding.policy import FixedK
@@ -118,6 +120,19 @@ def test_engine_joint_distribution_equals_target(toy, name, draft):
     counts, first_drafted = empirical_joint(engine, sampling)
     assert set(first_drafted) == {K}
     assert_joint_matches(counts, exact_joint(toy.model, sampling))
+
+
+@pytest.mark.slow  # statistical: `pytest -m slow`, which CI runs too
+def test_a_served_draft_model_keeps_the_joint_distribution(toy):
+    """`draftlab serve`'s draft model (a stream per slot, every run's positions drafted together, its probabilities
+    taken at each position): the joint distribution is still the target's."""
+    draft_model = noisy_copy(toy, 0.8, seed=2)
+    streams = BackendSlots(lambda: FastLlamaBackend(draft_model.model), 2, 512)
+    drafter = ServedModelDrafter(ModelDrafter(FastLlamaBackend(draft_model.model)), streams)
+    engine = SpeculativeEngine(FastLlamaBackend(toy.model), drafter, FixedK(K), context_length=512)
+    counts, first_drafted = empirical_joint(engine, SAMPLINGS["t0.9-top5-minp0.1"])
+    assert set(first_drafted) == {K} and streams.length(0) == 0
+    assert_joint_matches(counts, exact_joint(toy.model, SAMPLINGS["t0.9-top5-minp0.1"]))
 
 
 @pytest.mark.parametrize("name", ["t1", exhaustive("t1-top0.85")])

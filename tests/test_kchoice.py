@@ -92,6 +92,30 @@ def test_a_run_whose_drafts_are_never_accepted_stops_drafting():
     assert chooser.choose([StepRun(0, 1, 100, copying)], [0]) == [0]
 
 
+def test_a_draft_models_cost_is_weighed_before_it_drafts():
+    """With a draft model's cost curve, the Ks are chosen before drafting (`caps`) and kept (`choose`): the choice
+    equals the brute force over every K per run with each depth's draft decode counted, falls as the draft's row
+    gets dearer, and is 0 where a draft row costs as much as the target's (no acceptance pays for it)."""
+    survival = [[0.8 ** (d + 1) for d in range(6)]] * 3
+    ks = []
+    for ratio in (0.05, 0.2, 0.5, 1.0):  # the draft's row over the target's
+        draft = BlockCost(((1, 0.007 * ratio), (64, 0.007 * ratio * 8)))
+        chooser = AutoK(COST, llama_passes, k_max=6, draft=draft, draft_passes=llama_passes)
+        chosen = best_ks(survival, [6] * 3, range(3), chooser.step_seconds)
+        assert rate(survival, chosen, range(3), chooser.step_seconds) >= brute(
+            survival, [6] * 3, range(3), chooser.step_seconds, False) * 0.95
+        ks.append(max(chosen))
+    assert ks == sorted(ks, reverse=True) and ks[0] >= 2 and ks[-1] == 0
+    # each depth costs one draft decode of a row per run drafting that deep
+    chooser = AutoK(COST, llama_passes, k_max=6, draft=BlockCost(((1, 1.0), (2, 2.0))), draft_passes=llama_passes)
+    base = AutoK(COST, llama_passes, k_max=6)
+    assert chooser.step_seconds({0: 4, 1: 2}) - base.step_seconds({0: 4, 1: 2}) == pytest.approx(2.0 + 1.0 + 1.0)
+    runs = [StepRun(s, 1, 100, AcceptanceRecord()) for s in range(3)]
+    caps = AutoK(COST, llama_passes, k_max=6, draft=BlockCost(((1, 0.007), (2, 0.014)))).caps(runs)
+    assert caps == [0, 0, 0]  # a draft as dear as the target: plain decoding, chosen before it drafts
+    assert chooser.choose(runs, [2, 0, 1]) == [2, 0, 1]
+
+
 def test_the_record_is_the_share_of_steps_whose_first_d_drafts_were_accepted():
     record = AcceptanceRecord()
     record.observe(3, 3)

@@ -16,6 +16,8 @@ from draftlab.backends.routes import Route, parse_route
 from draftlab.backends.sequences import Sequences
 from draftlab.backends.slots import BackendSlots
 from draftlab.defaults import DEFAULT_BACKEND
+from draftlab.drafters.base import Drafter
+from draftlab.drafters.served import ServedModelDrafter
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel, ModelSpec, load_model
 from draftlab.registry import BuiltDraft, build_drafter
@@ -94,6 +96,40 @@ def slot_sequences(target: Target, slots: int, context: int | None, threads: int
 def target_drafter(spec: str, target: Target) -> BuiltDraft:
     """The drafter a spec names, on the target's engine (`draftlab.registry`'s grammar)."""
     return build_drafter(spec, target.loaded, target.backend)
+
+
+@dataclass(frozen=True)
+class ServedDraft:
+    """The drafter of `draftlab serve`'s engine, and a draft model's streams (a KV stream per slot) where it runs
+    one: their cost is weighed beside the target's."""
+
+    drafter: Drafter
+    streams: Sequences | None = None
+
+
+def served_drafter(spec: str, target: Target, slots: int, context: int | None, threads: int | None = None
+                   ) -> ServedDraft:
+    """The drafter a spec names, for a slot per request in flight: a draft model (`model:...`, `layers:...`) in a
+    stream per slot, drafting every request's positions together (`drafters.served`); the others as `draftlab
+    generate` builds them (their `beside` says whether they serve several sequences)."""
+    built = target_drafter(spec, target)
+    if built.model_drafter is None or built.drafter is not built.model_drafter:
+        return ServedDraft(built.drafter)
+    if built.model_drafter.vocab_map is not None:
+        raise DraftlabError(f"draftlab serve runs draft models with their whole vocabulary: drop ,head= from {spec}")
+    streams = _draft_streams(built.model, target, slots, context, threads)
+    return ServedDraft(ServedModelDrafter(built.model_drafter, streams), streams)
+
+
+def _draft_streams(draft: LoadedModel, target: Target, slots: int, context: int | None, threads: int | None
+                   ) -> LlamaCppBatch | BackendSlots:
+    """A draft model with a cache per slot, as the target's: its GGUF in a KV stream per slot, or a torch backend per
+    slot on its weights."""
+    if target.on_gguf:
+        return LlamaCppBatch(draft.model, slots, context, threads)
+    n_ctx = min(context or draft.context_length, draft.context_length)
+    return BackendSlots(lambda: make_backend(draft.model, draft.device, target.backend, batch_invariant=False), slots,
+                        n_ctx)
 
 
 def _check_gguf_numerics(engine: Engine, numerics: str) -> None:

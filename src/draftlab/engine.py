@@ -32,7 +32,7 @@ from draftlab.generation import (GenerationConfig, GenerationResult, Generation,
                                    StopCriteria, Stepped, check_room, tokens_result)
 from draftlab.decoding.step import Block, Proposal, Scores
 from draftlab.decoding.verify import Verifier, verify
-from draftlab.drafters.base import Drafter, NoDrafter
+from draftlab.drafters.base import DraftAsk, Drafter, NoDrafter
 from draftlab.errors import DraftlabError
 
 __all__ = ["GenerationConfig", "GenerationResult", "PromptCache", "SpeculativeEngine", "check_room", "tokens_result"]
@@ -81,7 +81,7 @@ class SpeculativeEngine:
     def lane_for(self, seq: int) -> Lane:
         """A lane for one more sequence decoded beside the others (`draftlab serve`'s slots): the sequence's view and
         a drafter beside this one's, sharing what it learns across requests; its K comes from the step's chooser."""
-        return Lane(self.sequences.view(seq), self.drafter.beside(), FixedK(1), seq)
+        return Lane(self.sequences.view(seq), self.drafter.beside(seq), FixedK(1), seq)
 
     def generate(
         self,
@@ -132,7 +132,7 @@ class SpeculativeEngine:
         scores every block, each verifies and commits (a run whose stop fires is done)."""
         self.steps += 1
         steps = [StepRun(run.lane.seq, run.lane.policy.next_k(), self._room(run), run.record) for run in runs]
-        plans = [self.plan(run, cap) for run, cap in zip(runs, self.chooser.caps(steps))]
+        plans = self.draft(runs, self.chooser.caps(steps))
         kept_depths = self.chooser.choose(steps, [len(plan.proposal.levels) for plan in plans])
         plans = [plan.within(depth) for plan, depth in zip(plans, kept_depths)]
         blocks = {run.lane.seq: plan.block for run, plan in zip(runs, plans)}
@@ -146,17 +146,27 @@ class SpeculativeEngine:
         return Stepped([len(p.proposal.tokens) for p in plans], [len(k) for k in kept],
                        sum(len(b.tokens) for b in blocks.values()))
 
-    def plan(self, run: Generation, k: int) -> Plan:
-        """The step's draft at depth k (at most what the run has room for): the block the target scores next."""
-        budget = min(k, self._room(run))
-        drafted_s = run.watch.seconds.get("draft", 0.0)
-        with run.watch.time("draft"):
-            proposal = (run.lane.drafter.propose(run.tokens, budget, run.config.sampling, run.generator)
-                        if budget > 0 else Proposal([]))
-        if run.stats.steps == 0:  # the step in which a draft model prefills the prompt
-            run.stats.first_draft_s = run.watch.seconds["draft"] - drafted_s
-        proposal = proposal.within(budget)  # K is the depth: a chain's length, a tree's levels
-        return Plan(Block.of(run.tokens[-1], proposal), proposal, budget)
+    def draft(self, runs: Sequence[Generation], caps: Sequence[int]) -> list[Plan]:
+        """Every run's draft at its depth (at most what it has room for), in one call of the drafter (a served draft
+        model decodes each position of every run at once): the blocks the target scores next. Each run waited the
+        whole drafting."""
+        budgets = [min(cap, self._room(run)) for run, cap in zip(runs, caps)]
+        asks = [DraftAsk(run.lane.drafter, run.lane.seq, run.tokens, budget, run.config.sampling, run.generator)
+                for run, budget in zip(runs, budgets)]
+        watch = runs[0].watch
+        before = watch.seconds.get("draft", 0.0)
+        with watch.time("draft"):
+            proposals = self.drafter.propose_all(asks)
+        seconds = watch.seconds["draft"] - before
+        plans = []
+        for i, (run, proposal, budget) in enumerate(zip(runs, proposals, budgets)):
+            if i:
+                run.watch.seconds["draft"] = run.watch.seconds.get("draft", 0.0) + seconds
+            if run.stats.steps == 0:  # the step in which a draft model prefills the prompt
+                run.stats.first_draft_s = seconds
+            proposal = proposal.within(budget)  # K is the depth: a chain's length, a tree's levels
+            plans.append(Plan(Block.of(run.tokens[-1], proposal), proposal, budget))
+        return plans
 
     def settle(self, run: Generation, plan: Plan, scores: Scores) -> list[int]:
         """Verify the scored block, keep its accepted rows, commit its tokens up to a stop; the tokens kept."""

@@ -60,6 +60,7 @@ class LlamaCppBatch:
         self._starts = [0] * slots  # where each slot's last scored block began
         self._prefiller: LlamaCppBatch | None = None  # the repacked twin's slots, for prefills (a file loaded without repack)
         self._prefilling = [False] * slots  # a prompt part-prefilled in the twin's stream of the slot
+        self.decodes = 0  # llama_decode calls on this context (a served draft's: one per draft position a step)
 
     @property
     def keeps_prefixes(self) -> bool:
@@ -155,6 +156,7 @@ class LlamaCppBatch:
             batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, self._lengths[slot] + index, 1, out
             batch.seq_id[i][0] = slot
         status = self.lib.llama_decode(self._ctx, batch)
+        self.decodes += 1
         if status != 0:
             raise DraftlabError(f"llama_decode failed with status {status} ({len(rows)} tokens of a batch)")
         pointer = self.lib.llama_get_logits(self._ctx)

@@ -24,8 +24,9 @@ def add_serve_commands(sub) -> None:
     serve.add_argument("--target", default=None,
                        help=f"short name (NAME@TYPE for a derived GGUF), .gguf file or, on a torch backend, an HF "
                             f"directory (default {SERVE_TARGET}; on torch {TORCH_TARGET})")
-    serve.add_argument("--drafter", default=None, help="none (plain decoding; the default), ngram, ngram:MIN-MAX or "
-                                                      "suffix[:OPTIONS]")
+    serve.add_argument("--drafter", default=None, help="none (plain decoding; the default), ngram, ngram:MIN-MAX, "
+                                                      "suffix[:OPTIONS], or a draft model: model:NAME_OR_GGUF, "
+                                                      "layers:LIST (each request's draft in a stream of its own)")
     serve.add_argument("--k", default=None, help="draft tokens per step, or auto (the default with a drafter): each "
                                                  "request's K chosen at every step by expected tokens per second, "
                                                  "from its acceptance so far and this host's cost of a step's rows")

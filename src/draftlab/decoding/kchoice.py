@@ -177,26 +177,41 @@ def one_pass(lengths: dict[int, int]) -> list[int]:
 
 @dataclass
 class AutoK:
-    """`--k auto`: every run's K chosen at each step by expected tokens per second (see the module's text)."""
+    """`--k auto`: every run's K chosen at each step by expected tokens per second (see the module's text). With a
+    draft model's cost curve (`draft`), drafting is no longer free: the Ks are chosen before drafting, each depth
+    of the step weighed with the draft decode it costs (one pass of a row per run drafting that deep)."""
 
     cost: BlockCost
     passes: Passes
     k_max: int = 8
     overall: AcceptanceRecord = field(default_factory=AcceptanceRecord)
+    draft: BlockCost | None = None  # a draft model's seconds per pass
+    draft_passes: Passes = one_pass  # how its streams split a decode of a row per run
 
     def caps(self, runs: Sequence[StepRun]) -> list[int]:
-        return [max(0, min(self.k_max, run.room)) for run in runs]
+        room = [max(0, min(self.k_max, run.room)) for run in runs]
+        return room if self.draft is None else self._best(runs, room)
 
     def choose(self, runs: Sequence[StepRun], drafted: Sequence[int]) -> list[int]:
-        survival = [run.record.survival(self.k_max, self.overall) for run in runs]
-        return best_ks(survival, list(drafted), [run.seq for run in runs], self.step_seconds)
+        return list(drafted) if self.draft is not None else self._best(runs, list(drafted))
 
     def observe(self, asked: int, accepted: int) -> None:
         self.overall.observe(asked, accepted)
 
     def step_seconds(self, lengths: dict[int, int]) -> float:
-        """The target's seconds for blocks of these lengths by sequence."""
-        return sum(self.cost.seconds(rows) for rows in self.passes(lengths))
+        """The step's seconds for blocks of these lengths by sequence: the target's passes, and a draft model's
+        decode per depth."""
+        seconds = sum(self.cost.seconds(rows) for rows in self.passes(lengths))
+        if self.draft is None:
+            return seconds
+        for depth in range(1, max(lengths.values(), default=1)):
+            drafting = {seq: 1 for seq, n in lengths.items() if n > depth}
+            seconds += sum(self.draft.seconds(rows) for rows in self.draft_passes(drafting))
+        return seconds
+
+    def _best(self, runs: Sequence[StepRun], caps: list[int]) -> list[int]:
+        survival = [run.record.survival(self.k_max, self.overall) for run in runs]
+        return best_ks(survival, caps, [run.seq for run in runs], self.step_seconds)
 
 
 def expected_tokens(survival: Sequence[float], k: int) -> float:

@@ -32,6 +32,7 @@ from typing import Sequence
 
 import torch
 
+from draftlab.drafters.base import DraftAsk, propose_each
 from draftlab.drafters.anchored import FeatureDrafter
 from draftlab.drafters.feature import FeatureDraft, feature_loss, save_feature_draft
 from draftlab.drafters.heads import HeadsDraft, HeadsDrafter, heads_loss, save_heads_draft
@@ -330,9 +331,13 @@ class AdaptingDrafter:
         self.learner.module(source.draft).load_state_dict(self._base)
         return AdaptingDrafter(inner, source, self.settings, self.target_name, self.base)
 
-    def beside(self) -> "AdaptingDrafter":
+    def beside(self, seq: int) -> "AdaptingDrafter":
         """Refused: its weights learn from one sequence's hidden states at a time."""
-        return self.inner.beside()
+        return self.inner.beside(seq)
+
+    def propose_all(self, asks: Sequence[DraftAsk]) -> list[Proposal]:
+        """Its one run's draft (it decodes one sequence at a time)."""
+        return propose_each(asks)
 
     def state(self) -> dict:
         """What this drafter learned, for `torch.save` (a sweep cell's checkpoint)."""

@@ -39,6 +39,7 @@ decode), `cut.py` (a stand-alone draft whose LM head keeps only frequent tokens)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 import torch
@@ -48,6 +49,26 @@ from draftlab.decoding.policy import ConfidenceStop
 from draftlab.decoding.sampling import SamplingConfig
 from draftlab.decoding.step import Proposal
 from draftlab.decoding.verify import Verdict
+
+
+@dataclass(frozen=True)
+class DraftAsk:
+    """One run's part of a step's drafting: its drafter (the engine's, or one `beside` it), its sequence in the
+    target's batch, every committed token, the depth to draft to (0: none), how it samples."""
+
+    drafter: "Drafter"
+    seq: int
+    context: Sequence[int]
+    k: int
+    sampling: SamplingConfig
+    generator: torch.Generator | None
+
+
+def propose_each(asks: Sequence[DraftAsk]) -> list[Proposal]:
+    """Every ask's proposal from its own drafter, one after another (`Drafter.propose_all` of drafters that draft one
+    sequence at a time, or look their drafts up)."""
+    return [ask.drafter.propose(ask.context, ask.k, ask.sampling, ask.generator) if ask.k > 0 else Proposal([])
+            for ask in asks]
 
 
 class Drafter(Protocol):
@@ -65,6 +86,12 @@ class Drafter(Protocol):
         self, context: Sequence[int], k: int, sampling: SamplingConfig, generator: torch.Generator | None
     ) -> Proposal:
         """Up to k tokens that continue `context` (every committed token)."""
+        ...
+
+    def propose_all(self, asks: Sequence[DraftAsk]) -> list[Proposal]:
+        """A step's drafts for every run (this drafter's own and those `beside` it), in the asks' order: a draft model
+        served drafts each position of every run in one decode (`draftlab.drafters.served`); the others
+        `propose_each`."""
         ...
 
     def observe(self, target_hidden: torch.Tensor) -> None:
@@ -97,9 +124,10 @@ class Drafter(Protocol):
         """An independent drafter that starts from what this one was built with (a sweep cell's own)."""
         ...
 
-    def beside(self) -> "Drafter":
-        """A drafter for one more sequence decoded at the same time (`draftlab serve`'s requests in flight), sharing
-        what this one learns across requests; a one-line error for a drafter that decodes one sequence at a time."""
+    def beside(self, seq: int) -> "Drafter":
+        """A drafter for one more sequence (`seq` of the target's batch) decoded at the same time (`draftlab serve`'s
+        requests in flight), sharing what this one learns across requests; a one-line error for a drafter that
+        decodes one sequence at a time."""
         ...
 
     def state(self) -> dict | None:
@@ -125,6 +153,10 @@ class PerRequest:
 
     target_taps: tuple[int, ...] = ()  # hidden states it reads, if any: the target's final ones
 
+    def propose_all(self, asks: Sequence[DraftAsk]) -> list[Proposal]:
+        """Each run's draft from its own drafter, in turn."""
+        return propose_each(asks)
+
     def hear(self, proposal: Proposal, verdict: Verdict) -> None:
         """Nothing to learn from the verdict."""
 
@@ -147,10 +179,10 @@ class PerRequest:
         """Itself: nothing it keeps could differ between cells."""
         return self
 
-    def beside(self) -> "PerRequest":
-        """Refused: it holds one sequence's state (a draft model's cache, hidden states) and decodes one at a time."""
+    def beside(self, seq: int) -> "PerRequest":
+        """Refused: it holds one sequence's state (hidden states, a tree's) and decodes one at a time."""
         raise DraftlabError(f"drafter {self.name} decodes one sequence at a time; draftlab serve runs plain decoding, "
-                            "ngram and suffix drafts")
+                            "ngram and suffix drafts, and draft models (model:..., layers:...) on llama.cpp")
 
     def state(self) -> dict | None:
         """Nothing learned."""
@@ -189,7 +221,7 @@ class NoDrafter(BlindDrafter):
         """An empty proposal."""
         return Proposal([])
 
-    def beside(self) -> "NoDrafter":
+    def beside(self, seq: int) -> "NoDrafter":
         """Itself: it keeps nothing."""
         return self
 

@@ -29,10 +29,16 @@ def learns_across_requests(spec: str) -> bool:
     return spec.partition(":")[0] == "suffix"
 
 
+def is_model_draft(spec: str) -> bool:
+    """Whether a drafter spec is a stand-alone draft model or a layer draft (no tree, no staging, no cut head)."""
+    return spec.partition(":")[0] in ("model", "layers") and ",head=" not in spec
+
+
 def serves_batched(spec: str) -> bool:
     """Whether a drafter spec's drafts serve several sequences at once (`Drafter.beside`): plain decoding, n-gram
-    lookup and suffix decoding's chains, what `draftlab serve` runs."""
-    return is_plain_drafter(spec) or is_lookup(spec) or (learns_across_requests(spec) and "tree" not in spec)
+    lookup, suffix decoding's chains and draft models (on llama.cpp), what `draftlab serve` runs."""
+    return (is_plain_drafter(spec) or is_lookup(spec) or (learns_across_requests(spec) and "tree" not in spec)
+            or is_model_draft(spec))
 
 
 def with_suffix_store(spec: str, directory: str) -> str:

@@ -24,7 +24,7 @@ class NGramDrafter(BlindDrafter):
     def begin(self, prompt_ids: Sequence[int]) -> None:
         """Stateless: the context is searched afresh each step."""
 
-    def beside(self) -> "NGramDrafter":
+    def beside(self, seq: int) -> "NGramDrafter":
         """Itself: it keeps no state between steps."""
         return self
 

@@ -42,11 +42,21 @@ class ModelDrafter(BlindDrafter):
         self._fed: list[int] = []  # the draft's cache: the context from `_skip` on
         self._stable = 0  # prefix of _fed known to be committed
 
+    def on(self, backend: Backend) -> "ModelDrafter":
+        """The same draft over another backend of the same model (a served slot's stream), with a cache of its own."""
+        return ModelDrafter(backend, self.name, self.vocab_map, self.target_vocab_size, self.window)
+
     def begin(self, prompt_ids: Sequence[int]) -> None:
         """Drop the cache; the next proposal prefills the prompt (its window)."""
         self.backend.reset()
         self._fed, self._stable = [], 0
         self._skip = max(0, len(prompt_ids) - self.window) if self.window else 0
+
+    def finish(self, context: Sequence[int]) -> None:
+        """The generation ended: its cells are emptied (a served slot's draft stream holds nothing between
+        requests)."""
+        self.backend.reset()
+        self._fed, self._stable = [], 0
 
     def propose(self, context, k, sampling, generator) -> Proposal:
         """Draft k tokens one at a time; probabilities [k, V] when sampling. Greedy: the first from the context's
@@ -124,6 +134,11 @@ class ModelDrafter(BlindDrafter):
     def _catch_up(self, context: Sequence[int]) -> torch.Tensor:
         """Roll back to the longest common prefix with `context` (from its window on), feed the rest; logits [V]
         after it."""
+        return self.backend.score(self.to_feed(context), last_only=True)[-1]
+
+    def to_feed(self, context: Sequence[int], most: int | None = None) -> list[int]:
+        """Roll the cache back to its longest common prefix with `context` (from its window on): the tokens to feed
+        next (at least one, to get logits; at most `most`), counted as fed."""
         if self._skip:  # a window: compare and feed from it on (no copy of the context otherwise, every step)
             context = context[self._skip:]
         common = self._stable
@@ -133,9 +148,19 @@ class ModelDrafter(BlindDrafter):
         common = min(common, len(context) - 1)  # always feed at least one token to get logits
         self.backend.rollback(common)
         del self._fed[common:]
-        missing = list(context[common:])
+        missing = list(context[common:common + most] if most else context[common:])
         self._fed.extend(missing)
-        return self.backend.score(missing, last_only=True)[-1]
+        return missing
+
+    def settle(self, context: Sequence[int], drafted: Sequence[int]) -> None:
+        """A draft of `context` is made: the context is committed, the drafted tokens but the last fed after it."""
+        self._fed.extend(drafted[:-1])
+        self._stable = len(context) - self._skip
+
+    @property
+    def fed(self) -> int:
+        """Tokens of the context in the draft's cache (from its window on)."""
+        return len(self._fed) + self._skip
 
 
 def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:

@@ -305,7 +305,7 @@ class SuffixDrafter(BlindDrafter):
         return SuffixDrafter(self.options, SuffixCache(self.options.depth, self.options.responses),
                              self.tokenizer_id)
 
-    def beside(self) -> "SuffixDrafter":
+    def beside(self, seq: int) -> "SuffixDrafter":
         """A drafter of another request in flight over the same cache: every request learns from the others'
         answers (the cache's trees hold one active request per drafter). Chains only: a server scores no trees."""
         if self.options.tree:

@@ -11,7 +11,7 @@ from typing import Callable
 from draftlab.api import eos_ids
 from draftlab.backends import LLAMACPP, engine_of_backend
 from draftlab.backends.sequences import Sequences
-from draftlab.compose import TargetSpec, load_target, slot_sequences, target_drafter
+from draftlab.compose import TargetSpec, load_target, served_drafter, slot_sequences
 from draftlab.decoding.kchoice import AutoK, BlockCost, LoadK
 from draftlab.decoding.step import Block
 from draftlab.drafters.kinds import learns_across_requests, with_suffix_store
@@ -76,8 +76,8 @@ def build_served(settings: ServeSettings) -> Served:
     target = load_target(TargetSpec(settings.target, settings.backend, settings.device, settings.dtype,
                                     settings.numerics))
     loaded, batch = target.loaded, slot_sequences(target, settings.slots, settings.context, settings.threads)
-    drafter = target_drafter(settings.drafter_spec, target).drafter
-    chooser = settings.ks or AutoK(block_cost(batch, loaded.vocab_size), batch.passes, settings.k_max)
+    draft = served_drafter(settings.drafter_spec, target, settings.slots, settings.context, settings.threads)
+    chooser = settings.ks or auto_k(batch, draft.streams, loaded.vocab_size, settings.k_max)
     metrics = ServeMetrics(k_rows=settings.ks.text() if settings.ks else "auto")
     context = min(loaded.context_length, batch.n_ctx)
     tokenizer = loaded.tokenizer
@@ -85,7 +85,7 @@ def build_served(settings: ServeSettings) -> Served:
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True)
 
-    engine = SpeculativeEngine(batch.view(0), drafter, context_length=context, decode=decode, sequences=batch,
+    engine = SpeculativeEngine(batch.view(0), draft.drafter, context_length=context, decode=decode, sequences=batch,
                                chooser=chooser)
     scheduler = Scheduler(engine, settings.slots, settings.max_waiting, metrics, settings.prompt_cache)
     return Served(model=settings.name or settings.target, encode_text=lambda text: _encode(tokenizer, text),
@@ -93,6 +93,14 @@ def build_served(settings: ServeSettings) -> Served:
                   stream_decoder=stream_decoder(tokenizer),
                   vocab_size=loaded.vocab_size, context_length=context, eos_ids=eos_ids(loaded),
                   scheduler=scheduler, metrics=metrics, api_key=settings.api_key, numerics=batch.view(0).numerics)
+
+
+def auto_k(batch: Sequences, draft: Sequences | None, vocab_size: int, k_max: int) -> AutoK:
+    """`--k auto` over the target's cost curve, and a draft model's (its streams') where it runs one."""
+    if draft is None:
+        return AutoK(block_cost(batch, vocab_size), batch.passes, k_max)
+    return AutoK(block_cost(batch, vocab_size), batch.passes, k_max, draft=block_cost(draft, vocab_size),
+                 draft_passes=draft.passes)
 
 
 def block_cost(batch: Sequences, vocab_size: int, rows: tuple[int, ...] = (*range(1, 10), 12, 16, 24, 32),

@@ -1,0 +1,118 @@
+"""Draft models served (`draftlab serve --drafter model:...` / `layers:...`) on the real SmolLM2 (pure Q4_0 on the
+exact kernels): each request's draft in a stream of its own, every draft position of the requests in flight in one
+decode of the draft; each request's greedy tokens those of `draftlab generate`'s plain decoding alone and under load,
+and each draft stream empty once its request retires. The Qwen pair (the seeds' headline) in the slow tier."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from draftlab.api import SpeculativeDecoder, prompt_ids
+from draftlab.contenders.draftlab_serve import SERVED_NAME, DraftlabServer, ServeConfig
+from draftlab.engine import SpeculativeEngine
+from draftlab.files.datasets import load_prompts
+from draftlab.models import load_model
+from draftlab.serving.build import ServeSettings, build_served
+from draftlab.serving.scheduler import LoadK
+from tests.integration.test_serve import gauge, metrics_text, running_counts
+from tests.required import OPENAI, module_or_skip
+from tests.serve_jobs import TARGET, prompts, serve_jobs, target  # noqa: F401 (the fixtures)
+
+pytestmark = pytest.mark.integration
+TOKENS = 32
+DRAFT = "layers:0-5"  # a small draft of SmolLM2: its first 6 of 30 layers and its head, a GGUF of its own
+
+
+@pytest.fixture(scope="module")
+def plain(target, prompts):
+    decoder = SpeculativeDecoder.from_names(target, drafter="none", k=1, backend="llamacpp")
+    return [decoder.generate(ids, max_new_tokens=TOKENS, temperature=0).token_ids for ids in prompts]
+
+
+def test_a_started_server_with_a_draft_model_answers_each_request_as_alone(tmp_path, prompts, plain):
+    """8 prompts alone, then 4 at once through the official client: every answer is draftlab generate's plain
+    decoding; /metrics shows the 4 running together and the draft's tokens accepted."""
+    openai = module_or_skip("openai", OPENAI, "the official openai client is not installed (pip install -e .[test])")
+    config = ServeConfig(TARGET, "model:smollm2-135m", "1:3", slots=4, context=2048)
+    with DraftlabServer(config, tmp_path) as server:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none", max_retries=0)
+
+        def ask(ids: list[int]) -> list[int]:
+            return client.completions.create(model=SERVED_NAME, prompt=ids, max_tokens=TOKENS, temperature=0,
+                                             extra_body={"return_token_ids": True}).choices[0].token_ids
+
+        assert [ask(ids) for ids in prompts] == plain
+        chosen = [i for i, ids in enumerate(plain) if len(ids) == TOKENS][:4]
+        with running_counts(server) as running, ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda i: ask(prompts[i]), chosen))
+        assert answers == [plain[i] for i in chosen] and max(running) == 4
+        text = metrics_text(server)
+    assert gauge(text, "spec_decode_num_draft_tokens_total") > 0 and gauge(text, "spec_decode_num_accepted_tokens_total") > 0
+
+
+def test_every_draft_position_of_the_requests_in_flight_is_one_decode(monkeypatch, prompts, plain):
+    """With 4 requests at K=3, each step's drafting costs as many decodes of the draft as its deepest draft (not one
+    per request and position), and each request decodes as alone, 4 at a time and joining mid-decode."""
+    served = build_served(ServeSettings(TARGET, DRAFT, LoadK.parse("1:3"), slots=4, context=2048))
+    streams = served.scheduler.engine.drafter.streams
+    per_step: list[tuple[int, int, int]] = []  # (draft decodes, deepest draft, drafting runs)
+    step = SpeculativeEngine.step
+
+    def counted(engine, runs):
+        before = streams.decodes
+        stepped = step(engine, runs)
+        per_step.append((streams.decodes - before, max(stepped.drafted), sum(d > 0 for d in stepped.drafted)))
+        return stepped
+
+    monkeypatch.setattr(SpeculativeEngine, "step", counted)
+    served.scheduler.start()
+    try:
+        answers = serve_jobs(served, [(ids, TOKENS, 0.05 * (i % 4)) for i, ids in enumerate(prompts)])
+    finally:
+        served.scheduler.stop()
+    assert answers == plain
+    together = [(decodes, deepest) for decodes, deepest, runs in per_step if runs >= 3]
+    assert len(together) >= 10
+    assert all(decodes == deepest for decodes, deepest in together), together
+    assert served.metrics.drafted > 0 and served.metrics.accepted > 0
+
+
+def test_each_draft_stream_is_empty_once_its_request_retires_after_200_requests(prompts):
+    """200 short requests through 4 slots, a draft model drafting: every answer as alone, and every stream of the
+    draft (and of the target, no prompt cache) empty once the last retires."""
+    served = build_served(ServeSettings(TARGET, DRAFT, LoadK.parse("1:2"), slots=4, max_waiting=200, context=2048,
+                                        prompt_cache=False))
+    decoder = SpeculativeDecoder.from_names(TARGET, drafter="none", k=1, backend="llamacpp")
+    short = [ids[:24 + 3 * i] for i, ids in enumerate(prompts)]
+    alone = [decoder.generate(ids, max_new_tokens=3, temperature=0).token_ids for ids in short]
+    served.scheduler.start()
+    try:
+        answers = serve_jobs(served, [(short[i % 8], 3, 0.0) for i in range(200)])
+    finally:
+        served.scheduler.stop()
+    assert answers == [alone[i % 8] for i in range(200)]
+    streams, target = served.scheduler.engine.drafter.streams, served.scheduler.engine.sequences
+    assert [streams.length(s) for s in range(4)] == [0] * 4 and [target.length(s) for s in range(4)] == [0] * 4
+    assert served.metrics.drafted > 0
+
+
+@pytest.mark.slow
+def test_the_qwen_pair_served_decodes_each_request_as_alone():
+    """The seeds' headline pair served: Qwen2.5-Coder 1.5B (pure Q4_0) with its 0.5B draft, 4 code prompts alone and
+    4 at once, `--k auto` weighing the draft's cost: every answer is draftlab generate's plain decoding."""
+    target = load_model("qwen2.5-coder-1.5b@Q4_0_PURE", backend="llamacpp")
+    ids = [prompt_ids(target.tokenizer, p) for p in load_prompts("humaneval", 4)]
+    decoder = SpeculativeDecoder.from_names(target, drafter="none", k=1, backend="llamacpp")
+    plain = [decoder.generate(p, max_new_tokens=TOKENS, temperature=0).token_ids for p in ids]
+    served = build_served(ServeSettings("qwen2.5-coder-1.5b@Q4_0_PURE", "model:qwen2.5-coder-0.5b", None, slots=4,
+                                        context=2048))
+    served.scheduler.start()
+    try:
+        alone = [serve_jobs(served, [(p, TOKENS, 0.0)])[0] for p in ids]
+        together = serve_jobs(served, [(p, TOKENS, 0.0) for p in ids])
+    finally:
+        served.scheduler.stop()
+    assert alone == plain and together == plain
+    assert served.metrics.drafted > 0 and served.metrics.accepted > 0
