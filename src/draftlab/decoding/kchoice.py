@@ -4,8 +4,10 @@ of runs in flight (`--k-per-load`), or the seeds' model used online (`--k auto`)
 A step first has every run draft to its cap (`caps`: the run's own K, the load's, or `--k auto`'s deepest), then
 keeps the first K levels of each draft (`choose`, given each draft's depth). The policies keep every draft whole;
 `AutoK` keeps the Ks that maximise the tokens the step is expected to commit per second of its target pass. Drafting
-first costs nothing worth weighing for the drafters served (n-gram and suffix lookups) and tells the choice which
-runs have a draft at all (suffix decoding proposes nothing where its trees hold no match): each run's expected
+first costs nothing worth weighing for n-gram and suffix lookups and tells the choice which runs have a draft at
+all (suffix decoding proposes nothing where its trees hold no match); a draft model costs a decode per depth, so
+with its cost curve (`AutoK.draft`) the Ks are chosen before it drafts (`caps`), each depth weighed with the draft's
+pass of a row per run drafting that deep. Each run's expected
 tokens for a draft kept to depth k are 1 + p(1) + ... + p(k), where p(d) is that run's probability that the first d
 levels of a draft of d or more are all accepted (its `AcceptanceRecord`, drawn towards the record of every run), and
 the step's seconds are the target's block-cost curve (`BlockCost`, calibrated on this host at startup) summed over

@@ -133,7 +133,7 @@ def _k_per_load(best: LoadSummary, cells: list[LoadSummary], margin: float) -> s
 
 def serve_from_study(directory: str | Path, target: str | None = None) -> ServeConfig:
     """What `draftlab serve --from DIR` serves: the study's draftlab serve answer where it raced one, else its fastest
-    exact configuration on a llama.cpp target that the server runs (ngram, suffix; K for every load), else plain
+    exact configuration on a llama.cpp target that the server runs (ngram, suffix, a draft model; K for every load), else plain
     decoding there; `target` picks among the study's models."""
     from draftlab.study.answer.results import StudyResults
 

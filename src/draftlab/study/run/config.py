@@ -222,15 +222,17 @@ PRESETS = {
     # on this machine (`scripts/build-eagle3.sh --target qwen2.5-coder-1.5b`, ~45 min once; else its cells are skipped
     # with that line); and n-gram and suffix lookup.
     # SpS, and llama-cpp-python's prompt lookup, K 1..6, on 8 HumanEval stubs and 8 code edits, 64 tokens each,
-    # within a 45-minute budget; then the calibration profile and the depth-vs-width microbenchmark the seeds'
+    # within a 45-minute budget; draftlab serve (its plain decoding and each drafter it serves, the 0.5B draft in a
+    # stream per slot among them) alone and at 4 in flight (`--k auto` there), so the Deploy line can serve the pair; then the calibration profile and the depth-vs-width microbenchmark the seeds'
     # findings read (study/run/seed_inputs.py). On torch (and a GPU), with HF's AsG beside SpS: `--targets
     # qwen2.5-coder-1.5b --methods sps asg`.
     "family": SweepConfig(
         targets=(f"{LLAMACPP_TARGET}qwen2.5-coder-1.5b@Q4_0_PURE",),
         drafters=("model:qwen2.5-coder-0.5b", "model:qwen2.5-coder-0.5b,head=32768", "layers:0-3", "layers:0-27:2",
                   "eagle3", "ngram", "suffix"),
-        methods=("sps", "lcp"),
+        methods=("sps", "lcp", "serve"),
         ks=(1, 2, 3, 4, 5, 6),
+        concurrency=(1, 4), load_methods=("serve", "serve-ar"), load_ks=(0,),
         datasets=("humaneval", "code-edit"),
         limit=8,
         max_new_tokens=64,
