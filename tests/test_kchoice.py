@@ -116,6 +116,24 @@ def test_a_draft_models_cost_is_weighed_before_it_drafts():
     assert chooser.choose(runs, [2, 0, 1]) == [2, 0, 1]
 
 
+def test_a_draft_streams_catch_up_is_spread_over_the_tokens_left():
+    """A new prompt's draft stream must take the prompt in before it drafts: worth it for a long answer, not for the
+    last few tokens, and not counted for a stream that is a step behind (what every draft costs, already weighed)."""
+    draft = BlockCost(((1, 0.003), (512, 0.003 * 40)))
+    chooser = AutoK(COST, llama_passes, k_max=4, draft=draft, draft_passes=llama_passes)
+    copying = AcceptanceRecord()
+    for _ in range(50):
+        copying.observe(4, 4)
+        chooser.observe(4, 4)
+
+    def k(room: int, lag: int) -> int:
+        return chooser.caps([StepRun(0, 1, room, copying, lag)])[0]
+
+    assert k(200, 500) == 4 and k(200, 3) == 4  # a long answer pays for the catch-up; a step behind costs nothing
+    assert k(3, 500) == 0 and k(3, 3) == 3  # three tokens left: not worth taking 500 in
+    assert 0 < chooser._catch_up(StepRun(0, 1, 200, copying, 500)) < draft.seconds(500)
+
+
 def test_the_record_is_the_share_of_steps_whose_first_d_drafts_were_accepted():
     record = AcceptanceRecord()
     record.observe(3, 3)

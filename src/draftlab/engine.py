@@ -131,7 +131,8 @@ class SpeculativeEngine:
         """One step of every run: each drafts to its cap, the chooser keeps each draft's first K levels, one call
         scores every block, each verifies and commits (a run whose stop fires is done)."""
         self.steps += 1
-        steps = [StepRun(run.lane.seq, run.lane.policy.next_k(), self._room(run), run.record) for run in runs]
+        steps = [StepRun(run.lane.seq, run.lane.policy.next_k(), self._room(run), run.record,
+                         run.lane.drafter.lag(run.tokens)) for run in runs]
         plans = self.draft(runs, self.chooser.caps(steps))
         kept_depths = self.chooser.choose(steps, [len(plan.proposal.levels) for plan in plans])
         plans = [plan.within(depth) for plan, depth in zip(plans, kept_depths)]

@@ -70,6 +70,7 @@ class StepRun:
     wanted: int  # K its own policy asks for
     room: int  # the deepest draft it can still use
     record: AcceptanceRecord
+    lag: int = 0  # tokens its drafter must take in before it drafts (a draft model's stream behind the context)
 
 
 class StepK(Protocol):
@@ -213,7 +214,15 @@ class AutoK:
 
     def _best(self, runs: Sequence[StepRun], caps: list[int]) -> list[int]:
         survival = [run.record.survival(self.k_max, self.overall) for run in runs]
-        return best_ks(survival, caps, [run.seq for run in runs], self.step_seconds)
+        return best_ks(survival, caps, [run.seq for run in runs], self.step_seconds,
+                       [self._catch_up(run) for run in runs])
+
+    def _catch_up(self, run: StepRun) -> float:
+        """A draft model's catch-up beyond a step's own (a new prompt, or steps without drafting), as a share of each
+        token the run commits: its seconds spread over the tokens the run still has room for."""
+        if self.draft is None or run.lag <= self.k_max + 1:
+            return 0.0
+        return self.draft.seconds(run.lag) / max(run.room + 1, 1)
 
 
 def expected_tokens(survival: Sequence[float], k: int) -> float:
@@ -222,14 +231,18 @@ def expected_tokens(survival: Sequence[float], k: int) -> float:
 
 
 def best_ks(survival: Sequence[Sequence[float]], caps: Sequence[int], seqs: Sequence[int],
-            seconds: Callable[[dict[int, int]], float]) -> list[int]:
+            seconds: Callable[[dict[int, int]], float], catch_up: Sequence[float] = ()) -> list[int]:
     """The Ks that maximise expected tokens per second: the best step with one depth K for the drafting runs (each
-    capped, 0 for the rest), then each run's K moved alone while that pays; among equals, the fewest rows."""
+    capped, 0 for the rest), then each run's K moved alone while that pays; among equals, the fewest rows.
+    `catch_up`: seconds per committed token a run's drafting costs on top of the step (a draft model's stream
+    catching up), charged where its K > 0."""
     n = len(caps)
+    catch_up = list(catch_up) or [0.0] * n
 
     def rate(ks: list[int]) -> float:
-        return (n + sum(expected_tokens(p, k) - 1.0 for p, k in zip(survival, ks))) / seconds(
-            {s: 1 + k for s, k in zip(seqs, ks)})
+        tokens = [expected_tokens(p, k) for p, k in zip(survival, ks)]
+        extra = sum(c * t for c, t, k in zip(catch_up, tokens, ks) if k)
+        return sum(tokens) / (seconds({s: 1 + k for s, k in zip(seqs, ks)}) + extra)
 
     best, best_rate = [0] * n, rate([0] * n)
     for k in range(1, max(caps, default=0) + 1):

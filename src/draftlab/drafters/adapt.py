@@ -339,6 +339,10 @@ class AdaptingDrafter:
         """Its one run's draft (it decodes one sequence at a time)."""
         return propose_each(asks)
 
+    def lag(self, context: Sequence[int]) -> int:
+        """Its inner draft's."""
+        return self.inner.lag(context)
+
     def state(self) -> dict:
         """What this drafter learned, for `torch.save` (a sweep cell's checkpoint)."""
         return {"learner": self.learner.state(), "requests": list(self.requests)}

@@ -94,6 +94,11 @@ class Drafter(Protocol):
         `propose_each`."""
         ...
 
+    def lag(self, context: Sequence[int]) -> int:
+        """Tokens of `context` its state must still take in before it drafts (a draft model's cache behind the
+        context: a new prompt, or steps without drafting); 0 for drafters that look their drafts up."""
+        ...
+
     def observe(self, target_hidden: torch.Tensor) -> None:
         """The target's hidden states [n, D] of the next n committed and cached tokens, in order."""
         ...
@@ -156,6 +161,10 @@ class PerRequest:
     def propose_all(self, asks: Sequence[DraftAsk]) -> list[Proposal]:
         """Each run's draft from its own drafter, in turn."""
         return propose_each(asks)
+
+    def lag(self, context: Sequence[int]) -> int:
+        """Nothing to catch up with worth weighing (a model draft says otherwise)."""
+        return 0
 
     def hear(self, proposal: Proposal, verdict: Verdict) -> None:
         """Nothing to learn from the verdict."""

@@ -70,6 +70,9 @@ class ServedModelDrafter(BlindDrafter):
     def finish(self, context: Sequence[int]) -> None:
         self._alone.finish(context)
 
+    def lag(self, context: Sequence[int]) -> int:
+        return self._alone.lag(context)
+
     def propose_all(self, asks: Sequence[DraftAsk]) -> list[Proposal]:
         """Every run's draft, each position of all runs in one decode of the draft's streams."""
         drafting = [i for i, ask in enumerate(asks) if ask.k > 0]

@@ -157,6 +157,10 @@ class ModelDrafter(BlindDrafter):
         self._fed.extend(drafted[:-1])
         self._stable = len(context) - self._skip
 
+    def lag(self, context: Sequence[int]) -> int:
+        """Tokens of the context (from its window on) after the part its cache is known to hold."""
+        return max(0, len(context) - self._skip - self._stable)
+
     @property
     def fed(self) -> int:
         """Tokens of the context in the draft's cache (from its window on)."""
