@@ -126,7 +126,7 @@ def test_engine_joint_distribution_equals_target(toy, name, draft):
 def test_a_served_draft_model_keeps_the_joint_distribution(toy):
     """`draftlab serve`'s draft model (a stream per slot, every run's positions drafted together, its probabilities
     taken at each position): the joint distribution is still the target's."""
-    draft_model = noisy_copy(toy, 0.8, seed=2)
+    draft_model = adversarial(toy)  # its mass where the target's is not: a wrong draft probability shows
     streams = BackendSlots(lambda: FastLlamaBackend(draft_model.model), 2, 512)
     drafter = ServedModelDrafter(ModelDrafter(FastLlamaBackend(draft_model.model)), streams)
     engine = SpeculativeEngine(FastLlamaBackend(toy.model), drafter, FixedK(K), context_length=512)

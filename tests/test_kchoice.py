@@ -110,6 +110,8 @@ def test_a_draft_models_cost_is_weighed_before_it_drafts():
     chooser = AutoK(COST, llama_passes, k_max=6, draft=BlockCost(((1, 1.0), (2, 2.0))), draft_passes=llama_passes)
     base = AutoK(COST, llama_passes, k_max=6)
     assert chooser.step_seconds({0: 4, 1: 2}) - base.step_seconds({0: 4, 1: 2}) == pytest.approx(2.0 + 1.0 + 1.0)
+    # the first depth feeds each stream what it lacks (the tokens accepted last step and the target's own)
+    assert chooser.step_seconds({0: 3}, {0: 2}) - chooser.step_seconds({0: 3}) == pytest.approx(1.0)
     runs = [StepRun(s, 1, 100, AcceptanceRecord()) for s in range(3)]
     caps = AutoK(COST, llama_passes, k_max=6, draft=BlockCost(((1, 0.007), (2, 0.014)))).caps(runs)
     assert caps == [0, 0, 0]  # a draft as dear as the target: plain decoding, chosen before it drafts

@@ -12,7 +12,7 @@ from draftlab.backends.llamacpp import LlamaCppBackend
 from draftlab.decoding.step import Block
 from draftlab.errors import DraftlabError
 from draftlab.models import load_model
-from tests.tiers import slow
+from tests.tiers import exhaustive
 
 TAPS = (2, 15, 27)  # the layers SmolLM2's shipped EAGLE-3 draft reads
 PROMPT = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
@@ -77,7 +77,7 @@ def test_what_llama_cpp_cannot_hand_over_is_refused_in_one_line(target, prompt):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("k", [3, slow(1), slow(6)])
+@pytest.mark.parametrize("k", [3, exhaustive(1), exhaustive(6)])
 def test_a_random_eagle3_layer_on_a_qwen2_target_in_llama_cpp_is_lossless(tmp_path, k):
     """Qwen2's llama.cpp graph hands over its layers' inputs through draftlab's build (scripts/build-llama-cpp.sh):
     an EAGLE-3 layer of random weights in the real shape, saved and loaded as a draft directory, drafts on the real

@@ -187,7 +187,7 @@ def toy():
 
 
 @pytest.mark.parametrize("draft, name, shape", matrix(
-    {("noisy", "t1", "2x2"), ("noisy", "t1", "2@auto"), ("adversarial", "t0.8-top3", "dyn-2-5@0.2")},
+    {("noisy", "t1", "2x2"), ("adversarial", "t0.8-top3", "dyn-2-5@0.2")},
     ["noisy", "adversarial"], ["t1", "t0.8-top3"], ["2x2", "dyn-2-5@0.2", "2@auto"]))
 @pytest.mark.slow  # statistical: `pytest -m slow`, which CI runs too
 def test_tree_sampling_keeps_the_joint_distribution(toy, draft, name, shape):
@@ -277,7 +277,7 @@ def test_merged_specs_in_the_registry(tiny_target):
         hf_assist(plan, built.model, 2)
 
 
-@pytest.mark.parametrize("draft, guide, shape", matrix({("noisy", "ngram", "1"), ("adversarial", "constant", "2x2")},
+@pytest.mark.parametrize("draft, guide, shape", matrix({("noisy", "ngram", "1")},
                                                       ["noisy", "adversarial"], ["ngram", "constant"], ["1", "2x2"]))
 @pytest.mark.slow  # statistical: `pytest -m slow`, which CI runs too
 def test_merged_tree_sampling_keeps_the_joint_distribution(toy, draft, guide, shape):

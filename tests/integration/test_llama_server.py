@@ -131,6 +131,7 @@ def test_a_missing_binary_says_how_to_build_it(monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # ~28 s; test_exact_kernels.py proves the same on the quick study's pure Q4_0 in CI
 def test_the_servers_own_speculation_on_the_exact_build_equals_its_plain_decoding(binary, tmp_path):
     """What ranks llama-server's speculation with the lossless on draftlab's build: every greedy output of its n-gram
     types at K 3 and 6 equals its plain decoding, token for token, on the shipped Q4_1 (unrepacked, the tiled matmul

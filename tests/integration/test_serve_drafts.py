@@ -100,8 +100,9 @@ def test_each_draft_stream_is_empty_once_its_request_retires_after_200_requests(
     assert served.metrics.drafted > 0
 
 
-@qwen_skip  # the Qwen pair's: cached, or DRAFTLAB_QWEN=1 (CI)
+@qwen_skip  # the Qwen pair's: cached, or DRAFTLAB_QWEN=1
 @pytest.mark.slow
+@pytest.mark.exhaustive  # ~60 s: the SmolLM2 cases above prove the same path; benchmarks/serve.py times the pair
 def test_the_qwen_pair_served_decodes_each_request_as_alone():
     """The seeds' headline pair served: Qwen2.5-Coder 1.5B (pure Q4_0) with its 0.5B draft, a code prompt alone and
     4 at once, `--k auto` weighing the draft's cost: every answer is draftlab generate's plain decoding."""

@@ -11,7 +11,7 @@ from draftlab.engine import SpeculativeEngine
 from draftlab.measure import EncodedPrompt, RunSettings, measure_prompt
 from draftlab.serving.build import ServeSettings, build_served
 from tests.serve_jobs import TARGET, prompts, serve_jobs, target  # noqa: F401 (the fixtures)
-from tests.tiers import slow
+from tests.tiers import exhaustive, slow
 
 pytestmark = pytest.mark.integration
 TOKENS = 32
@@ -46,7 +46,7 @@ def test_generate_a_cell_and_a_served_request_run_the_one_step(monkeypatch, deco
     assert served_steps and served.metrics.batches == len(served_steps) and max(served_steps) == 2
 
 
-@pytest.mark.parametrize("target_name, drafter", [slow(TARGET, "ngram"), slow(TARGET, "suffix"),
+@pytest.mark.parametrize("target_name, drafter", [slow(TARGET, "ngram"), exhaustive(TARGET, "suffix"),
                                                   slow("smollm2-135m@IQ4_NL", "ngram")])
 def test_long_prompts_prefill_in_chunks_beside_decoding_and_each_request_decodes_as_alone(prompts, target_name,
                                                                                          drafter):

@@ -88,6 +88,7 @@ def test_server_cells_run_beside_draftlabs_engine_and_under_load(binary, prompts
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # ~42 s; tests/study/test_sweep_resume.py resumes a killed sweep in CI
 def test_a_server_killed_mid_sweep_ends_its_cell_and_the_next_run_resumes_it(binary, prompts, tmp_path, capsys):
     grid = config(prompts, servers=("ngram-simple:16",), concurrency=(1,), max_new_tokens=96)
     db = tmp_path / "study.sqlite"

@@ -46,7 +46,7 @@ def test_greedy_equals_autoregressive_fp32(target, baseline, drafter):
             assert result.token_ids == expected, f"{drafter} k={k}"
 
 
-@pytest.mark.parametrize("drafter", ["designed", "tree:2x2:designed", exhaustive("tree:dyn-2-6@0.05:designed"),
+@pytest.mark.parametrize("drafter", ["designed", exhaustive("tree:2x2:designed"), exhaustive("tree:dyn-2-6@0.05:designed"),
                                      exhaustive("tree:2:layers:0-3")])
 @SLOW
 def test_designed_draft_and_trees_are_lossless(target, baseline, drafter):
@@ -231,6 +231,7 @@ def test_questions_prompt_set():
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # ~65 s; tests/test_audit.py proves the audit's checks on tiny models in the default tier
 def test_audit_passes_draftlab_and_fails_a_broken_verifier(target):
     """The losslessness audit on the real target at temperature 0.8 with two drafters, and a broken verifier."""
     from draftlab.checks.audit import AuditSettings, exact_first_distribution, run_audit

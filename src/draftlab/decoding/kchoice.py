@@ -201,21 +201,25 @@ class AutoK:
     def observe(self, asked: int, accepted: int) -> None:
         self.overall.observe(asked, accepted)
 
-    def step_seconds(self, lengths: dict[int, int]) -> float:
+    def step_seconds(self, lengths: dict[int, int], fed: dict[int, int] | None = None) -> float:
         """The step's seconds for blocks of these lengths by sequence: the target's passes, and a draft model's
-        decode per depth."""
+        decode per depth, the first feeding each drafting run's stream what it lacks (`fed`: its lag, at most a step's
+        own; 1 where not given)."""
         seconds = sum(self.cost.seconds(rows) for rows in self.passes(lengths))
         if self.draft is None:
             return seconds
         for depth in range(1, max(lengths.values(), default=1)):
-            drafting = {seq: 1 for seq, n in lengths.items() if n > depth}
+            drafting = {seq: (fed or {}).get(seq, 1) if depth == 1 else 1 for seq, n in lengths.items() if n > depth}
             seconds += sum(self.draft.seconds(rows) for rows in self.draft_passes(drafting))
         return seconds
 
     def _best(self, runs: Sequence[StepRun], caps: list[int]) -> list[int]:
         survival = [run.record.survival(self.k_max, self.overall) for run in runs]
-        return best_ks(survival, caps, [run.seq for run in runs], self.step_seconds,
-                       [self._catch_up(run) for run in runs])
+        fed = {run.seq: max(1, min(run.lag, self.k_max + 1)) for run in runs}  # beyond: `_catch_up`
+
+        def seconds(lengths: dict[int, int]) -> float:
+            return self.step_seconds(lengths, fed)
+        return best_ks(survival, caps, [run.seq for run in runs], seconds, [self._catch_up(run) for run in runs])
 
     def _catch_up(self, run: StepRun) -> float:
         """A draft model's catch-up beyond a step's own (a new prompt, or steps without drafting), as a share of each

@@ -65,7 +65,9 @@ class ServedModelDrafter(BlindDrafter):
         self._alone.begin(prompt_ids)
 
     def propose(self, context, k, sampling, generator) -> Proposal:
-        return self._alone.propose(context, k, sampling, generator)
+        """Sequence 0's draft, as a step of one drafts it (a slot's stream is fed through the batch, not as a
+        backend's prompt)."""
+        return self.propose_all([DraftAsk(self, 0, context, k, sampling, generator)])[0]
 
     def finish(self, context: Sequence[int]) -> None:
         self._alone.finish(context)
