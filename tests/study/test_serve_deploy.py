@@ -44,6 +44,17 @@ def test_k_auto_measured_under_load_deploys_as_k_auto_for_the_levels_measured():
     assert "suffix K auto" in line and "--k auto --max-in-flight 4" in line
 
 
+def test_a_deploy_line_of_plain_decoding_cites_and_needs_plain_decodings_own_figure():
+    """Where no K beat draftlab serve's plain decoding by more than the drift, the line deploys plain decoding: it
+    is printed only where that plain decoding itself beat llama-server by more than the drift, and cites its figure."""
+    unsure = [cell("server-ar", 1, 70), cell("serve-ar", 1, 80), cell("serve", 1, 95, "suffix", 2)]
+    assert serve_sentences(unsure, margin=0.33) == []  # suffix 1.36x llama-server, but plain is what it would deploy
+    faster = [cell("server-ar", 1, 50), cell("serve-ar", 1, 80), cell("serve", 1, 95, "suffix", 2)]
+    [line] = serve_sentences(faster, margin=0.33)
+    assert "plain" in line.split(" with: ")[0] and "80.0 tok/s alone, 1.60x" in line
+    assert "--drafter none --k-per-load 1:0" in line
+
+
 def test_no_line_where_llama_server_is_as_fast_or_an_output_differed():
     close = [cell("server-ar", 1, 150), cell("serve-ar", 1, 150), cell("serve", 1, 155, "suffix", 6)]
     assert serve_sentences(close, margin=0.05) == []
