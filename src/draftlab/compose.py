@@ -17,6 +17,7 @@ from draftlab.backends.sequences import Sequences
 from draftlab.backends.slots import BackendSlots
 from draftlab.defaults import DEFAULT_BACKEND
 from draftlab.drafters.base import Drafter
+from draftlab.drafters.kinds import proposes_trees
 from draftlab.drafters.served import ServedModelDrafter
 from draftlab.errors import DraftlabError
 from draftlab.models import LoadedModel, ModelSpec, load_model
@@ -113,12 +114,25 @@ def served_drafter(spec: str, target: Target, slots: int, context: int | None, t
     stream per slot, drafting every request's positions together (`drafters.served`); the others as `draftlab
     generate` builds them (their `beside` says whether they serve several sequences)."""
     built = target_drafter(spec, target)
+    if target.on_gguf:
+        _check_served_on_gguf(spec, built.drafter)
     if built.model_drafter is None or built.drafter is not built.model_drafter:
         return ServedDraft(built.drafter)
     if built.model_drafter.vocab_map is not None:
         raise DraftlabError(f"draftlab serve runs draft models with their whole vocabulary: drop ,head= from {spec}")
     streams = _draft_streams(built.model, target, slots, context, threads)
     return ServedDraft(ServedModelDrafter(built.model_drafter, streams), streams)
+
+
+def _check_served_on_gguf(spec: str, drafter: Drafter) -> None:
+    """A one-line error at startup for a drafter the llama.cpp batch cannot serve: token trees (a tree's mask within
+    one stream's block is not built) and drafts reading the final hidden states (llama.cpp hands over layer inputs)."""
+    if proposes_trees(spec):
+        raise DraftlabError(f"draftlab serve on llama.cpp verifies chains: serve {spec} on torch (--backend auto), "
+                            "or its chain (eagle3, model:...) here")
+    if drafter.reads_target_hidden and not drafter.target_taps:
+        raise DraftlabError(f"{spec} reads the target's final hidden states, which llama.cpp does not hand over: "
+                            "serve it on torch (--backend auto)")
 
 
 def _draft_streams(draft: LoadedModel, target: Target, slots: int, context: int | None, threads: int | None

@@ -111,6 +111,9 @@ class SpeculativeEngine:
             self._prefill(tokens, run.watch, lane)
             run.prefilled = len(tokens) - 1
         else:
+            if cached and self.reads_hidden:
+                raise DraftlabError(f"drafter {self.drafter.name} reads the target's states of every prompt token: "
+                                    "a run prefills its whole prompt")
             if not 0 <= cached < len(tokens) or lane.target.cache_len != cached:
                 raise DraftlabError(f"a run may reuse up to all but the last of its {len(tokens)} prompt tokens, "
                                     f"held in its sequence; {cached} asked for, {lane.target.cache_len} held")
@@ -124,7 +127,10 @@ class SpeculativeEngine:
         chunk = self.sequences.prefill_chunk or run.prompt_length
         end = min(run.prefilled + chunk, run.prompt_length - 1)
         with run.watch.time("prefill"):
-            self.sequences.prefill(run.lane.seq, run.tokens[run.prefilled:end], final=end == run.prompt_length - 1)
+            hidden = self.sequences.prefill(run.lane.seq, run.tokens[run.prefilled:end], end == run.prompt_length - 1,
+                                            self.reads_hidden, self.taps)  # [n, D'] or None
+        if hidden is not None:  # a drafter that reads the target's states takes the chunk's
+            run.lane.drafter.observe(hidden)
         run.prefilled = end
 
     def step(self, runs: Sequence[Generation]) -> Stepped:

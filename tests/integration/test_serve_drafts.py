@@ -12,6 +12,7 @@ import pytest
 from draftlab.api import SpeculativeDecoder, prompt_ids
 from draftlab.contenders.draftlab_serve import SERVED_NAME, DraftlabServer, ServeConfig
 from draftlab.engine import SpeculativeEngine
+from draftlab.errors import DraftlabError
 from draftlab.files.datasets import load_prompts
 from draftlab.models import load_model
 from draftlab.serving.build import ServeSettings, build_served
@@ -33,11 +34,13 @@ def plain(target, prompts):
     return [decoder.generate(ids, max_new_tokens=TOKENS, temperature=0).token_ids for ids in prompts]
 
 
-def test_a_started_server_with_a_draft_model_answers_each_request_as_alone(tmp_path, prompts, plain):
-    """8 prompts alone, then 4 at once through the official client: every answer is draftlab generate's plain
-    decoding; /metrics shows the 4 running together and the draft's tokens accepted."""
+@pytest.mark.parametrize("drafter", ["model:smollm2-135m", "eagle3"])
+def test_a_started_server_with_a_draft_answers_each_request_as_alone(tmp_path, prompts, plain, drafter):
+    """A draft model, or the shipped EAGLE-3 draft (reading the target's layers from the batch's decode, a draft
+    cache per request): 8 prompts alone, then 4 at once through the official client: every answer is draftlab
+    generate's plain decoding; /metrics shows the 4 running together and the draft's tokens accepted."""
     openai = module_or_skip("openai", OPENAI, "the official openai client is not installed (pip install -e .[test])")
-    config = ServeConfig(TARGET, "model:smollm2-135m", "1:3", slots=4, context=2048)
+    config = ServeConfig(TARGET, drafter, "1:3", slots=4, context=2048)
     with DraftlabServer(config, tmp_path) as server:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none", max_retries=0)
 
@@ -81,10 +84,18 @@ def test_every_draft_position_of_the_requests_in_flight_is_one_decode(monkeypatc
     assert served.metrics.drafted > 0 and served.metrics.accepted > 0
 
 
-def test_each_draft_stream_is_empty_once_its_request_retires_after_200_requests(prompts):
-    """200 short requests through 4 slots, a draft model drafting: every answer as alone, and every stream of the
-    draft (and of the target, no prompt cache) empty once the last retires."""
-    served = build_served(ServeSettings(TARGET, DRAFT, LoadK.parse("1:2"), slots=4, max_waiting=200, context=2048,
+def draft_held(served, drafter: str) -> list[int]:
+    """Positions each slot's draft holds: a draft model's stream, an EAGLE-3 draft's cache."""
+    if drafter == DRAFT:
+        return [served.scheduler.engine.drafter.streams.length(s) for s in range(4)]
+    return [lane.drafter.held_positions() for lane in served.scheduler.lanes]
+
+
+@pytest.mark.parametrize("drafter", [DRAFT, "eagle3"])
+def test_each_draft_stream_is_empty_once_its_request_retires_after_200_requests(prompts, drafter):
+    """200 short requests through 4 slots, a draft model or an EAGLE-3 draft drafting: every answer as alone, and
+    every stream of the draft (and of the target, no prompt cache) empty once the last retires."""
+    served = build_served(ServeSettings(TARGET, drafter, LoadK.parse("1:2"), slots=4, max_waiting=200, context=2048,
                                         prompt_cache=False))
     decoder = SpeculativeDecoder.from_names(TARGET, drafter="none", k=1, backend="llamacpp")
     short = [ids[:24 + 3 * i] for i, ids in enumerate(prompts)]
@@ -95,8 +106,8 @@ def test_each_draft_stream_is_empty_once_its_request_retires_after_200_requests(
     finally:
         served.scheduler.stop()
     assert answers == [alone[i % 8] for i in range(200)]
-    streams, target = served.scheduler.engine.drafter.streams, served.scheduler.engine.sequences
-    assert [streams.length(s) for s in range(4)] == [0] * 4 and [target.length(s) for s in range(4)] == [0] * 4
+    target = served.scheduler.engine.sequences
+    assert draft_held(served, drafter) == [0] * 4 and [target.length(s) for s in range(4)] == [0] * 4
     assert served.metrics.drafted > 0
 
 
@@ -120,3 +131,31 @@ def test_the_qwen_pair_served_decodes_each_request_as_alone():
         served.scheduler.stop()
     assert alone == plain[:1] and together == plain
     assert served.metrics.drafted > 0 and served.metrics.accepted > 0
+
+
+@pytest.mark.slow  # torch's exact route on the CPU: ~40 s
+def test_a_started_torch_server_with_a_token_tree_answers_each_request_as_alone(tmp_path):
+    """`tree:2x2:eagle3` served on torch (a backend per slot scores each slot's tree, the EAGLE-3 draft per request):
+    8 prompts alone equal draftlab generate's plain decoding on the same route, 4 at once each equal itself alone;
+    on llama.cpp the tree is refused at startup in one line (its batch verifies chains)."""
+    openai = module_or_skip("openai", OPENAI, "the official openai client is not installed (pip install -e .[test])")
+    target = load_model("smollm2-135m")
+    ids = [prompt_ids(target.tokenizer, p) for p in load_prompts("heldout", 8)]
+    config = ServeConfig("smollm2-135m", "tree:2x2:eagle3", "1:3", slots=4, context=2048, backend="auto")
+    with DraftlabServer(config, tmp_path) as server:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none", max_retries=0)
+
+        def ask(prompt: list[int]) -> list[int]:
+            return client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=16, temperature=0,
+                                             extra_body={"return_token_ids": True}).choices[0].token_ids
+
+        alone = [ask(p) for p in ids]
+        with running_counts(server) as running, ThreadPoolExecutor(4) as pool:
+            together = list(pool.map(ask, ids[:4]))
+        text = metrics_text(server)
+    decoder = SpeculativeDecoder.from_names(target, drafter="none", k=1, backend="auto")
+    assert alone == [decoder.generate(p, max_new_tokens=16, temperature=0).token_ids for p in ids]
+    assert together == alone[:4] and max(running) >= 3
+    assert gauge(text, "spec_decode_num_accepted_tokens_total") > 0
+    with pytest.raises(DraftlabError, match="verifies chains"):
+        build_served(ServeSettings(TARGET, "tree:2x2:eagle3", None, slots=2, context=512))

@@ -34,17 +34,14 @@ import numpy as np
 import torch
 
 from draftlab.backends.base import ROUNDING, greedy_rows
-from draftlab.backends.gguf import (INSTALL_HINT, LlamaCppModel, greedy_chain_call, layer_input_calls, llama_lib,
-                                    threads)
+from draftlab.backends.gguf import INSTALL_HINT, LlamaCppModel, greedy_chain_call, llama_lib, threads
+from draftlab.backends.llamacpp_taps import LayerTaps
 from draftlab.errors import DraftlabError
 from draftlab.decoding.step import Block, Scores
 
 MAX_CONTEXT = 8192  # KV cells per context (the model's training context if smaller)
 MAX_BATCH = 512  # tokens per llama_decode call (a longer prefill is split)
 MAX_LEAVES = 64  # leaf sequences of a token tree
-# Model types whose llama.cpp graph hands over its layers' inputs in draftlab's build (llama's own; qwen2's through
-# scripts/build-llama-cpp.sh's hook): llama.cpp aborts the process on a tap of any other graph.
-TAPPED_MODEL_TYPES = ("llama", "qwen2")
 
 
 class LlamaCppBackend:
@@ -63,9 +60,6 @@ class LlamaCppBackend:
             raise DraftlabError(f"the llamacpp backend runs on the CPU here, not {device}")
         check_head(model, head_rows)
         self.lib = llama_lib()
-        self._layer_inputs = layer_input_calls()
-        self.provides_hidden = self._layer_inputs is not None  # the inputs of tapped layers only (see above)
-        self._taps: tuple[int, ...] = ()  # the layers whose inputs llama.cpp records at every decode
         self.model = model
         self.vocab_size = model.vocab_size
         self.out_rows = model.head_rows or model.vocab_size  # logits per row: the GGUF's head rows
@@ -78,6 +72,8 @@ class LlamaCppBackend:
         self.n_ctx = min(model.n_ctx_train, MAX_CONTEXT)
         self._ctx = self._new_context(flash_attention)
         self._memory = self.lib.llama_get_memory(self._ctx)
+        self._taps = LayerTaps(self.lib, model, self._ctx)  # the layers whose inputs llama.cpp records, each decode
+        self.provides_hidden = self._taps.available  # the inputs of tapped layers only (see above)
         self._batch = self.lib.llama_batch_init(MAX_BATCH, 0, MAX_LEAVES)
         self._len = 0
         self._remember([], [], None)
@@ -132,9 +128,9 @@ class LlamaCppBackend:
         if with_hidden and not taps:
             raise DraftlabError("llama.cpp hands over the inputs of chosen target layers (EAGLE-3 drafts), not the "
                                 "final hidden states feature drafts and decoder heads read: use --backend fast")
-        self._tap(tuple(taps) if with_hidden else ())
+        self._taps.set(tuple(taps) if with_hidden else ())
         if (block.is_chain and last_only and self._fast_prefill and self._len == 0 and len(block.tokens) > 1
-                and not self._taps):
+                and not self._taps.layers):
             return Scores(self._prefill_on_twin(block.tokens))
         if block.is_chain:
             return self._score_chain(block.tokens, last_only)
@@ -154,33 +150,6 @@ class LlamaCppBackend:
             tokens = [self._tokens[i] for i in indices[in_place:]]
             self.rollback(base + in_place)
             self._score_chain(tokens, last_only=True)
-
-    def _tap(self, taps: tuple[int, ...]) -> None:
-        """Have llama.cpp record the inputs of exactly these layers at every decode from now on."""
-        if taps == self._taps:
-            return
-        if taps and not self.provides_hidden:
-            raise DraftlabError(f"this llama.cpp library hands over no layer inputs; {INSTALL_HINT}")
-        model_type = self.model.config.model_type
-        if taps and model_type not in TAPPED_MODEL_TYPES:
-            raise DraftlabError(f"llama.cpp's {model_type} graph hands over no layer inputs (drafts reading the "
-                                f"target's layers run on targets of types {', '.join(TAPPED_MODEL_TYPES)})")
-        if any(not 0 <= layer < self.model.n_layer for layer in taps):
-            raise DraftlabError(f"{self.model.path.name} has layers 0-{self.model.n_layer - 1}, not {list(taps)}")
-        for layer in self._taps:
-            self._layer_inputs.enable(self._ctx, layer, False)
-        for layer in taps:
-            self._layer_inputs.enable(self._ctx, layer, True)
-        self._taps = taps
-
-    def _tapped(self, rows: int) -> torch.Tensor | None:
-        """The last decode's inputs of the tapped layers [rows, len(taps) * D] in batch order; None untapped."""
-        if not self._taps:
-            return None
-        width = self.lib.llama_model_n_embd(self.model.handle)
-        parts = [np.ctypeslib.as_array(self._layer_inputs.read(self._ctx, layer), shape=(rows, width))
-                 for layer in self._taps]  # each [rows, D], llama.cpp's buffer
-        return torch.from_numpy(np.concatenate(parts, axis=1))  # [rows, len(taps) * D], a copy
 
     def greedy_chain(self, token: int, n: int, row_tokens: torch.Tensor | None = None) -> list[int]:
         """n greedy tokens after `token` in one call into llama.cpp where libllama holds draftlab's draft loop
@@ -240,10 +209,10 @@ class LlamaCppBackend:
             self._fill(part, [self._len + i for i in range(len(part))], [[0]] * len(part), wanted)
             self._decode(len(part))
             rows.append(self._logits(sum(wanted)))
-            hidden.append(self._tapped(len(part)))
+            hidden.append(self._taps.read(len(part)))
             self._len += len(part)
         join = lambda parts: parts[0] if len(parts) == 1 else torch.cat(parts)  # noqa: E731
-        return Scores(join(rows), join(hidden) if self._taps else None)  # [n, V] or [1, V]; [n, D'] or None
+        return Scores(join(rows), join(hidden) if self._taps.layers else None)  # [n, V] or [1, V]; [n, D'] or None
 
     def _prefill_on_twin(self, tokens: list[int]) -> torch.Tensor:
         """Prefill on the repacked twin, then copy its cache of seq 0 here; the last row's logits [1, V]."""
@@ -284,7 +253,7 @@ class LlamaCppBackend:
         self._fill([block.tokens[i] for i in order], [self._len + depths[i] for i in order],
                    [[seq_of_leaf[leaf] for leaf in below[i]] for i in order], [True] * len(order))
         self._decode(len(order))
-        logits, hidden = self._logits(len(order)), self._tapped(len(order))  # [n, V], [n, D'] in batch order
+        logits, hidden = self._logits(len(order)), self._taps.read(len(order))  # [n, V], [n, D'] in batch order
         rows = inverse(order)
         self._remember(list(block.tokens), rows, (seq_of_leaf, below))
         self._len += len(order)

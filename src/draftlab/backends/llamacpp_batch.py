@@ -30,7 +30,7 @@ from draftlab.backends.base import greedy_rows
 from draftlab.backends.gguf import LlamaCppModel, llama_lib
 from draftlab.backends.gguf import threads as default_threads
 from draftlab.backends.llamacpp import MAX_BATCH, MAX_CONTEXT, LlamaCppBackend, free_native
-from draftlab.backends.sequences import score_chains
+from draftlab.backends.llamacpp_taps import LayerTaps
 from draftlab.decoding.kchoice import llama_passes
 from draftlab.decoding.step import Block, Scores
 from draftlab.errors import DraftlabError
@@ -55,6 +55,7 @@ class LlamaCppBatch:
         self._threads = threads or default_threads()
         self._ctx = self._new_context(self._threads)
         self._memory = self.lib.llama_get_memory(self._ctx)
+        self.taps = LayerTaps(self.lib, model, self._ctx)  # target layers whose inputs each decode records (EAGLE-3)
         self._batch = self.lib.llama_batch_init(MAX_BATCH, 0, 1)
         self._lengths = [0] * slots  # cached tokens per slot
         self._starts = [0] * slots  # where each slot's last scored block began
@@ -93,30 +94,39 @@ class LlamaCppBatch:
 
     prefill_chunk = MAX_BATCH  # prompt tokens a chunk prefills, at multiples of it: a whole prefill's own calls
 
-    def prefill(self, slot: int, tokens: Sequence[int], final: bool) -> None:
+    def prefill(self, slot: int, tokens: Sequence[int], final: bool, with_hidden: bool = False,
+                taps: tuple[int, ...] = ()) -> torch.Tensor | None:
         """The next chunk of a prompt into a slot, as `LlamaCppBackend` prefills it: on the repacked twin where the
         model has one (the twin's stream of the same slot, its cache copied into the slot once `final`), in
-        `MAX_BATCH` chunks at fixed offsets, so the same kernels, chunks and cells give the same cache."""
+        `MAX_BATCH` chunks at fixed offsets, so the same kernels, chunks and cells give the same cache. With
+        `with_hidden`, the chunk's inputs of the `taps` layers [n, len(taps) * D] (a draft reads them; the twin's
+        where the twin prefills)."""
         if self.model.repack:  # no twin: llama.cpp's own kernels already
-            self.score({slot: list(tokens)}, last_only=True)
-            return
+            return self._score({slot: list(tokens)}, True, self._tapping(with_hidden, taps))[1].get(slot)
         if self._prefiller is None:  # as many streams as here: llama.cpp copies a sequence between equal layouts
             self._prefiller = LlamaCppBatch(self.model.twin(), self.slots, self.n_ctx, self._threads)
         twin = self._prefiller
         if self._lengths[slot] or (twin.length(slot) and not self._prefilling[slot]):
             raise DraftlabError(f"slot {slot} is not empty: a prompt prefills into an empty slot")
         self._prefilling[slot] = True
-        twin.score({slot: list(tokens)}, last_only=True)
+        hidden = twin._score({slot: list(tokens)}, True, twin._tapping(with_hidden, taps))[1].get(slot)
         if final:
             self._copy_from(twin, slot)
             self._starts[slot], self._lengths[slot] = 0, twin.length(slot)
             twin.rollback(slot, 0)
             self._prefilling[slot] = False
+        return hidden
 
     def score_blocks(self, blocks: dict[int, Block], with_hidden: bool = False, taps: tuple[int, ...] = ()
                      ) -> dict[int, Scores]:
-        """Every slot's chain in one decode (no trees, no hidden states); logits [n, V] per slot."""
-        return score_chains(self.score, blocks, with_hidden)
+        """Every slot's chain in one decode; logits [n, V] per slot, with `with_hidden` the inputs of the `taps`
+        layers [n, len(taps) * D] too. Token trees are refused (a tree's mask within one stream's block is not
+        built)."""
+        if not all(block.is_chain for block in blocks.values()):
+            raise DraftlabError("draftlab serve on llama.cpp scores chains of tokens (token trees are served on torch)")
+        logits, hidden = self._score({seq: block.tokens for seq, block in blocks.items()}, False,
+                                     self._tapping(with_hidden, taps))
+        return {seq: Scores(rows, hidden.get(seq)) for seq, rows in logits.items()}
 
     def passes(self, lengths: dict[int, int]) -> list[int]:
         """Rows per pass over the weights: llama.cpp decodes blocks of unequal length, or of slots with a gap
@@ -126,6 +136,18 @@ class LlamaCppBatch:
     def score(self, blocks: dict[int, Sequence[int]], last_only: bool = False) -> dict[int, torch.Tensor]:
         """Append each slot's chain of tokens in one decode (split in batches of MAX_BATCH tokens); each slot's logits
         [n, V] ([1, V] if last_only)."""
+        return self._score(blocks, last_only, ())[0]
+
+    def _tapping(self, with_hidden: bool, taps: tuple[int, ...]) -> tuple[int, ...]:
+        """The layers to tap for a call (none without `with_hidden`); llama.cpp hands over no final hidden states."""
+        if with_hidden and not taps:
+            raise DraftlabError("llama.cpp hands over the inputs of chosen target layers (EAGLE-3 drafts), not the "
+                                "final hidden states feature drafts and decoder heads read: serve them on torch")
+        return tuple(taps) if with_hidden else ()
+
+    def _score(self, blocks: dict[int, Sequence[int]], last_only: bool, taps: tuple[int, ...]
+               ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        """`score`, and with `taps` each slot's inputs of those layers [n, len(taps) * D] for every token."""
         if not blocks or any(not tokens for tokens in blocks.values()):
             raise DraftlabError("a batch needs at least one token for each slot it scores")
         for slot, tokens in blocks.items():
@@ -133,14 +155,16 @@ class LlamaCppBatch:
                 raise DraftlabError(f"slot {slot} holds {self.n_ctx} tokens; {self._lengths[slot] + len(tokens)} "
                                     "asked for")
             self._starts[slot] = self._lengths[slot]
+        self.taps.set(taps)
         rows = [(slot, i, token) for slot, tokens in sorted(blocks.items()) for i, token in enumerate(tokens)]
         wanted = [not last_only or i == len(blocks[slot]) - 1 for slot, i, _ in rows]
-        logits = [self._decode(rows[s:s + MAX_BATCH], wanted[s:s + MAX_BATCH])
-                  for s in range(0, len(rows), MAX_BATCH)]
-        out = torch.cat(logits) if len(logits) > 1 else logits[0]  # [wanted rows, V] in batch order
+        parts = [self._decode(rows[s:s + MAX_BATCH], wanted[s:s + MAX_BATCH]) for s in range(0, len(rows), MAX_BATCH)]
+        join = lambda tensors: torch.cat(tensors) if len(tensors) > 1 else tensors[0]  # noqa: E731
+        logits = join([part[0] for part in parts])  # [wanted rows, V] in batch order
         for slot, tokens in blocks.items():
             self._lengths[slot] += len(tokens)
-        return self._per_slot(out, rows, wanted)
+        hidden = self._per_slot(join([part[1] for part in parts]), rows, [True] * len(rows)) if taps else {}
+        return self._per_slot(logits, rows, wanted), hidden
 
     def synchronize(self) -> None:
         """Wait for llama.cpp's threads."""
@@ -148,8 +172,9 @@ class LlamaCppBatch:
 
     # llama.cpp ---------------------------------------------------------------------------------------------------
 
-    def _decode(self, rows: list[tuple[int, int, int]], wanted: list[bool]) -> torch.Tensor:
-        """One llama_decode of (slot, index in its block, token) rows; the wanted rows' logits [m, V]."""
+    def _decode(self, rows: list[tuple[int, int, int]], wanted: list[bool]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One llama_decode of (slot, index in its block, token) rows; the wanted rows' logits [m, V] and every row's
+        tapped layer inputs [rows, D'] (None untapped)."""
         batch = self._batch
         batch.n_tokens = len(rows)
         for i, ((slot, index, token), out) in enumerate(zip(rows, wanted)):
@@ -160,12 +185,13 @@ class LlamaCppBatch:
         if status != 0:
             raise DraftlabError(f"llama_decode failed with status {status} ({len(rows)} tokens of a batch)")
         pointer = self.lib.llama_get_logits(self._ctx)
-        return torch.from_numpy(np.ctypeslib.as_array(pointer, shape=(sum(wanted), self.vocab_size)).copy())
+        logits = torch.from_numpy(np.ctypeslib.as_array(pointer, shape=(sum(wanted), self.vocab_size)).copy())
+        return logits, self.taps.read(len(rows))
 
     @staticmethod
     def _per_slot(logits: torch.Tensor, rows: list[tuple[int, int, int]], wanted: list[bool]
                   ) -> dict[int, torch.Tensor]:
-        """Batch-ordered logits [m, V] of the wanted rows, split by slot (a slot's rows are consecutive)."""
+        """Batch-ordered rows [m, ...] of the wanted rows, split by slot (a slot's rows are consecutive)."""
         slots = [slot for (slot, _, _), keep in zip(rows, wanted) if keep]  # [m]
         first = {slot: slots.index(slot) for slot in dict.fromkeys(slots)}
         return {slot: logits[start:start + slots.count(slot)] for slot, start in first.items()}  # [n, V] each
@@ -201,11 +227,11 @@ class SlotView:
     """One slot of a `LlamaCppBatch` as a `Backend` (chains only): the engine prefills, keeps and rolls it back as a
     backend of its own; the scheduler scores every slot's block together (`LlamaCppBatch.score`)."""
 
-    provides_hidden = False
     greedy_chain = greedy_rows  # a draft's greedy tokens, one `score` each
 
     def __init__(self, batch: LlamaCppBatch, slot: int) -> None:
         self.batch, self.slot = batch, slot
+        self.provides_hidden = batch.taps.available  # the inputs of tapped layers only, as `LlamaCppBackend`
         self.vocab_size = batch.vocab_size
         self.batch_invariant = batch.batch_invariant
         self.numerics = batch.numerics
@@ -229,15 +255,15 @@ class SlotView:
 
     def score_block(self, block: Block, with_hidden: bool = False, last_only: bool = False,
                     taps: tuple[int, ...] = ()) -> Scores:
-        """A chain alone in the batch; a prompt into an empty slot prefills as `LlamaCppBackend` does."""
-        if with_hidden or not block.is_chain:
-            raise DraftlabError("draftlab serve scores chains of tokens only (no token trees, no hidden states)")
+        """A chain alone in the batch (with `with_hidden`, the `taps` layers' inputs [n, len(taps) * D] too); a prompt
+        into an empty slot prefills as `LlamaCppBackend` does."""
         if last_only and self.cache_len == 0 and len(block.tokens) > 1:  # a whole prompt, in the batch's chunks
             chunk = self.batch.prefill_chunk
-            for start in range(0, len(block.tokens), chunk):
-                self.batch.prefill(self.slot, block.tokens[start:start + chunk], start + chunk >= len(block.tokens))
-            return Scores(torch.empty(0))  # a prefill's logits are never read
-        return Scores(self.batch.score({self.slot: block.tokens}, last_only)[self.slot])
+            hidden = [self.batch.prefill(self.slot, block.tokens[start:start + chunk],
+                                         start + chunk >= len(block.tokens), with_hidden, taps)
+                      for start in range(0, len(block.tokens), chunk)]  # each [n, D'] or None
+            return Scores(torch.empty(0), torch.cat(hidden) if with_hidden else None)  # a prefill's logits unread
+        return self.batch.score_blocks({self.slot: block}, with_hidden, taps)[self.slot]
 
     def keep(self, indices: Sequence[int]) -> None:
         """Keep the root and the accepted path of the last chain (indices 0..m-1)."""

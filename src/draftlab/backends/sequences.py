@@ -11,7 +11,7 @@ Each sequence's view (`view`) is a `Backend` of its own, through which its run k
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import torch
 
@@ -37,9 +37,11 @@ class Sequences(Protocol):
         """Every sequence's block appended to its cache, in one call; logits [n, V] per sequence."""
         ...
 
-    def prefill(self, seq: int, tokens: Sequence[int], final: bool) -> None:
+    def prefill(self, seq: int, tokens: Sequence[int], final: bool, with_hidden: bool = False,
+                taps: tuple[int, ...] = ()) -> torch.Tensor | None:
         """The next chunk of a prompt into an empty or prefilling sequence; once `final`, its cache holds the prompt
-        as a whole prefill leaves it."""
+        as a whole prefill leaves it. With `with_hidden`, the chunk's hidden states [n, D] (with `taps`, those
+        layers' inputs [n, len(taps) * D]) for a drafter that reads them; else None."""
         ...
 
     def passes(self, lengths: dict[int, int]) -> list[int]:
@@ -53,15 +55,6 @@ class Sequences(Protocol):
     def length(self, seq: int) -> int:
         """Tokens a sequence's cells hold."""
         ...
-
-
-def score_chains(score: Callable[[dict[int, Sequence[int]]], dict[int, torch.Tensor]], blocks: dict[int, Block],
-                 with_hidden: bool) -> dict[int, Scores]:
-    """Every sequence's chain through `score` ({seq: tokens} -> {seq: logits [n, V]}): the batches `draftlab serve`
-    runs score chains of tokens only (no token trees, no hidden states)."""
-    if with_hidden or not all(block.is_chain for block in blocks.values()):
-        raise DraftlabError("draftlab serve scores chains of tokens only (no token trees, no hidden states)")
-    return {seq: Scores(rows) for seq, rows in score({seq: block.tokens for seq, block in blocks.items()}).items()}
 
 
 class OneSequence:
@@ -81,11 +74,12 @@ class OneSequence:
         (seq, block), = blocks.items()
         return {seq: self.backend.score_block(block, with_hidden, taps=taps)}
 
-    def prefill(self, seq: int, tokens: Sequence[int], final: bool) -> None:
+    def prefill(self, seq: int, tokens: Sequence[int], final: bool, with_hidden: bool = False,
+                taps: tuple[int, ...] = ()) -> torch.Tensor | None:
         """A whole prompt (one backend prefills whole)."""
         if not final or self.backend.cache_len:
             raise DraftlabError("a single backend prefills a prompt whole")
-        self.backend.score_block(Block.chain(list(tokens)), last_only=True)
+        return self.backend.score_block(Block.chain(list(tokens)), with_hidden, last_only=True, taps=taps).hidden
 
     def passes(self, lengths: dict[int, int]) -> list[int]:
         return [sum(lengths.values())]

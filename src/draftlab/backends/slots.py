@@ -15,7 +15,6 @@ from typing import Callable, Sequence
 import torch
 
 from draftlab.backends.base import Backend
-from draftlab.backends.sequences import score_chains
 from draftlab.decoding.step import Block, Scores
 from draftlab.errors import DraftlabError
 
@@ -38,26 +37,34 @@ class BackendSlots:
         """Each slot's chain appended to its cache, slot by slot; each slot's logits [n, V] ([1, V] if last_only)."""
         out = {}
         for slot, tokens in blocks.items():
-            backend = self.backends[slot]
-            if backend.cache_len + len(tokens) > self.n_ctx:
-                raise DraftlabError(f"slot {slot} holds {self.n_ctx} tokens; {backend.cache_len + len(tokens)} "
-                                    "asked for")
-            out[slot] = backend.score_block(Block.chain(list(tokens)), last_only=last_only).logits  # [n, V]
+            self._check_room(slot, len(tokens))
+            out[slot] = self.backends[slot].score_block(Block.chain(list(tokens)), last_only=last_only).logits  # [n, V]
         return out
+
+    def _check_room(self, slot: int, tokens: int) -> None:
+        """A one-line error for a block past the slot's cells."""
+        held = self.backends[slot].cache_len
+        if held + tokens > self.n_ctx:
+            raise DraftlabError(f"slot {slot} holds {self.n_ctx} tokens; {held + tokens} asked for")
 
     prefill_chunk = None  # a prompt prefills whole, as `draftlab generate` prefills it on the same route
     keeps_prefixes = False  # a prompt prefills whole, into an empty slot
 
     def score_blocks(self, blocks: dict[int, Block], with_hidden: bool = False, taps: tuple[int, ...] = ()
                      ) -> dict[int, Scores]:
-        """Every slot's chain, slot by slot (no trees, no hidden states); logits [n, V] per slot."""
-        return score_chains(self.score, blocks, with_hidden)
+        """Every slot's block (a chain or a token tree), slot by slot, as its backend scores it alone; logits [n, V]
+        per slot, and the hidden states a drafter reads with `with_hidden`."""
+        for slot, block in blocks.items():
+            self._check_room(slot, len(block.tokens))
+        return {slot: self.backends[slot].score_block(block, with_hidden, taps=taps) for slot, block in blocks.items()}
 
-    def prefill(self, slot: int, tokens: Sequence[int], final: bool) -> None:
-        """A whole prompt into an empty slot."""
+    def prefill(self, slot: int, tokens: Sequence[int], final: bool, with_hidden: bool = False,
+                taps: tuple[int, ...] = ()) -> torch.Tensor | None:
+        """A whole prompt into an empty slot; with `with_hidden`, its hidden states for the slot's drafter."""
         if not final or self.backends[slot].cache_len:
             raise DraftlabError("a torch slot prefills a prompt whole, into an empty slot")
-        self.backends[slot].score_block(Block.chain(list(tokens)), last_only=True)
+        return self.backends[slot].score_block(Block.chain(list(tokens)), with_hidden, last_only=True,
+                                               taps=taps).hidden
 
     def passes(self, lengths: dict[int, int]) -> list[int]:
         """A pass per slot: the slots take turns."""

@@ -104,6 +104,19 @@ class AnchoredDrafter(PerRequest):
         self._cache = self.draft.new_cache()
         self._features, self._anchored = [], 0
 
+    def beside(self, seq: int) -> "AnchoredDrafter":
+        """The same draft for one more sequence in flight (`draftlab serve`): its own cache and features, the weights
+        shared."""
+        return AnchoredDrafter(self.draft, self.name)
+
+    def finish(self, context: Sequence[int]) -> None:
+        """The generation ended: its cache and features go (a served slot holds nothing between requests)."""
+        self._cache, self._features, self._anchored = None, [], 0
+
+    def held_positions(self) -> int:
+        """Positions its cache holds now (0 once its generation ended)."""
+        return 0 if self._cache is None else self._cache.length
+
     def observe(self, target_hidden: torch.Tensor) -> None:
         """Take the target's hidden states [n, D_taps] of the next n committed tokens (in order)."""
         if target_hidden.shape[0]:

@@ -34,11 +34,22 @@ def is_model_draft(spec: str) -> bool:
     return spec.partition(":")[0] in ("model", "layers") and ",head=" not in spec
 
 
+def proposes_trees(spec: str) -> bool:
+    """Whether a drafter spec proposes token trees (`tree:SHAPE:SPEC`, `merged:GUIDE/tree:...`)."""
+    return spec.partition(":")[0] in ("tree", "merged")
+
+
+def reads_target_layers(spec: str) -> bool:
+    """Whether a drafter spec is an EAGLE-3 draft's chain, which reads the inputs of target layers (on either engine)."""
+    return spec.partition(":")[0] == "eagle3"
+
+
 def serves_batched(spec: str) -> bool:
-    """Whether a drafter spec's drafts serve several sequences at once (`Drafter.beside`): plain decoding, n-gram
-    lookup, suffix decoding's chains and draft models (on llama.cpp), what `draftlab serve` runs."""
+    """Whether a drafter spec's drafts serve several sequences at once (`Drafter.beside`) on either engine: plain
+    decoding, n-gram lookup, suffix decoding's chains, draft models and EAGLE-3 chains, what `draftlab serve` runs
+    (feature drafts and token trees it serves on torch only)."""
     return (is_plain_drafter(spec) or is_lookup(spec) or (learns_across_requests(spec) and "tree" not in spec)
-            or is_model_draft(spec))
+            or is_model_draft(spec) or reads_target_layers(spec))
 
 
 def with_suffix_store(spec: str, directory: str) -> str:

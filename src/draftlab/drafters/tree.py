@@ -132,6 +132,10 @@ class TreeSource(Protocol):
 
     def observe(self, target_hidden: torch.Tensor) -> None: ...
 
+    def beside(self, seq: int) -> "TreeSource": ...
+
+    def finish(self, context: Sequence[int]) -> None: ...
+
     def root_logits(self, context: Sequence[int]) -> torch.Tensor | None:
         """Draft logits [V'] for the token after `context`; None when there is nothing to draft from."""
         ...
@@ -188,6 +192,16 @@ class TreeDrafter(PerRequest):
     def observe(self, target_hidden: torch.Tensor) -> None:
         """Pass the target's hidden states on to the source."""
         self.source.observe(target_hidden)
+
+    def beside(self, seq: int) -> "TreeDrafter":
+        """The same tree for one more sequence in flight (`draftlab serve` on torch): its source's and guide's own
+        (a one-line error where the source decodes one sequence at a time)."""
+        guide = self.guide.beside(seq) if self.guide is not None else None
+        return TreeDrafter(self.source.beside(seq), self.shape, self.target_vocab_size, guide)
+
+    def finish(self, context: Sequence[int]) -> None:
+        """The generation ended: the source lets its state go."""
+        self.source.finish(context)
 
     @torch.inference_mode()
     def propose(self, context, k, sampling: SamplingConfig, generator) -> Proposal:

@@ -69,7 +69,9 @@ class Scheduler:
         allow it)."""
         self.engine, self.max_waiting, self.metrics = engine, max_waiting, metrics
         self.lanes: list[Lane] = [engine.lane_for(slot) for slot in range(slots)]
-        self.prefixes = SlotPrefixes(slots) if keep_prompts and engine.sequences.keeps_prefixes else None
+        # A drafter reading the target's hidden states needs them for every prompt token: it prefills every prompt.
+        reuse = keep_prompts and engine.sequences.keeps_prefixes and not engine.reads_hidden
+        self.prefixes = SlotPrefixes(slots) if reuse else None
         self._waiting: deque[Job] = deque()
         self._active: dict[int, _Active] = {}  # by slot, in the order admitted: prefilling, then decoding
         self._lock = threading.Condition()
