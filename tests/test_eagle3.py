@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from draftlab.backends import FastLlamaBackend
+from draftlab.backends.slots import BackendSlots
 from draftlab.backends.hf import HFBackend
 from draftlab.design.eagle3 import Eagle3Settings, Eagle3Student, train_eagle3_draft, unrolled
 from draftlab.drafters import NoDrafter
@@ -17,11 +18,13 @@ from draftlab.drafters.eagle3 import Eagle3Shape, is_eagle3_draft, load_eagle3_d
 from draftlab.drafters.tree import TreeDrafter, TreeShape
 from draftlab.engine import GenerationConfig, SpeculativeEngine
 from draftlab.errors import DraftlabError
+from draftlab.decoding.kchoice import LoadK
 from draftlab.decoding.policy import FixedK
 from draftlab.registry import build_drafter
 from draftlab.decoding.step import Block
 from tests.conftest import tiny_llama
-from tests.test_engine_sampling import K, SAMPLINGS, VOCAB, assert_joint_matches, empirical_joint, exact_joint
+from tests.test_engine_sampling import (K, LENGTH, PROMPT, SAMPLINGS, VOCAB, assert_joint_matches, empirical_joint,
+                                        exact_joint)
 from tests.tiers import exhaustive
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 9, 10, 9, 10, 11], [42]]
@@ -186,3 +189,52 @@ def test_eagle3_keeps_the_joint_distribution(name):
     counts, first_drafted = empirical_joint(engine, SAMPLINGS[name])
     assert set(first_drafted) == {K}
     assert_joint_matches(counts, exact_joint(toy.model, SAMPLINGS[name]))
+
+
+def test_runs_in_flight_draft_each_position_in_one_forward_and_decode_as_alone(tiny_target, trained):
+    """`draftlab serve`'s step with an EAGLE-3 draft per request (`AnchoredDrafter.beside`): each run is anchored on
+    its own features, then each further draft position of all runs is one forward of the layer (3 runs at K=3: 3
+    anchors and 2 forwards, not 9); every run's greedy tokens are plain decoding's alone."""
+    prompts = PROMPTS[:2] + [[5, 6, 7, 5, 6]]
+    slots = BackendSlots(lambda: FastLlamaBackend(tiny_target.model), 3, 512)
+    engine = SpeculativeEngine(slots.view(0), AnchoredDrafter(trained[0], "eagle3"), context_length=512,
+                               sequences=slots, chooser=LoadK.fixed(3))
+    config = GenerationConfig(max_new_tokens=24)
+    runs = [engine.start(prompt, config, lane=engine.lane_for(s)) for s, prompt in enumerate(prompts)]
+    forwards = []
+    hook = trained[0].layer.register_forward_hook(lambda module, args, out: forwards.append(tuple(out.shape[:2])))
+    try:
+        engine.step(runs)
+    finally:
+        hook.remove()
+    assert sorted(forwards) == sorted([(1, len(prompt) - 1) for prompt in prompts] + [(3, 1)] * 2)
+    while not all(r.done for r in runs):
+        engine.step([r for r in runs if not r.done])
+    for served, prompt in zip(runs, prompts):
+        assert served.new == run(tiny_target, NoDrafter(), 1, prompt, max_new_tokens=24).token_ids
+
+
+@pytest.mark.slow  # statistical: `pytest -m slow`, which CI runs too
+def test_eagle3_runs_in_flight_keep_the_joint_distribution():
+    """Two runs stepped together, each drafting K=3 from a half-vocabulary EAGLE-3 draft in one forward per position
+    (`AnchoredDrafter.propose_all`, its probabilities taken per run): each run's joint law is the target's."""
+    toy = tiny_llama(vocab=VOCAB, layers=3, seed=5, hidden=16)
+    with torch.no_grad():
+        toy.model.lm_head.weight.mul_(0.15)
+    draft = new_eagle3_draft(toy, torch.arange(0, VOCAB, 2), aux_layers=(0, 1, 2))
+    slots = BackendSlots(lambda: FastLlamaBackend(toy.model), 2, 512)
+    engine = SpeculativeEngine(slots.view(0), AnchoredDrafter(draft, "eagle3"), context_length=512, sequences=slots,
+                               chooser=LoadK.fixed(K))
+    lanes = [engine.lane_for(s) for s in range(2)]
+    sampling, counts = SAMPLINGS["t1"], {}
+    for seed in range(0, 3000, 2):
+        runs = [engine.start(PROMPT, GenerationConfig(max_new_tokens=LENGTH, sampling=sampling, seed=seed + s),
+                             lane=lane) for s, lane in enumerate(lanes)]
+        first = engine.step(runs)
+        assert first.drafted == [K, K]
+        while not all(r.done for r in runs):
+            engine.step([r for r in runs if not r.done])
+        for r in runs:
+            key = tuple(engine.finish(r).token_ids[:LENGTH])
+            counts[key] = counts.get(key, 0) + 1
+    assert_joint_matches(counts, exact_joint(toy.model, sampling))

@@ -118,6 +118,29 @@ def test_a_draft_models_cost_is_weighed_before_it_drafts():
     assert chooser.choose(runs, [2, 0, 1]) == [2, 0, 1]
 
 
+def test_a_drafter_without_a_curve_is_priced_as_the_steps_time_it():
+    """An EAGLE-3 layer (no streams to calibrate): the steps' drafting times price its rows; once a row costs a share
+    of the target's worth weighing, the Ks are chosen before drafting (a row as dear as the target's: plain
+    decoding), while a lookup's microseconds leave drafting first (caps at the room). A calibrated curve stays."""
+    runs = [StepRun(s, 1, 100, AcceptanceRecord()) for s in range(3)]
+    dear = AutoK(COST, llama_passes, k_max=6)
+    assert dear.caps(runs) == [6, 6, 6]  # nothing timed yet: every run drafts to its cap
+    dear.timed(0.007 * 6, [6, 0, 0])  # 6 rows at a target row's price each
+    assert dear.draft is not None and dear.draft_row_s == pytest.approx(0.007)
+    assert dear.caps(runs) == [0, 0, 0]
+    cheap = AutoK(COST, llama_passes, k_max=6)
+    for _ in range(5):
+        cheap.timed(0.00002 * 12, [6, 6, 0])  # 20 microseconds a row: a suffix tree's lookup
+    assert cheap.draft is None and cheap.caps(runs) == [6, 6, 6]
+    calibrated = AutoK(COST, llama_passes, k_max=6, draft=BlockCost(((1, 0.001), (2, 0.002))), calibrated=True)
+    calibrated.timed(1.0, [1])
+    assert calibrated.draft == BlockCost(((1, 0.001), (2, 0.002)))
+    middle = AutoK(COST, llama_passes, k_max=6)
+    for seconds in (0.001, 0.002):  # per row: averaged over the steps, the newest weighed most
+        middle.timed(seconds * 2, [2])
+    assert 0.001 < middle.draft_row_s < 0.002
+
+
 def test_a_draft_streams_catch_up_is_spread_over_the_tokens_left():
     """A new prompt's draft stream must take the prompt in before it drafts: worth it for a long answer, not for the
     last few tokens, and not counted for a stream that is a step behind (what every draft costs, already weighed)."""

@@ -165,6 +165,7 @@ class SpeculativeEngine:
         with watch.time("draft"):
             proposals = self.drafter.propose_all(asks)
         seconds = watch.seconds["draft"] - before
+        self.chooser.timed(seconds, [len(proposal.levels) for proposal in proposals])
         plans = []
         for i, (run, proposal, budget) in enumerate(zip(runs, proposals, budgets)):
             if i:

@@ -84,6 +84,19 @@ def test_every_draft_position_of_the_requests_in_flight_is_one_decode(monkeypatc
     assert served.metrics.drafted > 0 and served.metrics.accepted > 0
 
 
+def test_k_auto_prices_an_eagle3_draft_as_its_steps_time_it(prompts, plain):
+    """`--k auto` with the EAGLE-3 draft (no streams to calibrate at startup): the steps' drafting times price its
+    rows (`AutoK.timed`), and 4 requests joining apart each decode as alone."""
+    served = build_served(ServeSettings(TARGET, "eagle3", None, slots=4, context=2048))
+    served.scheduler.start()
+    try:
+        answers = serve_jobs(served, [(ids, TOKENS, 0.05 * i) for i, ids in enumerate(prompts[:4])])
+    finally:
+        served.scheduler.stop()
+    assert answers == plain[:4]
+    assert served.scheduler.engine.chooser.draft_row_s > 0
+
+
 def draft_held(served, drafter: str) -> list[int]:
     """Positions each slot's draft holds: a draft model's stream, an EAGLE-3 draft's cache."""
     if drafter == DRAFT:

@@ -29,6 +29,8 @@ from typing import Callable, Protocol, Sequence
 from draftlab.errors import DraftlabError
 
 PRIOR_WEIGHT = 2.0  # a run's record starts as this many steps of the record of every run
+DRAFT_WORTH_WEIGHING = 0.05  # a drafted row's share of a target row above which its cost is weighed (`AutoK.timed`)
+DRAFT_TIMING_WEIGHT = 0.3  # the newest step's weight in a drafter's measured seconds per row
 
 
 @dataclass
@@ -89,6 +91,10 @@ class StepK(Protocol):
         """One run's outcome: its draft's depth as scored, the levels accepted."""
         ...
 
+    def timed(self, seconds: float, depths: Sequence[int]) -> None:
+        """The step's drafting took `seconds` for drafts of these depths (one per run)."""
+        ...
+
 
 class KeepAll:
     """The policies' part of `StepK`: every draft kept whole, nothing learnt at the step."""
@@ -98,6 +104,9 @@ class KeepAll:
 
     def observe(self, asked: int, accepted: int) -> None:
         """The policies learn nothing at the step (a run's own policy hears its own outcome)."""
+
+    def timed(self, seconds: float, depths: Sequence[int]) -> None:
+        """Nothing weighs the drafting's cost."""
 
 
 class PerRunK(KeepAll):
@@ -188,8 +197,10 @@ class AutoK:
     passes: Passes
     k_max: int = 8
     overall: AcceptanceRecord = field(default_factory=AcceptanceRecord)
-    draft: BlockCost | None = None  # a draft model's seconds per pass
+    draft: BlockCost | None = None  # a draft model's seconds per pass (calibrated at startup, or as `timed` measures)
     draft_passes: Passes = one_pass  # how its streams split a decode of a row per run
+    calibrated: bool = False  # `draft` was timed at startup: the steps' own timings leave it be
+    draft_row_s: float = 0.0  # a drafted row's seconds as the steps measure them (a drafter without a curve)
 
     def caps(self, runs: Sequence[StepRun]) -> list[int]:
         room = [max(0, min(self.k_max, run.room)) for run in runs]
@@ -200,6 +211,21 @@ class AutoK:
 
     def observe(self, asked: int, accepted: int) -> None:
         self.overall.observe(asked, accepted)
+
+    def timed(self, seconds: float, depths: Sequence[int]) -> None:
+        """A drafter without a calibrated curve (an EAGLE-3 layer, a lookup) as the steps time it: seconds per
+        drafted row, averaged over steps. Once a row costs a share of a target row worth weighing
+        (`DRAFT_WORTH_WEIGHING`), drafting is no longer free: the Ks are chosen before drafting, each row at that price
+        (linear in rows: a drafter that batches its runs is priced high, towards plain decoding). Lookups stay
+        below it and keep drafting first (which runs have a draft at all then decides)."""
+        rows = sum(depths)
+        if self.calibrated or not rows:
+            return
+        now = seconds / rows
+        self.draft_row_s = now if not self.draft_row_s else (1 - DRAFT_TIMING_WEIGHT) * self.draft_row_s + (
+            DRAFT_TIMING_WEIGHT * now)
+        worth = self.draft_row_s >= DRAFT_WORTH_WEIGHING * self.cost.seconds(1)
+        self.draft = BlockCost(((1, self.draft_row_s), (2, 2 * self.draft_row_s))) if worth else None
 
     def step_seconds(self, lengths: dict[int, int], fed: dict[int, int] | None = None) -> float:
         """The step's seconds for blocks of these lengths by sequence: the target's passes, and a draft model's

@@ -18,7 +18,7 @@ from typing import Protocol, Sequence
 import torch
 
 from draftlab.backends.numerics import causal_mask, scatter_vocab
-from draftlab.drafters.base import PerRequest, draft_chain
+from draftlab.drafters.base import DraftAsk, PerRequest, draft_chain, propose_each
 from draftlab.errors import DraftlabError
 from draftlab.decoding.sampling import SamplingConfig, choose
 from draftlab.decoding.step import Proposal, tree_layout
@@ -47,6 +47,29 @@ class KVCache:
         return self.keys[:, :, :end], self.values[:, :, :end], mask
 
 
+class RowCaches:
+    """The caches of several runs as one batch for one new row each: each row appended to its run's cache, then every
+    run's keys and values attended as a padded batch (each row sees its own cache only)."""
+
+    def __init__(self, caches: list[KVCache]) -> None:
+        self.caches = caches
+
+    def append(self, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor | None = None):
+        """Store row b of key and value [B, Hkv, 1, hd] in cache b; keys and values [B, Hkv, L, hd] padded to the
+        longest cache, and the mask [B, 1, 1, L] of each run's own entries."""
+        for b, cache in enumerate(self.caches):
+            cache.append(key[b:b + 1], value[b:b + 1])
+        lengths = torch.tensor([cache.length for cache in self.caches])  # [B]
+        longest = int(lengths.max())
+        keys = key.new_zeros(key.shape[0], key.shape[1], longest, key.shape[3])  # [B, Hkv, L, hd]
+        values = torch.zeros_like(keys)
+        for b, cache in enumerate(self.caches):
+            keys[b, :, :cache.length] = cache.keys[0, :, :cache.length]
+            values[b, :, :cache.length] = cache.values[0, :, :cache.length]
+        mask = torch.arange(longest)[None] < lengths[:, None]  # [B, L]
+        return keys, values, mask[:, None, None].to(key.device)
+
+
 class AnchoredDraft(Protocol):
     """A one-layer draft reading the target's hidden states (`feature.FeatureDraft`, `eagle3.Eagle3Draft`)."""
 
@@ -70,6 +93,12 @@ class AnchoredDraft(Protocol):
     def predict_tree(self, features: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
                      cache: KVCache, visible: torch.Tensor) -> torch.Tensor:
         """Outputs [1, T, D] for tree pairs at `positions` [T], appended to `cache`, seeing `visible`."""
+        ...
+
+    def predict_rows(self, features: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
+                     caches: RowCaches) -> torch.Tensor:
+        """Outputs [B, 1, D] for one pair per run (inputs [B, 1, D], next token ids [B, 1]) at each run's position
+        `positions` [B], appended to its own cache."""
         ...
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
@@ -131,6 +160,42 @@ class AnchoredDrafter(PerRequest):
         self._last = features[-1:]  # [1, D]
         pick = lambda logits: self._choose(logits, sampling, generator)  # noqa: E731
         return draft_chain(self.draft.logits(self._last[-1]), k, pick, self._advance)
+
+    @torch.inference_mode()
+    def propose_all(self, asks: Sequence[DraftAsk]) -> list[Proposal]:
+        """Every run's chain (each ask's drafter is this one or `beside` it): each anchored on its own new features,
+        then each draft position of all runs in one forward of the layer and one product of the head."""
+        drafters = {i: ask.drafter for i, ask in enumerate(asks) if ask.k > 0}
+        if len(drafters) < 2:  # a run alone drafts as `propose` does, on its own cache
+            return propose_each(asks)
+        anchored = {i: drafter._anchor(asks[i].context) for i, drafter in drafters.items()}  # [n, D] or None
+        ready = [i for i in drafters if anchored[i] is not None]
+        tokens: dict[int, list[int]] = {i: [] for i in ready}
+        probs: dict[int, list[torch.Tensor]] = {i: [] for i in ready}
+        features = torch.stack([anchored[i][-1] for i in ready]) if ready else None  # [B, D]
+        while ready:
+            logits = self.draft.logits(features)  # [B, V']
+            for row, i in enumerate(ready):
+                token, token_probs = self._choose(logits[row], asks[i].sampling, asks[i].generator)
+                tokens[i].append(token)
+                if token_probs is not None:
+                    probs[i].append(token_probs)
+            going = [row for row, i in enumerate(ready) if len(tokens[i]) < asks[i].k]
+            ready = [ready[row] for row in going]
+            if ready:
+                features = self._advance_rows([drafters[i] for i in ready], features[going],
+                                              [tokens[i][-1] for i in ready])
+        return [Proposal(tokens[i], None, torch.stack(probs[i]) if probs[i] else None) if i in tokens  # [k, V]
+                else Proposal([]) for i in range(len(asks))]
+
+    def _advance_rows(self, drafters: list["AnchoredDrafter"], features: torch.Tensor, chosen: list[int]
+                      ) -> torch.Tensor:
+        """Feed each run's (last predicted features [B, D], drafted token) as a speculative pair, all in one forward;
+        the next predicted features [B, D]."""
+        caches = [drafter._cache for drafter in drafters]
+        ids = torch.tensor(chosen, device=features.device)[:, None]  # [B, 1]
+        positions = torch.tensor([cache.length for cache in caches], device=features.device)  # [B]
+        return self.draft.predict_rows(features[:, None], ids, positions, RowCaches(caches))[:, 0]  # [B, D]
 
     @property
     def vocab_map(self) -> torch.Tensor:

@@ -96,11 +96,12 @@ def build_served(settings: ServeSettings) -> Served:
 
 
 def auto_k(batch: Sequences, draft: Sequences | None, vocab_size: int, k_max: int) -> AutoK:
-    """`--k auto` over the target's cost curve, and a draft model's (its streams') where it runs one."""
+    """`--k auto` over the target's cost curve, and a draft model's (its streams') where it runs one (other drafters'
+    cost as the steps time them, `AutoK.timed`)."""
     if draft is None:
         return AutoK(block_cost(batch, vocab_size), batch.passes, k_max)
     return AutoK(block_cost(batch, vocab_size), batch.passes, k_max, draft=block_cost(draft, vocab_size),
-                 draft_passes=draft.passes)
+                 draft_passes=draft.passes, calibrated=True)
 
 
 def block_cost(batch: Sequences, vocab_size: int, rows: tuple[int, ...] = (*range(1, 10), 12, 16, 24, 32),
