@@ -15,7 +15,8 @@ passes over the weights, never exactness. `SlotView` is one slot as a `Backend`,
 and rolls back a slot as it does a backend of its own.
 
 A prompt prefills as `LlamaCppBackend` prefills it (on the model's repacked twin, its cache then copied into the
-slot), so a request's cache is the one `draftlab generate` builds.
+slot), so a request's cache is the one `draftlab generate` builds. For an EAGLE-3 draft the decode (and each prefill
+chunk) hands over every row's inputs of the tapped target layers (`LayerTaps`), split by slot as the logits are.
 """
 
 from __future__ import annotations
