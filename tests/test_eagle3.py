@@ -192,22 +192,29 @@ def test_eagle3_keeps_the_joint_distribution(name):
 
 
 def test_runs_in_flight_draft_each_position_in_one_forward_and_decode_as_alone(tiny_target, trained):
-    """`draftlab serve`'s step with an EAGLE-3 draft per request (`AnchoredDrafter.beside`): each run is anchored on
-    its own features, then each further draft position of all runs is one forward of the layer (3 runs at K=3: 3
-    anchors and 2 forwards, not 9); every run's greedy tokens are plain decoding's alone."""
+    """`draftlab serve`'s step with an EAGLE-3 draft per request (`AnchoredDrafter.beside`): each run's draft takes
+    its prompt in as the target prefills it, each step anchors each run on its new states, and each further draft
+    position of all runs is one forward of the layer (3 runs at K=3: 2 forwards in the first step, not 6; then 3
+    anchors and 2 forwards a step); every run's greedy tokens are plain decoding's alone."""
     prompts = PROMPTS[:2] + [[5, 6, 7, 5, 6]]
     slots = BackendSlots(lambda: FastLlamaBackend(tiny_target.model), 3, 512)
     engine = SpeculativeEngine(slots.view(0), AnchoredDrafter(trained[0], "eagle3"), context_length=512,
                                sequences=slots, chooser=LoadK.fixed(3))
     config = GenerationConfig(max_new_tokens=24)
-    runs = [engine.start(prompt, config, lane=engine.lane_for(s)) for s, prompt in enumerate(prompts)]
     forwards = []
     hook = trained[0].layer.register_forward_hook(lambda module, args, out: forwards.append(tuple(out.shape[:2])))
     try:
+        runs = [engine.start(prompt, config, lane=engine.lane_for(s)) for s, prompt in enumerate(prompts)]
+        assert forwards == [(1, len(prompt) - 1) for prompt in prompts]  # each prompt taken in at its prefill
+        forwards.clear()
         engine.step(runs)
+        assert forwards == [(3, 1)] * 2
+        forwards.clear()
+        stepped = engine.step(runs)
     finally:
         hook.remove()
-    assert sorted(forwards) == sorted([(1, len(prompt) - 1) for prompt in prompts] + [(3, 1)] * 2)
+    anchors = sorted(shape for shape in forwards if shape[0] == 1)
+    assert len(anchors) == 3 and forwards.count((3, 1)) == 2 and all(d == 3 for d in stepped.drafted)
     while not all(r.done for r in runs):
         engine.step([r for r in runs if not r.done])
     for served, prompt in zip(runs, prompts):

@@ -129,8 +129,8 @@ class SpeculativeEngine:
         with run.watch.time("prefill"):
             hidden = self.sequences.prefill(run.lane.seq, run.tokens[run.prefilled:end], end == run.prompt_length - 1,
                                             self.reads_hidden, self.taps)  # [n, D'] or None
-        if hidden is not None:  # a drafter that reads the target's states takes the chunk's
-            run.lane.drafter.observe(hidden)
+            if hidden is not None:  # a drafter that reads the target's states takes the chunk's in
+                run.lane.drafter.observe(hidden)
         run.prefilled = end
 
     def step(self, runs: Sequence[Generation]) -> Stepped:
@@ -263,7 +263,8 @@ class SpeculativeEngine:
         if cache is not None and cache.holds(tokens[:-1], target, self.reads_hidden, self.taps):
             target.rollback(len(cache.tokens))
             if self.reads_hidden and cache.tokens:
-                lane.drafter.observe(cache.hidden)
+                with watch.time("prefill"):  # the drafter takes the prompt's states in
+                    lane.drafter.observe(cache.hidden)
             return
         target.reset()
         hidden = None
@@ -271,9 +272,9 @@ class SpeculativeEngine:
             with watch.time("prefill"):
                 scores = target.score_block(Block.chain(tokens[:-1]), self.reads_hidden, last_only=True,
                                             taps=self.taps)
-            hidden = scores.hidden  # [n - 1, D'] or None
-            if hidden is not None:
-                lane.drafter.observe(hidden)
+                hidden = scores.hidden  # [n - 1, D'] or None
+                if hidden is not None:
+                    lane.drafter.observe(hidden)
         if cache is not None:
             cache.tokens, cache.hidden, cache.taps = tuple(tokens[:-1]), hidden, self.taps
             cache.prefills += 1

@@ -126,12 +126,15 @@ class AnchoredDrafter(PerRequest):
         self._cache: KVCache | None = None
         self._features: list[torch.Tensor] = []  # real target hidden states [n, D_taps] not yet in the cache
         self._anchored = 0
+        self._tip: torch.Tensor | None = None  # [1, D] the prediction after the newest pair in the cache
+        self._prompt: list[int] | None = None  # the prompt while its states are still coming in
         self._last = torch.empty(0)  # [1, D] the newest predicted features while drafting
 
     def begin(self, prompt_ids: Sequence[int]) -> None:
-        """Drop the cache and any pending features."""
+        """Drop the cache and any pending features; the prompt's pairs are taken in as its states arrive."""
         self._cache = self.draft.new_cache()
-        self._features, self._anchored = [], 0
+        self._features, self._anchored, self._tip = [], 0, None
+        self._prompt = list(prompt_ids)
 
     def beside(self, seq: int) -> "AnchoredDrafter":
         """The same draft for one more sequence in flight (`draftlab serve`): its own cache and features, the weights
@@ -140,16 +143,23 @@ class AnchoredDrafter(PerRequest):
 
     def finish(self, context: Sequence[int]) -> None:
         """The generation ended: its cache and features go (a served slot holds nothing between requests)."""
-        self._cache, self._features, self._anchored = None, [], 0
+        self._cache, self._features, self._anchored, self._tip, self._prompt = None, [], 0, None, None
 
     def held_positions(self) -> int:
         """Positions its cache holds now (0 once its generation ended)."""
         return 0 if self._cache is None else self._cache.length
 
     def observe(self, target_hidden: torch.Tensor) -> None:
-        """Take the target's hidden states [n, D_taps] of the next n committed tokens (in order)."""
+        """Take the target's hidden states [n, D_taps] of the next n committed tokens (in order). The prompt's are fed
+        to the draft's cache at once, as the target prefills it (chunk by chunk where it prefills in chunks), so that
+        the first step drafts at a step's own cost."""
         if target_hidden.shape[0]:
             self._features.append(target_hidden)
+        pending = sum(part.shape[0] for part in self._features)
+        if self._prompt is not None and self._anchored + pending <= len(self._prompt) - 1:
+            self._anchor(self._prompt[:self._anchored + pending + 1])
+        if self._prompt is not None and self._anchored >= len(self._prompt) - 1:
+            self._prompt = None  # what follows are the states of generated tokens
 
     @torch.inference_mode()
     def propose(self, context, k, sampling: SamplingConfig, generator) -> Proposal:
@@ -241,7 +251,7 @@ class AnchoredDrafter(PerRequest):
         """Forget the draft cache: the next proposal feeds these real features [n, D_taps] (every committed token's but
         the newest) again, with the draft's weights as they are now (after an online update, `drafters/adapt.py`)."""
         self._cache.length = self._anchored = 0
-        self._features = [features]
+        self._features, self._tip, self._prompt = [features], None, None
 
     def _advance(self, token: int) -> torch.Tensor:
         """Feed (last predicted features, drafted token) as a speculative pair; draft logits [V'] after it."""
@@ -253,7 +263,7 @@ class AnchoredDrafter(PerRequest):
         """Roll back speculative pairs, feed the pairs of newly real features; [n, D] predictions or None."""
         self._cache.length = self._anchored
         if not self._features:
-            return None
+            return self._tip  # [1, D] after the newest pair taken in already (the prompt's), or None
         real = torch.cat(self._features)  # [n, D]
         self._features = []
         start = self._anchored
@@ -262,6 +272,7 @@ class AnchoredDrafter(PerRequest):
         ids = torch.tensor([list(context[start + 1 :])], device=real.device)  # [1, n]
         predicted = self.draft.predict(self.draft.lift(real[None]), ids, start, self._cache)[0]  # [n, D]
         self._anchored = self._cache.length
+        self._tip = predicted[-1:]  # [1, D]
         return predicted
 
     def _choose(self, logits: torch.Tensor, sampling, generator) -> tuple[int, torch.Tensor | None]:
