@@ -18,7 +18,9 @@ from draftlab.contenders.draftlab_serve import SERVED_NAME, DraftlabServer, Serv
 from draftlab.errors import DraftlabError
 from draftlab.serving.build import ServeSettings, build_served
 from draftlab.serving.scheduler import LoadK
+from draftlab.drafters.heads import save_heads_draft
 from tests.conftest import shape_model_dir, tiny_model_dir
+from tests.test_heads import random_heads
 from tests.serve_jobs import serve_jobs
 
 TOKENS = 24
@@ -60,6 +62,26 @@ def check_served_as_alone(target: str, device: str, vocab: int) -> None:
 
 def test_each_request_on_torch_decodes_as_alone_whatever_is_in_flight(tmp_path):
     check_served_as_alone(str(tiny_model_dir(tmp_path / "tiny")), "cpu", 64)
+
+
+@pytest.mark.parametrize("shape", ["", "tree:2x2:"])
+def test_decoder_heads_and_their_trees_serve_on_torch_each_request_as_alone(tmp_path, tiny_target, shape):
+    """Decoder heads (reading the final hidden states) and a tree of them, served on torch with 3 slots: every
+    request, alone and 3 at once (joining apart), decodes as `draftlab generate`'s plain decoding alone."""
+    target = str(tiny_model_dir(tmp_path / "tiny"))  # tiny_target's weights, with a tokenizer
+    heads = save_heads_draft(random_heads(tiny_target, torch.arange(64)), tmp_path / "heads", "tiny")
+    prompts = repeating_prompts(64, 3)
+    plain = SpeculativeDecoder.from_names(target, drafter="none", k=1)
+    expected = [plain.generate(ids, max_new_tokens=TOKENS, temperature=0).token_ids for ids in prompts]
+    served = build_served(ServeSettings(target, f"{shape}model:{heads}", LoadK.parse("1:3,2-3:2"), slots=3,
+                                        context=256, backend="auto"))
+    served.scheduler.start()
+    try:
+        alone = [serve_jobs(served, [(ids, TOKENS, 0)])[0] for ids in prompts]
+        together = serve_jobs(served, [(ids, TOKENS, 0.02 * i) for i, ids in enumerate(prompts)])
+    finally:
+        served.scheduler.stop()
+    assert alone == expected and together == expected and served.metrics.drafted > 0
 
 
 def test_torch_flags_are_refused_on_llama_cpp_and_repack_on_torch():

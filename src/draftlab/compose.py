@@ -115,7 +115,7 @@ def served_drafter(spec: str, target: Target, slots: int, context: int | None, t
     generate` builds them (their `beside` says whether they serve several sequences)."""
     built = target_drafter(spec, target)
     if target.on_gguf:
-        _check_served_on_gguf(spec, built.drafter)
+        _check_served_on_gguf(spec)
     if built.model_drafter is None or built.drafter is not built.model_drafter:
         return ServedDraft(built.drafter)
     if built.model_drafter.vocab_map is not None:
@@ -124,15 +124,13 @@ def served_drafter(spec: str, target: Target, slots: int, context: int | None, t
     return ServedDraft(ServedModelDrafter(built.model_drafter, streams), streams)
 
 
-def _check_served_on_gguf(spec: str, drafter: Drafter) -> None:
-    """A one-line error at startup for a drafter the llama.cpp batch cannot serve: token trees (a tree's mask within
-    one stream's block is not built) and drafts reading the final hidden states (llama.cpp hands over layer inputs)."""
+def _check_served_on_gguf(spec: str) -> None:
+    """A one-line error at startup for token trees, which the llama.cpp batch cannot serve (a tree's mask within one
+    stream's block is not built). Drafts reading the final hidden states are built from the target's torch weights,
+    which a GGUF target refuses already (`registry`)."""
     if proposes_trees(spec):
         raise DraftlabError(f"draftlab serve on llama.cpp verifies chains: serve {spec} on torch (--backend auto), "
                             "or its chain (eagle3, model:...) here")
-    if drafter.reads_target_hidden and not drafter.target_taps:
-        raise DraftlabError(f"{spec} reads the target's final hidden states, which llama.cpp does not hand over: "
-                            "serve it on torch (--backend auto)")
 
 
 def _draft_streams(draft: LoadedModel, target: Target, slots: int, context: int | None, threads: int | None

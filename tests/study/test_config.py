@@ -57,7 +57,7 @@ def test_family_preset_is_the_seeds_grid_on_the_qwen_pair_on_llamacpp():
     """The seeds' study on CPU: the 1.5B in pure Q4_0 on llama.cpp, the 0.5B stand-alone draft (whole and
     trimmed head), two layer
     self-drafts, the EAGLE-3 draft built for the 1.5B, n-gram and suffix lookup, SpS and llama-cpp-python's prompt lookup, K 1..6, HumanEval and code
-    edits, draftlab serve alone and at 4 in flight with every drafter it serves (the 0.5B draft among them), within a
+    edits, draftlab serve alone and at 4 in flight with every drafter it serves (the 0.5B and EAGLE-3 drafts among them), within a
     budget, then the calibration and microbenchmark its findings read."""
     config = make_config("family")
     assert config.targets == ("llamacpp:qwen2.5-coder-1.5b@Q4_0_PURE",)
@@ -69,11 +69,10 @@ def test_family_preset_is_the_seeds_grid_on_the_qwen_pair_on_llamacpp():
     assert set(config.seed_inputs) == {"calibrate", "microbench"} and 0 < config.budget_s < 3600
     cells = replace(config, host_baselines=False).cells(config.targets[0], "d", 0.0)
     # ar, llama-cpp-python's plain, SpS x 7 drafts x 6 K, its prompt lookup x n-gram x 6 K; draftlab serve's plain
-    # decoding alone and at 4, and the 5 drafts it serves (not the cut head, not EAGLE-3) at K 1..6 and auto alone,
-    # auto at 4
+    # decoding alone and at 4, and the 6 drafts it serves (not the cut head) at K 1..6 and auto alone, auto at 4
     served = {c.drafter for c in cells if c.method == "serve"}
-    assert served == {"model:qwen2.5-coder-0.5b", "layers:0-3", "layers:0-27:2", "ngram", "suffix"}
-    assert len(cells) == 2 + 7 * 6 + 6 + 2 + 5 * 7 + 5
+    assert served == {"model:qwen2.5-coder-0.5b", "layers:0-3", "layers:0-27:2", "eagle3", "ngram", "suffix"}
+    assert len(cells) == 2 + 7 * 6 + 6 + 2 + 6 * 7 + 6
     assert {c.method for c in cells} == {"ar", "llama", "sps", "lcp", "serve", "serve-ar"}
     assert all(c.backend == "llamacpp" and c.dtype == "gguf" for c in cells if c.method not in ("serve", "serve-ar"))
     with pytest.raises(DraftlabError, match="unknown seed input"):

@@ -168,6 +168,10 @@ class HeadsDrafter(PerRequest):
         self._seen = 0  # real features received since `begin`
         self._levels = torch.empty(0)  # [H, V'] draft logits of each head (trees)
 
+    def beside(self, seq: int) -> "HeadsDrafter":
+        """The same heads for one more sequence in flight (`draftlab serve` on torch): its own newest feature."""
+        return HeadsDrafter(self.draft, self.name)
+
     def begin(self, prompt_ids: Sequence[int]) -> None:
         """Forget the previous sequence."""
         self._newest, self._seen = torch.empty(0), 0

@@ -223,7 +223,7 @@ PRESETS = {
     # with that line); and n-gram and suffix lookup.
     # SpS, and llama-cpp-python's prompt lookup, K 1..6, on 8 HumanEval stubs and 8 code edits, 64 tokens each,
     # within a 45-minute budget; draftlab serve (its plain decoding and each drafter it serves, the 0.5B draft in a
-    # stream per slot among them) alone and at 4 in flight (`--k auto` there), so the Deploy line can serve the pair; then the calibration profile and the depth-vs-width microbenchmark the seeds'
+    # stream per slot and the EAGLE-3 draft among them) alone and at 4 in flight (`--k auto` there), so the Deploy line can serve the pair; then the calibration profile and the depth-vs-width microbenchmark the seeds'
     # findings read (study/run/seed_inputs.py). On torch (and a GPU), with HF's AsG beside SpS: `--targets
     # qwen2.5-coder-1.5b --methods sps asg`.
     "family": SweepConfig(
