@@ -99,11 +99,11 @@ def test_each_draft_stream_is_empty_once_its_request_retires_after_200_requests(
     served = build_served(ServeSettings(TARGET, drafter, None if ks == "auto" else LoadK.parse(ks), slots=4,
                                         max_waiting=200, context=2048, prompt_cache=False))
     decoder = SpeculativeDecoder.from_names(TARGET, drafter="none", k=1, backend="llamacpp")
-    short = [ids[:24 + 3 * i] for i, ids in enumerate(prompts)]
-    alone = [decoder.generate(ids, max_new_tokens=3, temperature=0).token_ids for ids in short]
+    short = [ids[:16 + 3 * i] for i, ids in enumerate(prompts)]
+    alone = [decoder.generate(ids, max_new_tokens=2, temperature=0).token_ids for ids in short]
     served.scheduler.start()
     try:
-        answers = serve_jobs(served, [(short[i % 8], 3, 0.0) for i in range(200)])
+        answers = serve_jobs(served, [(short[i % 8], 2, 0.0) for i in range(200)])
     finally:
         served.scheduler.stop()
     assert answers == [alone[i % 8] for i in range(200)]
