@@ -40,7 +40,7 @@ def proposes_trees(spec: str) -> bool:
 
 
 def reads_target_layers(spec: str) -> bool:
-    """Whether a drafter spec is an EAGLE-3 draft's chain, which reads the inputs of target layers (on either engine)."""
+    """Whether a drafter spec is an EAGLE-3 draft's chain, reading the inputs of target layers (on either engine)."""
     return spec.partition(":")[0] == "eagle3"
 
 
