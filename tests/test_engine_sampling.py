@@ -48,6 +48,16 @@ def toy():
     return target
 
 
+@pytest.fixture(scope="module")
+def sharp_toy():
+    """The toy with a sharper head (0.6, not 0.15): draft and target distributions far enough apart that a draft
+    probability taken at the wrong position shows in 3000 runs (with the 0.15 head it did not: p stayed above 1e-3)."""
+    target = tiny_llama(vocab=VOCAB, layers=1, seed=5, hidden=16)
+    with torch.no_grad():
+        target.model.lm_head.weight.mul_(0.6)
+    return target
+
+
 def adversarial(target):
     """A draft whose output layer is the target's negated: it prefers what the target avoids."""
     draft = noisy_copy(target, 0.0, seed=0)
@@ -123,16 +133,17 @@ def test_engine_joint_distribution_equals_target(toy, name, draft):
 
 
 @pytest.mark.slow  # statistical: `pytest -m slow`, which CI runs too
-def test_a_served_draft_model_keeps_the_joint_distribution(toy):
+def test_a_served_draft_model_keeps_the_joint_distribution(sharp_toy):
     """`draftlab serve`'s draft model (a stream per slot, every run's positions drafted together, its probabilities
-    taken at each position): the joint distribution is still the target's."""
-    draft_model = adversarial(toy)  # its mass where the target's is not: a wrong draft probability shows
+    taken at each position): the joint distribution is still the target's. On the sharper toy: its draft
+    probabilities reversed across positions fail it (p=1e-24)."""
+    draft_model = adversarial(sharp_toy)  # its mass where the target's is not: a wrong draft probability shows
     streams = BackendSlots(lambda: FastLlamaBackend(draft_model.model), 2, 512)
     drafter = ServedModelDrafter(ModelDrafter(FastLlamaBackend(draft_model.model)), streams)
-    engine = SpeculativeEngine(FastLlamaBackend(toy.model), drafter, FixedK(K), context_length=512)
+    engine = SpeculativeEngine(FastLlamaBackend(sharp_toy.model), drafter, FixedK(K), context_length=512)
     counts, first_drafted = empirical_joint(engine, SAMPLINGS["t0.9-top5-minp0.1"])
     assert set(first_drafted) == {K} and streams.length(0) == 0
-    assert_joint_matches(counts, exact_joint(toy.model, SAMPLINGS["t0.9-top5-minp0.1"]))
+    assert_joint_matches(counts, exact_joint(sharp_toy.model, SAMPLINGS["t0.9-top5-minp0.1"]))
 
 
 @pytest.mark.parametrize("name", ["t1", exhaustive("t1-top0.85")])
