@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Protocol, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from draftlab.backends.numerics import causal_mask, scatter_vocab
 from draftlab.drafters.base import DraftAsk, PerRequest, draft_chain, propose_each
@@ -73,6 +74,11 @@ class RowCaches:
 class AnchoredDraft(Protocol):
     """A one-layer draft reading the target's hidden states (`feature.FeatureDraft`, `eagle3.Eagle3Draft`)."""
 
+    layer: torch.nn.Module  # (inputs, embeddings, cos, sin, cache) -> outputs [B, T, D]
+    embed: torch.Tensor  # [V, D] the target's input embeddings
+    cos: torch.Tensor  # [P, hd] rotary tables
+    sin: torch.Tensor
+
     vocab_map: torch.Tensor  # [V'] target token id of each draft logit row
     taps: tuple[int, ...]  # target layers whose inputs it reads, concatenated; (): the final hidden states
     target_vocab_size: int
@@ -93,12 +99,6 @@ class AnchoredDraft(Protocol):
     def predict_tree(self, features: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
                      cache: KVCache, visible: torch.Tensor) -> torch.Tensor:
         """Outputs [1, T, D] for tree pairs at `positions` [T], appended to `cache`, seeing `visible`."""
-        ...
-
-    def predict_rows(self, features: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
-                     caches: RowCaches) -> torch.Tensor:
-        """Outputs [B, 1, D] for one pair per run (inputs [B, 1, D], next token ids [B, 1]) at each run's position
-        `positions` [B], appended to its own cache."""
         ...
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
@@ -205,7 +205,9 @@ class AnchoredDrafter(PerRequest):
         caches = [drafter._cache for drafter in drafters]
         ids = torch.tensor(chosen, device=features.device)[:, None]  # [B, 1]
         positions = torch.tensor([cache.length for cache in caches], device=features.device)  # [B]
-        return self.draft.predict_rows(features[:, None], ids, positions, RowCaches(caches))[:, 0]  # [B, D]
+        embeds = F.embedding(ids, self.draft.embed).to(features.dtype)  # [B, 1, D]
+        cos, sin = self.draft.cos[positions][:, None, None], self.draft.sin[positions][:, None, None]  # [B, 1, 1, hd]
+        return self.draft.layer(features[:, None], embeds, cos, sin, RowCaches(caches))[:, 0]  # [B, D]
 
     @property
     def vocab_map(self) -> torch.Tensor:

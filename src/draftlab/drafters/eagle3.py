@@ -179,14 +179,6 @@ class Eagle3Draft:
         embeds = F.embedding(next_ids, self.embed).to(g.dtype)
         return self.layer(g, embeds, self.cos[positions], self.sin[positions], cache, visible)
 
-    def predict_rows(self, g: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor, caches
-                     ) -> torch.Tensor:
-        """Outputs [B, 1, D] for one pair per run (g [B, 1, D], next token ids [B, 1]) at each run's position
-        `positions` [B], each appended to its own cache (`anchored.RowCaches`)."""
-        embeds = F.embedding(next_ids, self.embed).to(g.dtype)
-        cos, sin = self.cos[positions][:, None, None], self.sin[positions][:, None, None]  # [B, 1, 1, hd]
-        return self.layer(g, embeds, cos, sin, caches)
-
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits [..., V'] from pre-norm outputs [..., D]."""
         normed = rms_norm(hidden, self.layer.out_norm, self.layer.shape.rms_norm_eps)

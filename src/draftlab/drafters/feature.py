@@ -158,14 +158,6 @@ class FeatureDraft:
         embeds = F.embedding(next_ids, self.embed).to(features.dtype)
         return self.layer(features, embeds, self.cos[positions], self.sin[positions], cache, visible)
 
-    def predict_rows(self, features: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor, caches
-                     ) -> torch.Tensor:
-        """Outputs [B, 1, D] for one pair per run (features [B, 1, D], next token ids [B, 1]) at each run's position
-        `positions` [B], each appended to its own cache (`anchored.RowCaches`)."""
-        embeds = F.embedding(next_ids, self.embed).to(features.dtype)
-        cos, sin = self.cos[positions][:, None, None], self.sin[positions][:, None, None]  # [B, 1, 1, hd]
-        return self.layer(features, embeds, cos, sin, caches)
-
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """Draft logits over the cut vocabulary [..., V'] from (predicted or real) features [..., D]."""
         return F.linear(features, self.head.to(features.dtype))
