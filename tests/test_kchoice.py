@@ -92,6 +92,39 @@ def test_a_run_whose_drafts_are_never_accepted_stops_drafting():
     assert chooser.choose([StepRun(0, 1, 100, copying)], [0]) == [0]
 
 
+class DropsEveryDraft(AutoK):
+    """`--k auto` that drafts to 3 and keeps nothing: plain decoding, every draft dropped."""
+
+    def caps(self, runs):
+        return [3] * len(runs)
+
+    def choose(self, runs, drafted):
+        return [0] * len(runs)
+
+
+def test_a_dropped_draft_is_checked_against_the_targets_next_token(tiny_target):
+    """A run held at K 0 still learns whether its drafts would have held (greedy: the dropped draft's first token
+    against the token the target committed), so a few early misses do not keep it from drafting for good; its
+    tokens stay plain decoding's."""
+    from draftlab.backends import FastLlamaBackend
+    from draftlab.backends.hf import HFBackend
+    from draftlab.drafters import ModelDrafter, NoDrafter
+    from draftlab.engine import GenerationConfig, SpeculativeEngine
+
+    def engine(drafter, chooser):
+        return SpeculativeEngine(FastLlamaBackend(tiny_target.model), drafter, context_length=512, chooser=chooser)
+
+    chooser = DropsEveryDraft(COST, llama_passes)
+    dropping = engine(ModelDrafter(HFBackend(tiny_target.model)), chooser)  # the target as its own draft
+    run = dropping.start([3, 4, 5], GenerationConfig(max_new_tokens=12))
+    while not run.done:
+        dropping.step([run])
+    plain = engine(NoDrafter(), LoadK.fixed(0)).generate([3, 4, 5], GenerationConfig(max_new_tokens=12))
+    assert run.new == plain.token_ids and run.stats.accepted == 0
+    assert run.record.asked[:1] == run.record.accepted[:1] == [11]  # every step but the last (no room left)
+    assert chooser.overall.asked[:1] == chooser.overall.accepted[:1] == [11]
+
+
 def test_a_draft_models_cost_is_weighed_before_it_drafts():
     """With a draft model's cost curve, the Ks are chosen before drafting (`caps`) and kept (`choose`): the choice
     equals the brute force over every K per run with each depth's draft decode counted, falls as the draft's row

@@ -179,8 +179,9 @@ class SpeculativeEngine:
     def settle(self, run: Generation, plan: Plan, scores: Scores) -> list[int]:
         """Verify the scored block, keep its accepted rows, commit its tokens up to a stop; the tokens kept."""
         committed, levels, num_accepted = self._verify(run, plan, scores)
-        run.record.observe(len(levels), num_accepted)
-        self.chooser.observe(len(levels), num_accepted)
+        asked, accepted = self._outcome(run, plan, committed, len(levels), num_accepted)
+        run.record.observe(asked, accepted)
+        self.chooser.observe(asked, accepted)
         kept, run.stats.stop_reason = self._commit(committed, run.new, run.stop)
         # A stop inside the block drops what follows it: count only accepted tokens that were kept.
         run.stats.record_step(levels, min(num_accepted, len(kept)))
@@ -188,6 +189,16 @@ class SpeculativeEngine:
         if run.on_tokens is not None:
             run.on_tokens(kept)
         return kept
+
+    @staticmethod
+    def _outcome(run: Generation, plan: Plan, committed: list[int], depth: int, accepted: int) -> tuple[int, int]:
+        """The levels the records learn from: those scored and accepted, and, greedy, where the chooser cut a chain
+        short and every level kept was accepted, one level further for free: the drafted token after them against
+        the target's own next token (its acceptance exactly). A run whose drafts were dropped (K 0) thus still
+        learns whether they would have held, and is not held at K 0 by a few early misses."""
+        if plan.beyond is None or accepted < depth or not run.config.sampling.greedy:
+            return depth, accepted
+        return depth + 1, accepted + (committed[depth] == plan.beyond)
 
     def finish(self, run: Generation) -> GenerationResult:
         """The generation's result; the drafter hears the whole sequence (what it learns across requests)."""

@@ -106,13 +106,15 @@ class Plan:
     block: Block
     proposal: Proposal
     asked: int  # the depth drafted to (the proposal may hold fewer levels)
+    beyond: int | None = None  # a chain cut short: its drafted token right after the levels kept
 
     def within(self, depth: int) -> "Plan":
         """The plan with its draft's first `depth` levels (itself where it holds no more)."""
         if depth >= len(self.proposal.levels):
             return self
         proposal = self.proposal.within(depth)
-        return Plan(Block.of(self.block.tokens[0], proposal), proposal, depth)
+        beyond = self.proposal.tokens[depth] if self.proposal.is_chain else None
+        return Plan(Block.of(self.block.tokens[0], proposal), proposal, depth, beyond)
 
 
 @dataclass(frozen=True)
