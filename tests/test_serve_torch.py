@@ -64,6 +64,26 @@ def test_each_request_on_torch_decodes_as_alone_whatever_is_in_flight(tmp_path):
     check_served_as_alone(str(tiny_model_dir(tmp_path / "tiny")), "cpu", 64)
 
 
+def test_the_server_loads_and_times_its_rows_on_a_thread_that_ends(tmp_path, monkeypatch):
+    """Loading and `--k auto`'s startup timing run on a thread that ends before the server steps: no OpenMP team of
+    the caller's (the server's main thread, which runs the HTTP loop) is left beside the scheduler's decodes."""
+    import threading
+
+    from draftlab.serving import build
+
+    seen = []
+
+    def timed(batch, vocab_size):
+        seen.append(threading.current_thread())
+        return block_cost(batch, vocab_size, rows=(1, 2))
+    block_cost = build.block_cost
+    monkeypatch.setattr(build, "block_cost", timed)
+    served = build_served(ServeSettings(str(tiny_model_dir(tmp_path / "tiny")), "ngram", None, slots=2, context=64,
+                                        backend="auto"))
+    assert served.scheduler.engine.chooser.cost.points[0][0] == 1
+    assert len(seen) == 1 and seen[0] is not threading.current_thread() and not seen[0].is_alive()
+
+
 @pytest.mark.parametrize("shape", ["", "tree:2x2:"])
 def test_decoder_heads_and_their_trees_serve_on_torch_each_request_as_alone(tmp_path, tiny_target, shape):
     """Decoder heads (reading the final hidden states) and a tree of them, served on torch with 3 slots: every

@@ -5,8 +5,9 @@ sequence per slot scored in one call, one engine stepping every request in fligh
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, TypeVar
 
 from draftlab.api import eos_ids
 from draftlab.backends import LLAMACPP, engine_of_backend
@@ -21,6 +22,8 @@ from draftlab.serving.app import Served
 from draftlab.serving.metrics import ServeMetrics
 from draftlab.serving.protocol import ApiError
 from draftlab.serving.scheduler import Scheduler
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,12 @@ class ServeSettings:
 
 
 def build_served(settings: ServeSettings) -> Served:
-    """Load the target and build everything the app serves (the scheduler not yet started)."""
+    """Load the target and build everything the app serves (the scheduler not yet started), on a thread that ends
+    (`apart`)."""
+    return apart(lambda: _build(settings))
+
+
+def _build(settings: ServeSettings) -> Served:
     target = load_target(TargetSpec(settings.target, settings.backend, settings.device, settings.dtype,
                                     settings.numerics))
     loaded, batch = target.loaded, slot_sequences(target, settings.slots, settings.context, settings.threads)
@@ -102,6 +110,16 @@ def auto_k(batch: Sequences, draft: Sequences | None, vocab_size: int, k_max: in
         return AutoK(block_cost(batch, vocab_size), batch.passes, k_max)
     return AutoK(block_cost(batch, vocab_size), batch.passes, k_max, draft=block_cost(draft, vocab_size),
                  draft_passes=draft.passes, calibrated=True)
+
+
+def apart(work: Callable[[], T]) -> T:
+    """`work`'s result, computed on a thread that ends with it. llama.cpp's CPU backend and torch run their parallel
+    work on an OpenMP team of the calling thread, and a team left beside a long-lived thread (the server's main
+    thread, which then runs the HTTP loop) slows every later decode of the scheduler's thread (2 cores: SmolLM2's
+    steps 7.2-9.1 ms, 9.9-10.5 ms after `--k auto`'s startup timing ran on the main thread; with an EAGLE-3 draft
+    loaded there, plain decoding 61.6 tok/s, 78.2 loaded apart); a thread that ends takes its team with it."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="draftlab-startup") as pool:
+        return pool.submit(work).result()
 
 
 def block_cost(batch: Sequences, vocab_size: int, rows: tuple[int, ...] = (*range(1, 10), 12, 16, 24, 32),
