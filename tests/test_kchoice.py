@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from draftlab.decoding.kchoice import (AcceptanceRecord, AutoK, BlockCost, LoadK, StepRun, best_ks, expected_tokens,
-                                       llama_passes, one_pass)
+from draftlab.decoding.kchoice import (AcceptanceRecord, AutoK, BlockCost, LoadK, LoadThenAuto, StepRun, best_ks,
+                                       expected_tokens, llama_passes, one_pass)
 from draftlab.errors import DraftlabError
 
 # One row 7 ms, then about 1 ms a row: SmolLM2's pure Q4_0 on the exact kernels (blocks of 16 at ~3.1x one row).
@@ -216,3 +216,22 @@ def test_a_cost_curve_needs_rows_from_one_and_load_rows_still_parse():
         BlockCost(((2, 0.1), (4, 0.2)))
     runs = [StepRun(0, 1, 9, AcceptanceRecord())] * 3
     assert LoadK.parse("1-2:6,3-4:3").caps(runs) == [3, 3, 3] and LoadK.fixed(4).choose(runs, [4, 2, 0]) == [4, 2, 0]
+
+
+def test_load_rows_hand_some_loads_to_k_auto():
+    """`--k-per-load 1:3,2-64:auto`: alone the row's K, in company `--k auto`'s choice (which learns at every
+    load); the rows read back as written, and a K neither a number nor auto is refused in one line."""
+    rows = LoadK.parse("1:3,2-64:auto")
+    assert rows.text() == "1:3,2-64:auto" and rows.has_auto and not LoadK.parse("1:3,2-4:0").has_auto
+    chooser = LoadThenAuto(rows, AutoK(COST, llama_passes, k_max=6))
+    never = AcceptanceRecord()
+    for _ in range(20):
+        never.observe(6, 0)
+        chooser.observe(6, 0)
+    alone = [StepRun(0, 1, 100, never)]
+    assert chooser.caps(alone) == [3] and chooser.choose(alone, [3]) == [3]
+    together = [StepRun(s, 1, 100, never) for s in range(4)]
+    assert chooser.caps(together) == [6] * 4 and chooser.choose(together, [6] * 4) == [0] * 4
+    assert chooser.auto.overall.asked[0] == 20
+    with pytest.raises(DraftlabError, match="1:3,2-64:auto"):
+        LoadK.parse("1:3,2-64:best")

@@ -118,3 +118,33 @@ def test_an_answer_on_draftlabs_llama_cpp_route_deploys_on_draftlab_serve():
     lookups = [r for i in range(6) for r in (row("ar", 10.0, f"p{i}"), row("sps", 15.0, f"p{i}", "ngram:1-3", 2))]
     [lookup] = deploy_notes(summarize(lookups), Drift(6, 0.02))
     assert "--drafter ngram:1-3 --k-per-load 1:2" in lookup
+
+
+def test_an_answer_of_draftlabs_loop_takes_its_k_under_load_from_the_drafters_served_cells():
+    """The Use line's answer (suffix K=2 on draftlab's llama.cpp route) deployed on draftlab serve: alone its K; at
+    4 in flight what the study measured of that drafter served there: `--k auto` where it ran within the drift of
+    plain decoding (`2-64:auto`), a fixed K where it beat plain decoding, plain decoding where both trailed it."""
+    from draftlab.study.answer.recommend import deploy_notes
+    from draftlab.study.answer.report import Drift, summarize
+    from draftlab.decoding.kchoice import rows_by_level
+    from draftlab.study.answer.serve_deploy import drafter_rows
+
+    def row(method: str, rate: float, prompt: str, drafter: str = "none", k: int = 0) -> dict:
+        return {"target": TARGET, "dataset": "d", "temperature": 0.0, "prompt_id": prompt, "method": method,
+                "drafter": drafter, "k": k, "new_tokens": 100, "wall_s": 100 / rate, "steps": 50, "drafted": 60,
+                "accepted": 50, "prefill_s": 0.0, "draft_s": 0.0, "target_s": 0.0, "overhead_s": 0.0,
+                "accepted_per_step": [], "drafted_per_step": [], "identical": 1, "finished_at": 0.0,
+                "backend": "llamacpp"}
+
+    answer = summarize([r for i in range(6)
+                        for r in (row("ar", 10.0, f"p{i}"), row("sps", 15.0, f"p{i}", "suffix", 2))])
+    alone = [cell("serve-ar", 1, 140), cell("serve", 1, 190, "suffix", 2), cell("serve-ar", 4, 330)]
+    for at_four, rows in (([cell("serve", 4, 335, "suffix", 0)], "1:2,2-64:auto"),
+                          ([cell("serve", 4, 300, "suffix", 2), cell("serve", 4, 380, "suffix", 3)], "1:2,2-64:3"),
+                          ([cell("serve", 4, 250, "suffix", 0), cell("serve", 4, 280, "suffix", 3)], "1:2,2-64:0")):
+        measured = drafter_rows(alone + at_four, margin=0.05)
+        [line] = deploy_notes(answer, Drift(6, 0.02), rows=measured, served_as=lambda s: ("gguf", 4))
+        assert f"--drafter suffix --k-per-load {rows} --max-in-flight 4" in line, line
+    auto = drafter_rows([alone[0], cell("serve", 1, 200, "suffix", 0), alone[2], cell("serve", 4, 335, "suffix", 0)],
+                        margin=0.05)[("smollm2-135m@Q4_0_PURE", "suffix")]
+    assert rows_by_level(auto) == "auto" and rows_by_level({1: 3, 4: 0, 8: 0}) == "1:3,2-64:0"

@@ -32,7 +32,8 @@ def add_serve_commands(sub) -> None:
                                                  "from its acceptance so far and this host's cost of a step's rows")
     serve.add_argument("--k-max", type=int, default=8, help="--k auto's deepest draft (default 8)")
     serve.add_argument("--k-per-load", default=None, metavar="ROWS",
-                       help="K by requests in flight, rows LO-HI:K from 1 on, e.g. 1-2:6,3-4:3,5-8:0 (0: plain decoding)")
+                       help="K by requests in flight, rows LO-HI:K from 1 on, e.g. 1-2:6,3-4:3,5-8:0 (0: plain "
+                            "decoding; auto: K chosen each step at those loads, e.g. 1:3,2-64:auto)")
     serve.add_argument("--backend", default="llamacpp",
                        help="llamacpp (the GGUF's own types; the default) or a torch backend: auto, fast, hf")
     serve.add_argument("--device", default="cpu", help="torch backends: cpu or cuda")

@@ -116,10 +116,14 @@ class PerRunK(KeepAll):
         return [run.wanted for run in runs]
 
 
+AUTO = -1  # a `--k-per-load` row's K where `--k auto` chooses (`1:3,2-64:auto`)
+
+
 @dataclass(frozen=True)
 class LoadK(KeepAll):
     """K by the number of runs in flight: rows [lo, hi, K] as `deploy.per_batch_size` writes them (vLLM's
-    `num_speculative_tokens_per_batch_size`); above the last row, its K."""
+    `num_speculative_tokens_per_batch_size`); above the last row, its K. A row's K may be `AUTO`: at those loads
+    `--k auto` chooses (`LoadThenAuto`)."""
 
     rows: tuple[tuple[int, int, int], ...]
 
@@ -129,30 +133,88 @@ class LoadK(KeepAll):
 
     @classmethod
     def parse(cls, text: str) -> "LoadK":
-        """'1-2:6,3-4:3,5-8:0' -> rows; one line for anything else."""
+        """'1-2:6,3-4:3,5-8:0' (or '1:3,2-64:auto') -> rows; one line for anything else."""
         rows = []
         try:
             for item in text.split(","):
                 span, k = item.split(":")
                 lo, _, hi = span.partition("-")
-                rows.append((int(lo), int(hi or lo), int(k)))
+                rows.append((int(lo), int(hi or lo), AUTO if k.strip() == "auto" else _count(k)))
         except ValueError:
-            raise DraftlabError(f"--k-per-load takes rows like 1-2:6,3-4:3,5-8:0, not {text!r}") from None
-        if any(lo < 1 or hi < lo or k < 0 for lo, hi, k in rows) or rows[0][0] != 1 or any(
+            raise DraftlabError(f"--k-per-load takes rows like 1-2:6,3-4:3,5-8:0 or 1:3,2-64:auto, not {text!r}") \
+                from None
+        if any(lo < 1 or hi < lo for lo, hi, k in rows) or rows[0][0] != 1 or any(
                 b[0] != a[1] + 1 for a, b in zip(rows, rows[1:])):
-            raise DraftlabError(f"--k-per-load rows must run on from 1 without gaps, each K >= 0: {text!r}")
+            raise DraftlabError(f"--k-per-load rows must run on from 1 without gaps, each K >= 0 or auto: {text!r}")
         return cls(tuple(rows))
 
+    @property
+    def has_auto(self) -> bool:
+        """Whether `--k auto` chooses at some load."""
+        return any(k == AUTO for _, _, k in self.rows)
+
     def at(self, in_flight: int) -> int:
-        """K with that many runs in flight."""
+        """K with that many runs in flight (`AUTO` where `--k auto` chooses)."""
         return next((k for lo, hi, k in self.rows if lo <= in_flight <= hi), self.rows[-1][2])
 
     def text(self) -> str:
         """The flag's value."""
-        return ",".join(f"{lo}-{hi}:{k}" if hi > lo else f"{lo}:{k}" for lo, hi, k in self.rows)
+        return ",".join(f"{lo}-{hi}:{_k_text(k)}" if hi > lo else f"{lo}:{_k_text(k)}" for lo, hi, k in self.rows)
 
     def caps(self, runs: Sequence[StepRun]) -> list[int]:
         return [self.at(len(runs))] * len(runs)
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(text)
+    return value
+
+
+def _k_text(k: int) -> str:
+    return "auto" if k == AUTO else str(k)
+
+
+def rows_by_level(ks: dict[int, int]) -> str:
+    """`--k-per-load` rows from a K per level measured (`AUTO` for `--k auto`): each level's K up to the next
+    level, the last's to 64 and beyond; one K at every load as `1:K`, `auto` where every level's is `AUTO`."""
+    if set(ks.values()) == {AUTO}:
+        return "auto"
+    rows: list[list[int]] = []
+    low, levels = 1, sorted(ks)
+    for i, level in enumerate(levels):
+        high = level if i + 1 < len(levels) else max(level, 64)
+        if rows and rows[-1][2] == ks[level]:
+            rows[-1][1] = high
+        else:
+            rows.append([low, high, ks[level]])
+        low = high + 1
+    if len(rows) == 1:
+        return f"1:{_k_text(rows[0][2])}"
+    return LoadK(tuple((lo, hi, k) for lo, hi, k in rows)).text()
+
+
+@dataclass
+class LoadThenAuto:
+    """`--k-per-load` rows some of whose K are `auto`: at those loads `auto` chooses every run's K, at the others
+    the row's K; `auto` learns from every step."""
+
+    load: LoadK
+    auto: "AutoK"
+
+    def caps(self, runs: Sequence[StepRun]) -> list[int]:
+        k = self.load.at(len(runs))
+        return self.auto.caps(runs) if k == AUTO else [k] * len(runs)
+
+    def choose(self, runs: Sequence[StepRun], drafted: Sequence[int]) -> list[int]:
+        return self.auto.choose(runs, drafted) if self.load.at(len(runs)) == AUTO else list(drafted)
+
+    def observe(self, asked: int, accepted: int) -> None:
+        self.auto.observe(asked, accepted)
+
+    def timed(self, seconds: float, depths: Sequence[int]) -> None:
+        self.auto.timed(seconds, depths)
 
 
 @dataclass(frozen=True)

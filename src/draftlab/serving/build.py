@@ -13,7 +13,7 @@ from draftlab.api import eos_ids
 from draftlab.backends import LLAMACPP, engine_of_backend
 from draftlab.backends.sequences import Sequences
 from draftlab.compose import TargetSpec, load_target, served_drafter, slot_sequences
-from draftlab.decoding.kchoice import AutoK, BlockCost, LoadK
+from draftlab.decoding.kchoice import AutoK, BlockCost, LoadK, LoadThenAuto, StepK
 from draftlab.decoding.step import Block
 from draftlab.drafters.kinds import learns_across_requests, with_suffix_store
 from draftlab.engine import SpeculativeEngine
@@ -85,7 +85,7 @@ def _build(settings: ServeSettings) -> Served:
                                     settings.numerics))
     loaded, batch = target.loaded, slot_sequences(target, settings.slots, settings.context, settings.threads)
     draft = served_drafter(settings.drafter_spec, target, settings.slots, settings.context, settings.threads)
-    chooser = settings.ks or auto_k(batch, draft.streams, loaded.vocab_size, settings.k_max)
+    chooser = choose_ks(settings.ks, lambda: auto_k(batch, draft.streams, loaded.vocab_size, settings.k_max))
     metrics = ServeMetrics(k_rows=settings.ks.text() if settings.ks else "auto")
     context = min(loaded.context_length, batch.n_ctx)
     tokenizer = loaded.tokenizer
@@ -101,6 +101,13 @@ def _build(settings: ServeSettings) -> Served:
                   stream_decoder=stream_decoder(tokenizer),
                   vocab_size=loaded.vocab_size, context_length=context, eos_ids=eos_ids(loaded),
                   scheduler=scheduler, metrics=metrics, api_key=settings.api_key, numerics=batch.view(0).numerics)
+
+
+def choose_ks(ks: LoadK | None, auto: Callable[[], AutoK]) -> StepK:
+    """The step's K: `--k auto` (None), `--k-per-load` rows, or rows some of whose K are auto."""
+    if ks is None:
+        return auto()
+    return LoadThenAuto(ks, auto()) if ks.has_auto else ks
 
 
 def auto_k(batch: Sequences, draft: Sequences | None, vocab_size: int, k_max: int) -> AutoK:

@@ -13,6 +13,7 @@ from draftlab.study.answer.report import ALL, CellSummary, Drift, engine_words, 
 from draftlab.study.answer.summary import interval_words
 from draftlab.study.run.cells import LLAMACPP_TARGET, k_words
 from draftlab.contenders.draftlab_serve import SERVE_DEPLOY, ServeConfig
+from draftlab.decoding.kchoice import AUTO, rows_by_level
 from draftlab.contenders.methods import AR, PLAIN, SERVE, SERVE_AR, SPS, VLLM, method_of
 from draftlab.drafters.kinds import serves_batched
 from draftlab.contenders.vllm import deploy_command as vllm_deploy_command
@@ -180,11 +181,11 @@ def chosen(summaries: list[CellSummary], drift: Drift = Drift(0, 0.0), output_to
 
 def deploy_notes(summaries: list[CellSummary], drift: Drift = Drift(0, 0.0), output_tokens: int | None = None,
                  served_as: Callable[[CellSummary], tuple[str, int]] = lambda s: ("fp32", 1),
-                 raced: dict[str, ServeConfig] | None = None) -> list[str]:
+                 rows: dict[tuple[str, str], dict[int, int]] | None = None) -> list[str]:
     """A line per model whose answer (greedy) is not on llama-server: the command of a vLLM answer, exactly as the
     study served it (`served_as`: the dtype its records ran in and the study's most requests at once), the command of
-    a draftlab serve answer (with K per load as `raced`, per GGUF, found at the levels the study served), or why the
-    Deploy line, llama-server's own best measured beside it, names another engine."""
+    a draftlab serve answer (with K per load as `rows` found it, per GGUF and drafter, at the levels the study
+    served), or why the Deploy line, llama-server's own best measured beside it, names another engine."""
     notes = []
     for (model, temperature), choice in sorted(chosen(summaries, drift, output_tokens).items()):
         method = method_of(choice.method)
@@ -194,8 +195,8 @@ def deploy_notes(summaries: list[CellSummary], drift: Drift = Drift(0, 0.0), out
             notes.append(f"Deploy {model} on vLLM, the answer, as the study served it (llama-server's best measured "
                          f"beside it follows): {command}")
         elif temperature == 0 and _serves(choice):
-            notes.append(_serve_note(model, choice, served_as(choice)[1], (raced or {}).get(
-                choice.target.removeprefix(LLAMACPP_TARGET))))
+            notes.append(_serve_note(model, choice, served_as(choice)[1], (rows or {}).get(
+                (choice.target.removeprefix(LLAMACPP_TARGET), choice.drafter))))
         elif temperature == 0 and not method.served:
             notes.append(f"The answer for {model} runs on {engine_words(choice)}, draftlab's own loop or library, "
                          "which has no server of its own to deploy: the Deploy line below is llama-server's best "
@@ -213,15 +214,14 @@ def _serves(choice: CellSummary) -> bool:
             and serves_batched(choice.drafter))
 
 
-def _serve_note(model: str, choice: CellSummary, most_in_flight: int, raced: ServeConfig | None) -> str:
-    """The answer's `draftlab serve` command: the same engine, drafter and K, exact at every load (K per load as
-    `raced` found it, where the study served that drafter at several levels)."""
+def _serve_note(model: str, choice: CellSummary, most_in_flight: int, measured: dict[int, int] | None) -> str:
+    """The answer's `draftlab serve` command: the same engine, drafter and K alone, exact at every load; above one
+    request the K its served cells measured at each level (`measured`, by requests in flight: `drafter_rows`)."""
     plain = method_of(choice.method).plain
-    k_per_load = "1:0" if plain else f"1:{choice.k}" if choice.k else "auto"  # K 0 of draftlab serve: `--k auto`
+    alone = choice.k or AUTO  # K 0 of draftlab serve: `--k auto`
+    k_per_load = "1:0" if plain else rows_by_level({**(measured or {}), 1: alone})
     config = ServeConfig(choice.target.removeprefix(LLAMACPP_TARGET), "none" if plain else choice.drafter,
                          k_per_load, slots=max(most_in_flight, 1), name="")
-    if raced is not None and raced.drafter == config.drafter:
-        config = raced
     return (f"Deploy {model} {SERVE_DEPLOY}, the answer, on the engine and drafter it was measured with (exact: each "
             f"request's tokens as alone, at every load; llama-server's best measured beside it follows): "
             f"{config.command()}")

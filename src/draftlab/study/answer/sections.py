@@ -20,7 +20,7 @@ from draftlab.study.answer.recommend import (deploy_notes, engine_answer, fastes
                                              numerics_notes, recommend)
 from draftlab.study.answer.results import StudyResults
 from draftlab.contenders.draftlab_serve import SERVE_DEPLOY
-from draftlab.study.answer.serve_deploy import serve_configs, serve_sentences
+from draftlab.study.answer.serve_deploy import drafter_rows, serve_sentences
 from draftlab.study.answer.serving import format_load, server_answer, server_deployables
 from draftlab.study.answer.tables import format_lossy, format_optimal, lossy_cells
 from draftlab.study.answer.weight_types import file_bytes, format_weight_types, weight_type_rows, weight_type_sentences
@@ -50,7 +50,7 @@ def answer_section(r: StudyResults) -> Section:
 
 def deploy_section(r: StudyResults) -> Section | None:
     notes = deploy_notes(r.summaries, r.drift, r.inputs.output_tokens, r.served_as,
-                         serve_configs(r.load_summaries, r.drift.typical))
+                         drafter_rows(r.load_summaries, r.drift.typical))
     answered = any(SERVE_DEPLOY in line for line in notes)  # the Use line's answer already on draftlab serve
     served = ([] if answered else serve_sentences(r.load_summaries, r.drift.typical)) + server_answer(
         r.load_summaries, r.drift.typical)

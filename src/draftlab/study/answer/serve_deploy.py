@@ -5,8 +5,11 @@ every greedy output equalled draftlab's plain decoding) against the fastest llam
 draftlab serve is ahead by more than the study's drift, the Deploy line is its command, for as many requests in
 flight as the study measured (`--max-in-flight`): with `--k auto` (K chosen each step) where the study raced it
 and at every level it kept within the drift of the fastest of that drafter's fixed K and plain decoding there; else
-with K per requests in flight: at each level, the drafter's fastest K where it beats draftlab serve's own plain
-decoding there, else 0 (plain decoding), in `--k-per-load` rows.
+with K per requests in flight (`load_rows`): at each level, the drafter's fastest K or `--k auto` where it beats
+draftlab serve's own plain decoding there by more than the drift, else `auto` where that kept within the drift of
+plain decoding (it falls to plain decoding where drafts do not pay), else 0 (plain decoding), in `--k-per-load` rows
+(`1:3,2-64:auto`, `rows_by_level`). A Deploy line whose answer was measured on draftlab's own loop (the Use line's K alone) takes its
+rows above one request from the drafter's served cells (`drafter_rows`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 
 from draftlab.contenders.draftlab_serve import SERVE, SERVE_AR, SERVE_DEPLOY, ServeConfig
 from draftlab.contenders.methods import method_of
+from draftlab.decoding.kchoice import AUTO, rows_by_level
 from draftlab.drafters.kinds import serves_batched
 from draftlab.errors import DraftlabError
 from draftlab.study.answer.report import ALL
@@ -68,10 +72,21 @@ def _config(model: str, best: LoadSummary, cells: list[LoadSummary], margin: flo
     levels = sorted({s.concurrency for s in cells if s.method == SERVE_AR.name}) or [1]
     if best.method == SERVE.name and _auto_holds(best.drafter, cells, levels, margin):
         return ServeConfig(model, best.drafter, "auto", slots=max(levels), name="")
-    rows = _k_per_load(best, cells, margin)
-    paying = best.method == SERVE.name and any(not row.endswith(":0") for row in rows.split(","))
+    paying = best.method == SERVE.name and any(_paying(best.drafter, cells, level, margin) for level in levels)
+    rows = load_rows(best.drafter, cells, margin) if paying else "1:0"
     return ServeConfig(model, best.drafter if paying else "none", rows if paying else "1:0", slots=max(levels),
                        name="")
+
+
+def drafter_rows(summaries: list[LoadSummary], margin: float = 0.0) -> dict[tuple[str, str], dict[int, int]]:
+    """Per (model `NAME@TYPE`, drafter) draftlab serve ran: the K each level measured gives it (`_level_k`), by
+    requests in flight."""
+    found = {}
+    for (target, _), cells in sorted(_complete_cells(summaries).items()):
+        model = target.removeprefix(LLAMACPP_TARGET)
+        for drafter in sorted({s.drafter for s in cells if s.method == SERVE.name}):
+            found[(model, drafter)] = {level: _level_k(drafter, cells, level, margin) for level in _levels(cells)}
+    return found
 
 
 def _auto_holds(drafter: str, cells: list[LoadSummary], levels: list[int], margin: float) -> bool:
@@ -116,28 +131,43 @@ def _exact_serve(s: LoadSummary) -> bool:
     return s.method == SERVE.name and (s.as_reference is None or s.as_reference == s.prompts)
 
 
-def _k_per_load(best: LoadSummary, cells: list[LoadSummary], margin: float) -> str:
-    """`--k-per-load` rows: per level measured, the fastest exact K of the chosen drafter over draftlab serve's plain
-    decoding at that level by more than `margin`, else 0."""
-    levels = sorted({s.concurrency for s in cells if s.method == SERVE_AR.name})
-    ks = []
-    for level in levels:
-        plain = next(s for s in cells if s.method == SERVE_AR.name and s.concurrency == level)
-        same = [s for s in cells if s.method == SERVE.name and s.drafter == best.drafter and s.concurrency == level
-                and s.k > 0 and _exact_serve(s)]  # fixed K (K 0 is `--k auto`)
-        fastest = max(same, key=lambda s: s.tokens_per_s, default=None)
-        paying = fastest is not None and best.method == SERVE.name and \
-            fastest.tokens_per_s > plain.tokens_per_s * (1 + margin)
-        ks.append(fastest.k if paying else 0)
-    rows, low = [], 1
-    for i, (level, k) in enumerate(zip(levels, ks)):
-        high = level if i + 1 < len(levels) else max(level, 64)
-        if rows and rows[-1][2] == k:
-            rows[-1][1] = high
-        else:
-            rows.append([low, high, k])
-        low = high + 1
-    return ",".join(f"{lo}-{hi}:{k}" if hi > lo else f"{lo}:{k}" for lo, hi, k in rows)
+def load_rows(drafter: str, cells: list[LoadSummary], margin: float) -> str:
+    """`--k-per-load` rows for the drafter: each level measured, its K there (`_level_k`)."""
+    return rows_by_level({level: _level_k(drafter, cells, level, margin) for level in _levels(cells)})
+
+
+def _levels(cells: list[LoadSummary]) -> list[int]:
+    return sorted({s.concurrency for s in cells if s.method == SERVE_AR.name}) or [1]
+
+
+def _level_k(drafter: str, cells: list[LoadSummary], level: int, margin: float) -> int:
+    """The drafter's K at one level: its fastest exact fixed K or `--k auto` (`AUTO`) where that beats draftlab
+    serve's plain decoding there by more than `margin` (`_paying`); else `AUTO` where `--k auto` ran within `margin`
+    of plain decoding; else 0."""
+    paying = _paying(drafter, cells, level, margin)
+    if paying is not None:
+        return paying.k or AUTO
+    plain = _plain_at(cells, level)
+    auto = next((s for s in _served(drafter, cells, level) if s.k == 0), None)
+    return AUTO if plain and auto and auto.tokens_per_s * (1 + margin) >= plain.tokens_per_s else 0
+
+
+def _paying(drafter: str, cells: list[LoadSummary], level: int, margin: float) -> LoadSummary | None:
+    """The drafter's fastest exact cell at the level (a fixed K, or K 0: `--k auto`) where it beats draftlab serve's
+    plain decoding there by more than `margin`."""
+    plain = _plain_at(cells, level)
+    fastest = max(_served(drafter, cells, level), key=lambda s: s.tokens_per_s, default=None)
+    paying = plain is not None and fastest is not None and fastest.tokens_per_s > plain.tokens_per_s * (1 + margin)
+    return fastest if paying else None
+
+
+def _served(drafter: str, cells: list[LoadSummary], level: int) -> list[LoadSummary]:
+    return [s for s in cells if s.method == SERVE.name and s.drafter == drafter and s.concurrency == level
+            and _exact_serve(s)]
+
+
+def _plain_at(cells: list[LoadSummary], level: int) -> LoadSummary | None:
+    return next((s for s in cells if s.method == SERVE_AR.name and s.concurrency == level), None)
 
 
 def serve_from_study(directory: str | Path, target: str | None = None) -> ServeConfig:
