@@ -228,3 +228,22 @@ def test_a_mode_that_is_not_exact_says_rounding_wherever_it_reports(tmp_path, ca
     assert main(study) == 0
     out = capsys.readouterr().out
     assert "lossless only up to rounding" in out and "transformers' forward" in out
+
+
+def test_a_ggufs_tensor_types_come_from_its_header_as_gguf_reads_them_and_a_bad_file_is_one_line(tmp_path):
+    """The header reader (lengths skipped, no metadata parsed) finds the tensor types `gguf.GGUFReader` finds, on the
+    shipped GGUF and on a derived pure Q4_0; a file that is not GGUF, or is cut short, is one clear line."""
+    from gguf import GGUFReader
+
+    from draftlab.backends.gguf import tensor_types
+    from draftlab.models import gguf_path
+
+    for name in ("smollm2-135m", "smollm2-135m@Q4_0_PURE"):
+        path = gguf_path(name)
+        assert tensor_types(path) == frozenset(t.tensor_type.name for t in GGUFReader(path).tensors)
+    (tmp_path / "text.gguf").write_text("not a model")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(gguf_path("smollm2-135m").read_bytes()[:200_000])  # inside the vocabulary's strings
+    for bad in (tmp_path / "text.gguf", cut):
+        with pytest.raises(DraftlabError, match=f"cannot read the tensors of GGUF {bad}"):
+            tensor_types(bad)
