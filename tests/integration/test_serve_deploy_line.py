@@ -32,6 +32,7 @@ load_ks = [0]
 race_after = 0
 budget_s = 0.0
 host_baselines = false
+preflight_s = 0.0
 """
 
 

@@ -56,7 +56,7 @@ def server_pids() -> set[int]:
 def config(prompts: Path, **changes) -> SweepConfig:
     settings = dict(targets=(TARGET,), drafters=("ngram",), ks=(3,), methods=("sps",), datasets=(str(prompts),),
                     limit=3, max_new_tokens=48, host_baselines=False, servers=("ngram-mod", "ngram-simple:16"),
-                    concurrency=(1, 2), baseline_every=0)
+                    concurrency=(1, 2), baseline_every=0, preflight_s=0)
     settings.update(changes)
     return SweepConfig(**settings)
 

@@ -19,7 +19,7 @@ def study(tmp_path_factory):
     root = tmp_path_factory.mktemp("engines")
     config = sweep.SweepConfig(targets=("smollm2-135m", "llamacpp:smollm2-135m"), drafters=("ngram", "layers:0-3"),
                                ks=(2,), methods=("sps", "lcp"), datasets=("humaneval",), limit=2, max_new_tokens=16,
-                               warmup=0, baseline_every=0, dtype="fp32", host_baselines=True)
+                               warmup=0, baseline_every=0, dtype="fp32", host_baselines=True, preflight_s=0)
     store = ResultsStore(root / "study.sqlite")
     sweep.run_sweep(config, store, progress=False)
     store.close()

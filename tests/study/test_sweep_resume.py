@@ -38,7 +38,8 @@ def sweep_command(db, model, prompts):
     return [sys.executable, "-m", "draftlab.cli", "sweep", "--db", str(db), "--targets", str(model),
             "--drafters", "ngram", "layers:0-1", "suffix", "--ks", "1-2", "--datasets", str(prompts), "--limit", "6",
             "--max-new-tokens", "32", "--warmup", "0", "--no-progress", "--dtype", "fp32", "--no-host-baselines",
-            "--race-after", "0", "--budget", "0"]
+            "--race-after", "0", "--budget", "0",
+            "--preflight-timeout", "0"]  # each engine's preflight is tests/study/test_crashing_engines.py's
 
 
 def count(db) -> int:

@@ -123,7 +123,7 @@ def apart(work: Callable[[], T]) -> T:
     """`work`'s result, computed on a thread that ends with it. llama.cpp's CPU backend and torch run their parallel
     work on an OpenMP team of the calling thread, and a team left beside a long-lived thread (the server's main
     thread, which then runs the HTTP loop) slows every later decode of the scheduler's thread (2 cores: SmolLM2's
-    steps 7.2-9.1 ms, 9.9-10.5 ms after `--k auto`'s startup timing ran on the main thread; with an EAGLE-3 draft
+    steps 7.2-9.1 ms, 9.1-10.6 ms after `--k auto`'s startup timing ran on the main thread; with an EAGLE-3 draft
     loaded there, plain decoding 61.6 tok/s, 78.2 loaded apart); a thread that ends takes its team with it."""
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="draftlab-startup") as pool:
         return pool.submit(work).result()
