@@ -8,8 +8,8 @@ and at every level it kept within the drift of the fastest of that drafter's fix
 with K per requests in flight (`load_rows`): at each level, the drafter's fastest K or `--k auto` where it beats
 draftlab serve's own plain decoding there by more than the drift, else `auto` where that kept within the drift of
 plain decoding (it falls to plain decoding where drafts do not pay), else 0 (plain decoding), in `--k-per-load` rows
-(`1:3,2-64:auto`, `rows_by_level`). A Deploy line whose answer was measured on draftlab's own loop (the Use line's K alone) takes its
-rows above one request from the drafter's served cells (`drafter_rows`).
+(`1:3,2-64:auto`, `rows_by_level`). A Deploy line whose answer was measured on draftlab's own loop keeps the Use
+line's K alone and takes its rows above one request from the drafter's served cells (`drafter_rows`).
 """
 
 from __future__ import annotations
@@ -74,8 +74,7 @@ def _config(model: str, best: LoadSummary, cells: list[LoadSummary], margin: flo
         return ServeConfig(model, best.drafter, "auto", slots=max(levels), name="")
     paying = best.method == SERVE.name and any(_paying(best.drafter, cells, level, margin) for level in levels)
     rows = load_rows(best.drafter, cells, margin) if paying else "1:0"
-    return ServeConfig(model, best.drafter if paying else "none", rows if paying else "1:0", slots=max(levels),
-                       name="")
+    return ServeConfig(model, best.drafter if paying else "none", rows, slots=max(levels), name="")
 
 
 def drafter_rows(summaries: list[LoadSummary], margin: float = 0.0) -> dict[tuple[str, str], dict[int, int]]:
