@@ -15,6 +15,15 @@ def cell(method: str, concurrency: int, tokens_per_s: float, drafter: str = "non
                        as_reference=as_reference)
 
 
+def row(method: str, rate: float, prompt: str, drafter: str = "none", k: int = 0) -> dict:
+    """One stored record of a prompt on the llama.cpp target (what `summarize` reads)."""
+    return {"target": TARGET, "dataset": "d", "temperature": 0.0, "prompt_id": prompt, "method": method,
+            "drafter": drafter, "k": k, "new_tokens": 100, "wall_s": 100 / rate, "steps": 50, "drafted": 60,
+            "accepted": 50, "prefill_s": 0.0, "draft_s": 0.0, "target_s": 0.0, "overhead_s": 0.0,
+            "accepted_per_step": [], "drafted_per_step": [], "identical": 1, "finished_at": 0.0,
+            "backend": "llamacpp"}
+
+
 def test_draftlab_serve_wins_alone_and_k_follows_the_load():
     cells = [cell("server-ar", 1, 150), cell("server", 1, 170, "ngram-simple", 16), cell("server-ar", 4, 300),
              cell("serve-ar", 1, 140), cell("serve", 1, 210, "suffix", 6), cell("serve", 1, 190, "suffix", 3),
@@ -104,13 +113,6 @@ def test_an_answer_on_draftlabs_llama_cpp_route_deploys_on_draftlab_serve():
     from draftlab.study.answer.recommend import deploy_notes
     from draftlab.study.answer.report import Drift, summarize
 
-    def row(method: str, rate: float, prompt: str, drafter: str = "none", k: int = 0) -> dict:
-        return {"target": TARGET, "dataset": "d", "temperature": 0.0, "prompt_id": prompt, "method": method,
-                "drafter": drafter, "k": k, "new_tokens": 100, "wall_s": 100 / rate, "steps": 50, "drafted": 60,
-                "accepted": 50, "prefill_s": 0.0, "draft_s": 0.0, "target_s": 0.0, "overhead_s": 0.0,
-                "accepted_per_step": [], "drafted_per_step": [], "identical": 1, "finished_at": 0.0,
-                "backend": "llamacpp"}
-
     rows = [r for i in range(6) for r in (row("ar", 10.0, f"p{i}"), row("sps", 15.0 + i % 2, f"p{i}", "suffix", 2))]
     [line] = deploy_notes(summarize(rows), Drift(6, 0.02))
     assert line.startswith("Deploy smollm2-135m on draftlab serve, the answer")
@@ -128,13 +130,6 @@ def test_an_answer_of_draftlabs_loop_takes_its_k_under_load_from_the_drafters_se
     from draftlab.study.answer.report import Drift, summarize
     from draftlab.decoding.kchoice import rows_by_level
     from draftlab.study.answer.serve_deploy import drafter_rows
-
-    def row(method: str, rate: float, prompt: str, drafter: str = "none", k: int = 0) -> dict:
-        return {"target": TARGET, "dataset": "d", "temperature": 0.0, "prompt_id": prompt, "method": method,
-                "drafter": drafter, "k": k, "new_tokens": 100, "wall_s": 100 / rate, "steps": 50, "drafted": 60,
-                "accepted": 50, "prefill_s": 0.0, "draft_s": 0.0, "target_s": 0.0, "overhead_s": 0.0,
-                "accepted_per_step": [], "drafted_per_step": [], "identical": 1, "finished_at": 0.0,
-                "backend": "llamacpp"}
 
     answer = summarize([r for i in range(6)
                         for r in (row("ar", 10.0, f"p{i}"), row("sps", 15.0, f"p{i}", "suffix", 2))])
