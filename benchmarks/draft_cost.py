@@ -75,7 +75,8 @@ def main() -> None:
 
 
 def row_costs(model, head_rows: torch.Tensor | None = None) -> dict:
-    """One token's step through the backend, and llama_decode's own time within it (ms, medians)."""
+    """One token's step through the backend, and llama_decode's own time within it, its logits row copied out (ms,
+    medians)."""
     backend = make_backend(model.model, model.device, "llamacpp", head_rows=head_rows)
     backend.reset()
     backend.score(PREFIX, last_only=True)
@@ -85,13 +86,11 @@ def row_costs(model, head_rows: torch.Tensor | None = None) -> dict:
         backend.score([1000 + i], last_only=True)
         steps.append(time.perf_counter() - start)
     backend.rollback(len(PREFIX))
-    decodes = []
+    decodes, sequences = [], backend.sequences
     for i in range(24):
-        backend._fill([1000 + i], [backend.cache_len], [[0]], [True])
         start = time.perf_counter()
-        backend._decode(1)
+        sequences._decode([1000 + i], [len(PREFIX) + i], [[0]], [True])  # noqa: SLF001 (the decode and its row out)
         decodes.append(time.perf_counter() - start)
-        backend._len += 1
     return {"row_ms": 1e3 * statistics.median(steps), "decode_ms": 1e3 * statistics.median(decodes),
             "numerics": backend.numerics}
 

@@ -71,7 +71,8 @@ def test_a_trimmed_head_scores_the_whole_heads_logits_at_its_rows_and_minus_infi
     logits = backend.score(tokens)  # [n, V']
     assert logits.shape == (len(tokens), len(ROWS))
     assert torch.equal(logits, expected[:, ROWS])  # each output's products as in the whole head
-    raw = np.ctypeslib.as_array(backend.lib.llama_get_logits(backend.context), shape=(len(tokens), whole.vocab_size))
+    sequences = backend.sequences
+    raw = np.ctypeslib.as_array(sequences.lib.llama_get_logits(sequences._ctx), shape=(len(tokens), whole.vocab_size))
     assert np.all(raw[:, len(ROWS):4928] == 0) and np.all(raw[:, 4928:] == -np.inf)  # padding rows, then no rows
     with pytest.raises(DraftlabError, match="drafts only as a cut draft"):
         LlamaCppBackend(trimmed.model)

@@ -9,7 +9,7 @@ import torch
 
 from draftlab.api import SpeculativeDecoder
 from draftlab.backends.llamacpp import LlamaCppBackend
-from draftlab.backends.llamacpp_batch import LlamaCppBatch
+from draftlab.backends.llamacpp_sequences import LlamaCppSequences
 from draftlab.decoding.step import Block
 from draftlab.errors import DraftlabError
 from draftlab.models import load_model
@@ -67,12 +67,12 @@ def test_eagle3_drafts_losslessly_on_a_llama_cpp_target(target):
 
 
 def test_each_slots_tapped_rows_in_one_decode_of_several_streams_are_its_rows_alone(target, prompt):
-    """`draftlab serve`'s batch (a KV stream per slot): two slots' blocks of unequal lengths in one decode (llama.cpp
+    """`draftlab serve`'s backend (a KV stream per slot): two slots' blocks of unequal lengths in one decode (llama.cpp
     splits it into ubatches and puts the rows back in order) give each slot bitwise the tapped inputs and logits of
     its rows scored alone, and a prefill chunk hands over every prompt row's."""
     alone = LlamaCppBackend(target.model)
     whole = alone.score_block(Block.chain(prompt), True, taps=TAPS)  # [n, V], [n, D']
-    batch = LlamaCppBatch(target.model, slots=2, context=512)
+    batch = LlamaCppSequences(target.model, 2, context=512)
     cut = [len(prompt) - 5, len(prompt) - 2]  # where each slot's block starts
     for slot, start in enumerate(cut):
         hidden = batch.prefill(slot, prompt[:start], final=True, with_hidden=True, taps=TAPS)  # [start, D']

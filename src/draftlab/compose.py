@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from draftlab.backends import Backend, Engine, engine_of_backend, make_backend
-from draftlab.backends.llamacpp_batch import LlamaCppBatch
+from draftlab.backends.llamacpp_sequences import LlamaCppSequences
 from draftlab.backends.routes import Route, parse_route
 from draftlab.backends.sequences import Sequences
 from draftlab.backends.slots import BackendSlots
@@ -89,7 +89,7 @@ def slot_sequences(target: Target, slots: int, context: int | None, threads: int
     slot's block in one decode; on torch a backend per slot on the same weights and route."""
     loaded = target.loaded
     if target.on_gguf:
-        return LlamaCppBatch(loaded.model, slots, context, threads)
+        return LlamaCppSequences(loaded.model, slots, context, threads)
     n_ctx = min(context or loaded.context_length, loaded.context_length)
     return BackendSlots(lambda: one_sequence(target), slots, n_ctx)
 
@@ -134,11 +134,11 @@ def _check_served_on_gguf(spec: str) -> None:
 
 
 def _draft_streams(draft: LoadedModel, target: Target, slots: int, context: int | None, threads: int | None
-                   ) -> LlamaCppBatch | BackendSlots:
+                   ) -> LlamaCppSequences | BackendSlots:
     """A draft model with a cache per slot, as the target's: its GGUF in a KV stream per slot, or a torch backend per
     slot on its weights."""
     if target.on_gguf:
-        return LlamaCppBatch(draft.model, slots, context, threads)
+        return LlamaCppSequences(draft.model, slots, context, threads)
     n_ctx = min(context or draft.context_length, draft.context_length)
     return BackendSlots(lambda: make_backend(draft.model, draft.device, target.backend, batch_invariant=False), slots,
                         n_ctx)

@@ -22,7 +22,7 @@ from draftlab.files import assets
 from draftlab.backends.engines import Engine, engine_of_backend, engine_of_model
 from draftlab.backends.gguf import LlamaCppModel, describe_gguf
 from draftlab.backends.quantize import WEIGHT_TYPES, derive_weight_type
-from draftlab.backends.llamacpp import MAX_CONTEXT
+from draftlab.backends.llamacpp_sequences import MAX_CONTEXT
 from draftlab.backends.routes import choose_for, dtype_label, native_block_products
 from draftlab.errors import DraftlabError
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import draftlab.backends.llamacpp as llamacpp_module
+import draftlab.backends.llamacpp_sequences as llamacpp_module
 from draftlab.backends.gguf import Q4_0_ROWS, Q4_K_ROWS, SGEMM_EVERY_ROW
 from draftlab.backends.llamacpp import LlamaCppBackend
 from draftlab.contenders.llama_server import build_dir
@@ -54,7 +54,7 @@ def rows_alone_and_blocks(backend: LlamaCppBackend) -> list[str]:
 @pytest.mark.parametrize("source, threads", [("smollm2-135m@Q4_0_PURE", 2), *(slow(s, 2) for s in TYPES if s != "smollm2-135m@Q4_0_PURE"),
                                              *(exhaustive(s, 1) for s in TYPES)])  # Q4_0_PURE on 2 threads: the smoke test
 def test_block_rows_are_bitwise_single_rows_for_every_weight_type(source, threads, monkeypatch):
-    monkeypatch.setattr(llamacpp_module, "threads", lambda: threads)
+    monkeypatch.setattr(llamacpp_module, "default_threads", lambda: threads)
     target = load_model(source, backend="llamacpp")
     assert {SGEMM_EVERY_ROW, Q4_0_ROWS, Q4_K_ROWS} <= set(target.model.exact_kernels) and target.model.sgemm
     backend = LlamaCppBackend(target.model)
@@ -106,7 +106,7 @@ def test_block_rows_are_bitwise_single_rows_on_real_model_shapes(shape, weight_t
     of blocks of 2-16, 20 and 24 equals the same row alone, as on SmolLM2."""
     from draftlab.backends.gguf import tensor_types
 
-    monkeypatch.setattr(llamacpp_module, "threads", lambda: 2)
+    monkeypatch.setattr(llamacpp_module, "default_threads", lambda: 2)
     target = load_model(str(shape_gguf(shape, tmp_path, weight_type)), backend="llamacpp")
     assert {Q4_0_ROWS, Q4_K_ROWS} <= set(target.model.exact_kernels) and target.model.repack
     assert weight_type != "Q4_K_M" or "Q4_K" in tensor_types(target.model.path)  # the kernel under test serves it
@@ -163,11 +163,11 @@ def test_the_kernels_avx2_path_is_exact_on_an_avx2_only_build():
     for source in sources:
         load_model(source, backend="llamacpp")  # derived (cached) in this process
     script = ("import sys, warnings; warnings.simplefilter('ignore')\n"
-              "import draftlab.backends.llamacpp as llamacpp_module\n"
+              "import draftlab.backends.llamacpp_sequences as llamacpp_module\n"
               "from draftlab.models import load_model\n"
               "from draftlab.backends.llamacpp import LlamaCppBackend\n"
               "from tests.integration.test_exact_kernels import rows_alone_and_blocks\n"
-              "llamacpp_module.threads = lambda: int(sys.argv[2])\n"
+              "llamacpp_module.default_threads = lambda: int(sys.argv[2])\n"
               "target = load_model(sys.argv[1], backend='llamacpp')\n"
               "print(len(target.model.exact_kernels), len(rows_alone_and_blocks(LlamaCppBackend(target.model))))\n")
     env = {**os.environ, "LLAMA_CPP_LIB_PATH": str(lib_dir)}

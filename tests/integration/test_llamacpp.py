@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from draftlab.api import SpeculativeDecoder, encode_prompt, eos_ids
-from draftlab.backends.llamacpp import LlamaCppBackend, dfs_order, inverse, leaves_below
+from draftlab.backends.llamacpp import LlamaCppBackend
+from draftlab.backends.llamacpp_trees import dfs_order, inverse, leaves_below
 from draftlab.errors import DraftlabError
 from draftlab.models import gguf_path, load_model
 from draftlab.decoding.sampling import SamplingConfig

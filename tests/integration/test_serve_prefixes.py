@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from draftlab.api import SpeculativeDecoder
-from draftlab.backends.llamacpp_batch import LlamaCppBatch
+from draftlab.backends.llamacpp_sequences import LlamaCppSequences
 from draftlab.serving.build import ServeSettings, build_served
 from draftlab.serving.scheduler import LoadK
 from tests.serve_jobs import TARGET, prompts, serve_jobs, target  # noqa: F401 (the fixtures)
@@ -20,7 +20,7 @@ TOKENS = 24
 def test_a_prefix_decoded_in_steps_gives_the_rows_its_prefill_gives(target, prompts):
     """The ground of the cache: a slot whose cells came from steps' blocks (a prompt, then blocks of 1-5 rows as
     decoding leaves them) scores the next block bitwise as a slot that prefilled the same tokens in one chunk."""
-    batch = LlamaCppBatch(target.model, 2, 1024)
+    batch = LlamaCppSequences(target.model, 2, 1024)
     assert batch.keeps_prefixes
     tokens = prompts[0] + prompts[1][:37]
     batch.prefill(0, prompts[0], final=True)

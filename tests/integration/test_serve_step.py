@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from draftlab.api import SpeculativeDecoder
+from draftlab.backends.llamacpp_sequences import LlamaCppSequences
 from draftlab.engine import SpeculativeEngine
 from draftlab.measure import EncodedPrompt, RunSettings, measure_prompt
 from draftlab.serving.build import ServeSettings, build_served
@@ -22,20 +23,28 @@ def decoder(target):
     return SpeculativeDecoder.from_names(target, drafter="none", k=1, backend="llamacpp")
 
 
-def test_generate_a_cell_and_a_served_request_run_the_one_step(monkeypatch, decoder, prompts):
-    calls: list[int] = []
-    step = SpeculativeEngine.step
+def test_generate_a_cell_and_a_served_request_run_the_one_step_on_the_one_llama_cpp_backend(monkeypatch, decoder,
+                                                                                              prompts):
+    calls: list[int] = []  # runs a step
+    scored: list[int] = []  # sequences a call into llama.cpp's backend scores
+    step, score_blocks = SpeculativeEngine.step, LlamaCppSequences.score_blocks
 
     def counted(engine, runs):
         calls.append(len(runs))
         return step(engine, runs)
 
+    def scoring(sequences, blocks, *args, **kwargs):
+        scored.append(len(blocks))
+        return score_blocks(sequences, blocks, *args, **kwargs)
+
     monkeypatch.setattr(SpeculativeEngine, "step", counted)
+    monkeypatch.setattr(LlamaCppSequences, "score_blocks", scoring)
     out = decoder.generate(prompts[0], max_new_tokens=12, temperature=0)
-    assert len(calls) == out.stats.steps == 12
+    assert len(calls) == out.stats.steps == 12 and scored == [1] * 12
     measure_prompt({"plain": decoder}, EncodedPrompt("p", "qa", prompts[1]), RunSettings(10, temperature=0))
-    assert len(calls) == 12 + 10
+    assert len(calls) == len(scored) == 12 + 10
     served = build_served(ServeSettings(TARGET, "ngram", None, slots=2, context=2048))
+    built = len(scored)  # the server's startup times blocks through it too
     served.scheduler.start()
     try:
         answers = serve_jobs(served, [(prompts[0], 12, 0.0), (prompts[2], 12, 0.0)])
@@ -44,6 +53,7 @@ def test_generate_a_cell_and_a_served_request_run_the_one_step(monkeypatch, deco
     assert answers[0] == out.token_ids
     served_steps = calls[22:]
     assert served_steps and served.metrics.batches == len(served_steps) and max(served_steps) == 2
+    assert len(scored) - built == len(served_steps) and max(scored[built:]) == 2  # both requests' blocks in one call
 
 
 @pytest.mark.parametrize("target_name, drafter", [slow(TARGET, "ngram"), exhaustive(TARGET, "suffix"),

@@ -316,6 +316,20 @@ class LlamaCppModel:
             llama_lib().llama_model_free(handle)
 
 
+def free_native(owner) -> None:
+    """Free what a llama.cpp backend holds natively (its batch, then its context), once; an object whose
+    constructor failed half way holds some of them or none."""
+    lib = getattr(owner, "lib", None)
+    if lib is None:
+        return
+    if getattr(owner, "_batch", None) is not None:
+        lib.llama_batch_free(owner._batch)
+        owner._batch = None
+    if getattr(owner, "_ctx", None):
+        lib.llama_free(owner._ctx)
+        owner._ctx = None
+
+
 def describe_gguf(path: Path, cache_root: Path) -> Path:
     """A directory with the HF config and tokenizer read from a GGUF's metadata (no weights), made once per file.
 

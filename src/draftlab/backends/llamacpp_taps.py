@@ -1,5 +1,5 @@
 """The inputs of chosen target layers, recorded by llama.cpp itself at every decode of one context (what EAGLE-3
-drafts read): `LlamaCppBackend` (one sequence) and `LlamaCppBatch` (a KV stream per slot) both tap through it.
+drafts read): `LlamaCppSequences` taps through it, for one sequence (`LlamaCppBackend`) or a KV stream per slot.
 
 llama.cpp records them with the calls its own `draft-eagle3` speculation uses (`layer_input_calls`); the graph only
 marks those tensors as outputs, so the logits are those of a decode without them. It keeps every token's row of the

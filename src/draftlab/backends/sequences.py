@@ -1,8 +1,9 @@
 """The target as a batch of sequences: the one contract the engine's step scores through.
 
 A step scores every run's block in one call (`score_blocks`), each sequence in cells of its own: `OneSequence` is a
-backend holding one sequence (`draftlab generate`, a study's cell), `LlamaCppBatch` holds a KV stream per sequence
-in one llama.cpp context (one decode for all), `BackendSlots` a torch backend per sequence (their blocks in turn).
+backend holding one sequence (`draftlab generate`, a study's cell), `LlamaCppSequences` holds llama.cpp's sequences
+in one context (one, or a KV stream per sequence, every block in one decode; `LlamaCppBackend` is its sequence 0
+alone), `BackendSlots` a torch backend per sequence (their blocks in turn).
 Each sequence's view (`view`) is a `Backend` of its own, through which its run keeps, rolls back and prefills.
 `passes` says how the backend splits a step's blocks into passes over the weights, for the cost of a step
 (`draftlab.decoding.kchoice`); `prefill_chunk` is how many prompt tokens it prefills at a time at fixed offsets

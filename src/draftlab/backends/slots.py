@@ -5,7 +5,7 @@ torch's kernels keep a row's order of additions across a block's rows only where
 several requests would round each request by what else is in flight. So each slot keeps a backend of its own (its
 own KV cache, on the same weights) and a step scores every slot's block in turn, each as it is scored alone. A
 request's greedy tokens are then those `draftlab generate` gives on that route, whatever else is in flight; the
-requests share the device, not a forward pass (llama.cpp's `LlamaCppBatch` shares the pass too). A slot's block may
+requests share the device, not a forward pass (llama.cpp's `LlamaCppSequences` shares the pass too). A slot's block may
 be a token tree, and the hidden states its drafter reads come with it, as from the backend alone.
 """
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Sequence
 
 from draftlab.backends.gguf import llama_lib, threads
-from draftlab.backends.llamacpp import MAX_CONTEXT
+from draftlab.backends.llamacpp_sequences import MAX_CONTEXT
 from draftlab.contenders.contract import ContenderSource, Method
 from draftlab.engine import GenerationResult, check_room, tokens_result
 from draftlab.errors import DraftlabError

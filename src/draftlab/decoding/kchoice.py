@@ -12,7 +12,7 @@ tokens for a draft kept to depth k are 1 + p(1) + ... + p(k), where p(d) is that
 levels of a draft of d or more are all accepted (its `AcceptanceRecord`, drawn towards the record of every run), and
 the step's seconds are the target's block-cost curve (`BlockCost`, calibrated on this host at startup) summed over
 the passes the backend splits the step's blocks into (`passes`: llama.cpp's KV streams decode blocks of unequal
-length in separate passes over the weights, `LlamaCppBatch.passes`). K = 0 is plain decoding for that run this step.
+length in separate passes over the weights, `LlamaCppSequences.passes`). K = 0 is plain decoding for that run this step.
 
 The search first covers every step in which the drafting runs draft to one depth K (each run at most its room) and
 the others draft nothing: for each K it takes the m runs that gain most from drafting, for every m (exact over those

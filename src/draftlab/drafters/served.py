@@ -2,9 +2,9 @@
 in one decode.
 
 `draftlab serve --drafter model:NAME` (or `layers:LIST`) holds the draft as the target is held, a stream per slot: on
-llama.cpp its GGUF once in a `LlamaCppBatch` (a KV stream per slot, one decode for all), on torch a backend per slot
-(`BackendSlots`, in turn). Each request's drafter (`beside`) is a `ModelDrafter` on its slot's stream: it catches up with the committed tokens, rolls back what the target rejected and is emptied when
-its request retires, alone. A step's drafting (`propose_all`) is done for every run at once: one decode feeds each
+llama.cpp its GGUF once in a `LlamaCppSequences` (a KV stream per slot, one decode for all), on torch a backend per
+slot (`BackendSlots`, in turn). Each request's drafter (`beside`) is a `ModelDrafter` on its slot's stream: it catches
+up with the committed tokens, rolls back what the target rejected and is emptied when its request retires, alone. A step's drafting (`propose_all`) is done for every run at once: one decode feeds each
 run what its stream lacks and gives each run's first draft logits, then each further position is one decode of a row
 per run still drafting, so K positions for 4 requests cost K decodes, not 4K. A prompt's catch-up is fed a chunk a
 step at most (its run drafts nothing until its stream holds the context), so a long prompt never holds the others.
@@ -27,7 +27,7 @@ from draftlab.drafters.standalone import ModelDrafter
 
 
 class Streams(Protocol):
-    """A draft model with a cache per slot (`LlamaCppBatch`, `BackendSlots`)."""
+    """A draft model with a cache per slot (`LlamaCppSequences`, `BackendSlots`)."""
 
     prefill_chunk: int | None  # tokens a stream is fed at a time at most (None: any)
 
