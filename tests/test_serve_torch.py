@@ -104,6 +104,27 @@ def test_decoder_heads_and_their_trees_serve_on_torch_each_request_as_alone(tmp_
     assert alone == expected and together == expected and served.metrics.drafted > 0
 
 
+def test_a_cut_vocabulary_draft_serves_on_torch_each_request_as_alone(tmp_path):
+    """`model:DIR,head=N` (a draft of the N lowest ids, its rows mapped to token ids) served with 3 slots: each slot's
+    draft backend scores its N rows only, and every request, alone and 3 at once, decodes as plain decoding alone."""
+    target = str(tiny_model_dir(tmp_path / "tiny"))
+    prompts = [[i % 30 + 1 for i in ids] for ids in repeating_prompts(64, 3)]  # ids the cut draft holds
+    plain = SpeculativeDecoder.from_names(target, drafter="none", k=1)
+    expected = [plain.generate(ids, max_new_tokens=TOKENS, temperature=0).token_ids for ids in prompts]
+    served = build_served(ServeSettings(target, f"model:{target},head=40", LoadK.parse("1:3,2-3:2"), slots=3,
+                                        context=256, backend="auto"))
+    streams = served.scheduler.engine.drafter.streams
+    assert streams.score({2: [1]})[2].shape[-1] == len(served.scheduler.engine.drafter.like.vocab_map)
+    streams.rollback(2, 0)
+    served.scheduler.start()
+    try:
+        alone = [serve_jobs(served, [(ids, TOKENS, 0)])[0] for ids in prompts]
+        together = serve_jobs(served, [(ids, TOKENS, 0.02 * i) for i, ids in enumerate(prompts)])
+    finally:
+        served.scheduler.stop()
+    assert alone == expected and together == expected and served.metrics.drafted > 0
+
+
 def test_torch_flags_are_refused_on_llama_cpp_and_repack_on_torch():
     with pytest.raises(DraftlabError, match="torch backend"):
         ServeSettings("smollm2-135m@Q4_0_PURE", device="cuda")

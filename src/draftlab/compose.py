@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from draftlab.backends import Backend, Engine, engine_of_backend, make_backend
 from draftlab.backends.llamacpp_sequences import LlamaCppSequences
 from draftlab.backends.routes import Route, parse_route
@@ -118,9 +120,7 @@ def served_drafter(spec: str, target: Target, slots: int, context: int | None, t
         _check_served_on_gguf(spec)
     if built.model_drafter is None or built.drafter is not built.model_drafter:
         return ServedDraft(built.drafter)
-    if built.model_drafter.vocab_map is not None:
-        raise DraftlabError(f"draftlab serve runs draft models with their whole vocabulary: drop ,head= from {spec}")
-    streams = _draft_streams(built.model, target, slots, context, threads)
+    streams = _draft_streams(built.model, built.model_drafter.vocab_map, target, slots, context, threads)
     return ServedDraft(ServedModelDrafter(built.model_drafter, streams), streams)
 
 
@@ -133,15 +133,15 @@ def _check_served_on_gguf(spec: str) -> None:
                             "or its chain (eagle3, model:...) here")
 
 
-def _draft_streams(draft: LoadedModel, target: Target, slots: int, context: int | None, threads: int | None
-                   ) -> LlamaCppSequences | BackendSlots:
-    """A draft model with a cache per slot, as the target's: its GGUF in a KV stream per slot, or a torch backend per
-    slot on its weights."""
+def _draft_streams(draft: LoadedModel, head_rows: torch.Tensor | None, target: Target, slots: int,
+                   context: int | None, threads: int | None) -> LlamaCppSequences | BackendSlots:
+    """A draft model with a cache per slot, as the target's: its GGUF in a KV stream per slot (a cut draft's GGUF
+    holds its trimmed head), or a torch backend per slot on its weights (a cut draft's `head_rows` [V'])."""
     if target.on_gguf:
         return LlamaCppSequences(draft.model, slots, context, threads)
     n_ctx = min(context or draft.context_length, draft.context_length)
-    return BackendSlots(lambda: make_backend(draft.model, draft.device, target.backend, batch_invariant=False), slots,
-                        n_ctx)
+    return BackendSlots(lambda: make_backend(draft.model, draft.device, target.backend, batch_invariant=False,
+                                             head_rows=head_rows), slots, n_ctx)
 
 
 def _check_gguf_numerics(engine: Engine, numerics: str) -> None:

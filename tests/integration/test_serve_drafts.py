@@ -84,6 +84,22 @@ def test_every_draft_position_of_the_requests_in_flight_is_one_decode(monkeypatc
     assert served.metrics.drafted > 0 and served.metrics.accepted > 0
 
 
+def test_a_cut_vocabulary_draft_is_served_on_its_trimmed_head(prompts, plain):
+    """`model:NAME,head=N` (a cut draft: its GGUF's head trimmed to N rows, each row mapped to its token id) in a
+    stream per slot, 4 requests at a time: the streams' logits are the N rows, every answer as alone."""
+    served = build_served(ServeSettings(TARGET, "model:smollm2-135m,head=4096", LoadK.parse("1:3"), slots=4,
+                                        context=2048))
+    streams = served.scheduler.engine.drafter.streams
+    assert streams.score({3: [1]})[3].shape == (1, 4096)
+    streams.rollback(3, 0)
+    served.scheduler.start()
+    try:
+        answers = serve_jobs(served, [(ids, TOKENS, 0.05 * (i % 4)) for i, ids in enumerate(prompts)])
+    finally:
+        served.scheduler.stop()
+    assert answers == plain and served.metrics.drafted > 0 and served.metrics.accepted > 0
+
+
 def draft_held(served, drafter: str) -> list[int]:
     """Positions each slot's draft holds: a draft model's stream, an EAGLE-3 draft's cache."""
     if drafter == DRAFT:

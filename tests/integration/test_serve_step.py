@@ -81,3 +81,26 @@ def test_long_prompts_prefill_in_chunks_beside_decoding_and_each_request_decodes
     assert metrics.prefill_chunks >= 4 + 3 + 3  # 1790 tokens in 4 chunks of 512, 1410 in 3, and the short ones
     assert metrics.prefill_chunks_beside >= 4  # long prompts' chunks between the steps of requests decoding
     assert metrics.drafted > 0
+
+
+def test_k_auto_weighs_rows_by_a_profiles_block_costs_where_they_are_the_servers_numerics(tmp_path, monkeypatch,
+                                                                                          target):
+    """`--cost-profile`: the curve a profile timed on the server's own numerics, nothing timed at startup; a profile
+    of other numerics is one line."""
+    from draftlab.backends.llamacpp import LlamaCppBackend
+    from draftlab.errors import DraftlabError
+    from draftlab.perf.calibrate import Profile
+    from draftlab.perf.throughput import TargetProfile
+    from draftlab.serving import build
+
+    path = tmp_path / "profile.json"
+    numerics = LlamaCppBackend(target.model).numerics
+    Profile(TargetProfile("smollm2", {1: 0.010, 2: 0.011, 4: 0.013, 9: 0.020}), numerics=numerics).save(path)
+    monkeypatch.setattr(build, "block_cost", lambda *args: pytest.fail("the blocks were timed at startup"))
+    settings = ServeSettings(TARGET, "suffix", None, slots=2, context=1024, cost_profile=str(path))
+    chooser = build_served(settings).scheduler.engine.chooser
+    assert chooser.cost.points == ((1, 0.010), (2, 0.011), (4, 0.013), (9, 0.020))
+    Profile(TargetProfile("smollm2", {1: 0.010, 2: 0.011}), numerics=numerics.replace("Q4_0", "Q4_K - Medium")
+            ).save(path)
+    with pytest.raises(DraftlabError, match="not this server's"):
+        build_served(settings)

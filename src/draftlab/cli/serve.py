@@ -31,6 +31,9 @@ def add_serve_commands(sub) -> None:
                                                  "request's K chosen at every step by expected tokens per second, "
                                                  "from its acceptance so far and this host's cost of a step's rows")
     serve.add_argument("--k-max", type=int, default=8, help="--k auto's deepest draft (default 8)")
+    serve.add_argument("--cost-profile", default="", metavar="FILE",
+                       help="--k auto's cost of a step's rows from a profile timed here on the same numerics "
+                            "(`draftlab calibrate --backend llamacpp`, a study's profile.json; default: timed at start)")
     serve.add_argument("--k-per-load", default=None, metavar="ROWS",
                        help="K by requests in flight, rows LO-HI:K from 1 on, e.g. 1-2:6,3-4:3,5-8:0 (0: plain "
                             "decoding; auto: K chosen each step at those loads, e.g. 1:3,2-64:auto)")
@@ -84,7 +87,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     target, drafter, ks = _what_to_serve(args)
     settings = ServeSettings(target, drafter, ks, args.k_max, args.max_in_flight, args.max_queue, args.context,
                              args.numerics, args.served_model_name, args.api_key, args.suffix_cache, args.threads,
-                             args.backend, args.device, args.dtype, args.prompt_cache)
+                             args.backend, args.device, args.dtype, args.prompt_cache, args.cost_profile)
     served = build_served(settings)
     k = ("K chosen each step (auto)" if settings.ks is None else "plain decoding" if settings.ks == LoadK.fixed(0)
          else f"K per requests in flight {settings.ks.text()}")

@@ -18,6 +18,7 @@ from draftlab.decoding.step import Block
 from draftlab.drafters.kinds import learns_across_requests, with_suffix_store
 from draftlab.engine import SpeculativeEngine
 from draftlab.errors import DraftlabError
+from draftlab.perf.calibrate import Profile, route_of
 from draftlab.serving.app import Served
 from draftlab.serving.metrics import ServeMetrics
 from draftlab.serving.protocol import ApiError
@@ -47,6 +48,8 @@ class ServeSettings:
     device: str = "cpu"  # torch backends: cpu or cuda
     dtype: str = "auto"  # torch backends: the weights' dtype (auto: the exact route measured fastest here)
     prompt_cache: bool = True  # a retired request's cells stay in its slot for a prompt that starts with its tokens
+    cost_profile: str = ""  # a profile timed on this host (`draftlab calibrate`, a study's profile.json) whose target
+    # block costs `--k auto` weighs a step's rows by ('': timed at startup)
 
     def __post_init__(self) -> None:
         if self.slots < 1 or self.max_waiting < 0:
@@ -85,7 +88,9 @@ def _build(settings: ServeSettings) -> Served:
                                     settings.numerics))
     loaded, batch = target.loaded, slot_sequences(target, settings.slots, settings.context, settings.threads)
     draft = served_drafter(settings.drafter_spec, target, settings.slots, settings.context, settings.threads)
-    chooser = choose_ks(settings.ks, lambda: auto_k(batch, draft.streams, loaded.vocab_size, settings.k_max))
+    target_cost = lambda: target_costs(batch, loaded.vocab_size, settings.cost_profile)  # noqa: E731
+    chooser = choose_ks(settings.ks, lambda: auto_k(target_cost(), batch, draft.streams, loaded.vocab_size,
+                                                    settings.k_max))
     metrics = ServeMetrics(k_rows=settings.ks.text() if settings.ks else "auto")
     context = min(loaded.context_length, batch.n_ctx)
     tokenizer = loaded.tokenizer
@@ -110,13 +115,26 @@ def choose_ks(ks: LoadK | None, auto: Callable[[], AutoK]) -> StepK:
     return LoadThenAuto(ks, auto()) if ks.has_auto else ks
 
 
-def auto_k(batch: Sequences, draft: Sequences | None, vocab_size: int, k_max: int) -> AutoK:
-    """`--k auto` over the target's cost curve, and a draft model's (its streams') where it runs one (other drafters'
-    cost as the steps time them, `AutoK.timed`)."""
+def auto_k(cost: BlockCost, batch: Sequences, draft: Sequences | None, vocab_size: int, k_max: int) -> AutoK:
+    """`--k auto` over the target's cost curve, and a draft model's (its streams', timed at startup) where it runs
+    one (other drafters' cost as the steps time them, `AutoK.timed`)."""
     if draft is None:
-        return AutoK(block_cost(batch, vocab_size), batch.passes, k_max)
-    return AutoK(block_cost(batch, vocab_size), batch.passes, k_max, draft=block_cost(draft, vocab_size),
-                 draft_passes=draft.passes, calibrated=True)
+        return AutoK(cost, batch.passes, k_max)
+    return AutoK(cost, batch.passes, k_max, draft=block_cost(draft, vocab_size), draft_passes=draft.passes,
+                 calibrated=True)
+
+
+def target_costs(batch: Sequences, vocab_size: int, profile: str) -> BlockCost:
+    """The target's cost curve: timed at startup, or read from a profile timed on the same numerics (a one-line
+    error where its numerics are not the server's: another weight type, kernels or route costs otherwise)."""
+    if not profile:
+        return block_cost(batch, vocab_size)
+    read = Profile.load(profile)
+    numerics = batch.view(0).numerics
+    if route_of(read.numerics) != route_of(numerics):
+        raise DraftlabError(f"{profile} timed {read.numerics or 'a target of unknown numerics'}, not this server's "
+                            f"{numerics}: leave --cost-profile out to time the blocks at startup")
+    return BlockCost(tuple(sorted(read.target.score_s.items())))
 
 
 def apart(work: Callable[[], T]) -> T:
