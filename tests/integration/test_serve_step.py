@@ -11,6 +11,7 @@ from draftlab.backends.llamacpp_sequences import LlamaCppSequences
 from draftlab.engine import SpeculativeEngine
 from draftlab.measure import EncodedPrompt, RunSettings, measure_prompt
 from draftlab.serving.build import ServeSettings, build_served
+from draftlab.serving.scheduler import LoadK
 from tests.serve_jobs import TARGET, prompts, serve_jobs, target  # noqa: F401 (the fixtures)
 from tests.tiers import exhaustive, slow
 
@@ -104,3 +105,5 @@ def test_k_auto_weighs_rows_by_a_profiles_block_costs_where_they_are_the_servers
             ).save(path)
     with pytest.raises(DraftlabError, match="not this server's"):
         build_served(settings)
+    with pytest.raises(DraftlabError, match="has none to price"):
+        ServeSettings(TARGET, "suffix", LoadK.fixed(3), cost_profile=str(path))

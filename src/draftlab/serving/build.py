@@ -58,6 +58,9 @@ class ServeSettings:
             raise DraftlabError(f"draftlab serve's --numerics on llama.cpp is exact or repack, not {self.numerics!r}")
         if not self.on_llamacpp and self.numerics == "repack":
             raise DraftlabError("--numerics repack is llama.cpp's; the torch backend takes exact or a route label")
+        if self.cost_profile and self.ks is not None and not self.ks.has_auto:
+            raise DraftlabError("--cost-profile prices the rows --k auto chooses; a fixed --k or --k-per-load without "
+                                "auto has none to price")
         if self.on_llamacpp and (self.device != "cpu" or self.dtype != "auto"):
             raise DraftlabError("llama.cpp serves the GGUF's own types on the CPU: --device and --dtype are the "
                                 "torch backend's (add --backend auto)")
@@ -88,9 +91,8 @@ def _build(settings: ServeSettings) -> Served:
                                     settings.numerics))
     loaded, batch = target.loaded, slot_sequences(target, settings.slots, settings.context, settings.threads)
     draft = served_drafter(settings.drafter_spec, target, settings.slots, settings.context, settings.threads)
-    target_cost = lambda: target_costs(batch, loaded.vocab_size, settings.cost_profile)  # noqa: E731
-    chooser = choose_ks(settings.ks, lambda: auto_k(target_cost(), batch, draft.streams, loaded.vocab_size,
-                                                    settings.k_max))
+    chooser = choose_ks(settings.ks, lambda: auto_k(target_costs(batch, loaded.vocab_size, settings.cost_profile),
+                                                    batch, draft.streams, loaded.vocab_size, settings.k_max))
     metrics = ServeMetrics(k_rows=settings.ks.text() if settings.ks else "auto")
     context = min(loaded.context_length, batch.n_ctx)
     tokenizer = loaded.tokenizer
