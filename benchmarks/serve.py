@@ -8,7 +8,8 @@ decoding, `--k auto` with the pick's drafter, and its pick (a drafter and K per 
 same prompt sets in windows of c requests at once (every request prefills), greedy, each request streamed. Per
 server, level and set: aggregate tokens/s (every request's tokens over the windows' wall time), mean time to first
 token and latency per request (from sending it), and how many outputs equal draftlab's plain decoding (`draftlab
-generate`, in this process). The host's CPU flags are printed
+generate`, in this process); for draftlab serve with a draft model, its passes over the draft's weights against the
+steps' draft positions (each step's deepest draft) in that window, from its /metrics. The host's CPU flags are printed
 with the figures; the last line is one JSON document.
 
 `--chats N`: then N conversations of 4 turns through `/v1/chat/completions` (a long-context document and its
@@ -97,8 +98,12 @@ def main() -> None:
                             run = server.contender(CONTEXT, reuse=False)
                             run.run([1, 2, 3], RunSettings(8, temperature=0.0))  # warm-up, on no prompt of a set
                             stream = Streamed(server.port, protocol, args.max_new_tokens)
+                            before = _draft_counts(server.port) if protocol is DRAFTLAB else {}
                             rows.append({"server": name, "dataset": dataset, "level": level, "repeat": repeat,
                                          **_windows(stream, prompts, plain[dataset], level)})
+                            if before:
+                                after = _draft_counts(server.port)
+                                rows[-1].update({key: after[key] - before[key] for key in before})
                         print(_row(rows[-1]), flush=True)
         chats = _chats(args, Path(scratch)) if args.chats else None
         soak = _soak(servers, sets, args, Path(scratch)) if args.soak else None
@@ -161,6 +166,18 @@ def _windows(stream: Streamed, prompts: list[list[int]], plain: list[list[int]],
                 identical += answer == plain[i]
     return {"tokens_per_s": tokens / wall, "ttft_s": statistics.mean(firsts), "latency_s": statistics.mean(latencies),
             "identical": identical, "prompts": len(prompts)}
+
+
+def _draft_counts(port: int) -> dict:
+    """A draftlab server's draft passes and draft positions so far ({} where it serves no draft model)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+              if line.startswith(("draftlab:draft_passes_total ", "draftlab:draft_positions_total "))}
+    if "draftlab:draft_passes_total" not in values:
+        return {}
+    return {"draft_passes": values["draftlab:draft_passes_total"],
+            "draft_positions": values["draftlab:draft_positions_total"]}
 
 
 FOLLOW_UPS = ("Summarize your answer in one sentence.", "What detail of the document matters most, and why?",
@@ -250,14 +267,16 @@ def _soak(servers, sets, args, logs: Path) -> dict:
 
 
 def _row(row: dict) -> str:
+    passes = (f"  draft passes {row['draft_passes']:.0f} for {row['draft_positions']:.0f} positions"
+              if "draft_passes" in row else "")
     return (f"{row['server']:<40}{row['dataset']:<13}{row['level']:>3}{row['tokens_per_s']:>9.1f}"
-            f"{row['ttft_s']:>8.2f}{row['latency_s']:>9.2f}{row['identical']:>4}/{row['prompts']}")
+            f"{row['ttft_s']:>8.2f}{row['latency_s']:>9.2f}{row['identical']:>4}/{row['prompts']}{passes}")
 
 
 def _table(rows: list[dict]) -> str:
     """Per server, set and level over the repeats: median tok/s (range), median time to first token and latency,
-    outputs equal to plain,
-    and the median's ratio to llama-server's plain decoding and to draftlab serve's plain at the same set and level."""
+    outputs equal to plain, the median's ratio to llama-server's plain decoding and to draftlab serve's plain at the
+    same set and level, and a draft model's passes against its draft positions."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["server"], r["dataset"], r["level"]), []).append(r)
@@ -275,8 +294,17 @@ def _table(rows: list[dict]) -> str:
                      f"{statistics.median(r['latency_s'] for r in runs):>7.2f}"
                      f"{same:>4}/{sum(r['prompts'] for r in runs):<3}"
                      f"  {median[(server, dataset, level)] / llama if llama else 0:>6.2f}x"
-                     f"  {median[(server, dataset, level)] / own if own else 0:>12.2f}x")
+                     f"  {median[(server, dataset, level)] / own if own else 0:>12.2f}x"
+                     + _passes(runs))
     return "\n".join(lines)
+
+
+def _passes(runs: list[dict]) -> str:
+    """A draft model's passes over its weights against the steps' draft positions, over the repeats ('' where none)."""
+    if not any("draft_passes" in r for r in runs):
+        return ""
+    return (f"  draft passes {sum(r['draft_passes'] for r in runs):.0f} / positions "
+            f"{sum(r['draft_positions'] for r in runs):.0f}")
 
 
 if __name__ == "__main__":

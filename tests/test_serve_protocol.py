@@ -10,7 +10,7 @@ from draftlab.errors import DraftlabError
 from draftlab.serving.metrics import ServeMetrics
 from draftlab.serving.answers import TextStream
 from draftlab.serving.protocol import ApiError, parse_request
-from draftlab.serving.scheduler import LoadK
+from draftlab.serving.scheduler import PASSED_OVER_AT_MOST, LoadK, next_prefill
 
 
 def parse(body, chat: bool = False):
@@ -105,6 +105,20 @@ def test_k_per_load_reads_the_studys_rows_and_refuses_gaps():
     for bad in ("2:4", "1:4,3:2", "1:-1", "1-x:4", "1:4,"):
         with pytest.raises(DraftlabError):
             LoadK.parse(bad)
+
+
+def test_the_prompt_with_fewest_tokens_left_prefills_next_and_none_is_put_off_for_good():
+    """A short prompt behind a long one's chunks goes first; a prompt passed over `PASSED_OVER_AT_MOST` times takes
+    the next turn, however many shorter ones arrive."""
+    assert next_prefill({0: (1500, 0), 2: (40, 0)}) == 2
+    assert next_prefill({1: (300, 0), 0: (300, 0)}) == 1  # equals: the first admitted
+    turns, passed = [], {0: 0}
+    for arriving in range(1, 9):  # a short prompt arrives every turn; slot 0 holds a long one
+        left = {0: (1500, passed[0]), arriving: (30, 0)}
+        slot = next_prefill(left)
+        turns.append(slot)
+        passed[0] = 0 if slot == 0 else passed[0] + 1
+    assert turns.count(0) == 2 and turns[PASSED_OVER_AT_MOST] == 0
 
 
 def test_metrics_are_prometheus_text_with_vllms_names_and_histograms():

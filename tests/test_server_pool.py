@@ -75,3 +75,51 @@ def test_a_server_that_would_not_fit_is_refused_with_one_line(tmp_path, monkeypa
         pool.stop_all()
     assert all(server.process.poll() is not None for server in servers)
     assert all(server.memory_gib() == 0 for server in servers)
+
+
+def test_a_server_not_held_is_stopped_to_make_room_the_one_used_last_first(tmp_path, monkeypatch):
+    """Where the host holds two servers: the two the work in progress holds are kept (the third is refused); once
+    let go, a third stops the one used last of those not held again, and a stopped one starts again when used."""
+    pool = server_configs.ServerPool(tmp_path)
+    # the host the test makes: 1 GiB given back by each server stopped, less than the margin once two run
+    monkeypatch.setattr(server_configs, "available_gib",
+                        lambda: server_configs.MEMORY_MARGIN_GIB + (2 - len(pool.running)) - 0.001)
+    try:
+        a, b = pool.contender(TinyConfig("a")), pool.contender(TinyConfig("b"))
+        with pytest.raises(server_configs.NoRoom, match="no room for another tiny server"):
+            pool.contender(TinyConfig("c"))
+        pool.let_go()
+        pool.contender(TinyConfig("a"))  # held again; b is not
+        pool.contender(TinyConfig("c"))
+        assert b.server.process.poll() is not None and a.server.process.poll() is None
+        assert [config.name for config in pool.running] == ["a", "c"] and pool.stopped_for_room == 1
+        pool.let_go()
+        again = pool.contender(TinyConfig("b"))  # c was used last: it goes, a stays
+        assert [config.name for config in pool.running] == ["a", "b"] and again.server.process.poll() is None
+    finally:
+        pool.stop_all()
+
+
+def test_contenders_come_in_groups_that_fit_each_measured_before_the_next_starts(tmp_path, monkeypatch):
+    """Five configurations on a host that holds two servers: groups of two, two and one, each group's servers
+    running while it is measured; a configuration that cannot start at all fails alone."""
+    pool = server_configs.ServerPool(tmp_path)
+    monkeypatch.setattr(server_configs, "available_gib",
+                        lambda: server_configs.MEMORY_MARGIN_GIB + (2 - len(pool.running)) - 0.001)
+    failed = []
+
+    def make(name: str):
+        if name == "broken":
+            raise DraftlabError("broken on purpose")
+        return pool.contender(TinyConfig(name))
+
+    try:
+        groups = []
+        for group in server_configs.in_groups(["a", "b", "broken", "c", "d", "e"], make, pool,
+                                              lambda name, exc: failed.append(name)):
+            assert all(run.server.process.poll() is None for run in group.values())
+            groups.append(list(group))
+        assert groups == [["a", "b"], ["c", "d"], ["e"]] and failed == ["broken"]
+        assert not pool.held and pool.stopped_for_room == 3
+    finally:
+        pool.stop_all()

@@ -59,7 +59,8 @@ def test_a_started_server_with_a_draft_answers_each_request_as_alone(tmp_path, p
 
 def test_every_draft_position_of_the_requests_in_flight_is_one_decode(monkeypatch, prompts, plain):
     """With 4 requests at K=3, each step's drafting costs as many decodes of the draft as its deepest draft (not one
-    per request and position), and each request decodes as alone, 4 at a time and joining mid-decode."""
+    per request and position), and each request decodes as alone, 4 at a time and joining mid-decode; /metrics
+    counts the draft's passes and the steps' draft positions."""
     served = build_served(ServeSettings(TARGET, DRAFT, LoadK.parse("1:3"), slots=4, context=2048))
     streams = served.scheduler.engine.drafter.streams
     per_step: list[tuple[int, int, int]] = []  # (draft decodes, deepest draft, drafting runs)
@@ -80,8 +81,11 @@ def test_every_draft_position_of_the_requests_in_flight_is_one_decode(monkeypatc
     assert answers == plain
     together = [(decodes, deepest) for decodes, deepest, runs in per_step if runs >= 3]
     assert len(together) >= 10
-    assert all(decodes == deepest for decodes, deepest in together), together
+    assert all(decodes == deepest for decodes, deepest in together), [t for t in together if t[0] != t[1]]
     assert served.metrics.drafted > 0 and served.metrics.accepted > 0
+    text = served.metrics.text()  # /metrics counts both: a benchmark reads them from a started server
+    assert gauge(text, "draft_passes_total") == streams.decodes
+    assert gauge(text, "draft_positions_total") == sum(deepest for _, deepest, _ in per_step)
 
 
 def test_a_cut_vocabulary_draft_is_served_on_its_trimmed_head(prompts, plain):

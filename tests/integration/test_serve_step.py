@@ -4,6 +4,8 @@ prefilled in chunks between the steps of the requests decoding, each request's t
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from draftlab.api import SpeculativeDecoder
@@ -82,6 +84,48 @@ def test_long_prompts_prefill_in_chunks_beside_decoding_and_each_request_decodes
     assert metrics.prefill_chunks >= 4 + 3 + 3  # 1790 tokens in 4 chunks of 512, 1410 in 3, and the short ones
     assert metrics.prefill_chunks_beside >= 4  # long prompts' chunks between the steps of requests decoding
     assert metrics.drafted > 0
+
+
+def test_a_short_prompt_behind_a_long_ones_chunks_is_answered_first_each_as_alone(prompts, decoder):
+    """A ~1790-token prompt (4 chunks) admitted first and a short one beside it: the short one prefills first and
+    answers first; both answers are plain decoding's alone."""
+    from draftlab.engine import GenerationConfig
+    from draftlab.serving.scheduler import Job
+
+    long, short = prompts[5] + prompts[1] + prompts[0] + prompts[4], prompts[2][:30]
+    alone = [decoder.generate(ids, max_new_tokens=8, temperature=0).token_ids for ids in (long, short)]
+    served = build_served(ServeSettings(TARGET, "ngram", None, slots=2, context=4096))
+    chunks: list[int] = []  # the prompt length of each chunk prefilled, in turn
+    engine = served.scheduler.engine
+    prefill_part = engine.prefill_part
+
+    def counted(run):
+        chunks.append(run.prompt_length)
+        prefill_part(run)
+
+    engine.prefill_part = counted
+    firsts: list[int] = []
+    answers: list[list[int]] = [[], []]
+    done = [threading.Event(), threading.Event()]
+
+    def sink(i: int):
+        def emit(kind: str, value) -> None:
+            if kind == "tokens":
+                if not answers[i]:
+                    firsts.append(i)
+                answers[i].extend(value)
+            else:
+                done[i].set()
+        return emit
+
+    for i, ids in enumerate((long, short)):  # both waiting before the scheduler runs: admitted together
+        served.scheduler.submit(Job(ids, GenerationConfig(max_new_tokens=8, eos_token_ids=served.eos_ids), sink(i)))
+    served.scheduler.start()
+    try:
+        assert all(event.wait(120) for event in done)
+    finally:
+        served.scheduler.stop()
+    assert chunks == [len(short)] + [len(long)] * 4 and firsts == [1, 0] and answers == alone
 
 
 def test_k_auto_weighs_rows_by_a_profiles_block_costs_where_they_are_the_servers_numerics(tmp_path, monkeypatch,

@@ -28,6 +28,7 @@ class Sequences(Protocol):
     prefill_chunk: int | None  # prompt tokens a chunk prefills (chunks at multiples of it); None: whole prompts
     keeps_prefixes: bool  # a sequence's cells, once its request ends, are those a prefill of its tokens leaves (every
     # row as alone, prefilled on the same kernels): a later prompt that starts with them reuses them
+    decodes: int  # passes over the weights so far (a served draft's are counted in /metrics)
 
     def view(self, seq: int) -> Backend:
         """The sequence as a backend of its own (prefill, keep, rollback)."""
@@ -66,6 +67,7 @@ class OneSequence:
 
     def __init__(self, backend: Backend, n_ctx: int = 1 << 30) -> None:
         self.backend, self.n_ctx = backend, n_ctx
+        self.decodes = 0
 
     def view(self, seq: int) -> Backend:
         return self.backend
@@ -73,6 +75,7 @@ class OneSequence:
     def score_blocks(self, blocks: dict[int, Block], with_hidden: bool = False, taps: tuple[int, ...] = ()
                      ) -> dict[int, Scores]:
         (seq, block), = blocks.items()
+        self.decodes += 1
         return {seq: self.backend.score_block(block, with_hidden, taps=taps)}
 
     def prefill(self, seq: int, tokens: Sequence[int], final: bool, with_hidden: bool = False,
@@ -80,6 +83,7 @@ class OneSequence:
         """A whole prompt (one backend prefills whole)."""
         if not final or self.backend.cache_len:
             raise DraftlabError("a single backend prefills a prompt whole")
+        self.decodes += 1
         return self.backend.score_block(Block.chain(list(tokens)), with_hidden, last_only=True, taps=taps).hidden
 
     def passes(self, lengths: dict[int, int]) -> list[int]:

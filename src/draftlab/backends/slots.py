@@ -29,6 +29,7 @@ class BackendSlots:
             raise DraftlabError(f"draftlab serve needs at least one slot, got {slots}")
         self.backends = [make() for _ in range(slots)]
         self.n_ctx = n_ctx
+        self.decodes = 0  # passes over the weights: a slot's block or prompt each
 
     def view(self, slot: int) -> Backend:
         """The slot's backend, for its engine."""
@@ -39,6 +40,7 @@ class BackendSlots:
         out = {}
         for slot, tokens in blocks.items():
             self._check_room(slot, len(tokens))
+            self.decodes += 1
             out[slot] = self.backends[slot].score_block(Block.chain(list(tokens)), last_only=last_only).logits  # [n, V]
         return out
 
@@ -57,6 +59,7 @@ class BackendSlots:
         per slot, and the hidden states a drafter reads with `with_hidden`."""
         for slot, block in blocks.items():
             self._check_room(slot, len(block.tokens))
+        self.decodes += len(blocks)
         return {slot: self.backends[slot].score_block(block, with_hidden, taps=taps) for slot, block in blocks.items()}
 
     def prefill(self, slot: int, tokens: Sequence[int], final: bool, with_hidden: bool = False,
@@ -64,6 +67,7 @@ class BackendSlots:
         """A whole prompt into an empty slot; with `with_hidden`, its hidden states for the slot's drafter."""
         if not final or self.backends[slot].cache_len:
             raise DraftlabError("a torch slot prefills a prompt whole, into an empty slot")
+        self.decodes += 1
         return self.backends[slot].score_block(Block.chain(list(tokens)), with_hidden, last_only=True,
                                                taps=taps).hidden
 

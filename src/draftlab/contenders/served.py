@@ -210,6 +210,11 @@ class PrefillShare:
         """`server` has just prefilled the prompt: the others copy it from there."""
         self.donor, self.prompt, self.saved = server, tuple(prompt_ids), False
 
+    def forget(self, server: Any) -> None:
+        """`server` is stopping: a prompt's prefill it held is gone (the next server of the group computes it)."""
+        if self.donor is server:
+            self.donor, self.prompt, self.saved = None, (), False
+
     def copy_to(self, server: Any, prompt_ids: list[int]) -> None:
         """`server`'s slot made to hold the donor's prefill of the prompt (saved on the first copy)."""
         if self.donor is None or tuple(prompt_ids) != self.prompt:

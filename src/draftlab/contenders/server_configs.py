@@ -12,7 +12,9 @@ for `ngram-mod` (with its `-n-min` at three quarters of it, the ratio of the ser
 
 `ServerPool` starts each configuration's server the first time a cell needs it, keeps it for the study's other
 prompts (per-request speculative settings are compiled out of this llama.cpp: a configuration is a server start)
-and stops them all when the study ends, however it ends. Servers that differ only in their n-gram speculation
+as long as the host's memory holds them all (else the cells of a prompt run in groups that fit, `in_groups`, and a
+server not held is stopped to make room and started again when next used) and stops them all when the study ends,
+however it ends. Servers that differ only in their n-gram speculation
 prefill a prompt once: one computes it, the others load its slot file (`PrefillShare`).
 
 Its `METHODS` in a study (`contenders.contract`): llama-server's plain decoding and its own speculation.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Iterator, Sequence, TypeVar
 
 from draftlab.contenders.contract import ContenderSource, Method, served_contender
 from draftlab.contenders.served import PrefillShare, available_gib
@@ -33,6 +36,7 @@ from draftlab.models import gguf_path
 from draftlab.drafters.eagle3_checkpoint import engine_files
 from draftlab.drafters.kinds import is_plain_drafter
 
+T = TypeVar("T")
 CONTEXT_PER_SLOT = 4096  # tokens of context each slot gets: the longest shipped prompt plus its answer fits
 MAX_CONCURRENCY = 16  # load runs go to 127.0.0.1 only, bounded: each level is that many requests at once
 
@@ -121,46 +125,111 @@ def draft_gguf(spec_type: str, draft: str) -> Path:
 MEMORY_MARGIN_GIB = 1.5  # what a server start leaves the host: the study's own process grows as it runs
 
 
+class NoRoom(DraftlabError):
+    """A server that does not fit in the host's memory beside those the work in progress holds."""
+
+
 @dataclass
 class ServerPool:
-    """The study's running servers (llama-server's, vLLM's), one per configuration, started on first use and stopped
-    by `stop_all`. A configuration makes its own server: `config.server(log_dir)`. A start that would not fit in
-    the host's memory is refused with one line, judged by what the largest running server of its kind holds."""
+    """The study's running servers (llama-server's, draftlab serve's, vLLM's), one per configuration, started on first
+    use and stopped by `stop_all`. A configuration makes its own server: `config.server(log_dir)`. Servers the work
+    in progress holds (each `contender` since the last `let_go`) keep running; where another would not fit in the
+    host's memory (judged by what the largest running server of its kind holds), the others are stopped to make room,
+    the one used last first (a sweep uses them in turn: the one it used last it needs last again), and started again
+    when next used; where none can be stopped, `NoRoom` says so in one line."""
 
     log_dir: Path
     most_in_flight: int = 1  # the most requests any cell sends at once (a vLLM server serves every level)
-    running: dict = field(default_factory=dict)  # configuration -> (its running server, its PrefillShare or None)
+    running: dict = field(default_factory=dict)  # configuration -> (its running server, its PrefillShare or None),
+    # the one used last at the end
     shares: dict = field(default_factory=dict)  # prefill group -> its PrefillShare
+    held: set = field(default_factory=set)  # configurations the work in progress holds
+    stopped_for_room: int = 0  # servers stopped to make room for another
 
     def contender(self, config, reuse: bool = True) -> Contender:
-        """The contender of a configuration's server, started if it is not running yet; `reuse`: its requests start
-        from the prompt's prefill, which the servers of one prefill group compute once (`PrefillShare`)."""
-        if config not in self.running:
+        """The contender of a configuration's server, started if it is not running (others stopped to make room);
+        `reuse`: its requests start from the prompt's prefill, which the servers of one prefill group compute once
+        (`PrefillShare`). The server is held until `let_go`."""
+        if config in self.running:
+            self.running[config] = self.running.pop(config)  # used last
+        else:
             server = config.server(self.log_dir)
-            self._make_sure_it_fits(server)
+            self._make_room(server)
             server.start()
             group = config.prefill_group()  # (reads the model's file: once a server)
             self.running[config] = server, self.shares.setdefault(group, PrefillShare(group)) if group else None
+        self.held.add(config)
         server, share = self.running[config]
         return server.contender(CONTEXT_PER_SLOT, reuse, share)
 
-    def _make_sure_it_fits(self, server) -> None:
-        """Refuse to start another server of a kind whose largest running one would not fit in what the host has
-        left (the first of a kind always starts: nothing measured it yet)."""
-        sizes = [running.memory_gib() for running, _ in self.running.values() if running.NAME == server.NAME]
-        if not sizes:
-            return
-        need, free = max(sizes), available_gib()
-        if free < need + MEMORY_MARGIN_GIB:
-            raise DraftlabError(f"no room for another {server.NAME} server: {free:.1f} GiB of memory left, one "
-                                f"holds {need:.1f} GiB here and {len(sizes)} run; fewer drafters, K values or "
-                                "concurrency levels of it fit")
+    def let_go(self) -> None:
+        """The work in progress is done with the servers it holds: each may be stopped to make room for another."""
+        self.held.clear()
+
+    def _make_room(self, server) -> None:
+        """Stop servers not held, the one used last first, until `server` fits beside the rest (the first of a kind
+        always starts: nothing measured it yet); `NoRoom` where it cannot."""
+        while not self._fits(server):
+            idle = [config for config in self.running if config not in self.held]
+            if not idle:
+                sizes = self._sizes(server)
+                raise NoRoom(f"no room for another {server.NAME} server: {available_gib():.1f} GiB of memory left, "
+                             f"one holds {max(sizes):.1f} GiB here and {len(sizes)} run; fewer drafters, K values or "
+                             "concurrency levels of it fit")
+            self._stop(idle[-1])
+            self.stopped_for_room += 1
+
+    def _sizes(self, server) -> list[float]:
+        return [running.memory_gib() for running, _ in self.running.values() if running.NAME == server.NAME]
+
+    def _fits(self, server) -> bool:
+        sizes = self._sizes(server)
+        return not sizes or available_gib() >= max(sizes) + MEMORY_MARGIN_GIB
+
+    def _stop(self, config) -> None:
+        """Stop one configuration's server; a prefill its share would copy from it is computed again."""
+        server, share = self.running.pop(config)
+        if share is not None:
+            share.forget(server)
+        server.stop()
 
     def stop_all(self) -> None:
         """Stop every server this pool started."""
         for server, _ in self.running.values():
             server.stop()
         self.running.clear()
+        self.held.clear()
+
+
+def in_groups(items: Sequence[T], make: Callable[[T], Contender], pool: ServerPool | None,
+              failed: Callable[[T, DraftlabError], object], starting: Callable[[T], object] = lambda item: None
+              ) -> Iterator[dict[T, Contender]]:
+    """The items' contenders (`make`), in groups whose servers fit in the host's memory together: where the pool has
+    no room for the next one's server, the group built so far is yielded to be measured, its servers let go (stopped
+    where the next ones need the room), and the item tried again. `starting` hears of each item before its contender
+    is built; `failed`, of each that cannot run here."""
+    group: dict[T, Contender] = {}
+    for item in items:
+        starting(item)
+        try:
+            group[item] = make(item)
+        except NoRoom as exc:
+            if not group:
+                failed(item, exc)
+                continue
+            yield group
+            group = {}
+            pool.let_go()
+            try:
+                group[item] = make(item)
+            except DraftlabError as again:
+                failed(item, again)
+        except DraftlabError as exc:
+            failed(item, exc)
+    if group:
+        yield group
+    if pool is not None:
+        pool.let_go()
 
 
 def _server(source: ContenderSource, cell, companions: tuple) -> Contender:

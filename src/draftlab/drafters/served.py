@@ -6,8 +6,9 @@ llama.cpp its GGUF once in a `LlamaCppSequences` (a KV stream per slot, one deco
 slot (`BackendSlots`, in turn). Each request's drafter (`beside`) is a `ModelDrafter` on its slot's stream: it catches
 up with the committed tokens, rolls back what the target rejected and is emptied when its request retires, alone. A step's drafting (`propose_all`) is done for every run at once: one decode feeds each
 run what its stream lacks and gives each run's first draft logits, then each further position is one decode of a row
-per run still drafting, so K positions for 4 requests cost K decodes, not 4K. A prompt's catch-up is fed a chunk a
-step at most (its run drafts nothing until its stream holds the context), so a long prompt never holds the others.
+per run still drafting, so K positions for 4 requests cost K decodes, not 4K. A prompt's catch-up is fed at most what
+the first decode has room for beside the others' tokens (a chunk in all; its run drafts nothing until its stream
+holds the context), so a long prompt never holds the others, nor costs their step a second decode.
 
 Draft rows need not be exact: only the target's scores decide what is kept (the draft is loaded on llama.cpp's
 repacked kernels, as `draftlab generate`'s is), so a request's tokens are those it gets alone whatever the draft's
@@ -78,7 +79,7 @@ class ServedModelDrafter(BlindDrafter):
     def propose_all(self, asks: Sequence[DraftAsk]) -> list[Proposal]:
         """Every run's draft, each position of all runs in one decode of the draft's streams."""
         drafting = [i for i, ask in enumerate(asks) if ask.k > 0]
-        feeds = {i: self._slots[asks[i].seq].to_feed(asks[i].context, self.streams.prefill_chunk) for i in drafting}
+        feeds = self._feeds(asks, drafting)
         ready = [i for i in drafting if self._slots[asks[i].seq].fed == len(asks[i].context)]
         if not feeds:
             return [Proposal([]) for _ in asks]
@@ -99,6 +100,16 @@ class ServedModelDrafter(BlindDrafter):
             self._slots[asks[i].seq].settle(asks[i].context, tokens[i])
         return [Proposal(tokens[i], None, torch.stack(probs[i]) if probs[i] else None) if i in tokens  # [k, V]
                 else Proposal([]) for i in range(len(asks))]
+
+    def _feeds(self, asks: Sequence[DraftAsk], drafting: list[int]) -> dict[int, list[int]]:
+        """What each drafting run's stream takes in the step's first decode: what it lacks, the runs lacking least
+        first, a catch-up cut so that every stream's tokens fit one decode (`prefill_chunk`; at least a token each)."""
+        left = self.streams.prefill_chunk  # None: any number
+        feeds = {}
+        for i in sorted(drafting, key=lambda i: self._slots[asks[i].seq].lag(asks[i].context)):
+            feeds[i] = self._slots[asks[i].seq].to_feed(asks[i].context, None if left is None else max(1, left))
+            left = None if left is None else left - len(feeds[i])
+        return feeds
 
     def _decode(self, feeds: dict[int, list[int]]) -> dict[int, torch.Tensor]:
         """One decode of every stream's tokens; the logits [V'] after each stream's last."""

@@ -93,7 +93,8 @@ def _build(settings: ServeSettings) -> Served:
     draft = served_drafter(settings.drafter_spec, target, settings.slots, settings.context, settings.threads)
     chooser = choose_ks(settings.ks, lambda: auto_k(target_costs(batch, loaded.vocab_size, settings.cost_profile),
                                                     batch, draft.streams, loaded.vocab_size, settings.k_max))
-    metrics = ServeMetrics(k_rows=settings.ks.text() if settings.ks else "auto")
+    metrics = ServeMetrics(k_rows=settings.ks.text() if settings.ks else "auto",
+                           draft_passes=draft_passes(draft.streams))
     context = min(loaded.context_length, batch.n_ctx)
     tokenizer = loaded.tokenizer
 
@@ -108,6 +109,11 @@ def _build(settings: ServeSettings) -> Served:
                   stream_decoder=stream_decoder(tokenizer),
                   vocab_size=loaded.vocab_size, context_length=context, eos_ids=eos_ids(loaded),
                   scheduler=scheduler, metrics=metrics, api_key=settings.api_key, numerics=batch.view(0).numerics)
+
+
+def draft_passes(streams: Sequences | None) -> Callable[[], int] | None:
+    """How /metrics reads a served draft model's passes over its weights (None: no draft model)."""
+    return None if streams is None else lambda: streams.decodes
 
 
 def choose_ks(ks: LoadK | None, auto: Callable[[], AutoK]) -> StepK:

@@ -1,7 +1,8 @@
 """What `draftlab serve` counts, and its `/metrics` page, through `prometheus_client` as vLLM exports them: vLLM's
 names under the `draftlab:` prefix where vLLM has one (requests running and waiting, prompt and generated tokens,
 drafted and accepted tokens, histograms of time to first token, time per output token and end-to-end latency),
-draftlab's own beside them (tokens per step, rows per step, the K chosen, prompt chunks prefilled beside decoding).
+draftlab's own beside them (tokens per step, rows per step, the K chosen, prompt chunks prefilled beside decoding, a
+served draft model's passes over its weights against the steps' draft positions).
 
 Each server has a registry of its own (no global state). The scheduler's thread and the app's write; the few
 numbers read back in-process (by tests and benchmarks) are kept under a lock beside the Prometheus metrics.
@@ -11,8 +12,10 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 PREFIX = "draftlab:"
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -22,7 +25,7 @@ STEP_TOKEN_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
 class _Exported:
     """The Prometheus metrics of one server, in its own registry."""
 
-    def __init__(self, k_policy: str) -> None:
+    def __init__(self, k_policy: str, draft_passes: Callable[[], int] | None) -> None:
         self.registry = registry = CollectorRegistry(auto_describe=True)
 
         def counter(name: str, text: str, labels: tuple[str, ...] = ()) -> Counter:
@@ -47,6 +50,12 @@ class _Exported:
         self.prefill_chunks = counter("prefill_chunks", "Prompt chunks prefilled.")
         self.prefill_beside = counter("prefill_chunks_beside_decoding",
                                       "Prompt chunks prefilled between the steps of requests decoding.")
+        self.draft_positions = counter("draft_positions", "Each step's deepest draft, summed: one pass of a served "
+                                       "draft model per position drafts every request in flight.")
+        if draft_passes is not None:
+            registry.register(_CounterRead(PREFIX + "draft_passes", "Passes of the served draft model over its "
+                                           "weights (llama_decode calls on its context), catch-ups included.",
+                                           draft_passes))
         self.running = gauge("num_requests_running", "Requests decoding now.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting for a slot.")
         self.k_in_use = gauge("k_in_use", "The deepest draft of the last step.")
@@ -63,11 +72,22 @@ class _Exported:
         self.tokens_per_step = histogram("tokens_per_step", "Tokens a request's step committed.", STEP_TOKEN_BUCKETS)
 
 
+class _CounterRead:
+    """A counter kept elsewhere (a draft's own pass count), read at each scrape."""
+
+    def __init__(self, name: str, text: str, read: Callable[[], int]) -> None:
+        self.name, self.text, self.read = name, text, read
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(self.name, self.text, value=self.read())
+
+
 @dataclass
 class ServeMetrics:
     """What a server counts: Prometheus' metrics for `/metrics`, and the numbers read back in-process."""
 
     k_rows: str = ""  # the K policy, for the info line
+    draft_passes: Callable[[], int] | None = field(default=None, repr=False)  # a served draft model's pass count
     requests: dict[str, int] = field(default_factory=dict)  # by outcome: ok, cancelled, error, rejected
     drafted: int = 0
     accepted: int = 0
@@ -80,7 +100,7 @@ class ServeMetrics:
     exported: _Exported = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self.exported = _Exported(self.k_rows)
+        self.exported = _Exported(self.k_rows, self.draft_passes)
 
     def queued(self, waiting: int) -> None:
         """Requests waiting for a slot now."""
@@ -109,6 +129,7 @@ class ServeMetrics:
         e = self.exported
         e.batches.inc()
         e.rows.inc(rows)
+        e.draft_positions.inc(max(drafted, default=0))
         e.running.set(in_flight)
         e.k_in_use.set(max(drafted, default=0))
         e.rows_per_step.set(rows)

@@ -10,11 +10,13 @@ the number in flight).
 
 A prompt prefills a chunk at a time (the target's `prefill_chunk`, at fixed offsets, so its cache is the one a whole
 prefill leaves) between the steps of the requests decoding: a long prompt never holds the others for its whole
-prefill. Where the target's cells allow it (`Sequences.keeps_prefixes`), a retired request's cells stay in its slot
-and a later prompt that starts with its tokens reuses them (`serving.prefixes`: a chat's next turn). The scheduler
-only admits, prefills, steps and retires; nothing below it reads back up. It runs in a thread of its own; requests
-come and go through `submit`, `cancel` and each job's `emit` callback (called on the scheduler's thread). Waiting
-requests are bounded (`Busy` beyond).
+prefill. Among the prompts still prefilling, the one with the fewest tokens left goes first (`next_prefill`), so a
+short prompt arriving behind a long one's chunks waits one chunk, not all of them; a prompt passed over
+`PASSED_OVER_AT_MOST` times goes next, so none waits for good. Where the target's cells allow it
+(`Sequences.keeps_prefixes`), a retired request's cells stay in its slot and a later prompt that starts with its
+tokens reuses them (`serving.prefixes`: a chat's next turn). The scheduler only admits, prefills, steps and retires;
+nothing below it reads back up. It runs in a thread of its own; requests come and go through `submit`, `cancel` and
+each job's `emit` callback (called on the scheduler's thread). Waiting requests are bounded (`Busy` beyond).
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ from draftlab.errors import DraftlabError
 from draftlab.serving.metrics import ServeMetrics
 from draftlab.serving.prefixes import SlotPrefixes
 
-__all__ = ["Busy", "Job", "LoadK", "Scheduler"]
+__all__ = ["Busy", "Job", "LoadK", "Scheduler", "next_prefill"]
+
+PASSED_OVER_AT_MOST = 3  # a prompt whose chunk was put off this many times for shorter prompts prefills next
 
 
 class Busy(DraftlabError):
@@ -56,6 +60,7 @@ class _Active:
     job: Job
     run: Generation
     last_token_at: float = 0.0  # when its prompt was prefilled, then its last step
+    passed_over: int = 0  # prefill turns given to shorter prompts since its last chunk
 
 
 class Scheduler:
@@ -117,8 +122,8 @@ class Scheduler:
                     return
             try:
                 self._admit()
+                self._step()  # before the next chunk: a request admitted ready (its prompt cached) waits for none
                 self._prefill_one()
-                self._step()
             except Exception as exc:  # a fault of one step: its requests end with it, the server goes on
                 for slot in list(self._active):
                     self._retire(slot, error=f"the step failed: {type(exc).__name__}: {exc}")
@@ -160,11 +165,15 @@ class Scheduler:
         return slot, cached
 
     def _prefill_one(self) -> None:
-        """One chunk of the prompt admitted first among those still prefilling (beside the decoding requests'
+        """One chunk of the prompt `next_prefill` picks among those still prefilling (beside the decoding requests'
         step); a prompt once prefilled joins the next step."""
-        slot = next((s for s, a in self._active.items() if not a.run.ready), None)
-        if slot is None:
+        prefilling = {s: a for s, a in self._active.items() if not a.run.ready}  # in the order admitted
+        if not prefilling:
             return
+        slot = next_prefill({s: (a.run.prompt_length - 1 - a.run.prefilled, a.passed_over)
+                             for s, a in prefilling.items()})
+        for other, waiting in prefilling.items():
+            waiting.passed_over = 0 if other == slot else waiting.passed_over + 1
         active = self._active[slot]
         if active.job.cancelled:
             self._retire(slot)
@@ -226,3 +235,13 @@ class Scheduler:
                 self.prefixes.forget(slot)
             return
         self.prefixes.hold(slot, run.tokens[:sequences.length(slot)])
+
+
+def next_prefill(prefilling: dict[int, tuple[int, int]]) -> int:
+    """The slot whose prompt prefills a chunk next, of {slot: (tokens left to prefill, turns passed over)} in the
+    order admitted: the first passed over `PASSED_OVER_AT_MOST` times, else the one with the fewest tokens left
+    (the first admitted of equals)."""
+    overdue = [slot for slot, (_, passed) in prefilling.items() if passed >= PASSED_OVER_AT_MOST]
+    if overdue:
+        return overdue[0]
+    return min(prefilling, key=lambda slot: prefilling[slot][0])

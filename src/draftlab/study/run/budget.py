@@ -23,7 +23,6 @@ from dataclasses import dataclass, field, replace
 
 from draftlab.backends.routes import cpu_flags
 from draftlab.contenders.methods import is_baseline, method_of
-from draftlab.errors import DraftlabError
 from draftlab.measure import EncodedPrompt, RunRecord, pilot as measure_pilot
 from draftlab.study.run.cells import Cell
 from draftlab.study.run.race import deploy_references, keep_peer_references, model_of
@@ -91,16 +90,18 @@ class Plan:
 def time_pilot(runner: CellRunner, cells: list[Cell], prompt: EncodedPrompt) -> Pilot:
     """The target's engines and cells timed through the measurement loop on `prompt` (module docstring). A cell
     that cannot run here is left out of the pilot (its timed runs say why)."""
-    pilot, contenders = Pilot(), {}
-    for cell in cells:
-        try:
-            contenders[cell] = runner.contender(cell)
-        except DraftlabError:
-            continue
+    pilot = Pilot()
+    for contenders in runner.in_groups(cells, lambda cell, exc: None):
+        _time_group(pilot, contenders, runner, prompt)
+    return pilot
+
+
+def _time_group(pilot: Pilot, contenders: dict, runner: CellRunner, prompt: EncodedPrompt) -> None:
+    """The pilot's timings of cells whose contenders are built (their servers fit together)."""
     settings = {cell: replace(runner.settings(cell), max_new_tokens=min(PILOT_TOKENS, cell.max_new_tokens))
                 for cell in contenders}
     prefills, records = measure_pilot(contenders, prompt, settings)
-    pilot.prefill = {key: p.seconds / max(p.prompt_tokens, 1) for key, p in prefills.items()}
+    pilot.prefill.update({key: p.seconds / max(p.prompt_tokens, 1) for key, p in prefills.items()})
     for cell, record in records.items():
         decode_s = record.stats.wall_s - (record.stats.prefill_s if record.times_prefill else 0.0)
         if decode_s > 0:  # (a prefill timed apart longer than a whole call: noise, no rate)
@@ -108,7 +109,6 @@ def time_pilot(runner: CellRunner, cells: list[Cell], prompt: EncodedPrompt) -> 
         pilot.keys[cell.key] = contenders[cell].prefill_key
         if not pilot.keys[cell.key] and record.times_prefill:  # its own prefill, in each of its runs
             pilot.own_prefill[cell.key] = record.stats.prefill_s / max(len(prompt.ids), 1)
-    return pilot
 
 
 def decode_rate(record: RunRecord, decode_s: float, cell: Cell) -> float:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
 import torch
 
@@ -25,7 +25,7 @@ from draftlab.decoding.policy import FixedK
 from draftlab.files.safeio import load_tensors, save_tensors
 from draftlab.study.run.cells import Cell, Record
 from draftlab.contenders.methods import method_of
-from draftlab.contenders.server_configs import ServerPool
+from draftlab.contenders.server_configs import ServerPool, in_groups
 from draftlab.drafters.kinds import is_plain_drafter
 
 if TYPE_CHECKING:
@@ -97,6 +97,13 @@ class CellRunner:
         `companions`, the prompts sent beside each one (llama-server, as many as it needs)."""
         return method_of(cell.method).contender(self, cell, companions)
 
+    def in_groups(self, cells: list[Cell], failed: Callable[[Cell, DraftlabError], object],
+                  starting: Callable[[Cell], object] = lambda cell: None,
+                  companions: tuple[EncodedPrompt, ...] = ()) -> Iterator[dict[Cell, Contender]]:
+        """The cells' contenders in groups whose servers fit in the host's memory together, each yielded to be
+        measured before the next is built (`contenders.server_configs.in_groups`)."""
+        return in_groups(cells, lambda cell: self.contender(cell, companions), self.servers, failed, starting)
+
     def shared(self, name: str, build: Callable[[], T]) -> T:
         """The object methods share under `name` for this target (a peer's instance), built on first use."""
         if name not in self.built:
@@ -145,13 +152,14 @@ class CellRunner:
             self.by_route[label] = mode if mode.prompt_cache else mode.with_prompt_cache(f"draftlab {label}")
         return self.by_route[label]
 
-    def runs_here(self, drafter: str) -> bool:
-        """Whether the drafter runs on this target's engine (drafts built from torch weights do not on llama.cpp)."""
+    def why_not_here(self, drafter: str) -> str:
+        """Why the drafter cannot run on this target's engine, in one line (drafts built from torch weights do not
+        on llama.cpp; a draft not built yet); '' where it runs."""
         try:
             self.decoder(drafter, 1)
-        except DraftlabError:
-            return False
-        return True
+        except DraftlabError as exc:
+            return str(exc).splitlines()[0] or type(exc).__name__
+        return ""
 
     def asg_supported(self, drafter: str) -> bool:
         """Whether HF assisted generation can run this drafter (n-gram, or a full-vocabulary model draft)."""

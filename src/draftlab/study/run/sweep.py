@@ -188,14 +188,9 @@ def _run_prompt(run: SweepRun, target: TargetRun, cells: list[Cell], prompt: Enc
     runner = target.runner
     listener = PromptRun(run, target, prompt, pending[0].baseline())
     rechecks = Rechecks(listener.baseline, runner.contender(listener.baseline), run.config.baseline_every)
-    contenders = {}
-    for cell in pending:  # a server starts here, outside the timed runs; one that cannot start skips its cell
-        listener.started(cell)
-        try:
-            contenders[cell] = runner.contender(cell, companions)
-        except DraftlabError as exc:
-            listener.failed(cell, exc)
-    measure_prompt(contenders, prompt, runner.settings(listener.baseline), rechecks, listener)
+    # A server starts here, outside the timed runs (one that cannot start skips its cell), as many at once as fit.
+    for contenders in runner.in_groups(pending, listener.failed, listener.started, companions):
+        measure_prompt(contenders, prompt, runner.settings(listener.baseline), rechecks, listener)
     run.crashes.end()
     return len(listener.added)
 
@@ -253,12 +248,13 @@ def _store(run: SweepRun, target: TargetRun, cell: Cell, measured: RunRecord) ->
 
 def _unrunnable(runner: CellRunner, config: SweepConfig) -> tuple[set[str], set[str]]:
     """Drafters that do not run on the target's engine, and those with no HF counterpart for asg; says which."""
-    gone = {d for d in config.drafters if not runner.runs_here(d)}
+    why = {d: runner.why_not_here(d) for d in config.drafters}
+    gone = {d for d, reason in why.items() if reason}
     asg = ASG.name in config.methods and not runner.target.engine.runs_gguf
     no_asg = {d for d in config.drafters if asg and d not in gone and not runner.asg_supported(d)}
     for drafter in sorted(gone):
-        print(f"sweep: {drafter} does not run on {runner.target.name} with the {runner.backend} backend; "
-              "its cells are skipped")
+        print(f"sweep: {drafter} does not run on {runner.target.name} with the {runner.backend} backend "
+              f"({why[drafter][:200]}); its cells are skipped")
     for drafter in sorted(no_asg):
         print(f"sweep: no HF assisted-generation counterpart for {drafter}; its asg cells are skipped")
     return gone, no_asg
