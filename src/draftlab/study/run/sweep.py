@@ -254,7 +254,7 @@ def _unrunnable(runner: CellRunner, config: SweepConfig) -> tuple[set[str], set[
     no_asg = {d for d in config.drafters if asg and d not in gone and not runner.asg_supported(d)}
     for drafter in sorted(gone):
         print(f"sweep: {drafter} does not run on {runner.target.name} with the {runner.backend} backend "
-              f"({why[drafter][:200]}); its cells are skipped")
+              f"({why[drafter]}); its cells are skipped")
     for drafter in sorted(no_asg):
         print(f"sweep: no HF assisted-generation counterpart for {drafter}; its asg cells are skipped")
     return gone, no_asg
