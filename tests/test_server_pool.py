@@ -102,7 +102,8 @@ def test_a_server_not_held_is_stopped_to_make_room_the_one_used_last_first(tmp_p
 
 def test_contenders_come_in_groups_that_fit_each_measured_before_the_next_starts(tmp_path, monkeypatch):
     """Five configurations on a host that holds two servers: groups of two, two and one, each group's servers
-    running while it is measured; a configuration that cannot start at all fails alone."""
+    running while it is measured; a configuration that cannot start at all fails alone; a second pass (the next
+    prompt) starts all five again."""
     pool = server_configs.ServerPool(tmp_path)
     monkeypatch.setattr(server_configs, "available_gib",
                         lambda: server_configs.MEMORY_MARGIN_GIB + (2 - len(pool.running)) - 0.001)
@@ -120,6 +121,9 @@ def test_contenders_come_in_groups_that_fit_each_measured_before_the_next_starts
             assert all(run.server.process.poll() is None for run in group.values())
             groups.append(list(group))
         assert groups == [["a", "b"], ["c", "d"], ["e"]] and failed == ["broken"]
-        assert not pool.held and pool.stopped_for_room == 3
+        assert not pool.held and pool.stopped_for_room == 3 and (pool.starts, pool.most_running) == (5, 2)
+        # the next prompt's groups start every one again (what a study's plan prices: `budget._restarts_s`)
+        assert [list(g) for g in server_configs.in_groups(["a", "b", "c", "d", "e"], make, pool, print)] == groups
+        assert pool.starts == 10
     finally:
         pool.stop_all()

@@ -256,9 +256,11 @@ class SpeculativeEngine:
         return path, proposal, scores, self.verifier(path, None, scores.logits, run.config.sampling, run.generator)
 
     def _room(self, run: Generation) -> int:
-        """Deepest draft worth proposing: a step commits at most depth + 1 tokens."""
+        """Deepest draft worth proposing: a step commits at most depth + 1 tokens; no deeper than the run's own cap
+        (`GenerationConfig.max_draft`, a request's `speculative.n_max`)."""
         room = min(run.config.max_new_tokens - len(run.new), self.context_length - len(run.tokens))
-        return max(0, room - 1)
+        cap = run.config.max_draft
+        return max(0, room - 1) if cap is None else max(0, min(room - 1, cap))
 
     @staticmethod
     def _begin(lane: Lane, tokens: list[int]) -> None:

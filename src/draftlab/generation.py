@@ -30,10 +30,13 @@ class GenerationConfig:
     seed: int = 0
     stop_strings: tuple[str, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
+    max_draft: int | None = None  # the most tokens a step drafts for this run (0: plain decoding; None: as K says)
 
     def __post_init__(self) -> None:
         if not _is_integer(self.max_new_tokens) or self.max_new_tokens < 1:  # NaN, 2.5 and True are not counts
             raise DraftlabError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if self.max_draft is not None and (not _is_integer(self.max_draft) or self.max_draft < 0):
+            raise DraftlabError(f"max_draft must be an integer >= 0, got {self.max_draft!r}")
         if not _is_integer(self.seed):
             raise DraftlabError(f"seed must be an integer, got {self.seed!r}")
 

@@ -58,7 +58,7 @@ def test_the_pair_shares_a_tokenizer(target):
 @pytest.mark.parametrize("drafter", [exhaustive("model:qwen2.5-coder-0.5b"), exhaustive("model:qwen2.5-coder-0.5b@bf16"),
                                      exhaustive("layers:0-7"), slow("ngram")])
 def test_greedy_with_each_draft_equals_autoregressive(target, prompt_ids, reference, drafter):
-    for k in (1, 3, 5):
+    for k in (1, 5):  # blocks of 2 and 6 rows (every block size of Qwen2's shapes: tests/test_shape_matrix.py)
         out = SpeculativeDecoder.from_names(target, drafter=drafter, k=k).generate(prompt_ids, max_new_tokens=16)
         assert out.token_ids == reference, f"{drafter} K={k}"
         if drafter.startswith("model:"):

@@ -138,6 +138,7 @@ def test_the_api_key_is_required(server):
     (b'{"prompt": "hi", "logprobs": 3}', 400), (b'{"prompt": [99999999]}', 400),
     (b'{"prompt": "hi", "top_k": "five"}', 400), (b'{"prompt": "hi", "repetition_penalty": 1.3}', 400),
     (b'{"messages": [{"role": "user", "content": "hi"}], "min_p": 2}', 400),
+    (b'{"prompt": "hi", "speculative.n_max": -1}', 400), (b'{"prompt": "hi", "speculative.n_max": 1.5}', 400),
 ])
 def test_each_bad_input_is_one_json_error_and_the_next_request_is_served(server, body, status):
     code, answer = post(server, "/v1/completions", body)
@@ -163,6 +164,22 @@ def test_top_k_and_min_p_are_used_and_ignore_eos_runs_on(server, prompts, plain)
     ids = short["choices"][0]["token_ids"]
     assert code == 200 and longer["choices"][0]["token_ids"][:len(ids)] == ids
     assert longer["usage"]["completion_tokens"] == TOKENS and longer["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_requests_speculative_n_max_caps_its_drafts_and_keeps_its_tokens(server, prompts, plain):
+    """`speculative.n_max` (llama-server's per-request cap, what a study's cells of one drafter at several K send to
+    one server): at most that many tokens drafted a step, 0 none; the tokens are plain decoding's at every cap."""
+    from draftlab.contenders.draftlab_serve import DraftlabServeRun
+    from draftlab.measure import RunSettings
+
+    settings = RunSettings(max_new_tokens=TOKENS, temperature=0.0)
+    seen = {}
+    for cap in (None, 1, 0):  # uncapped first: the suffix cache then holds this answer, and drafts deep
+        result = DraftlabServeRun(server, 2048, False, None, max_draft=cap).run(prompts[1], settings)
+        assert result.token_ids == plain[1], cap
+        seen[cap] = result.stats.drafted, result.stats.steps
+    assert seen[None][0] > seen[None][1]  # more than one token a step, uncapped
+    assert seen[1][0] <= seen[1][1] and seen[0][0] == 0 and seen[0][1] == TOKENS
 
 
 def test_a_20_mb_body_sent_chunked_is_refused_as_it_arrives(server):

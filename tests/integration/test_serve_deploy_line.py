@@ -33,14 +33,16 @@ race_after = 0
 budget_s = 0.0
 host_baselines = false
 preflight_s = 0.0
+servers = []
 """
 
 
 def deploy_command(tmp_path) -> str:
     """`draftlab study` on 4 code edits, draftlab serve alone and at 4 in flight: its Deploy line's `draftlab serve`
     command, as printed. Every configuration it races runs on draftlab serve (draftlab's llama.cpp plain decoding,
-    draftlab serve's, suffix decoding at K 3 and `--k auto`), so whichever is fastest here, the answer's Deploy line is
-    a `draftlab serve` command: the test does not depend on which wins."""
+    draftlab serve's, suffix decoding at K 3 and `--k auto`; no llama-server: `servers = []` takes the quick preset's
+    out), so whichever is fastest here, the answer's Deploy line is a `draftlab serve` command: the test does not
+    depend on which wins."""
     import subprocess
     import sys
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from draftlab.decoding.metrics import GenerationStats
 from draftlab.measure import RunRecord
@@ -72,6 +73,22 @@ def test_a_cell_that_prefills_each_prompt_itself_has_that_prefill_in_the_plan():
     assert abs(plan.costs[0] - (decode + 100 * 0.001 + 100 * (0.002 + 0.003))) < 1e-9
     assert plan.prefills == 1 and plan.own_prefills == 2  # one shared prefill a prompt; the servers' own are theirs
     assert "2 cell(s) prefill each prompt in their own requests (draftlab serve)" in plan.line()
+
+
+def test_servers_that_do_not_fit_at_once_are_started_again_on_every_prompt_in_the_plan():
+    """Three servers where two fit at once (the pilot stopped one to start another): each prompt starts all three
+    again, and the plan says so; once the race keeps two of them, or where all fit, no start is priced."""
+    ar = cell("ar")
+    served = [cell("serve", "ngram", k) for k in (1, 2, 3)]
+    decode = {ar.key: 0.01, served[0].key: 0.005, served[1].key: 0.005, served[2].key: 0.02}
+    crowded = Pilot({"draftlab": 0.001}, decode, {ar.key: "draftlab"},
+                    start_s={c.key: 4.0 for c in served}, room=2)
+    plan = make_plan({"m": [ar, *served]}, {"m": crowded}, [100] * 4, PlanLimits(2, 0, 0.0))
+    roomy = make_plan({"m": [ar, *served]}, {"m": replace(crowded, room=0)}, [100] * 4, PlanLimits(2, 0, 0.0))
+    assert abs(plan.costs[0] - roomy.costs[0] - 12.0) < 1e-9  # the race's first prompts: all three start again
+    assert plan.costs[2] == roomy.costs[2]  # after the race: the slowest server dropped, the two left fit
+    assert "each prompt starts them again, about 12 s a prompt" in plan.line()
+    assert "starts them again" not in roomy.line()
 
 
 def test_a_budget_that_cannot_hold_the_prompts_leaves_out_the_most_hopeless_cells_first():

@@ -280,3 +280,40 @@ def test_a_study_at_several_concurrency_levels_exports_its_k_per_batch_size_to_v
     assert config["method"] == "draft_model" and config["model"] == "Qwen/Qwen2.5-Coder-0.5B-Instruct"
     assert config["num_speculative_tokens_per_batch_size"] == [[1, 2, 4], [3, 4, 0]]
     assert "--spec-type draft-simple" in export(choice, "llama-server")
+
+
+def test_a_drafters_fixed_ks_share_one_draftlab_serve_server_each_request_capped_at_its_k(tmp_path):
+    """draftlab serve's cells of one drafter at K 1..3 (alone and at 2 in flight) start one server, at the grid's
+    longest K, each cell's requests capped at its own K (`speculative.n_max`); suffix decoding, which learns from every
+    request, and `--k auto` (K 0) keep a server per K; with no longest K given, every K has its own."""
+    from types import SimpleNamespace
+
+    from draftlab.contenders.draftlab_serve import SERVE, DraftlabServer, DraftlabServeRun
+
+    model = tmp_path / "t.gguf"
+    model.write_bytes(b"")
+
+    class Configs:
+        """Servers that only note the configuration each cell asked for (none starts)."""
+
+        def __init__(self, most_k: int):
+            self.most_in_flight, self.most_k, self.asked = 2, most_k, []
+
+        def contender(self, config, reuse: bool = True):
+            self.asked.append(config)
+            return DraftlabServeRun(DraftlabServer(config, tmp_path), 4096, reuse, None)
+
+    def served(most_k: int, drafter: str, ks: tuple[int, ...], concurrency: int = 1):
+        servers = Configs(most_k)
+        source = SimpleNamespace(target=SimpleNamespace(source=str(model)), servers=servers)
+        companions = (EncodedPrompt("c", "code", [1, 2]),)
+        runs = [SERVE.contender(source, Cell(f"llamacpp:{model}", drafter, k, "serve", "code", 0.0, 8,
+                                              concurrency=concurrency), companions) for k in ks]
+        own = [run.contender if isinstance(run, InFlight) else run for run in runs]
+        return [(c.k_per_load, c.slots) for c in servers.asked], [run.max_draft for run in own]
+
+    assert served(3, "ngram", (1, 2, 3)) == ([("1:3", 2)] * 3, [1, 2, None])
+    assert served(3, "ngram", (1, 3), concurrency=2) == ([("1:3", 2)] * 2, [1, None])
+    assert served(3, "suffix", (1, 2)) == ([("1:1", 1), ("1:2", 1)], [None, None])
+    assert served(3, "ngram", (0,)) == ([("auto", 2)], [None])
+    assert served(0, "ngram", (1, 2)) == ([("1:1", 2), ("1:2", 2)], [None, None])

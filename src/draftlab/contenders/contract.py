@@ -27,6 +27,7 @@ class Servers(Protocol):
     the sweep however it ends (`contenders.server_configs.ServerPool`)."""
 
     most_in_flight: int  # the most requests a cell sends at once
+    most_k: int  # the grid's longest K (0: every cell's server at its own K)
 
     def contender(self, config: Any, reuse: bool = True) -> Contender: ...  # the server of a configuration
 
@@ -102,11 +103,14 @@ class Method:
         return self.label
 
 
-def served_contender(source: ContenderSource, cell: Any, companions: tuple, config: Any) -> Contender:
-    """The server of a served cell's configuration; with more than one request in flight, timed with its
-    companions (alone, without any: the warm-up)."""
+def served_contender(source: ContenderSource, cell: Any, companions: tuple, config: Any,
+                     per_cell: Callable[[Contender], Contender] | None = None) -> Contender:
+    """The server of a served cell's configuration (`per_cell`: what the cell's requests add to the server's
+    contender, where cells share a server); with more than one request in flight, timed with its companions (alone,
+    without any: the warm-up)."""
     if source.servers is None:
         raise DraftlabError("this sweep runs no server cells")
+    adapt = per_cell or (lambda contender: contender)
     if cell.concurrency > 1 and companions:
-        return InFlight(source.servers.contender(config, reuse=False), companions[:cell.concurrency - 1])
-    return source.servers.contender(config)
+        return InFlight(adapt(source.servers.contender(config, reuse=False)), companions[:cell.concurrency - 1])
+    return adapt(source.servers.contender(config))

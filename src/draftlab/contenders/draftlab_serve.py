@@ -14,7 +14,7 @@ from __future__ import annotations
 import shlex
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import ClassVar
 
@@ -103,11 +103,14 @@ class DraftlabServer(ServedProcess):
             self.process.kill()
             self.process.wait()
 
-    def completion(self, prompt_ids: list[int], settings: RunSettings, max_tokens: int | None = None) -> dict:
-        """One `/v1/completions` request of token ids; the JSON answer."""
+    def completion(self, prompt_ids: list[int], settings: RunSettings, max_tokens: int | None = None,
+                   max_draft: int | None = None) -> dict:
+        """One `/v1/completions` request of token ids (`max_draft`: its `speculative.n_max`); the JSON answer."""
         body = {"model": SERVED_NAME, "prompt": list(prompt_ids), "temperature": settings.temperature,
                 "top_p": settings.top_p, "top_k": settings.top_k, "seed": settings.seed,
                 "max_tokens": max_tokens or settings.max_new_tokens, "return_token_ids": True}
+        if max_draft is not None:
+            body["speculative.n_max"] = max_draft
         return self.post("/v1/completions", body, self.config.api_key)
 
     def prefill(self, prompt_ids: list[int]) -> None:
@@ -124,10 +127,11 @@ class DraftlabServeRun(ServedRun):
     seconds the server says its prefill took (`draftlab.prefill_s` of the answer)."""
 
     times_prefill = True
+    max_draft: int | None = None  # each request's `speculative.n_max` (None: the server's K)
 
     def run(self, prompt_ids: list[int], settings) -> GenerationResult:
         check_room(len(prompt_ids), settings.max_new_tokens, self.context_length)
-        answer = self.server.completion(prompt_ids, settings)
+        answer = self.server.completion(prompt_ids, settings, max_draft=self.max_draft)
         choice, extra = answer["choices"][0], answer.get("draftlab", {})
         tokens = [int(t) for t in choice.get("token_ids") or []]
         stats = GenerationStats(prompt_tokens=len(prompt_ids), new_tokens=len(tokens),
@@ -148,13 +152,24 @@ def server_slots(drafter: str, concurrency: int, most_in_flight: int) -> int:
     return concurrency if learns_across_requests(drafter) else max(most_in_flight, concurrency)
 
 
+def server_k(drafter: str, k: int, most_k: int) -> int:
+    """The K a cell's server drafts at: a drafter that learns nothing across requests, at a fixed K, shares one
+    server at the grid's longest K (`most_k`) with the drafter's other K, each request capped at its cell's K
+    (`speculative.n_max`), so that a grid of K values starts one server, not one per K; else the cell's K."""
+    shared = serves(drafter) and not learns_across_requests(drafter) and 0 < k <= most_k
+    return most_k if shared else k
+
+
 def _server(source: ContenderSource, cell, companions: tuple) -> Contender:
-    slots = server_slots(cell.drafter, cell.concurrency, source.servers.most_in_flight if source.servers else 1)
-    k_per_load = "auto" if cell.k == 0 and serves(cell.drafter) else f"1:{cell.k}"  # K 0 with a drafter: `--k auto`
+    servers = source.servers
+    slots = server_slots(cell.drafter, cell.concurrency, servers.most_in_flight if servers else 1)
+    k = server_k(cell.drafter, cell.k, servers.most_k if servers else 0)
+    k_per_load = "auto" if cell.k == 0 and serves(cell.drafter) else f"1:{k}"  # K 0 with a drafter: `--k auto`
     # no prompt cache: each prompt prefills whole, as llama-server's cells run (cache_prompt off), whatever the prompts
     # share (a chat template's system turn); the Deploy line's server keeps it on
     config = ServeConfig(str(gguf_path(source.target.source)), cell.drafter, k_per_load, slots, prompt_cache=False)
-    return served_contender(source, cell, companions, config)
+    capped = (lambda run: replace(run, max_draft=cell.k)) if k != cell.k else None
+    return served_contender(source, cell, companions, config, capped)
 
 
 SERVE_AR = Method("serve-ar", "draftlab serve", 2, "draftlab serve", plain=True, reference="ar", peer=True,

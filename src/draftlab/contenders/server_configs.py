@@ -140,11 +140,14 @@ class ServerPool:
 
     log_dir: Path
     most_in_flight: int = 1  # the most requests any cell sends at once (a vLLM server serves every level)
+    most_k: int = 0  # the grid's longest K: a draftlab serve server at it serves a drafter's every K (0: one per K)
     running: dict = field(default_factory=dict)  # configuration -> (its running server, its PrefillShare or None),
     # the one used last at the end
     shares: dict = field(default_factory=dict)  # prefill group -> its PrefillShare
     held: set = field(default_factory=set)  # configurations the work in progress holds
     stopped_for_room: int = 0  # servers stopped to make room for another
+    starts: int = 0  # servers started (again, where one was stopped to make room)
+    most_running: int = 0  # the most servers that ran at once
 
     def contender(self, config, reuse: bool = True) -> Contender:
         """The contender of a configuration's server, started if it is not running (others stopped to make room);
@@ -156,8 +159,10 @@ class ServerPool:
             server = config.server(self.log_dir)
             self._make_room(server)
             server.start()
+            self.starts += 1
             group = config.prefill_group()  # (reads the model's file: once a server)
             self.running[config] = server, self.shares.setdefault(group, PrefillShare(group)) if group else None
+            self.most_running = max(self.most_running, len(self.running))
         self.held.add(config)
         server, share = self.running[config]
         return server.contender(CONTEXT_PER_SLOT, reuse, share)

@@ -172,7 +172,8 @@ def _config(parsed: Body, prompt_tokens: int, served: Served) -> GenerationConfi
     seed = parsed.seed if parsed.seed is not None else random.randrange(2**31)
     sampling = SamplingConfig(parsed.temperature, parsed.top_k_or_off, parsed.top_p, parsed.min_p)
     return GenerationConfig(max_new_tokens=max_tokens, sampling=sampling, seed=seed, stop_strings=parsed.stops,
-                            eos_token_ids=() if parsed.ignore_eos else served.eos_ids)
+                            eos_token_ids=() if parsed.ignore_eos else served.eos_ids,
+                            max_draft=parsed.speculative_n_max)
 
 
 async def _whole(request: Request, parsed: Body, served: Served, job: Job, events: asyncio.Queue,

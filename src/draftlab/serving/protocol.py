@@ -110,6 +110,9 @@ class Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     return_token_ids: StrictBool = False
     ignore_eos: StrictBool = False
+    # llama-server's per-request cap on the tokens drafted a step (0: this request decodes plainly); its answer is the
+    # same at any value, only its speed changes
+    speculative_n_max: Integer | None = Field(None, ge=0, alias="speculative.n_max")
     _request_id: str = PrivateAttr(default_factory=lambda: uuid.uuid4().hex[:24])
 
     @field_validator("stop")
@@ -128,7 +131,8 @@ class Sampling(BaseModel):
                 value = body.get(name)
                 if name in body and not any(value == d and type(value) is type(d) or value is d for d in defaults):
                     raise _Refused(name, f"{name}={json.dumps(value)} is not supported by draftlab serve")
-            unknown = sorted(set(body) - set(cls.model_fields) - set(UNSUPPORTED) - IGNORED)
+            known = {f.alias or name for name, f in cls.model_fields.items()}
+            unknown = sorted(set(body) - known - set(UNSUPPORTED) - IGNORED)
             if unknown:
                 LOG.warning("draftlab serve: ignoring unknown request field(s) %s", ", ".join(unknown))
         return body

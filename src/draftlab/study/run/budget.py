@@ -27,6 +27,7 @@ from draftlab.measure import EncodedPrompt, RunRecord, pilot as measure_pilot
 from draftlab.study.run.cells import Cell
 from draftlab.study.run.race import deploy_references, keep_peer_references, model_of
 from draftlab.study.run.runner import CellRunner
+from draftlab.contenders.server_configs import in_groups
 
 PILOT_TOKENS = 16  # each cell's decode in the pilot
 PILOT_MARGIN = 3.0  # a cell whose pilot decodes this many times slower than its model's fastest is dropped
@@ -47,6 +48,8 @@ class Pilot:
     decode: dict[str, float] = field(default_factory=dict)
     keys: dict[str, str] = field(default_factory=dict)
     own_prefill: dict[str, float] = field(default_factory=dict)  # cell key -> seconds per prompt token
+    start_s: dict[str, float] = field(default_factory=dict)  # cell key -> seconds its server took to start
+    room: int = 0  # the most servers that fit at once, where the pilot stopped some to start others (0: all fit)
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,7 @@ class Plan:
     budget_drops: dict[str, str] = field(default_factory=dict)  # cell key -> reason: cells the budget could not hold
     prefills: int = 0  # prefills of each prompt: one per prefill key (kernel set and file), which its cells share
     own_prefills: int = 0  # cells that prefill each prompt themselves (`draftlab serve`'s requests), in the estimate
+    restart_s: float = 0.0  # a prompt's server starts, where more servers run than fit at once, in the estimate
 
     def line(self) -> str:
         """The plan in one line, with the host it was timed on."""
@@ -83,16 +87,30 @@ class Plan:
                   "kernels or processes, so each prefills apart)" if self.prefills > 1 else "")
         shared += (f"; {self.own_prefills} cell(s) prefill each prompt in their own requests (draftlab serve)"
                    if self.own_prefills else "")
+        shared += (f"; more servers than fit in memory at once: each prompt starts them again, about "
+                   f"{self.restart_s:.0f} s a prompt" if self.restart_s else "")
         return (f"plan: {self.prompts} of {self.of} prompts x {self.cells} cells x {self.tokens} tokens{race}{drops}"
                 f"{budget}{shared}; host timed on its CPU ({flags})")
 
 
 def time_pilot(runner: CellRunner, cells: list[Cell], prompt: EncodedPrompt) -> Pilot:
-    """The target's engines and cells timed through the measurement loop on `prompt` (module docstring). A cell
-    that cannot run here is left out of the pilot (its timed runs say why)."""
+    """The target's engines and cells timed through the measurement loop on `prompt` (module docstring), and each
+    server's start: where the servers did not fit at once, a prompt starts each again (`_restarts_s`). A cell that
+    cannot run here is left out of the pilot (its timed runs say why)."""
     pilot = Pilot()
-    for contenders in runner.in_groups(cells, lambda cell, exc: None):
+    pool = runner.servers
+    stopped = pool.stopped_for_room if pool else 0
+
+    def make(cell: Cell):
+        started, starts = time.perf_counter(), pool.starts if pool else 0
+        contender = runner.contender(cell)
+        if pool and pool.starts > starts:
+            pilot.start_s[cell.key] = time.perf_counter() - started
+        return contender
+
+    for contenders in in_groups(cells, make, pool, lambda cell, exc: None):
         _time_group(pilot, contenders, runner, prompt)
+    pilot.room = pool.most_running if pool and pool.stopped_for_room > stopped else 0
     return pilot
 
 
@@ -166,8 +184,9 @@ def make_plan(cells: dict[str, list[Cell]], pilots: dict[str, Pilot], lengths: l
     tokens = max((c.max_new_tokens for its in cells.values() for c in its), default=0)
     prefills = len({(t, pilots[t].keys[c.key]) for t, its in cells.items() for c in its if pilots[t].keys.get(c.key)})
     own = sum(c.key in pilots[t].own_prefill for t, its in cells.items() for c in its)
+    restart_s = sum(_restarts_s(pilots[t], its) for t, its in cells.items())
     return Plan(prompts, len(lengths), sum(map(len, cells.values())), 0, tokens, limits.race_after,
-                sum(costs[:prompts]), limits.budget_s, tuple(costs[:prompts]), drops, prefills, own)
+                sum(costs[:prompts]), limits.budget_s, tuple(costs[:prompts]), drops, prefills, own, restart_s)
 
 
 def _costs(cells: dict[str, list[Cell]], pilots: dict[str, Pilot], lengths: list[int], limits: PlanLimits
@@ -231,11 +250,19 @@ def _prompt_cost(cells: dict[str, list[Cell]], pilots: dict[str, Pilot], kept: s
         seconds += sum(pilot.prefill.get(key, 0.0) * length for key in keys)
         seconds += sum(pilot.own_prefill.get(c.key, 0.0) * length for c in running)
         seconds += sum(c.max_new_tokens * pilot.decode.get(c.key, 0.0) for c in running)
+        seconds += _restarts_s(pilot, running)
         baseline = next((c for c in its if is_baseline(c.method)), None)
         if baseline is not None and every:
             checks = -(-(len(running) - 1) // every)
             seconds += checks * baseline.max_new_tokens * pilot.decode.get(baseline.key, 0.0)
     return seconds
+
+
+def _restarts_s(pilot: Pilot, running: list[Cell]) -> float:
+    """Seconds a prompt spends starting servers again: where more run than fit at once (`Pilot.room`), a prompt's
+    groups stop and start every one of them (the group in progress holds its own), so each starts once a prompt."""
+    starts = [pilot.start_s[c.key] for c in running if c.key in pilot.start_s]
+    return sum(starts) if pilot.room and len(starts) > pilot.room else 0.0
 
 
 @dataclass

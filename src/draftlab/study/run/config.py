@@ -138,6 +138,10 @@ class SweepConfig:
         loaded = method.served and (not self.load_methods or method.name in self.load_methods)
         return self.concurrency if loaded else tuple(c for c in self.concurrency if c == 1) or (1,)
 
+    def longest_k(self) -> int:
+        """The grid's longest K, alone or under load."""
+        return max((*self.ks, *self.load_ks), default=0)
+
     def most_in_flight(self) -> int:
         """The most requests in flight any of the grid's cells runs at: the levels of its served methods that run on
         one of its targets (and of llama-server's, on a GGUF target); 1 where none does (no prompt is then held back

@@ -72,7 +72,8 @@ def _run_all(run: SweepRun, groups: list[Group], progress: bool) -> int:
     if not runnable:
         raise NothingToMeasure("every engine of this study failed its preflight (said above, one line each); "
                                "nothing was measured")
-    servers = ServerPool(run.store.path.with_name(run.store.path.stem + ".server-logs"), run.config.most_in_flight())
+    servers = ServerPool(run.store.path.with_name(run.store.path.stem + ".server-logs"), run.config.most_in_flight(),
+                         run.config.longest_k())
     try:
         run.targets = {name: _start_target(run, name, servers, LLAMA_SERVER.name in left_out.get(name, ()))
                        for name in runnable}
