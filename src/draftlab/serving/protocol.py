@@ -39,7 +39,7 @@ UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": 
                "dry_multiplier": (None, 0, 0.0), "xtc_probability": (None, 0, 0.0), "n_probs": (None, 0)}
 # What a server may leave aside without changing an answer: taken, not logged.
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "cache_prompt", "request_id",
-           "priority"}
+           "priority", "speculative.n_min", "speculative.p_min"}  # (llama-server's: a draft's floor, its confidence)
 
 
 @dataclass

@@ -48,8 +48,10 @@ class Pilot:
     decode: dict[str, float] = field(default_factory=dict)
     keys: dict[str, str] = field(default_factory=dict)
     own_prefill: dict[str, float] = field(default_factory=dict)  # cell key -> seconds per prompt token
-    start_s: dict[str, float] = field(default_factory=dict)  # cell key -> seconds its server took to start
-    room: int = 0  # the most servers that fit at once, where the pilot stopped some to start others (0: all fit)
+    servers: set[str] = field(default_factory=set)  # cells that brought a server of their own into the pilot
+    start_s: dict[str, float] = field(default_factory=dict)  # cell key -> seconds its server took to start (where the
+    # pilot started it: one running since the warm-up was not timed)
+    room: int = 0  # the most servers that ran at once, where some were stopped to start others (0: all fit)
 
 
 @dataclass(frozen=True)
@@ -99,18 +101,19 @@ def time_pilot(runner: CellRunner, cells: list[Cell], prompt: EncodedPrompt) -> 
     cannot run here is left out of the pilot (its timed runs say why)."""
     pilot = Pilot()
     pool = runner.servers
-    stopped = pool.stopped_for_room if pool else 0
 
     def make(cell: Cell):
-        started, starts = time.perf_counter(), pool.starts if pool else 0
+        started, starts, held = time.perf_counter(), pool.starts, len(pool.held)
         contender = runner.contender(cell)
-        if pool and pool.starts > starts:
+        if len(pool.held) > held:
+            pilot.servers.add(cell.key)
+        if pool.starts > starts:
             pilot.start_s[cell.key] = time.perf_counter() - started
         return contender
 
-    for contenders in in_groups(cells, make, pool, lambda cell, exc: None):
+    for contenders in in_groups(cells, make if pool else runner.contender, pool, lambda cell, exc: None):
         _time_group(pilot, contenders, runner, prompt)
-    pilot.room = pool.most_running if pool and pool.stopped_for_room > stopped else 0
+    pilot.room = pool.most_running if pool and pool.stopped_for_room else 0
     return pilot
 
 
@@ -260,9 +263,13 @@ def _prompt_cost(cells: dict[str, list[Cell]], pilots: dict[str, Pilot], kept: s
 
 def _restarts_s(pilot: Pilot, running: list[Cell]) -> float:
     """Seconds a prompt spends starting servers again: where more run than fit at once (`Pilot.room`), a prompt's
-    groups stop and start every one of them (the group in progress holds its own), so each starts once a prompt."""
-    starts = [pilot.start_s[c.key] for c in running if c.key in pilot.start_s]
-    return sum(starts) if pilot.room and len(starts) > pilot.room else 0.0
+    groups stop and start every one of them (the group in progress holds its own), so each starts once a prompt;
+    a server the pilot found running counts as the mean start it timed."""
+    servers = [c.key for c in running if c.key in pilot.servers]
+    if not pilot.room or len(servers) <= pilot.room or not pilot.start_s:
+        return 0.0
+    mean = sum(pilot.start_s.values()) / len(pilot.start_s)
+    return sum(pilot.start_s.get(key, mean) for key in servers)
 
 
 @dataclass

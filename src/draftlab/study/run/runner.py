@@ -171,13 +171,16 @@ class CellRunner:
 
     def warm_up(self, cells: list[Cell], prompt: EncodedPrompt, starting: Callable[[Cell], None]) -> None:
         """Untimed short runs through every path: first calls pay one-off costs. A cell that fails here is left to
-        its timed runs, which store the reason. `starting` hears of each cell before it runs."""
+        its timed runs, which store the reason. `starting` hears of each cell before it runs. Each cell's server is
+        let go once it ran: the next one may stop it to make room (every server then starts once here)."""
         for cell in cells:
             starting(cell)
             try:
                 warm_up({cell: self.contender(cell)}, prompt, self.settings(cell))
             except (Exception if method_of(cell.method).peer else DraftlabError):
-                continue
+                pass
+            if self.servers is not None:
+                self.servers.let_go()
 
 
 def record_of(cell: Cell, run: RunRecord) -> Record:
