@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -10,6 +12,38 @@ from draftlab.models import LoadedModel
 
 
 # The tiers (the README's command, `slow`, `exhaustive`) are marked on the tests themselves: tests/tiers.py.
+
+
+EVERY_CORE = pytest.StashKey[set]()  # an xdist worker's cores before it was pinned to one
+
+
+def pytest_configure(config) -> None:
+    """Under `pytest -n N` (pytest-xdist; CI's slow stage) each worker runs on a core of its own, as
+    `taskset -c CORE` would: torch, llama.cpp and the servers a test starts (they inherit it) take one thread each,
+    where workers sharing every core would run twice the threads, and llama.cpp's threads spin at each barrier."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1", ...: set in each worker by pytest-xdist
+    if not worker.startswith("gw") or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    config.stash[EVERY_CORE] = set(cores)
+    os.sched_setaffinity(0, {cores[int(worker[2:]) % len(cores)]})
+    torch.set_num_threads(1)
+
+
+@pytest.fixture
+def every_core(request):
+    """The host's every core for one test that runs llama.cpp on 2 threads of its own choosing (an xdist worker
+    runs on one: its threads would take turns spinning on it)."""
+    cores = request.config.stash.get(EVERY_CORE, None)
+    if cores is None:
+        yield
+        return
+    pinned = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, pinned)
 
 
 def tiny_llama(vocab: int = 64, layers: int = 4, seed: int = 0, hidden: int = 32) -> LoadedModel:

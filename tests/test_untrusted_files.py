@@ -23,7 +23,7 @@ from draftlab.drafters.adapt import AdaptSettings
 from draftlab.drafters.suffix import SuffixCache, read_responses
 from draftlab.errors import DraftlabError
 from draftlab.perf.calibrate import Profile
-from draftlab.files.safeio import load_tensors, save_tensors, write_atomic
+from draftlab.files.safeio import load_tensors, private_dir, publish_dir, save_tensors, write_atomic
 from draftlab.backends.routes import parse_route
 from draftlab.decoding.sampling import SamplingConfig
 from draftlab.study.run.runner import _read_state
@@ -99,6 +99,21 @@ def test_writes_are_atomic_and_leave_no_temporary_files(tmp_path):
     save_tensors({"x": torch.ones(2)}, tmp_path / "b.pt")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b.pt"]
     assert torch.equal(load_tensors(tmp_path / "b.pt", "b")["x"], torch.ones(2))
+
+
+def test_a_cache_directory_made_by_two_processes_at_once_is_published_whole_once(tmp_path):
+    """Two processes converting the same model at once (two commands, or two test workers) each write a directory
+    of their own; the first to finish publishes it, the second keeps the first's and removes its own."""
+    out = tmp_path / "converted" / "model"
+    theirs = out.with_name(".model.1.partial")  # another process's, as private_dir names it there
+    theirs.mkdir(parents=True)
+    (theirs / "config.json").write_text("theirs")
+    ours = private_dir(out)
+    assert ours != theirs and not any(ours.iterdir())
+    (ours / "config.json").write_text("ours")
+    publish_dir(theirs, out)
+    assert publish_dir(ours, out) == out and (out / "config.json").read_text() == "theirs"
+    assert sorted(p.name for p in out.parent.iterdir()) == ["model"]
 
 
 def test_a_suffix_cache_is_never_created_over_files_that_are_not_its_own(tmp_path):

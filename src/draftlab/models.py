@@ -19,6 +19,7 @@ from typing import Iterator
 import torch
 
 from draftlab.files import assets
+from draftlab.files.safeio import private_dir, publish_dir
 from draftlab.backends.engines import Engine, engine_of_backend, engine_of_model
 from draftlab.backends.gguf import LlamaCppModel, describe_gguf
 from draftlab.backends.quantize import WEIGHT_TYPES, derive_weight_type
@@ -320,12 +321,10 @@ def convert_gguf(gguf_path: Path) -> Path:
                                                          dtype=torch.float32)
     except Exception as exc:  # transformers raises many types for unreadable GGUF
         raise DraftlabError(f"transformers cannot read GGUF {gguf_path}: {exc}") from exc
-    partial = out.with_name(out.name + ".partial")
-    partial.mkdir(parents=True, exist_ok=True)
+    partial = private_dir(out)
     save_checkpoint(model, tokenizer, partial)
     (partial / "SOURCE").write_text(f"{gguf_path.name} sha256={digest}\n")
-    partial.replace(out)
-    return out
+    return publish_dir(partial, out)
 
 
 def save_checkpoint(model, tokenizer, out: Path) -> None:

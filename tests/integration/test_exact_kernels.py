@@ -53,7 +53,7 @@ def rows_alone_and_blocks(backend: LlamaCppBackend) -> list[str]:
 
 @pytest.mark.parametrize("source, threads", [("smollm2-135m@Q4_0_PURE", 2), *(slow(s, 2) for s in TYPES if s != "smollm2-135m@Q4_0_PURE"),
                                              *(exhaustive(s, 1) for s in TYPES)])  # Q4_0_PURE on 2 threads: the smoke test
-def test_block_rows_are_bitwise_single_rows_for_every_weight_type(source, threads, monkeypatch):
+def test_block_rows_are_bitwise_single_rows_for_every_weight_type(source, threads, monkeypatch, every_core):
     monkeypatch.setattr(llamacpp_module, "default_threads", lambda: threads)
     target = load_model(source, backend="llamacpp")
     assert {SGEMM_EVERY_ROW, Q4_0_ROWS, Q4_K_ROWS} <= set(target.model.exact_kernels) and target.model.sgemm
@@ -101,7 +101,7 @@ SHAPE_CASES = [slow("qwen2.5-1.5b", "Q4_0_PURE"), exhaustive("qwen2.5-1.5b", "Q4
 
 
 @pytest.mark.parametrize("shape, weight_type", SHAPE_CASES)
-def test_block_rows_are_bitwise_single_rows_on_real_model_shapes(shape, weight_type, tmp_path, monkeypatch):
+def test_block_rows_are_bitwise_single_rows_on_real_model_shapes(shape, weight_type, tmp_path, monkeypatch, every_core):
     """The repacked Q4_0 and Q4_K kernels' rows (row lengths 896-18944, widths up to 49,152) on 2 threads: every row
     of blocks of 2-16, 20 and 24 equals the same row alone, as on SmolLM2."""
     from draftlab.backends.gguf import tensor_types
@@ -153,7 +153,7 @@ def holds_avx512(library: Path) -> bool:
 
 
 @pytest.mark.slow
-def test_the_kernels_avx2_path_is_exact_on_an_avx2_only_build():
+def test_the_kernels_avx2_path_is_exact_on_an_avx2_only_build(every_core):
     """Whatever this host has, the kernels' AVX2 path (without AVX-512 or VNNI: the repacked Q4_0 and Q4_K rows'
     16-bit partial sums, 8 columns a pass) keeps every row of blocks of 2-16, 20 and 24 bitwise the row alone, with 1
     and 2 threads: on pure Q4_0 (every product on the Q4_0 kernel) and Q4_K_M (the Q4_K kernel beside vec_dot)."""

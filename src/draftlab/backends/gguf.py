@@ -342,17 +342,17 @@ def describe_gguf(path: Path, cache_root: Path) -> Path:
         return out
     from transformers import AutoConfig, AutoTokenizer
 
+    from draftlab.files.safeio import private_dir, publish_dir
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     except Exception as exc:  # transformers raises many types for unreadable GGUF
         raise DraftlabError(f"cannot read the tokenizer and config of GGUF {path}: {exc}") from exc
-    partial = out.with_name(out.name + ".partial")
-    partial.mkdir(parents=True, exist_ok=True)
+    partial = private_dir(out)
     config_dict = config.to_dict()
     config_dict.pop("quantization_config", None)
     config.__class__.from_dict(config_dict).save_pretrained(partial)
     tokenizer.save_pretrained(partial)
     (partial / "SOURCE").write_text(f"{path.name} size={stat.st_size}\n")
-    partial.replace(out)
-    return out
+    return publish_dir(partial, out)

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from draftlab.errors import DraftlabError
 from draftlab.files.assets import cache_dir
+from draftlab.files.safeio import write_atomic
 
 KINDS = ("linear", "weight-major")
 ROWS = (1, 2, 4, 8, 16)  # block sizes timed, and the chunk sizes exact routes may use
@@ -263,8 +264,7 @@ def measured_timings(shapes: Shapes, dtypes: tuple[str, ...], cache: Path | None
         path = paths[timings.dtype]
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.with_suffix(".partial").write_text(json.dumps(asdict(timings)))
-            path.with_suffix(".partial").replace(path)
+            write_atomic(path, json.dumps(asdict(timings)))
     return [found[d] for d in dtypes]
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -106,7 +107,7 @@ def write_checkpoint(draft: Eagle3Draft, target: LoadedModel, out: str | Path) -
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / (WEIGHTS + ".tmp")
+    tmp = out / f".{WEIGHTS}.{os.getpid()}.tmp"  # this writer's own: another process may write the same at once
     save_file(checkpoint_tensors(draft), str(tmp), metadata={"format": "pt"})
     tmp.replace(out / WEIGHTS)
     write_atomic(out / CONFIG, json.dumps(checkpoint_config(draft, target), indent=2))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,26 @@ def write_atomic(path: str | Path, data: bytes | str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def private_dir(out: Path) -> Path:
+    """An empty directory beside `out` that only this process writes, to be published as `out` (`publish_dir`)."""
+    partial = out.with_name(f".{out.name}.{os.getpid()}.partial")
+    shutil.rmtree(partial, ignore_errors=True)  # a killed run's, under a process id used again
+    partial.mkdir(parents=True)
+    return partial
+
+
+def publish_dir(partial: Path, out: Path) -> Path:
+    """The finished directory `partial` renamed to `out` in one step; where another process published `out` first
+    (the same work, done at once), theirs is kept and ours removed."""
+    try:
+        partial.replace(out)
+    except OSError:
+        if not out.is_dir():
+            raise
+        shutil.rmtree(partial, ignore_errors=True)
+    return out
 
 
 def save_tensors(data: Any, path: str | Path) -> None:
