@@ -10,6 +10,7 @@ from draftlab.measure import RunRecord
 from draftlab.study.run.budget import (PILOT_REASON, PLAN_REASON, Deadline, Pilot, PlanLimits, decode_rate, make_plan,
                                       pilot_drops)
 from draftlab.study.run.cells import Cell
+from draftlab.study.run.growth import Growth
 from draftlab.study.run.store import ResultsStore
 from draftlab.study.run.sweep import SweepConfig, run_sweep
 from tests.conftest import tiny_model_dir
@@ -73,6 +74,27 @@ def test_a_cell_that_prefills_each_prompt_itself_has_that_prefill_in_the_plan():
     assert abs(plan.costs[0] - (decode + 100 * 0.001 + 100 * (0.002 + 0.003))) < 1e-9
     assert plan.prefills == 1 and plan.own_prefills == 2  # one shared prefill a prompt; the servers' own are theirs
     assert "2 cell(s) prefill each prompt in their own requests (draftlab serve)" in plan.line()
+
+
+def test_a_long_prompt_is_priced_at_the_baselines_costs_timed_on_it():
+    """The baseline timed on the pilot's prompt (100 tokens) and on the longest (1100): a prompt token's prefill 1.5x
+    and a new token 3x there. The plan prices each prompt's prefill and decode at its own context, every cell of the
+    target alike; a prompt as long as the pilot's, decoding more tokens than the pilot did, costs a little more."""
+    growth = Growth.timed(100, 16, 1100, prefill=(0.001, 0.0015), decode=(0.01, 0.03))
+    assert abs(growth.prefill_factor(1100) - 1.5) < 1e-9 and abs(growth.decode_factor(1100, 16) - 3.0) < 1e-9
+    assert abs(growth.decode_factor(100, 116) - 1.1) < 1e-9  # 50 more tokens of context on average: 2e-3 each
+    assert abs(growth.decode_factor(0, 2) - (1.0 - 0.002 * 107)) < 1e-9  # a shorter prompt: less, down to FLOOR
+    assert Growth.timed(100, 16, 1100, (0.001, 0.0009), (0.01, 0.01)) == Growth(100, 16, 1100)  # noise: no growth
+    ar, spec = cell("ar"), cell("sps", "ngram", 1)
+    flat = Pilot(prefill={"draftlab": 0.001}, decode={ar.key: 0.01, spec.key: 0.008},
+                 keys={ar.key: "draftlab", spec.key: "draftlab"})
+    grown = replace(flat, growth=growth)
+    lengths, limits = [1100, 100], PlanLimits(0, 0, 0.0)
+    before, after = (make_plan({"m": [ar, spec]}, {"m": p}, lengths, limits).costs for p in (flat, grown))
+    decode_at = lambda length: 100 * (0.01 + 0.008) * growth.decode_factor(length, 100)  # noqa: E731
+    assert abs(after[0] - (1100 * 0.001 * 1.5 + decode_at(1100))) < 1e-9 and after[0] > 2 * before[0]
+    assert abs(after[1] - (100 * 0.001 + decode_at(100))) < 1e-9 and before[1] < after[1] < 1.2 * before[1]
+    assert "on the longest prompt (1100 tokens)" in growth.words() and Growth().words() == ""
 
 
 def test_servers_that_do_not_fit_at_once_are_started_again_on_every_prompt_in_the_plan():
@@ -153,6 +175,11 @@ def test_neither_the_plan_nor_the_pilot_leaves_out_what_a_deploy_line_answers_fr
     assert set(pilot_drops(cells, slower)) == {cell("server", "ngram-simple", 3, llama).key}  # now the slower
 
 
+def test_the_pilots_own_time_comes_off_the_budget_the_plan_fits_in():
+    assert PlanLimits(2, 1, 10.0).after(4.0).budget_s == 6.0 and PlanLimits(2, 1, 3.0).after(4.0).budget_s == 1e-3
+    assert PlanLimits(2, 1, 0.0).after(4.0).budget_s == 0.0  # no budget: none after the pilot either
+
+
 def test_the_deadline_expects_the_next_prompt_as_planned_scaled_by_the_prompts_so_far():
     deadline = Deadline(100.0, planned=(40.0, 5.0, 10.0, 10.0))
     assert deadline.affords_another()
@@ -164,8 +191,10 @@ def test_the_deadline_expects_the_next_prompt_as_planned_scaled_by_the_prompts_s
 def test_a_budgeted_sweep_prints_its_plan_keeps_it_and_stores_the_pilots_drops(tmp_path, capsys):
     model = tiny_model_dir(tmp_path / "tiny")
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": " ".join(f"w{(i * 5 + j) % 60}" for j in range(10 + 7 * i)),
-                                           "category": "chat", "id": f"q{i}"}) + "\n" for i in range(5)))
+    lengths = [10, 17, 24, 31, 80]  # the longest over twice the median: the baseline is timed on it too
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(f"w{(i * 5 + j) % 60}" for j in range(length)),
+                                           "category": "chat", "id": f"q{i}"}) + "\n"
+                               for i, length in enumerate(lengths)))
     config = SweepConfig(targets=(str(model),), drafters=("ngram",), ks=(1, 2), methods=("sps",),
                          datasets=(str(prompts),), limit=5, max_new_tokens=12, warmup=1, baseline_every=2,
                          host_baselines=False, race_after=2, budget_s=0.01, preflight_s=0)
@@ -174,6 +203,7 @@ def test_a_budgeted_sweep_prints_its_plan_keeps_it_and_stores_the_pilots_drops(t
     plan_line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("plan: "))
     assert "4 of 5 prompts x 1 cells" in plan_line and "over the" in plan_line  # 10 ms hold none: cells go first
     assert "cell(s) left out" in plan_line and store.get_meta("plan:" + str(prompts) + ":0") == "4"
+    assert f"{model}: a prompt token's prefill" in plan_line and "on the longest prompt (" in plan_line
     skips = store.skips()  # the two sps cells: the pilot's drop where one decoded 3x slower, the plan's the rest
     assert {s["cell"] for s in skips} == {c for c in {s["cell"] for s in skips} if "|sps|" in c} and len(
         {s["cell"] for s in skips}) == 2 and all(s["reason"].startswith((PILOT_REASON, PLAN_REASON)) for s in skips)
@@ -182,4 +212,6 @@ def test_a_budgeted_sweep_prints_its_plan_keeps_it_and_stores_the_pilots_drops(t
     for _ in range(4):  # each later run resumes within the stored plan, never past it
         run_sweep(config, store, progress=False)
     assert len({r["prompt_id"] for r in store.rows()}) == 4 and run_sweep(config, store, progress=False) == 0
+    prefill_s = {r["prompt_id"]: r["seconds"] for r in store.prefills()}  # timed anew, not left by the longest's pilot
+    assert prefill_s["q4"] > 0.5 * prefill_s["q0"]
     store.close()

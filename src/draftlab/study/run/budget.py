@@ -3,10 +3,11 @@
 The pilot runs through the measurement loop on one prompt of the group (its median length): each engine prefills it
 once (timed: seconds per prompt token) and each cell decodes `PILOT_TOKENS` from that prefill (timed: seconds per
 new token; a draft model's own prefill of the prompt, which runs in a cell's first step, spread over the cell's
-output length, not over the pilot's tokens). From these the plan estimates what each prompt costs: its prefill on
-every engine, every cell's decode
-of the study's output length and the baseline's re-checks, every cell on the race's first prompts and, after them,
-the cells the race is expected to keep (those within `RACE_KEEPS` of the fastest pilot of their model). It takes the
+output length, not over the pilot's tokens); where the group's longest prompt is much longer, each target's baseline
+is timed on it too (`study/run/growth.py`: how a token's costs grow with the context). From these the plan
+estimates what each prompt costs, at that prompt's length: its prefill on every engine, every cell's decode of the
+study's output length and the baseline's re-checks, every cell on the race's first prompts and, after them, the
+cells the race is expected to keep (those within `RACE_KEEPS` of the fastest pilot of their model). It takes the
 most prompts of the group that fit the time the budget has left, and says so in one line. With a race it keeps at
 least `PROMPT_SHARE` of them: where those do not fit, it leaves out cells instead of prompts (the most hopeless by
 their pilot first, stored as skipped with the reason), so that every cell ranked ran as many prompts as the rest.
@@ -25,6 +26,7 @@ from draftlab.backends.routes import cpu_flags
 from draftlab.contenders.methods import is_baseline, method_of
 from draftlab.measure import EncodedPrompt, RunRecord, pilot as measure_pilot
 from draftlab.study.run.cells import Cell
+from draftlab.study.run.growth import SPAN, Growth
 from draftlab.study.run.race import deploy_references, keep_peer_references, model_of
 from draftlab.study.run.runner import CellRunner
 from draftlab.contenders.server_configs import in_groups
@@ -52,6 +54,7 @@ class Pilot:
     start_s: dict[str, float] = field(default_factory=dict)  # cell key -> seconds its server took to start (where the
     # pilot started it: one running since the warm-up was not timed)
     room: int = 0  # the most servers that ran at once, where some were stopped to start others (0: all fit)
+    growth: Growth = Growth()  # how its per-token costs grow with the context (`time_growth`; none: not timed)
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,7 @@ class Plan:
     prefills: int = 0  # prefills of each prompt: one per prefill key (kernel set and file), which its cells share
     own_prefills: int = 0  # cells that prefill each prompt themselves (`draftlab serve`'s requests), in the estimate
     restart_s: float = 0.0  # a prompt's server starts, where more servers run than fit at once, in the estimate
+    growth: tuple[tuple[str, str], ...] = ()  # (target, what its baseline's growth with the context was timed at)
 
     def line(self) -> str:
         """The plan in one line, with the host it was timed on."""
@@ -91,6 +95,7 @@ class Plan:
                    if self.own_prefills else "")
         shared += (f"; more servers than fit in memory at once: each prompt starts them again, about "
                    f"{self.restart_s:.0f} s a prompt" if self.restart_s else "")
+        shared += "".join(f"; {target}: {words}" for target, words in self.growth)
         return (f"plan: {self.prompts} of {self.of} prompts x {self.cells} cells x {self.tokens} tokens{race}{drops}"
                 f"{budget}{shared}; host timed on its CPU ({flags})")
 
@@ -141,6 +146,45 @@ def decode_rate(record: RunRecord, decode_s: float, cell: Cell) -> float:
     return (decode_s - draft_prefill_s) / new_tokens + draft_prefill_s / max(cell.max_new_tokens, new_tokens)
 
 
+@dataclass(frozen=True)
+class Longest:
+    """A target's baseline timed on the group's longest prompt (`time_longest`)."""
+
+    key: str  # the baseline cell's key
+    new_tokens: int  # the tokens it decoded there, as many as the pilot decodes
+    prefill_s: float  # seconds per prompt token of its prefill
+    decode_s: float  # seconds per new token of its decode
+
+
+def time_longest(runner: CellRunner, cells: list[Cell], prompt: EncodedPrompt, longest: EncodedPrompt
+                 ) -> Longest | None:
+    """The target's baseline on the group's `longest` prompt, timed as the pilot times it (where that prompt is
+    `SPAN` times the pilot's `prompt` or longer; else None). Timed before the pilot, whose prefill of its own
+    prompt then leaves the engine's prompt cache as the pilot alone leaves it: the sweep's first prompt, the
+    longest, is prefilled and timed anew."""
+    baseline = next((c for c in cells if is_baseline(c.method) and c.concurrency == 1), None)
+    if baseline is None or len(longest.ids) < SPAN * len(prompt.ids):
+        return None
+    contender = runner.contender(baseline)
+    settings = replace(runner.settings(baseline), max_new_tokens=min(PILOT_TOKENS, baseline.max_new_tokens))
+    prefills, records = measure_pilot({baseline: contender}, longest, {baseline: settings})
+    record, prefill = records.get(baseline), prefills.get(contender.prefill_key)
+    decode_s = record.stats.wall_s - (record.stats.prefill_s if record.times_prefill else 0.0) if record else 0.0
+    if prefill is None or decode_s <= 0:
+        return None
+    return Longest(baseline.key, settings.max_new_tokens, prefill.seconds / max(prefill.prompt_tokens, 1),
+                   decode_rate(record, decode_s, baseline))
+
+
+def growth(pilot: Pilot, timed: Longest | None, prompt: EncodedPrompt, longest: EncodedPrompt) -> Growth:
+    """The target's growth with the context (`study/run/growth.py`) from its baseline `timed` on the longest prompt
+    (`time_longest`) and its pilot on `prompt` (none where either is missing)."""
+    if timed is None or timed.key not in pilot.decode or pilot.keys.get(timed.key) not in pilot.prefill:
+        return Growth()
+    return Growth.timed(len(prompt.ids), timed.new_tokens, len(longest.ids), (pilot.prefill[pilot.keys[timed.key]],
+                        timed.prefill_s), (pilot.decode[timed.key], timed.decode_s))
+
+
 def pilot_drops(cells: list[Cell], pilot: Pilot) -> dict[str, str]:
     """cell key -> reason, for the cells (of one model) whose pilot decodes more than `PILOT_MARGIN` times slower
     than the fastest lossless cell's; never a baseline, a cell under load, a cell a Deploy line answers from
@@ -166,6 +210,10 @@ class PlanLimits:
     race_after: int  # prompts every cell runs before the race may drop one (0: no race)
     every: int  # the baseline is re-timed after this many cells of a prompt (0: never)
     budget_s: float  # the time the group may take (0: no limit)
+
+    def after(self, seconds: float) -> "PlanLimits":
+        """The same limits once `seconds` of the budget were spent (a millisecond left at least)."""
+        return replace(self, budget_s=max(self.budget_s - seconds, 1e-3)) if self.budget_s else self
 
 
 def make_plan(cells: dict[str, list[Cell]], pilots: dict[str, Pilot], lengths: list[int], limits: PlanLimits
@@ -250,15 +298,22 @@ def _prompt_cost(cells: dict[str, list[Cell]], pilots: dict[str, Pilot], kept: s
         pilot = pilots[target]
         running = [c for c in its if kept is None or c.key in kept]
         keys = {pilot.keys[c.key] for c in running if c.key in pilot.keys} - {""}
-        seconds += sum(pilot.prefill.get(key, 0.0) * length for key in keys)
-        seconds += sum(pilot.own_prefill.get(c.key, 0.0) * length for c in running)
-        seconds += sum(c.max_new_tokens * pilot.decode.get(c.key, 0.0) for c in running)
+        prefill = pilot.growth.prefill_factor(length) * length
+        seconds += sum(pilot.prefill.get(key, 0.0) * prefill for key in keys)
+        seconds += sum(pilot.own_prefill.get(c.key, 0.0) * prefill for c in running)
+        seconds += sum(_decode_s(pilot, c, length) for c in running)
         seconds += _restarts_s(pilot, running)
         baseline = next((c for c in its if is_baseline(c.method)), None)
         if baseline is not None and every:
             checks = -(-(len(running) - 1) // every)
-            seconds += checks * baseline.max_new_tokens * pilot.decode.get(baseline.key, 0.0)
+            seconds += checks * _decode_s(pilot, baseline, length)
     return seconds
+
+
+def _decode_s(pilot: Pilot, cell: Cell, length: int) -> float:
+    """Seconds the cell is expected to decode its output after a prompt of `length` tokens."""
+    tokens = cell.max_new_tokens
+    return tokens * pilot.decode.get(cell.key, 0.0) * pilot.growth.decode_factor(length, tokens)
 
 
 def _restarts_s(pilot: Pilot, running: list[Cell]) -> float:
@@ -310,10 +365,16 @@ def plan_group(runners: dict[str, CellRunner], cells: dict[str, list[Cell]],
                prompts: dict[str, dict[str, EncodedPrompt]], order: list[str], limits: PlanLimits) -> GroupPlan:
     """Time the host on the group's median-length prompt (each target's engines and its `cells`, the pending ones),
     drop the cells whose pilot is hopeless, and plan the prompts (`order`: their ids as they will run) to fit
-    `limits`, leaving out more cells where the budget cannot hold `PROMPT_SHARE` of the prompts."""
-    first = next(iter(prompts))
+    `limits` (its budget: the time left when called, less what the pilot takes), leaving out more cells where the
+    budget cannot hold `PROMPT_SHARE` of the prompts."""
+    started, first = time.perf_counter(), next(iter(prompts))
     middle = sorted(order, key=lambda p: len(prompts[first][p].ids))[len(order) // 2]
+    longest = max(order, key=lambda p: len(prompts[first][p].ids))
+    longer = {name: time_longest(runners[name], its, prompts[name][middle], prompts[name][longest])
+              for name, its in cells.items()}
     pilots = {name: time_pilot(runners[name], its, prompts[name][middle]) for name, its in cells.items()}
+    for name, pilot in pilots.items():
+        pilot.growth = growth(pilot, longer[name], prompts[name][middle], prompts[name][longest])
     models: dict[str, list[Cell]] = {}
     for name, its in cells.items():
         models.setdefault(model_of(name), []).extend(its)
@@ -323,5 +384,6 @@ def plan_group(runners: dict[str, CellRunner], cells: dict[str, list[Cell]],
     drops = {key: reason for its in models.values() for key, reason in pilot_drops(its, merged).items()}
     left = {name: [c for c in its if c.key not in drops] for name, its in cells.items()}
     lengths = [len(prompts[first][p].ids) for p in order]
-    plan = make_plan(left, pilots, lengths, limits)
+    plan = replace(make_plan(left, pilots, lengths, limits.after(time.perf_counter() - started)),
+                   growth=tuple((name, p.growth.words()) for name, p in pilots.items() if p.growth.longest))
     return GroupPlan(replace(plan, dropped=len(drops)), {**drops, **plan.budget_drops})
