@@ -54,7 +54,7 @@ class Pilot:
     start_s: dict[str, float] = field(default_factory=dict)  # cell key -> seconds its server took to start (where the
     # pilot started it: one running since the warm-up was not timed)
     room: int = 0  # the most servers that ran at once, where some were stopped to start others (0: all fit)
-    growth: Growth = Growth()  # how its per-token costs grow with the context (`time_growth`; none: not timed)
+    growth: Growth = Growth()  # how its per-token costs grow with the context (`time_longest`; none: not timed)
 
 
 @dataclass(frozen=True)
