@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 
 from draftlab.backends.routes import cpu_flags
 from draftlab.contenders.methods import is_baseline, method_of
-from draftlab.measure import EncodedPrompt, RunRecord, pilot as measure_pilot
+from draftlab.measure import EncodedPrompt, RunRecord, RunSettings, pilot as measure_pilot
 from draftlab.study.run.cells import Cell
 from draftlab.study.run.growth import SPAN, Growth
 from draftlab.study.run.race import deploy_references, keep_peer_references, model_of
@@ -124,17 +124,27 @@ def time_pilot(runner: CellRunner, cells: list[Cell], prompt: EncodedPrompt) -> 
 
 def _time_group(pilot: Pilot, contenders: dict, runner: CellRunner, prompt: EncodedPrompt) -> None:
     """The pilot's timings of cells whose contenders are built (their servers fit together)."""
-    settings = {cell: replace(runner.settings(cell), max_new_tokens=min(PILOT_TOKENS, cell.max_new_tokens))
-                for cell in contenders}
+    settings = {cell: _pilot_settings(runner, cell) for cell in contenders}
     prefills, records = measure_pilot(contenders, prompt, settings)
     pilot.prefill.update({key: p.seconds / max(p.prompt_tokens, 1) for key, p in prefills.items()})
     for cell, record in records.items():
-        decode_s = record.stats.wall_s - (record.stats.prefill_s if record.times_prefill else 0.0)
-        if decode_s > 0:  # (a prefill timed apart longer than a whole call: noise, no rate)
+        decode_s = _decode_s_of(record)
+        if decode_s > 0:  # (else noise: no rate)
             pilot.decode[cell.key] = decode_rate(record, decode_s, cell) * cell.concurrency
         pilot.keys[cell.key] = contenders[cell].prefill_key
         if not pilot.keys[cell.key] and record.times_prefill:  # its own prefill, in each of its runs
             pilot.own_prefill[cell.key] = record.stats.prefill_s / max(len(prompt.ids), 1)
+
+
+def _pilot_settings(runner: CellRunner, cell: Cell) -> RunSettings:
+    """The cell's settings with the pilot's output length."""
+    return replace(runner.settings(cell), max_new_tokens=min(PILOT_TOKENS, cell.max_new_tokens))
+
+
+def _decode_s_of(record: RunRecord) -> float:
+    """A pilot run's decode: its time less its prefill where timed apart (<= 0: a prefill timed apart longer than the
+    whole call, noise)."""
+    return record.stats.wall_s - (record.stats.prefill_s if record.times_prefill else 0.0)
 
 
 def decode_rate(record: RunRecord, decode_s: float, cell: Cell) -> float:
@@ -166,10 +176,10 @@ def time_longest(runner: CellRunner, cells: list[Cell], prompt: EncodedPrompt, l
     if baseline is None or len(longest.ids) < SPAN * len(prompt.ids):
         return None
     contender = runner.contender(baseline)
-    settings = replace(runner.settings(baseline), max_new_tokens=min(PILOT_TOKENS, baseline.max_new_tokens))
+    settings = _pilot_settings(runner, baseline)
     prefills, records = measure_pilot({baseline: contender}, longest, {baseline: settings})
     record, prefill = records.get(baseline), prefills.get(contender.prefill_key)
-    decode_s = record.stats.wall_s - (record.stats.prefill_s if record.times_prefill else 0.0) if record else 0.0
+    decode_s = _decode_s_of(record) if record else 0.0
     if prefill is None or decode_s <= 0:
         return None
     return Longest(baseline.key, settings.max_new_tokens, prefill.seconds / max(prefill.prompt_tokens, 1),
