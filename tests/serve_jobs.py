@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -47,3 +48,24 @@ def serve_jobs(served, jobs: list[tuple[list[int], int, float]]) -> list[list[in
                                     sink(i)))
     assert all(event.wait(120) for event in done)
     return answers
+
+
+@contextmanager
+def in_flight_seen(served):
+    """The served scheduler's requests in flight, sampled every 10 ms while the block runs (a list, filled as it
+    goes): proof that requests overlapped."""
+    seen: list[int] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            seen.append(served.metrics.in_flight)
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield seen
+    finally:
+        stop.set()
+        watcher.join()

@@ -20,7 +20,7 @@ from draftlab.serving.scheduler import LoadK
 from tests.integration.test_qwen_pair import pytestmark as qwen_marks
 from tests.integration.test_serve import gauge, metrics_text, running_counts
 from tests.required import OPENAI, module_or_skip
-from tests.serve_jobs import TARGET, prompts, serve_jobs, target  # noqa: F401 (the fixtures)
+from tests.serve_jobs import TARGET, in_flight_seen, prompts, serve_jobs, target  # noqa: F401 (the fixtures)
 
 pytestmark = pytest.mark.integration
 TOKENS = 32
@@ -149,10 +149,11 @@ def test_the_qwen_pair_served_decodes_each_request_as_alone():
     served.scheduler.start()
     try:
         alone = serve_jobs(served, [(ids[0], TOKENS, 0.0)])
-        together = serve_jobs(served, [(p, TOKENS, 0.0) for p in ids])
+        with in_flight_seen(served) as in_flight:
+            together = serve_jobs(served, [(p, TOKENS, 0.0) for p in ids])
     finally:
         served.scheduler.stop()
-    assert alone == plain[:1] and together == plain
+    assert alone == plain[:1] and together == plain and max(in_flight) == 4  # the 4 decoded together
     assert served.metrics.drafted > 0 and served.metrics.accepted > 0
 
 
