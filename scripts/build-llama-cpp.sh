@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build llama.cpp once, from the llama.cpp that llama-cpp-python 0.3.36 vendors (its source package from the package
-# index), with draftlab's exact kernels (scripts/llama-cpp/*.patch: each small, commented, tested bitwise by
-# tests/integration/test_exact_kernels.py), for both of draftlab's llama.cpp engines, and install llama-cpp-python over it:
+# index), with draftlab's exact kernels and libllama's additions (scripts/llama-cpp/*.patch: each small, commented,
+# tested bitwise by tests/integration/test_exact_kernels.py, test_llamacpp_streams.py, test_draft_chain.py,
+# test_gguf_head.py), for both of draftlab's llama.cpp engines, and install llama-cpp-python over it:
 #   $out/lib/      libllama, libggml*, libmtmd: what llama-cpp-python loads (copied into its package's lib/): every
 #                  kernel serves every row count of a block, so a row of a block rounds as the row scored alone;
 #   $out/server/   llama-server on the same libraries, so its own speculation is exact too;

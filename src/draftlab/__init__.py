@@ -19,4 +19,4 @@ __all__ = [
     "SuffixDrafter", "SuffixOptions",
     "build_layer_draft", "encode_prompt", "load_model", "parse_drafter_spec",
 ]
-__version__ = "0.48.0"
+__version__ = "0.49.0"

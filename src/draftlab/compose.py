@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from draftlab.backends import Backend, Engine, engine_of_backend, make_backend
+from draftlab.backends.gguf import sequence_ids
 from draftlab.backends.llamacpp_sequences import LlamaCppSequences
 from draftlab.backends.routes import Route, parse_route
 from draftlab.backends.sequences import Sequences
@@ -125,12 +126,13 @@ def served_drafter(spec: str, target: Target, slots: int, context: int | None, t
 
 
 def _check_served_on_gguf(spec: str) -> None:
-    """A one-line error at startup for token trees, which the llama.cpp batch cannot serve (a tree's mask within one
-    stream's block is not built). Drafts reading the final hidden states are built from the target's torch weights,
-    which a GGUF target refuses already (`registry`)."""
-    if proposes_trees(spec):
-        raise DraftlabError(f"draftlab serve on llama.cpp verifies chains: serve {spec} on torch (--backend auto), "
-                            "or its chain (eagle3, model:...) here")
+    """A one-line error at startup for token trees where the loaded llama.cpp library cannot put a request's tree
+    leaves in its KV stream (built without draftlab's stream-leaves patch). Drafts reading the final hidden states
+    are built from the target's torch weights, which a GGUF target refuses already (`registry`)."""
+    if proposes_trees(spec) and not sequence_ids():
+        raise DraftlabError(f"this llama.cpp library verifies token trees in one sequence only: serve {spec} on a "
+                            "library rebuilt with scripts/build-llama-cpp.sh (draftlab's stream-leaves patch), or on "
+                            "torch (--backend auto)")
 
 
 def _draft_streams(draft: LoadedModel, head_rows: torch.Tensor | None, target: Target, slots: int,

@@ -1,7 +1,8 @@
-"""Draft models served (`draftlab serve --drafter model:...` / `layers:...`) on the real SmolLM2 (pure Q4_0 on the
-exact kernels): each request's draft in a stream of its own, every draft position of the requests in flight in one
-decode of the draft; each request's greedy tokens those of `draftlab generate`'s plain decoding alone and under load,
-and each draft stream empty once its request retires. The Qwen pair (the seeds' headline) in the slow tier."""
+"""Draft models, EAGLE-3 and its token trees served (`draftlab serve --drafter model:...`, `eagle3`, `tree:...`) on
+the real SmolLM2 (pure Q4_0 on the exact kernels): each request's draft in a stream of its own, every draft position
+of the requests in flight in one decode of the draft, every request's tree verified in one decode; each request's
+greedy tokens those of `draftlab generate`'s plain decoding alone and under load, and each draft stream empty once
+its request retires. The Qwen pair (the seeds' headline) in the slow tier."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from draftlab import compose
 from draftlab.api import SpeculativeDecoder, prompt_ids
 from draftlab.contenders.draftlab_serve import SERVED_NAME, DraftlabServer, ServeConfig
 from draftlab.engine import SpeculativeEngine
@@ -34,11 +36,12 @@ def plain(target, prompts):
     return [decoder.generate(ids, max_new_tokens=TOKENS, temperature=0).token_ids for ids in prompts]
 
 
-@pytest.mark.parametrize("drafter", ["model:smollm2-135m", "eagle3"])
+@pytest.mark.parametrize("drafter", ["model:smollm2-135m", "eagle3", "tree:2x2:eagle3"])
 def test_a_started_server_with_a_draft_answers_each_request_as_alone(tmp_path, prompts, plain, drafter):
-    """A draft model, or the shipped EAGLE-3 draft (reading the target's layers from the batch's decode, a draft
-    cache per request): 8 prompts alone, then 4 at once through the official client: every answer is draftlab
-    generate's plain decoding; /metrics shows the 4 running together and the draft's tokens accepted."""
+    """A draft model, the shipped EAGLE-3 draft (reading the target's layers from the batch's decode, a draft cache
+    per request), or a token tree of it (each request's tree in its KV stream, verified beside the others' in one
+    decode): 8 prompts alone, then 4 at once through the official client: every answer is draftlab generate's plain
+    decoding; /metrics shows the 4 running together and the draft's tokens accepted."""
     openai = module_or_skip("openai", OPENAI, "the official openai client is not installed (pip install -e .[test])")
     config = ServeConfig(TARGET, drafter, "1:3", slots=4, context=2048)
     with DraftlabServer(config, tmp_path) as server:
@@ -158,10 +161,10 @@ def test_the_qwen_pair_served_decodes_each_request_as_alone():
 
 
 @pytest.mark.slow  # torch's exact route on the CPU: ~40 s
-def test_a_started_torch_server_with_a_token_tree_answers_each_request_as_alone(tmp_path):
+def test_a_started_torch_server_with_a_token_tree_answers_each_request_as_alone(tmp_path, monkeypatch):
     """`tree:2x2:eagle3` served on torch (a backend per slot scores each slot's tree, the EAGLE-3 draft per request):
     8 prompts alone equal draftlab generate's plain decoding on the same route, 4 at once each equal itself alone;
-    on llama.cpp the tree is refused at startup in one line (its batch verifies chains)."""
+    on a llama.cpp library without draftlab's stream-leaves patch the tree is refused at startup in one line."""
     openai = module_or_skip("openai", OPENAI, "the official openai client is not installed (pip install -e .[test])")
     target = load_model("smollm2-135m")
     ids = [prompt_ids(target.tokenizer, p)[:160] for p in load_prompts("heldout", 8)]  # prefills kept short
@@ -181,5 +184,6 @@ def test_a_started_torch_server_with_a_token_tree_answers_each_request_as_alone(
     assert alone == [decoder.generate(p, max_new_tokens=16, temperature=0).token_ids for p in ids]
     assert together == alone[:4] and max(running) >= 3
     assert gauge(text, "spec_decode_num_accepted_tokens_total") > 0
-    with pytest.raises(DraftlabError, match="verifies chains"):
+    monkeypatch.setattr(compose, "sequence_ids", lambda: 0)  # what a library without the patch reports
+    with pytest.raises(DraftlabError, match="verifies token trees in one sequence only"):
         build_served(ServeSettings(TARGET, "tree:2x2:eagle3", None, slots=2, context=512))

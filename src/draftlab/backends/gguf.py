@@ -47,6 +47,7 @@ Q4_K_ROWS = "q4_K-rows"  # scripts/llama-cpp/q4_K-rows.patch: the same for repac
 EXACT_KERNELS = (SGEMM_EVERY_ROW, Q4_0_ROWS, Q4_K_ROWS)  # each patch exports ggml_cpu_draftlab_<its name, "-" as "_">
 TRIMMED_HEAD_SYMBOL = "llama_draftlab_trimmed_head"  # libllama of scripts/llama-cpp/trimmed-head.patch exports it
 DRAFT_CHAIN_SYMBOL = "llama_draftlab_draft_greedy"  # scripts/llama-cpp/draft-chain.patch: greedy draft tokens, one call
+STREAM_LEAVES_SYMBOL = "llama_draftlab_stream_leaves"  # scripts/llama-cpp/stream-leaves.patch: tree leaves in a stream
 # llama.cpp's own calls that hand over the inputs of chosen layers (what its EAGLE-3 drafting reads), declared in its
 # src/llama-ext.h without extern "C": exported under their C++ (Itanium ABI) names, which only their signatures fix.
 LAYER_INPUTS_ENABLE = "_Z30llama_set_embeddings_layer_inpP13llama_contextjb"  # (ctx, uint32 layer, bool on)
@@ -123,6 +124,19 @@ def loads_trimmed_heads() -> bool:
     which exports `TRIMMED_HEAD_SYMBOL`; `draftlab.backends.gguf_head`)."""
     library = _loaded_library("libllama")
     return library is not None and hasattr(library, TRIMMED_HEAD_SYMBOL)
+
+
+@lru_cache(maxsize=1)
+def sequence_ids() -> int:
+    """How many sequence ids a context with a KV stream per sequence takes where the loaded libllama holds draftlab's
+    scripts/llama-cpp/stream-leaves.patch (sequence s in stream s % streams: a token tree's leaves share their
+    sequence's stream); 0 for a library without it (there a tree verifies only in a single sequence's context)."""
+    library = _loaded_library("libllama")
+    if library is None or not hasattr(library, STREAM_LEAVES_SYMBOL):
+        return 0
+    call = library[STREAM_LEAVES_SYMBOL]
+    call.argtypes, call.restype = [], ctypes.c_int32
+    return int(call())
 
 
 @lru_cache(maxsize=1)

@@ -8,8 +8,10 @@ keep and roll back both.
 Cells: with several sequences each holds a KV stream of its own (`kv_unified = False`, as llama-server's slots do):
 its cells start at cell 0 of its stream and lie in position order, exactly where its cells lie when it decodes
 alone. In a unified cache the cells of other sequences would interleave with its own and shift how attention's SIMD
-lanes split the sum over cells, even masked out. One sequence holds one unified stream, whose other sequences are a
-token tree's leaves (`draftlab.backends.llamacpp_trees`).
+lanes split the sum over cells, even masked out. A token tree's leaves are sequences sharing its sequence's cells
+(`draftlab.backends.llamacpp_trees`): one sequence holds one unified stream, whose other sequences they are; with a
+stream per sequence, the sequences draftlab's stream-leaves patch puts in its stream, so that every request's tree
+and chain verify in one decode.
 
 Exactness: with the exact kernels (`LlamaCppModel.rows_exact`) each product row keeps its order of additions at
 every row count, and with flash attention off (its CPU kernel reduces over the cache differently for one row and
@@ -34,10 +36,11 @@ import numpy as np
 import torch
 
 from draftlab.backends.base import ROUNDING, greedy_rows
-from draftlab.backends.gguf import INSTALL_HINT, LlamaCppModel, free_native, greedy_chain_call, llama_lib
+from draftlab.backends.gguf import (INSTALL_HINT, LlamaCppModel, free_native, greedy_chain_call, llama_lib,
+                                    sequence_ids)
 from draftlab.backends.gguf import threads as default_threads
 from draftlab.backends.llamacpp_taps import LayerTaps
-from draftlab.backends.llamacpp_trees import MAX_LEAVES, TreeCells
+from draftlab.backends.llamacpp_trees import MAX_LEAVES, Rows, TreeCells, leaf_ids
 from draftlab.decoding.kchoice import llama_passes
 from draftlab.decoding.step import Block, Scores
 from draftlab.errors import DraftlabError
@@ -63,7 +66,8 @@ class LlamaCppSequences:
         self.out_rows = model.head_rows or model.vocab_size  # logits per row: a trimmed head's rows (a cut draft)
         self.batch_invariant = model.rows_exact
         self.numerics = numerics_of(model)
-        self.trees = count == 1  # one unified stream, whose other sequences a tree's leaves are
+        self._ids = MAX_LEAVES + 1 if count == 1 else sequence_ids()  # sequence ids the context takes (0: `count`)
+        self.trees = self._ids > count  # a tree's leaves share its sequence's cells (a unified stream, or the patch)
         self.n_ctx = min(context or MAX_CONTEXT, model.n_ctx_train, MAX_CONTEXT)
         self._threads = threads or default_threads()
         self._ctx = self._new_context()
@@ -72,7 +76,7 @@ class LlamaCppSequences:
         self._batch = self.lib.llama_batch_init(MAX_BATCH, 0, MAX_LEAVES if self.trees else 1)
         self._lengths = [0] * count  # cached tokens per sequence
         self._starts = [0] * count  # where each sequence's last scored block began
-        self._tree: TreeCells | None = None  # the last block of sequence 0, where it was a tree
+        self._trees: dict[int, TreeCells] = {}  # each sequence's last block, where it was a tree
         self._prefiller: LlamaCppSequences | None = None  # the repacked twin's sequences, for prefills
         self._prefilling = [False] * count  # a prompt part-prefilled in the twin's cells of the sequence
         self._table: tuple[torch.Tensor, np.ndarray] | None = None  # row_tokens and their int32 copy (greedy_chain)
@@ -96,10 +100,10 @@ class LlamaCppSequences:
     def rollback(self, seq: int, length: int) -> None:
         """Keep only the first `length` tokens of a sequence (0: empty, a prompt's prefill on the twin dropped too; a
         tree block not kept: its leaf sequences go)."""
-        if self._tree is not None:
-            for leaf in self._tree.leaf_seqs:
+        tree = self._trees.pop(seq, None)
+        if tree is not None:
+            for leaf in tree.leaf_seqs:
                 self.lib.llama_memory_seq_rm(self._memory, leaf, -1, -1)
-            self._tree = None
         if length == 0 and self._prefilling[seq]:
             self._prefiller.rollback(seq, 0)
             self._prefilling[seq] = False
@@ -110,7 +114,7 @@ class LlamaCppSequences:
     def keep(self, seq: int, indices: Sequence[int]) -> None:
         """Keep a sequence's cache before its last block plus the block's tokens at `indices` (ascending: a chain's
         root and accepted path, or a tree's)."""
-        indices, base, tree = list(indices), self._starts[seq], self._tree
+        indices, base, tree = list(indices), self._starts[seq], self._trees.get(seq)
         if tree is None:  # a chain's kept tokens are its first
             self.rollback(seq, base + len(indices))
             return
@@ -119,7 +123,7 @@ class LlamaCppSequences:
         in_place = tree.scattered(indices)
         if in_place < len(indices):  # scattered cells: score the rest of the path again, into contiguous cells
             self.rollback(seq, base + in_place)
-            self._score({seq: [tree.tokens[i] for i in indices[in_place:]]}, True, ())
+            self._score({seq: Block.chain([tree.tokens[i] for i in indices[in_place:]])}, True, ())
 
     def prefill(self, seq: int, tokens: Sequence[int], final: bool, with_hidden: bool = False,
                 taps: tuple[int, ...] = ()) -> torch.Tensor | None:
@@ -131,16 +135,14 @@ class LlamaCppSequences:
 
     def score_blocks(self, blocks: dict[int, Block], with_hidden: bool = False, taps: tuple[int, ...] = (),
                      last_only: bool = False) -> dict[int, Scores]:
-        """Every sequence's block in one decode; logits [n, V] per sequence ([1, V] with `last_only`), with
-        `with_hidden` the inputs of the `taps` layers [n, len(taps) * D] too. A token tree is scored where it is
-        the only block of a backend of one sequence."""
+        """Every sequence's block, a chain or a token tree, in one decode; logits [n, V] per sequence in block order
+        ([1, V] with `last_only`, a chain's), with `with_hidden` the inputs of the `taps` layers [n, len(taps) * D]
+        too."""
         taps = self._tapping(with_hidden, taps)
-        if not all(block.is_chain for block in blocks.values()):
-            if not self.trees or list(blocks) != [0]:
-                raise DraftlabError("llama.cpp scores token trees one sequence at a time: draftlab serve on "
-                                    "llama.cpp verifies chains (token trees are served on torch)")
-            return {0: self._score_tree(blocks[0], taps)}
-        logits, hidden = self._score({seq: block.tokens for seq, block in blocks.items()}, last_only, taps)
+        if not self.trees and not all(block.is_chain for block in blocks.values()):
+            raise DraftlabError("this llama.cpp library verifies token trees in a backend of one sequence only: "
+                                "rebuild it with scripts/build-llama-cpp.sh (draftlab's stream-leaves patch)")
+        logits, hidden = self._score(blocks, last_only, taps)
         return {seq: Scores(rows, hidden.get(seq)) for seq, rows in logits.items()}
 
     def passes(self, lengths: dict[int, int]) -> list[int]:
@@ -151,7 +153,7 @@ class LlamaCppSequences:
     def score(self, blocks: dict[int, Sequence[int]], last_only: bool = False) -> dict[int, torch.Tensor]:
         """Append each sequence's chain of tokens in one decode (split in batches of MAX_BATCH tokens); each
         sequence's logits [n, V] ([1, V] if last_only)."""
-        return self._score(blocks, last_only, ())[0]
+        return self._score({seq: Block.chain(list(tokens)) for seq, tokens in blocks.items()}, last_only, ())[0]
 
     def greedy_chain(self, seq: int, token: int, n: int, row_tokens: torch.Tensor | None) -> list[int] | None:
         """n greedy tokens after `token` in sequence 0, in one call into llama.cpp where libllama holds draftlab's
@@ -192,32 +194,45 @@ class LlamaCppSequences:
             self._starts[seq] = self._lengths[seq]
         return {seq: self._starts[seq] for seq in lengths}
 
-    def _score(self, blocks: dict[int, Sequence[int]], last_only: bool, taps: tuple[int, ...]
+    def _score(self, blocks: dict[int, Block], last_only: bool, taps: tuple[int, ...]
                ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
-        """Chains appended in one decode (split in MAX_BATCH tokens): each sequence's logits [n, V] ([1, V] if
-        last_only), and with `taps` its inputs of those layers [n, len(taps) * D] for every token."""
-        if not blocks or any(not tokens for tokens in blocks.values()):
+        """Blocks appended in one decode (split in MAX_BATCH tokens): each sequence's logits [n, V] in block order
+        ([1, V] for a chain if last_only), and with `taps` its inputs of those layers [n, len(taps) * D]."""
+        if not blocks or any(not block.tokens for block in blocks.values()):
             raise DraftlabError("a block needs at least one token for each sequence it scores")
-        starts = self._begin({seq: len(tokens) for seq, tokens in blocks.items()})
+        starts = self._begin({seq: len(block.tokens) for seq, block in blocks.items()})
         self.taps.set(taps)
-        seqs = [seq for seq, tokens in sorted(blocks.items()) for _ in tokens]  # [rows] each row's sequence
-        tokens = [token for _, block in sorted(blocks.items()) for token in block]
-        positions = [starts[seq] + i for seq, block in sorted(blocks.items()) for i in range(len(block))]
-        wanted = [not last_only or pos == starts[seq] + len(blocks[seq]) - 1 for seq, pos in zip(seqs, positions)]
-        parts = [self._decode(tokens[s:s + MAX_BATCH], positions[s:s + MAX_BATCH],
-                              [[seq] for seq in seqs[s:s + MAX_BATCH]], wanted[s:s + MAX_BATCH])
-                 for s in range(0, len(tokens), MAX_BATCH)]
+        rows = {seq: self._lay_out(seq, block, starts[seq], last_only) for seq, block in sorted(blocks.items())}
+        owners = [seq for seq, laid in rows.items() for _ in laid.tokens]  # [rows] each row's sequence
+        batch = Rows.joined(list(rows.values()))
+        parts = [self._decode(batch.tokens[s:s + MAX_BATCH], batch.positions[s:s + MAX_BATCH],
+                              batch.seqs[s:s + MAX_BATCH], batch.wanted[s:s + MAX_BATCH])
+                 for s in range(0, len(batch.tokens), MAX_BATCH)]
         for seq, block in blocks.items():
-            self._lengths[seq] += len(block)
-        logits = per_sequence(join([part[0] for part in parts]), [seq for seq, out in zip(seqs, wanted) if out])
-        return logits, per_sequence(join([part[1] for part in parts]), seqs) if taps else {}
+            self._lengths[seq] += len(block.tokens)
+        logits = per_sequence(join([part[0] for part in parts]),
+                              [seq for seq, out in zip(owners, batch.wanted) if out])
+        hidden = per_sequence(join([part[1] for part in parts]), owners) if taps else {}
+        return ({seq: rows[seq].in_block_order(x) for seq, x in logits.items()},
+                {seq: rows[seq].in_block_order(x) for seq, x in hidden.items()})
+
+    def _lay_out(self, seq: int, block: Block, start: int, last_only: bool) -> "Rows":
+        """A sequence's rows in the decode: a chain's in order from `start`; a tree's depth first, in its leaves'
+        sequences (given the sequence's cache first), each at `start` + its depth."""
+        if block.is_chain:
+            return Rows.chain(seq, block.tokens, start, last_only)
+        cells = TreeCells.of(block, leaf_ids(seq, self.count, self._ids))
+        for leaf in cells.leaf_seqs:
+            self.lib.llama_memory_seq_cp(self._memory, seq, leaf, -1, -1)
+        self._trees[seq] = cells
+        return cells.laid_out(start)
 
     def prefill_part(self, seq: int, tokens: Sequence[int], final: bool, with_hidden: bool = False,
                      taps: tuple[int, ...] = ()) -> Scores:
         """`prefill`, with the chunk's last row's logits [1, V]."""
         tokens, taps = list(tokens), self._tapping(with_hidden, taps)
         if self.model.repack:  # no twin: llama.cpp's own kernels already
-            logits, hidden = self._score({seq: tokens}, True, taps)
+            logits, hidden = self._score({seq: Block.chain(tokens)}, True, taps)
             return Scores(logits[seq], hidden.get(seq))
         if self._prefiller is None:  # as many sequences as here: llama.cpp copies a sequence between equal layouts
             self._prefiller = LlamaCppSequences(self.model.twin(), self.count, self.n_ctx, self._threads)
@@ -225,27 +240,13 @@ class LlamaCppSequences:
         if self._lengths[seq] or (twin.length(seq) and not self._prefilling[seq]):
             raise DraftlabError(f"sequence {seq} is not empty: a prompt prefills into an empty sequence")
         self._prefilling[seq] = True
-        logits, hidden = twin._score({seq: tokens}, True, taps)
+        logits, hidden = twin._score({seq: Block.chain(tokens)}, True, taps)
         if final:
             self._copy_from(twin, seq)
             self._starts[seq], self._lengths[seq] = 0, twin.length(seq)
             twin.rollback(seq, 0)
             self._prefilling[seq] = False
         return Scores(logits[seq], hidden.get(seq))
-
-    def _score_tree(self, block: Block, taps: tuple[int, ...]) -> Scores:
-        """A tree block in sequence 0 with a sequence per leaf; logits [n, V] (and tapped inputs) in block order."""
-        cells = TreeCells.of(block)
-        start = self._begin({0: len(cells.order)})[0]
-        self.taps.set(taps)
-        for leaf in cells.leaf_seqs:
-            self.lib.llama_memory_seq_cp(self._memory, 0, leaf, -1, -1)
-        logits, hidden = self._decode([block.tokens[i] for i in cells.order], [start + d for d in cells.depths],
-                                      cells.seqs, [True] * len(cells.order))  # [n, V], [n, D'] in batch order
-        self._lengths[0] += len(cells.order)
-        self._tree = cells
-        where = torch.tensor(cells.rows)
-        return Scores(logits[where], None if hidden is None else hidden[where])
 
     def _row_table(self, row_tokens: torch.Tensor) -> np.ndarray:
         """`row_tokens` [V'] as int32 for llama.cpp, converted once per tensor."""
@@ -287,10 +288,10 @@ class LlamaCppSequences:
                           "differently from single rows, so greedy speculative output may differ from plain decoding; "
                           f"reinstall with {INSTALL_HINT.removeprefix('install it with ')}", stacklevel=3)
         params = self.lib.llama_context_default_params()
-        params.n_ctx = self.n_ctx * (1 if self.trees else self.count)
+        params.n_ctx = self.n_ctx * self.count
         params.n_batch = params.n_ubatch = MAX_BATCH
-        params.n_seq_max = MAX_LEAVES if self.trees else self.count
-        params.kv_unified = self.trees  # else a KV stream per sequence: its cells in position order from cell 0
+        params.n_seq_max = self._ids if self.count == 1 else self.count  # a stream each (the patch: their leaves too)
+        params.kv_unified = self.count == 1  # else a KV stream per sequence: its cells in position order from cell 0
         params.n_threads = params.n_threads_batch = self._threads
         params.flash_attn_type = self.lib.LLAMA_FLASH_ATTN_TYPE_DISABLED  # exact rows (above)
         params.no_perf = True
@@ -335,7 +336,7 @@ class SequenceView:
 
     def score_block(self, block: Block, with_hidden: bool = False, last_only: bool = False,
                     taps: tuple[int, ...] = ()) -> Scores:
-        """Append a block (a tree where the backend holds one sequence) in one pass; logits [n, V] ([1, V] if
+        """Append a block (a chain, or a tree where the backend `trees`) in one pass; logits [n, V] ([1, V] if
         last_only), with `with_hidden` the `taps` layers' inputs [n, len(taps) * D] too. A prompt into an empty
         sequence prefills in the backend's chunks, as a served prompt does."""
         if block.is_chain and last_only and self.cache_len == 0 and len(block.tokens) > 1:

@@ -191,8 +191,8 @@ class PerRequest:
     def beside(self, seq: int) -> "PerRequest":
         """Refused: it holds one sequence's state (hidden states, a tree's) and decodes one at a time."""
         raise DraftlabError(f"drafter {self.name} decodes one sequence at a time; draftlab serve runs plain decoding, "
-                            "ngram and suffix drafts, draft models (model:..., layers:...) and EAGLE-3 chains, and on "
-                            "torch token trees and feature drafts")
+                            "ngram and suffix drafts, draft models (model:..., layers:...), EAGLE-3 and token trees "
+                            "of those, and on torch feature drafts")
 
     def state(self) -> dict | None:
         """Nothing learned."""

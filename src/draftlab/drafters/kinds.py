@@ -46,8 +46,12 @@ def reads_target_layers(spec: str) -> bool:
 
 def serves_batched(spec: str) -> bool:
     """Whether a drafter spec's drafts serve several sequences at once (`Drafter.beside`) on either engine: plain
-    decoding, n-gram lookup, suffix decoding's chains, draft models and EAGLE-3 chains, what `draftlab serve` runs
-    (feature drafts and token trees it serves on torch only)."""
+    decoding, n-gram lookup, suffix decoding's chains, draft models, EAGLE-3 chains and token trees of those
+    (`tree:SHAPE:SPEC`; on llama.cpp each request's tree in its KV stream), what `draftlab serve` runs (feature
+    drafts it serves on torch only)."""
+    kind, _, rest = spec.partition(":")
+    if kind == "tree":
+        return serves_batched(rest.partition(":")[2])
     return (is_plain_drafter(spec) or is_lookup(spec) or (learns_across_requests(spec) and "tree" not in spec)
             or is_model_draft(spec) or reads_target_layers(spec))
 
