@@ -29,7 +29,13 @@ def prompts(target):
 
 
 def serve_jobs(served, jobs: list[tuple[list[int], int, float]]) -> list[list[int]]:
-    """Submit (prompt, max tokens, delay after the previous) and wait for every answer's tokens."""
+    """Submit (prompt, max tokens, delay after the previous), greedy, and wait for every answer's tokens."""
+    return serve_configs(served, [(ids, GenerationConfig(max_new_tokens=tokens, eos_token_ids=served.eos_ids), delay)
+                                  for ids, tokens, delay in jobs])
+
+
+def serve_configs(served, jobs: list[tuple[list[int], GenerationConfig, float]]) -> list[list[int]]:
+    """Submit (prompt, its settings, delay after the previous) and wait for every answer's tokens."""
     answers: list[list[int]] = [[] for _ in jobs]
     done = [threading.Event() for _ in jobs]
 
@@ -42,10 +48,9 @@ def serve_jobs(served, jobs: list[tuple[list[int], int, float]]) -> list[list[in
                 done[i].set()
         return emit
 
-    for i, (ids, tokens, delay) in enumerate(jobs):
+    for i, (ids, config, delay) in enumerate(jobs):
         time.sleep(delay)
-        served.scheduler.submit(Job(ids, GenerationConfig(max_new_tokens=tokens, eos_token_ids=served.eos_ids),
-                                    sink(i)))
+        served.scheduler.submit(Job(ids, config, sink(i)))
     assert all(event.wait(120) for event in done)
     return answers
 

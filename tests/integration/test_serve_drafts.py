@@ -13,7 +13,8 @@ import pytest
 from draftlab import compose
 from draftlab.api import SpeculativeDecoder, prompt_ids
 from draftlab.contenders.draftlab_serve import SERVED_NAME, DraftlabServer, ServeConfig
-from draftlab.engine import SpeculativeEngine
+from draftlab.decoding.sampling import SamplingConfig
+from draftlab.engine import GenerationConfig, SpeculativeEngine
 from draftlab.errors import DraftlabError
 from draftlab.files.datasets import load_prompts
 from draftlab.models import load_model
@@ -22,7 +23,7 @@ from draftlab.serving.scheduler import LoadK
 from tests.integration.test_qwen_pair import pytestmark as qwen_marks
 from tests.integration.test_serve import gauge, metrics_text, running_counts
 from tests.required import OPENAI, module_or_skip
-from tests.serve_jobs import TARGET, in_flight_seen, prompts, serve_jobs, target  # noqa: F401 (the fixtures)
+from tests.serve_jobs import TARGET, in_flight_seen, prompts, serve_configs, serve_jobs, target  # noqa: F401
 
 pytestmark = pytest.mark.integration
 TOKENS = 32
@@ -135,6 +136,24 @@ def test_each_draft_stream_is_empty_once_its_request_retires_after_200_requests(
     assert served.metrics.drafted > 0
     if ks == "auto":
         assert served.scheduler.engine.chooser.draft_row_s > 0
+
+
+def test_a_sampled_request_served_with_a_tree_is_the_request_alone(prompts):
+    """Sampled (temperature 0.8, top-k 20, a seed each), 4 requests at once with a 2x2 tree of the EAGLE-3 draft,
+    every tree verified in one decode: each request's tokens are those `draftlab generate` samples alone with its
+    seed, so serving keeps the target's distribution as the engine alone does (tests/test_trees.py)."""
+    sampling, ids = SamplingConfig(0.8, top_k=20), [p[:200] for p in prompts[:4]]
+    decoder = SpeculativeDecoder.from_names(TARGET, drafter="tree:2x2:eagle3", k=3, backend="llamacpp")
+    alone = [decoder.generate(p, max_new_tokens=24, temperature=0.8, top_k=20, seed=7 + i).token_ids
+             for i, p in enumerate(ids)]
+    served = build_served(ServeSettings(TARGET, "tree:2x2:eagle3", LoadK.fixed(3), slots=4, context=2048))
+    served.scheduler.start()
+    try:
+        together = serve_configs(served, [(p, GenerationConfig(24, sampling, seed=7 + i, eos_token_ids=served.eos_ids),
+                                           0.0) for i, p in enumerate(ids)])
+    finally:
+        served.scheduler.stop()
+    assert together == alone and served.metrics.drafted > 0
 
 
 @qwen_skip  # the Qwen pair's: cached, or DRAFTLAB_QWEN=1
