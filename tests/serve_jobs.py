@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import threading
 import time
-from contextlib import contextmanager
 
 import pytest
 
@@ -53,24 +52,3 @@ def serve_configs(served, jobs: list[tuple[list[int], GenerationConfig, float]])
         served.scheduler.submit(Job(ids, config, sink(i)))
     assert all(event.wait(120) for event in done)
     return answers
-
-
-@contextmanager
-def in_flight_seen(served):
-    """The served scheduler's requests in flight, sampled every 10 ms while the block runs (a list, filled as it
-    goes): proof that requests overlapped."""
-    seen: list[int] = []
-    stop = threading.Event()
-
-    def watch() -> None:
-        while not stop.is_set():
-            seen.append(served.metrics.in_flight)
-            time.sleep(0.01)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    try:
-        yield seen
-    finally:
-        stop.set()
-        watcher.join()

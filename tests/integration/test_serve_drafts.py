@@ -23,7 +23,7 @@ from draftlab.serving.scheduler import LoadK
 from tests.integration.test_qwen_pair import pytestmark as qwen_marks
 from tests.integration.test_serve import gauge, metrics_text, running_counts
 from tests.required import OPENAI, module_or_skip
-from tests.serve_jobs import TARGET, in_flight_seen, prompts, serve_configs, serve_jobs, target  # noqa: F401
+from tests.serve_jobs import TARGET, prompts, serve_configs, serve_jobs, target  # noqa: F401 (the fixtures)
 
 pytestmark = pytest.mark.integration
 TOKENS = 32
@@ -157,26 +157,32 @@ def test_a_sampled_request_served_with_a_tree_is_the_request_alone(prompts):
 
 
 @qwen_skip  # the Qwen pair's: cached, or DRAFTLAB_QWEN=1
-@pytest.mark.slow  # ~60 s on an AVX-512 host, ~150 s on an AVX2-only one
-def test_the_qwen_pair_served_decodes_each_request_as_alone():
-    """The seeds' headline pair served: Qwen2.5-Coder 1.5B (pure Q4_0) with its 0.5B draft at K=3, a code prompt
-    alone and 4 at once: every answer is draftlab generate's plain decoding. A fixed K, so the draft drafts on every
-    host (`--k auto` weighs the draft's cost on this host's speed: on an AVX2-only host it decodes plainly)."""
+@pytest.mark.slow  # ~90 s on an AVX-512 host, ~150 s on an AVX2-only one
+def test_a_started_server_with_the_qwen_pair_answers_each_request_as_alone(tmp_path):
+    """The seeds' headline pair served: Qwen2.5-Coder 1.5B (pure Q4_0) with its 0.5B draft at K=3 in a started
+    server, 4 code prompts alone and then 4 at once through the official client: every answer is draftlab generate's
+    plain decoding, and /metrics shows the 4 running together and the draft's tokens accepted. A fixed K, so the draft
+    drafts on every host (`--k auto` weighs the draft's cost on this host's speed: on an AVX2-only host it decodes
+    plainly)."""
+    openai = module_or_skip("openai", OPENAI, "the official openai client is not installed (pip install -e .[test])")
     target = load_model("qwen2.5-coder-1.5b@Q4_0_PURE", backend="llamacpp")
     ids = [prompt_ids(target.tokenizer, p) for p in load_prompts("humaneval", 4)]
     decoder = SpeculativeDecoder.from_names(target, drafter="none", k=1, backend="llamacpp")
     plain = [decoder.generate(p, max_new_tokens=TOKENS, temperature=0).token_ids for p in ids]
-    served = build_served(ServeSettings("qwen2.5-coder-1.5b@Q4_0_PURE", "model:qwen2.5-coder-0.5b", LoadK.fixed(3),
-                                        slots=4, context=2048))
-    served.scheduler.start()
-    try:
-        alone = serve_jobs(served, [(ids[0], TOKENS, 0.0)])
-        with in_flight_seen(served) as in_flight:
-            together = serve_jobs(served, [(p, TOKENS, 0.0) for p in ids])
-    finally:
-        served.scheduler.stop()
-    assert alone == plain[:1] and together == plain and max(in_flight) == 4  # the 4 decoded together
-    assert served.metrics.drafted > 0 and served.metrics.accepted > 0
+    config = ServeConfig("qwen2.5-coder-1.5b@Q4_0_PURE", "model:qwen2.5-coder-0.5b", "1:3", slots=4, context=2048)
+    with DraftlabServer(config, tmp_path) as server:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none", max_retries=0)
+
+        def ask(prompt: list[int]) -> list[int]:
+            return client.completions.create(model=SERVED_NAME, prompt=prompt, max_tokens=TOKENS, temperature=0,
+                                             extra_body={"return_token_ids": True}).choices[0].token_ids
+
+        alone = [ask(p) for p in ids]
+        with running_counts(server) as running, ThreadPoolExecutor(4) as pool:
+            together = list(pool.map(ask, ids))
+        text = metrics_text(server)
+    assert alone == plain and together == plain and max(running) == 4  # the 4 decoded together
+    assert gauge(text, "spec_decode_num_draft_tokens_total") > 0 and gauge(text, "spec_decode_num_accepted_tokens_total") > 0
 
 
 @pytest.mark.slow  # torch's exact route on the CPU: ~40 s
