@@ -47,15 +47,15 @@ class TreeCells:
     tokens: list[int]  # [n] the block's tokens in block order
 
     @classmethod
-    def of(cls, block: Block, leaf_ids: list[int]) -> "TreeCells":
-        """The layout of `block`, its leaves in the sequences `leaf_ids` (a one-line error for more leaves)."""
+    def of(cls, block: Block, sequences: list[int]) -> "TreeCells":
+        """The layout of `block`, its leaves in `sequences` (`leaf_ids`; a one-line error for more leaves)."""
         layout = block.layout()
         order = dfs_order(block.parents, layout.children)
         leaves = [i for i in order if not layout.children[i]]
-        if len(leaves) > len(leaf_ids):
-            raise DraftlabError(f"a token tree on llama.cpp may have at most {len(leaf_ids)} leaves here, got "
+        if len(leaves) > len(sequences):
+            raise DraftlabError(f"a token tree on llama.cpp may have at most {len(sequences)} leaves here, got "
                                 f"{len(leaves)}")
-        seq_of_leaf = dict(zip(leaves, leaf_ids))
+        seq_of_leaf = dict(zip(leaves, sequences))
         below = leaves_below(layout.children, order)
         depths = layout.depths.tolist()
         return cls(order, [[seq_of_leaf[leaf] for leaf in below[i]] for i in order], [depths[i] for i in order],
